@@ -1,0 +1,184 @@
+// c2f — a mask pair (attention mask + key padding mask) checked against one problem's sizes, with
+// the two ways kernels read it: element by element (reference kernels) and block by block (fast ones).
+#pragma once
+
+#include "c2f/mask.hpp"
+
+#include <limits>
+
+namespace c2f {
+namespace detail {
+
+/// What a block of (query, key) pairs needs from the mask.
+enum class BlockMask {
+  Skip,     ///< every pair is masked: the block contributes nothing
+  Clear,    ///< no pair is masked and nothing is added: use the scores as they are
+  Partial,  ///< apply the mask to the block
+};
+
+template <class Scalar>
+class MaskPlan {
+ public:
+  static constexpr Scalar kMasked = -std::numeric_limits<Scalar>::infinity();
+
+  /// No mask at all.
+  MaskPlan() = default;
+
+  /// Checks both masks against [batch, heads, queries, keys]; throws std::invalid_argument naming the
+  /// expected and the given shape. The masks must outlive the plan.
+  MaskPlan(const AttnMask<Scalar>& attn, const KeyPaddingMask<Scalar>& padding, Index batch, Index heads,
+           Index queries, Index keys)
+      : attn_(attn.is_none() ? nullptr : &attn),
+        pad_(padding.is_none() ? nullptr : &padding),
+        batch_(batch),
+        heads_(heads),
+        queries_(queries),
+        keys_(keys) {
+    if (attn_ && attn.kind() != MaskKind::Causal) {
+      const std::array<Index, 3>& d = attn.dims();
+      const bool n_ok = d[0] == 1 || d[0] == batch || d[0] == batch * heads;
+      if (!n_ok || d[1] != queries || d[2] != keys) {
+        fail("attention mask must be [queries, keys] = ", shape_string({queries, keys}),
+             " or [n, queries, keys] with n = 1, batch (", batch, ") or batch*heads (", batch * heads,
+             "), got ", d[0] == 1 ? shape_string({d[1], d[2]}) : shape_string({d[0], d[1], d[2]}));
+      }
+    }
+    if (pad_) {
+      const std::array<Index, 2>& d = padding.dims();
+      if (padding.kind() == MaskKind::Lengths) {
+        if (d[0] != batch) fail("key padding lengths must have one entry per batch (", batch, "), got ", d[0]);
+        for (Index len : padding.valid_lengths()) {
+          if (len < 0 || len > keys) fail("key padding length ", len, " is outside [0, ", keys, "]");
+        }
+      } else if (d[0] != batch || d[1] != keys) {
+        fail("key padding mask must be [batch, keys] = ", shape_string({batch, keys}), ", got ",
+             shape_string({d[0], d[1]}));
+      }
+    }
+  }
+
+  bool empty() const { return attn_ == nullptr && pad_ == nullptr; }
+
+  /// What is added to score (b, h, i, j): 0, an additive value, or -inf when masked.
+  Scalar bias(Index b, Index h, Index i, Index j) const {
+    Scalar out = Scalar(0);
+    if (attn_) {
+      switch (attn_->kind()) {
+        case MaskKind::Causal:
+          if (j > i) return kMasked;
+          break;
+        case MaskKind::Additive: out += attn_->additive_values()[attn_index(b, h, i, j)]; break;
+        default:
+          if (!attn_->keep_flags()[attn_index(b, h, i, j)]) return kMasked;
+      }
+    }
+    if (pad_) {
+      switch (pad_->kind()) {
+        case MaskKind::Lengths:
+          if (j >= pad_->valid_lengths()[static_cast<std::size_t>(b)]) return kMasked;
+          break;
+        case MaskKind::Additive: out += pad_->additive_values()[pad_index(b, j)]; break;
+        default:
+          if (!pad_->keep_flags()[pad_index(b, j)]) return kMasked;
+      }
+    }
+    return out;
+  }
+
+  /// Classifies the block of queries [i0, i0+ni) × keys [j0, j0+nj) of (b, h).
+  BlockMask classify(Index b, Index i0, Index ni, Index j0, Index nj) const {
+    BlockMask out = BlockMask::Clear;
+    if (attn_) {
+      if (attn_->kind() == MaskKind::Causal) {
+        if (j0 > i0 + ni - 1) return BlockMask::Skip;
+        if (j0 + nj - 1 > i0) out = BlockMask::Partial;
+      } else {
+        out = BlockMask::Partial;
+      }
+    }
+    if (pad_) {
+      if (pad_->kind() == MaskKind::Lengths) {
+        const Index len = pad_->valid_lengths()[static_cast<std::size_t>(b)];
+        if (j0 >= len) return BlockMask::Skip;
+        if (j0 + nj > len) out = BlockMask::Partial;
+      } else {
+        out = BlockMask::Partial;
+      }
+    }
+    return out;
+  }
+
+  /// Adds the mask to the score block S = scores[b, h, i0:i0+rows, j0:j0+cols] in place.
+  template <class Derived>
+  void apply(Index b, Index h, Index i0, Index j0, Eigen::MatrixBase<Derived>& S) const {
+    const Index rows = S.rows();
+    const Index cols = S.cols();
+    if (attn_) {
+      switch (attn_->kind()) {
+        case MaskKind::Causal:
+          for (Index r = 0; r < rows; ++r) {
+            const Index first = std::max<Index>(0, i0 + r + 1 - j0);
+            for (Index c = first; c < cols; ++c) S(r, c) = kMasked;
+          }
+          break;
+        case MaskKind::Additive:
+          for (Index r = 0; r < rows; ++r) {
+            const Scalar* add = attn_->additive_values().data() + attn_index(b, h, i0 + r, j0);
+            for (Index c = 0; c < cols; ++c) S(r, c) += add[c];
+          }
+          break;
+        default:
+          for (Index r = 0; r < rows; ++r) {
+            const std::uint8_t* keep = attn_->keep_flags().data() + attn_index(b, h, i0 + r, j0);
+            for (Index c = 0; c < cols; ++c) {
+              if (!keep[c]) S(r, c) = kMasked;
+            }
+          }
+      }
+    }
+    if (pad_) {
+      switch (pad_->kind()) {
+        case MaskKind::Lengths: {
+          const Index first = std::max<Index>(0, pad_->valid_lengths()[static_cast<std::size_t>(b)] - j0);
+          for (Index r = 0; r < rows; ++r) {
+            for (Index c = first; c < cols; ++c) S(r, c) = kMasked;
+          }
+          break;
+        }
+        case MaskKind::Additive: {
+          const Scalar* add = pad_->additive_values().data() + pad_index(b, j0);
+          for (Index r = 0; r < rows; ++r) {
+            for (Index c = 0; c < cols; ++c) S(r, c) += add[c];
+          }
+          break;
+        }
+        default: {
+          const std::uint8_t* keep = pad_->keep_flags().data() + pad_index(b, j0);
+          for (Index r = 0; r < rows; ++r) {
+            for (Index c = 0; c < cols; ++c) {
+              if (!keep[c]) S(r, c) = kMasked;
+            }
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  std::size_t attn_index(Index b, Index h, Index i, Index j) const {
+    const Index n = attn_->dims()[0];
+    const Index slice = n == 1 ? 0 : (n == batch_ * heads_ ? b * heads_ + h : b);
+    return static_cast<std::size_t>((slice * queries_ + i) * keys_ + j);
+  }
+  std::size_t pad_index(Index b, Index j) const { return static_cast<std::size_t>(b * keys_ + j); }
+
+  const AttnMask<Scalar>* attn_ = nullptr;
+  const KeyPaddingMask<Scalar>* pad_ = nullptr;
+  Index batch_ = 0;
+  Index heads_ = 0;
+  Index queries_ = 0;
+  Index keys_ = 0;
+};
+
+}  // namespace detail
+}  // namespace c2f

@@ -1,0 +1,73 @@
+// c2f — deterministic, portable random numbers for parameter initialisation.
+//
+// std::uniform_real_distribution and std::normal_distribution are implementation-defined, so the
+// same seed would give different weights with libstdc++ and libc++. These are fixed formulas.
+#pragma once
+
+#include "c2f/core.hpp"
+
+#include <cmath>
+#include <cstdint>
+
+namespace c2f {
+namespace detail {
+
+/// SplitMix64: a tiny, well-tested 64-bit generator (Steele, Lea & Flood, 2014).
+class Rng {
+ public:
+  explicit Rng(std::uint64_t seed) : state_(seed) {}
+
+  std::uint64_t next_u64() {
+    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  /// Uniform in [0, 1) with 53 random bits.
+  double uniform01() { return static_cast<double>(next_u64() >> 11) * 0x1.0p-53; }
+  double uniform(double lo, double hi) { return lo + (hi - lo) * uniform01(); }
+  /// Standard normal by Box–Muller (one value per call; the pair's second half is dropped).
+  double normal() {
+    const double u1 = 1.0 - uniform01();  // (0, 1]
+    const double u2 = uniform01();
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
+template <class Derived>
+void fill_uniform(Eigen::MatrixBase<Derived>& m, Rng& rng, double bound) {
+  for (Index i = 0; i < m.rows(); ++i) {
+    for (Index j = 0; j < m.cols(); ++j) m(i, j) = static_cast<typename Derived::Scalar>(rng.uniform(-bound, bound));
+  }
+}
+
+template <class Derived>
+void fill_normal(Eigen::MatrixBase<Derived>& m, Rng& rng, double stddev) {
+  for (Index i = 0; i < m.rows(); ++i) {
+    for (Index j = 0; j < m.cols(); ++j) m(i, j) = static_cast<typename Derived::Scalar>(stddev * rng.normal());
+  }
+}
+
+/// torch.nn.init.xavier_uniform_ on a [fan_out, fan_in] weight: U(±sqrt(6 / (fan_in + fan_out))).
+template <class Derived>
+void xavier_uniform(Eigen::MatrixBase<Derived>& w, Rng& rng) {
+  fill_uniform(w, rng, std::sqrt(6.0 / static_cast<double>(w.rows() + w.cols())));
+}
+
+/// torch.nn.Linear's default weight init (kaiming_uniform_ with a = sqrt(5)): U(±1/sqrt(fan_in)).
+template <class Derived>
+void linear_default_uniform(Eigen::MatrixBase<Derived>& w, Rng& rng) {
+  fill_uniform(w, rng, 1.0 / std::sqrt(static_cast<double>(std::max<Index>(1, w.cols()))));
+}
+
+/// torch.nn.init.kaiming_normal_(mode='fan_out', nonlinearity='leaky_relu', a=0): N(0, 2 / fan_out).
+template <class Derived>
+void kaiming_normal_fan_out(Eigen::MatrixBase<Derived>& w, Rng& rng) {
+  fill_normal(w, rng, std::sqrt(2.0 / static_cast<double>(std::max<Index>(1, w.rows()))));
+}
+
+}  // namespace detail
+}  // namespace c2f

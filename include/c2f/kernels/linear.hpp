@@ -1,0 +1,58 @@
+// c2f kernels — affine maps on row blocks: y = x Wᵀ + b (torch.nn.Linear), fast and naive.
+#pragma once
+
+#include "c2f/core.hpp"
+#include "c2f/detail/parallel.hpp"
+
+namespace c2f {
+namespace detail {
+template <class X, class W, class Y>
+void check_linear_shapes(const X& x, const W& w, const Y& y) {
+  if (x.cols() != w.cols() || y.rows() != x.rows() || y.cols() != w.rows()) {
+    fail("linear: x ", shape_string({x.rows(), x.cols()}), ", weight ", shape_string({w.rows(), w.cols()}),
+         " and y ", shape_string({y.rows(), y.cols()}), " do not fit y = x weightᵀ");
+  }
+}
+}  // namespace detail
+
+namespace kernels {
+
+/// Rows per task of linear(). Fixed (not derived from the thread count) so that each row's
+/// arithmetic, and hence every output bit, is the same for any number of threads.
+constexpr Index kLinearRowChunk = 128;
+
+/// y = x · wᵀ + bias for x [n, in], w [out, in] (PyTorch's Linear.weight layout), bias [out] or
+/// nullptr, y [n, out]. Row chunks run in parallel on `num_threads` threads (0 = all).
+template <class Scalar>
+void linear(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const RowMatrix<Scalar>>& w,
+            const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
+  detail::check_linear_shapes(x, w, y);
+  const Index n = x.rows();
+  const Index chunks = (n + kLinearRowChunk - 1) / kLinearRowChunk;
+  detail::parallel_for(chunks, num_threads, [&](Index c, int) {
+    const Index r0 = c * kLinearRowChunk;
+    const Index rows = std::min(kLinearRowChunk, n - r0);
+    typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr out = y.middleRows(r0, rows);
+    out.noalias() = x.middleRows(r0, rows) * w.transpose();
+    if (bias != nullptr) {
+      out.rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(bias, w.rows());
+    }
+  });
+}
+
+/// Reference twin of linear(): one dot product per output element, in index order.
+template <class Scalar>
+void linear_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const RowMatrix<Scalar>>& w,
+                  const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y) {
+  detail::check_linear_shapes(x, w, y);
+  for (Index i = 0; i < x.rows(); ++i) {
+    for (Index o = 0; o < w.rows(); ++o) {
+      Scalar acc = bias != nullptr ? bias[o] : Scalar(0);
+      for (Index k = 0; k < x.cols(); ++k) acc += x(i, k) * w(o, k);
+      y(i, o) = acc;
+    }
+  }
+}
+
+}  // namespace kernels
+}  // namespace c2f

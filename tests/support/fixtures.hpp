@@ -1,0 +1,44 @@
+// Access to the PyTorch reference fixtures under tests/data (written by tests/reference/generate.py).
+#pragma once
+
+#include "c2f/io/safetensors.hpp"
+#include "c2f/mask.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace c2f_test {
+
+inline std::string data_path(const std::string& relative) { return std::string(C2F_TEST_DATA_DIR) + "/" + relative; }
+
+/// Cases listed in tests/data/<family>/manifest.json.
+inline std::vector<nlohmann::json> manifest_cases(const std::string& family) {
+  std::ifstream in(data_path(family + "/manifest.json"));
+  if (!in) throw std::runtime_error("cannot open " + data_path(family + "/manifest.json"));
+  const nlohmann::json manifest = nlohmann::json::parse(in);
+  return manifest.at("cases").get<std::vector<nlohmann::json>>();
+}
+
+inline c2f::Index meta_index(const c2f::StateDict& sd, const std::string& key) {
+  return static_cast<c2f::Index>(std::stoll(sd.metadata().at(key)));
+}
+
+template <class Scalar>
+c2f::Tensor3<Scalar> tensor3(const c2f::StateDict& sd, const std::string& name) {
+  const c2f::TensorData& t = sd.at(name);
+  if (t.shape().size() != 3) throw std::runtime_error(name + " is not 3-D");
+  c2f::Tensor3<Scalar> out(t.shape()[0], t.shape()[1], t.shape()[2]);
+  t.copy_to(out.data());
+  return out;
+}
+
+/// Any-rank tensor as a flat vector plus its shape.
+template <class Scalar>
+std::vector<Scalar> values(const c2f::StateDict& sd, const std::string& name) {
+  return sd.at(name).to_vector<Scalar>();
+}
+
+}  // namespace c2f_test

@@ -1,0 +1,339 @@
+// Fast kernels against their naive twins on random shapes (awkward sizes included), thread-count
+// bit identity, and the masking edge cases every attention kernel must get right.
+#include "support/eigen_assert_throws.hpp"
+
+#include "c2f/kernels/linear.hpp"
+#include "c2f/kernels/sdpa.hpp"
+#include "support/random.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+namespace {
+
+using c2f::Index;
+using c2f::RowMatrix;
+using c2f_test::TestRng;
+
+template <class Scalar>
+double tolerance() {
+  return std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
+}
+
+// Sizes that stress block edges: 1, primes, and one either side of the block sizes used below.
+const std::vector<Index> kAwkward = {1, 2, 3, 7, 13, 31, 32, 33, 37, 63, 64, 65, 97, 127, 128, 129, 257};
+
+template <class Scalar>
+void expect_close(const RowMatrix<Scalar>& got, const RowMatrix<Scalar>& want, double atol, double rtol,
+                  const std::string& what) {
+  ASSERT_EQ(got.rows(), want.rows()) << what;
+  ASSERT_EQ(got.cols(), want.cols()) << what;
+  for (Index i = 0; i < got.rows(); ++i) {
+    for (Index j = 0; j < got.cols(); ++j) {
+      const double g = got(i, j), w = want(i, j);
+      ASSERT_LE(std::abs(g - w), atol + rtol * std::abs(w)) << what << " at (" << i << ", " << j << "): got " << g
+                                                           << ", want " << w;
+    }
+  }
+}
+
+template <class Scalar>
+bool bitwise_equal(const RowMatrix<Scalar>& a, const RowMatrix<Scalar>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::memcmp(a.data(), b.data(), sizeof(Scalar) * static_cast<std::size_t>(a.size())) == 0;
+}
+
+template <class T>
+class KernelTest : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(KernelTest, Scalars);
+
+TYPED_TEST(KernelTest, LinearMatchesNaiveOnAwkwardShapes) {
+  using Scalar = TypeParam;
+  TestRng rng(1);
+  for (int rep = 0; rep < 30; ++rep) {
+    const Index n = rng.pick(kAwkward) + (rep % 3 == 0 ? c2f::kernels::kLinearRowChunk : 0);
+    const Index in = rng.pick(kAwkward), out = rng.pick(kAwkward);
+    const bool with_bias = rng.coin();
+    const RowMatrix<Scalar> x = rng.matrix<Scalar>(n, in), w = rng.matrix<Scalar>(out, in);
+    const c2f::Vector<Scalar> b = rng.matrix<Scalar>(out, 1);
+    RowMatrix<Scalar> fast(n, out), naive(n, out), fast2(n, out);
+    c2f::kernels::linear<Scalar>(x, w, with_bias ? b.data() : nullptr, fast, 1);
+    c2f::kernels::linear<Scalar>(x, w, with_bias ? b.data() : nullptr, fast2, 2);
+    c2f::kernels::linear_naive<Scalar>(x, w, with_bias ? b.data() : nullptr, naive);
+    std::ostringstream what;
+    what << "linear n=" << n << " in=" << in << " out=" << out << " bias=" << with_bias;
+    expect_close(fast, naive, tolerance<Scalar>() * std::sqrt(double(in)), tolerance<Scalar>(), what.str());
+    EXPECT_TRUE(bitwise_equal(fast, fast2)) << what.str() << ": 1 and 2 threads differ";
+  }
+}
+
+TYPED_TEST(KernelTest, LinearRejectsMismatchedShapes) {
+  using Scalar = TypeParam;
+  RowMatrix<Scalar> x(4, 3), w(5, 2), y(4, 5);
+  x.setOnes();
+  w.setOnes();
+  EXPECT_THROW(c2f::kernels::linear<Scalar>(x, w, nullptr, y, 1), std::invalid_argument);
+}
+
+// One random attention problem: q/k/v in [batch·seq, heads·dim] matrices, and a random mask pair.
+template <class Scalar>
+struct Problem {
+  Index batch, heads, lq, lk, dk, dv;
+  RowMatrix<Scalar> q, k, v;
+  c2f::AttnMask<Scalar> attn;
+  c2f::KeyPaddingMask<Scalar> pad;
+  std::string description;
+
+  c2f::kernels::HeadsView<const Scalar> qv() const { return view(q, lq, dk); }
+  c2f::kernels::HeadsView<const Scalar> kv() const { return view(k, lk, dk); }
+  c2f::kernels::HeadsView<const Scalar> vv() const { return view(v, lk, dv); }
+  c2f::kernels::HeadsView<const Scalar> view(const RowMatrix<Scalar>& m, Index seq, Index dim) const {
+    return c2f::kernels::heads_view<const Scalar>(m.data(), batch, seq, heads * dim, 0, heads, dim);
+  }
+  c2f::kernels::HeadsView<Scalar> out_view(RowMatrix<Scalar>& m) const {
+    return c2f::kernels::heads_view<Scalar>(m.data(), batch, lq, heads * dv, 0, heads, dv);
+  }
+};
+
+template <class Scalar>
+Problem<Scalar> random_problem(TestRng& rng, int rep) {
+  Problem<Scalar> p;
+  p.batch = rng.uniform_int(1, 3);
+  p.heads = rng.uniform_int(1, 3);
+  p.lq = rng.pick(kAwkward);
+  p.lk = rng.coin(0.3) ? p.lq : rng.pick(kAwkward);
+  p.dk = rng.pick(std::vector<Index>{1, 3, 8, 16});
+  p.dv = rng.coin() ? p.dk : rng.pick(std::vector<Index>{1, 5, 8});
+  p.q = rng.matrix<Scalar>(p.batch * p.lq, p.heads * p.dk, 2.0);
+  p.k = rng.matrix<Scalar>(p.batch * p.lk, p.heads * p.dk, 2.0);
+  p.v = rng.matrix<Scalar>(p.batch * p.lk, p.heads * p.dv);
+  std::ostringstream d;
+  d << "rep " << rep << ": batch=" << p.batch << " heads=" << p.heads << " lq=" << p.lq << " lk=" << p.lk
+    << " dk=" << p.dk << " dv=" << p.dv;
+  const int attn_kind = static_cast<int>(rng.uniform_int(0, 4));
+  const Index n = rng.pick(std::vector<Index>{1, p.batch, p.batch * p.heads});
+  if (attn_kind == 1) {
+    p.attn = c2f::AttnMask<Scalar>::causal();
+    d << " mask=causal";
+  } else if (attn_kind == 2 || attn_kind == 3) {
+    c2f::BoolTensor3 m(n, p.lq, p.lk);
+    const double density = rng.uniform(0.05, 0.95);
+    for (Index i = 0; i < m.size(); ++i) m.data()[i] = rng.coin(density);
+    p.attn = attn_kind == 2 ? c2f::AttnMask<Scalar>::keep(m) : c2f::AttnMask<Scalar>::ignore(m);
+    d << (attn_kind == 2 ? " mask=keep" : " mask=ignore") << "[n=" << n << "] density=" << density;
+  } else if (attn_kind == 4) {
+    c2f::Tensor3<Scalar> m(n, p.lq, p.lk);
+    for (Index i = 0; i < m.size(); ++i) {
+      m.data()[i] = rng.coin(0.2) ? -std::numeric_limits<Scalar>::infinity() : static_cast<Scalar>(rng.normal());
+    }
+    p.attn = c2f::AttnMask<Scalar>::additive(m);
+    d << " mask=additive[n=" << n << "]";
+  }
+  const int pad_kind = static_cast<int>(rng.uniform_int(0, 3));
+  if (pad_kind == 1) {
+    std::vector<Index> lengths;
+    for (Index b = 0; b < p.batch; ++b) lengths.push_back(rng.uniform_int(0, p.lk));
+    p.pad = c2f::KeyPaddingMask<Scalar>::lengths(lengths);
+    d << " pad=lengths";
+  } else if (pad_kind == 2) {
+    c2f::BoolTensor2 m(p.batch, p.lk);
+    for (Index i = 0; i < m.size(); ++i) m.data()[i] = rng.coin(0.3);
+    p.pad = c2f::KeyPaddingMask<Scalar>::ignore(m);
+    d << " pad=ignore";
+  } else if (pad_kind == 3) {
+    Eigen::Tensor<Scalar, 2, Eigen::RowMajor> m(p.batch, p.lk);
+    for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<Scalar>(rng.normal());
+    p.pad = c2f::KeyPaddingMask<Scalar>::additive(m);
+    d << " pad=additive";
+  }
+  p.description = d.str();
+  return p;
+}
+
+TYPED_TEST(KernelTest, StreamingMatchesNaiveOnRandomShapes) {
+  using Scalar = TypeParam;
+  TestRng rng(2);
+  constexpr int kShapes = 60;
+  for (int rep = 0; rep < kShapes; ++rep) {
+    const Problem<Scalar> p = random_problem<Scalar>(rng, rep);
+    c2f::kernels::SdpaOptions opt;
+    opt.query_block = rng.pick(std::vector<Index>{1, 7, 16, 64});
+    opt.key_block = rng.pick(std::vector<Index>{1, 5, 32, 64, 300});
+    opt.num_threads = 1;
+    const c2f::detail::MaskPlan<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+    RowMatrix<Scalar> naive(p.batch * p.lq, p.heads * p.dv), fast(p.batch * p.lq, p.heads * p.dv);
+    c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, opt);
+    c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, opt);
+    std::ostringstream what;
+    what << p.description << " query_block=" << opt.query_block << " key_block=" << opt.key_block;
+    SCOPED_TRACE(what.str());
+    ASSERT_TRUE(fast.allFinite());
+    expect_close(fast, naive, tolerance<Scalar>(), tolerance<Scalar>(), what.str());
+  }
+}
+
+TYPED_TEST(KernelTest, OutputBitsDoNotDependOnThreadCount) {
+  using Scalar = TypeParam;
+  TestRng rng(3);
+  for (int rep = 0; rep < 10; ++rep) {
+    const Problem<Scalar> p = random_problem<Scalar>(rng, rep);
+    const c2f::detail::MaskPlan<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+    c2f::kernels::SdpaOptions opt;
+    opt.query_block = 16;
+    opt.key_block = 32;
+    RowMatrix<Scalar> outs[2][2];
+    for (int threads = 1; threads <= 2; ++threads) {
+      opt.num_threads = threads;
+      for (RowMatrix<Scalar>& o : outs[threads - 1]) o.resize(p.batch * p.lq, p.heads * p.dv);
+      c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][0]), plan, opt);
+      c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][1]), plan, opt);
+    }
+    EXPECT_TRUE(bitwise_equal(outs[0][0], outs[1][0])) << p.description << ": streaming kernel";
+    EXPECT_TRUE(bitwise_equal(outs[0][1], outs[1][1])) << p.description << ": naive kernel";
+  }
+}
+
+// A query row whose every key is masked outputs zeros (and zero weights) in both kernels; the other
+// rows are unaffected.
+TYPED_TEST(KernelTest, FullyMaskedRowsGiveZeros) {
+  using Scalar = TypeParam;
+  TestRng rng(4);
+  Problem<Scalar> p;
+  p.batch = 2, p.heads = 2, p.lq = 9, p.lk = 70, p.dk = 4, p.dv = 4;
+  p.q = rng.matrix<Scalar>(p.batch * p.lq, p.heads * p.dk);
+  p.k = rng.matrix<Scalar>(p.batch * p.lk, p.heads * p.dk);
+  p.v = rng.matrix<Scalar>(p.batch * p.lk, p.heads * p.dv);
+  c2f::BoolTensor2 keep(p.lq, p.lk);
+  keep.setConstant(true);
+  for (Index j = 0; j < p.lk; ++j) keep(3, j) = false;  // row 3: nothing visible
+  p.attn = c2f::AttnMask<Scalar>::keep(keep);
+  p.pad = c2f::KeyPaddingMask<Scalar>::lengths({p.lk, 0});  // batch 1: no key at all
+  const c2f::detail::MaskPlan<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+  c2f::kernels::SdpaOptions opt;
+  opt.key_block = 16;
+  RowMatrix<Scalar> naive(p.batch * p.lq, p.heads * p.dv), fast(p.batch * p.lq, p.heads * p.dv);
+  c2f::Tensor4<Scalar> weights(p.batch, p.heads, p.lq, p.lk);
+  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, opt, weights.data());
+  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, opt);
+  for (Index b = 0; b < p.batch; ++b) {
+    for (Index i = 0; i < p.lq; ++i) {
+      const bool empty_row = b == 1 || i == 3;
+      const Index r = b * p.lq + i;
+      EXPECT_EQ(empty_row, fast.row(r).isZero(0)) << "batch " << b << " row " << i;
+      EXPECT_EQ(empty_row, naive.row(r).isZero(0)) << "batch " << b << " row " << i;
+      for (Index h = 0; h < p.heads; ++h) {
+        Scalar sum = 0;
+        for (Index j = 0; j < p.lk; ++j) sum += weights(b, h, i, j);
+        EXPECT_NEAR(sum, empty_row ? 0.0 : 1.0, 1e-6);
+      }
+    }
+  }
+  expect_close(fast, naive, tolerance<Scalar>(), tolerance<Scalar>(), "fully masked rows");
+}
+
+// PyTorch issue #127055: a chunked kernel returned NaN when a whole key block was masked though the
+// row had visible keys in other blocks. Banded -inf mask: each row sees only a window of keys.
+TYPED_TEST(KernelTest, WholeMaskedKeyBlockStaysFinite) {
+  using Scalar = TypeParam;
+  TestRng rng(5);
+  Problem<Scalar> p;
+  p.batch = 1, p.heads = 2, p.lq = 100, p.lk = 100, p.dk = 8, p.dv = 8;
+  p.q = rng.matrix<Scalar>(p.lq, p.heads * p.dk);
+  p.k = rng.matrix<Scalar>(p.lk, p.heads * p.dk);
+  p.v = rng.matrix<Scalar>(p.lk, p.heads * p.dv);
+  Eigen::Tensor<Scalar, 2, Eigen::RowMajor> band(p.lq, p.lk);
+  for (Index i = 0; i < p.lq; ++i) {
+    for (Index j = 0; j < p.lk; ++j) {
+      band(i, j) = std::abs(i - j) <= 3 ? Scalar(0) : -std::numeric_limits<Scalar>::infinity();
+    }
+  }
+  p.attn = c2f::AttnMask<Scalar>::additive(band);
+  const c2f::detail::MaskPlan<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+  c2f::kernels::SdpaOptions opt;
+  opt.query_block = 8;
+  opt.key_block = 8;
+  RowMatrix<Scalar> naive(p.lq, p.heads * p.dv), fast(p.lq, p.heads * p.dv);
+  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, opt);
+  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, opt);
+  ASSERT_TRUE(fast.allFinite());
+  ASSERT_FALSE(fast.isZero(0));
+  expect_close(fast, naive, tolerance<Scalar>(), tolerance<Scalar>(), "banded mask");
+}
+
+// Logits of about ±1e4 must not overflow the softmax; the result equals the naive kernel's.
+TYPED_TEST(KernelTest, LargeLogitsStayFinite) {
+  using Scalar = TypeParam;
+  TestRng rng(6);
+  Problem<Scalar> p;
+  p.batch = 1, p.heads = 1, p.lq = 20, p.lk = 50, p.dk = 4, p.dv = 3;
+  p.q = rng.matrix<Scalar>(p.lq, p.dk, 60.0);
+  p.k = rng.matrix<Scalar>(p.lk, p.dk, 60.0);
+  p.v = rng.matrix<Scalar>(p.lk, p.dv);
+  const c2f::detail::MaskPlan<Scalar> plan;
+  c2f::kernels::SdpaOptions opt;
+  opt.key_block = 7;
+  RowMatrix<Scalar> naive(p.lq, p.dv), fast(p.lq, p.dv);
+  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, opt);
+  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, opt);
+  const Scalar max_logit = (p.q * p.k.transpose()).cwiseAbs().maxCoeff() / Scalar(2);
+  EXPECT_GT(max_logit, Scalar(1000));
+  ASSERT_TRUE(fast.allFinite());
+  expect_close(fast, naive, 1e-4, 1e-4, "large logits");
+}
+
+// A NaN in an unmasked input must reach the output, not be hidden as a "masked" row.
+TYPED_TEST(KernelTest, NanInVisibleInputPropagates) {
+  using Scalar = TypeParam;
+  TestRng rng(7);
+  Problem<Scalar> p;
+  p.batch = 1, p.heads = 1, p.lq = 4, p.lk = 10, p.dk = 4, p.dv = 2;
+  p.q = rng.matrix<Scalar>(p.lq, p.dk);
+  p.k = rng.matrix<Scalar>(p.lk, p.dk);
+  p.v = rng.matrix<Scalar>(p.lk, p.dv);
+  p.q(2, 1) = std::numeric_limits<Scalar>::quiet_NaN();
+  const c2f::detail::MaskPlan<Scalar> plan;
+  c2f::kernels::SdpaOptions opt;
+  opt.key_block = 3;
+  RowMatrix<Scalar> naive(p.lq, p.dv), fast(p.lq, p.dv);
+  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, opt);
+  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, opt);
+  for (Index i = 0; i < p.lq; ++i) {
+    EXPECT_EQ(i == 2, std::isnan(fast(i, 0))) << "row " << i;
+    EXPECT_EQ(i == 2, std::isnan(naive(i, 0))) << "row " << i;
+  }
+}
+
+TYPED_TEST(KernelTest, MaskShapeErrorsNameBothShapes) {
+  using Scalar = TypeParam;
+  c2f::BoolTensor2 m(5, 6);
+  m.setConstant(true);
+  const c2f::AttnMask<Scalar> attn = c2f::AttnMask<Scalar>::keep(m);
+  const c2f::KeyPaddingMask<Scalar> none;
+  try {
+    c2f::detail::MaskPlan<Scalar> plan(attn, none, 2, 4, 5, 7);
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[5, 7]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[5, 6]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((c2f::detail::MaskPlan<Scalar>(c2f::AttnMask<Scalar>(), c2f::KeyPaddingMask<Scalar>::lengths({3, 8}),
+                                              2, 1, 5, 7)),
+               std::invalid_argument);  // length 8 > 7 keys
+  EXPECT_THROW((c2f::detail::MaskPlan<Scalar>(c2f::AttnMask<Scalar>(), c2f::KeyPaddingMask<Scalar>::lengths({3}),
+                                              2, 1, 5, 7)),
+               std::invalid_argument);  // one length for two batches
+}
+
+TEST(KernelWorkspace, StreamingScratchDoesNotGrowWithSequenceLength) {
+  c2f::kernels::SdpaOptions opt;
+  const std::size_t bytes = c2f::kernels::sdpa_streaming_workspace_bytes<float>(opt, 64, 64);
+  // query_block·dk + query_block·key_block + query_block·dv + 3·query_block floats.
+  EXPECT_EQ(bytes, sizeof(float) * (64 * 64 + 64 * 256 + 64 * 64 + 3 * 64));
+}
+
+}  // namespace
