@@ -4,6 +4,7 @@
 #include <Eigen/Core>
 #include <unsupported/Eigen/CXX11/Tensor>
 
+#include <array>
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
@@ -29,43 +30,68 @@ using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::R
 template <class Scalar>
 using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
 
-/// A read-only view of a [batch, seq, features] row-major block of memory.
+/// A read-only view of a row-major block of memory with `Rank` dimensions, the last one features.
 ///
-/// Every `forward` takes this type, so it accepts a `Tensor3`, an `Eigen::TensorMap` over caller
-/// memory (const or not), or a raw pointer with its three sizes — without copying.
-template <class Scalar>
-class ConstTensor3Ref {
+/// Every `forward` takes this type, so it accepts an `Eigen::Tensor`, an `Eigen::TensorMap` over
+/// caller memory (const or not), or a raw pointer with its sizes — without copying.
+template <class Scalar, int Rank>
+class ConstTensorRef {
  public:
-  ConstTensor3Ref(const Scalar* data, Index batch, Index seq, Index features)
-      : data_(data), batch_(batch), seq_(seq), features_(features) {
-    if (batch < 0 || seq < 0 || features < 0) {
-      throw std::invalid_argument("c2f: tensor sizes must be non-negative");
+  using Tensor = Eigen::Tensor<Scalar, Rank, Eigen::RowMajor>;
+
+  ConstTensorRef(const Scalar* data, const std::array<Index, Rank>& dims) : data_(data), dims_(dims) {
+    for (Index d : dims) {
+      if (d < 0) throw std::invalid_argument("c2f: tensor sizes must be non-negative");
     }
   }
-  ConstTensor3Ref(const Tensor3<Scalar>& t)  // NOLINT(google-explicit-constructor)
-      : ConstTensor3Ref(t.data(), t.dimension(0), t.dimension(1), t.dimension(2)) {}
-  ConstTensor3Ref(const Eigen::TensorMap<Tensor3<Scalar>>& t)  // NOLINT(google-explicit-constructor)
-      : ConstTensor3Ref(t.data(), t.dimension(0), t.dimension(1), t.dimension(2)) {}
-  ConstTensor3Ref(  // NOLINT(google-explicit-constructor)
-      const Eigen::TensorMap<const Tensor3<Scalar>>& t)
-      : ConstTensor3Ref(t.data(), t.dimension(0), t.dimension(1), t.dimension(2)) {}
+  ConstTensorRef(const Tensor& t) : ConstTensorRef(t.data(), t.dimensions()) {}  // NOLINT
+  ConstTensorRef(const Eigen::TensorMap<Tensor>& t) : ConstTensorRef(t.data(), t.dimensions()) {}  // NOLINT
+  ConstTensorRef(const Eigen::TensorMap<const Tensor>& t)  // NOLINT(google-explicit-constructor)
+      : ConstTensorRef(t.data(), t.dimensions()) {}
 
   const Scalar* data() const { return data_; }
-  Index batch() const { return batch_; }
-  Index seq() const { return seq_; }
-  Index features() const { return features_; }
+  Index dimension(int i) const { return dims_[static_cast<std::size_t>(i)]; }
+  const std::array<Index, Rank>& dimensions() const { return dims_; }
+  Index size() const {
+    Index n = 1;
+    for (Index d : dims_) n *= d;
+    return n;
+  }
 
-  /// All tokens as one [batch·seq, features] row-major matrix.
+  /// [batch, seq, features] names for rank 3.
+  Index batch() const { return dims_[0]; }
+  Index seq() const {
+    static_assert(Rank == 3, "seq() is the middle dimension of a [batch, seq, features] tensor");
+    return dims_[1];
+  }
+  Index features() const { return dims_[Rank - 1]; }
+
+  /// All rows as one [size / features, features] row-major matrix.
   Eigen::Map<const RowMatrix<Scalar>> rows() const {
-    return Eigen::Map<const RowMatrix<Scalar>>(data_, batch_ * seq_, features_);
+    const Index f = features();
+    return Eigen::Map<const RowMatrix<Scalar>>(data_, f == 0 ? 0 : size() / f, f);
   }
 
  private:
+  template <class Dims>
+  ConstTensorRef(const Scalar* data, const Dims& dims) : ConstTensorRef(data, to_array(dims)) {}
+  template <class Dims>
+  static std::array<Index, Rank> to_array(const Dims& dims) {
+    std::array<Index, Rank> a{};
+    for (int i = 0; i < Rank; ++i) a[static_cast<std::size_t>(i)] = dims[i];
+    return a;
+  }
+
   const Scalar* data_;
-  Index batch_;
-  Index seq_;
-  Index features_;
+  std::array<Index, Rank> dims_;
 };
+
+/// [batch, seq, features] input of every layer.
+template <class Scalar>
+using ConstTensor3Ref = ConstTensorRef<Scalar, 3>;
+/// [batch, chunks, chunk, features] input of FineAttention.
+template <class Scalar>
+using ConstTensor4Ref = ConstTensorRef<Scalar, 4>;
 
 namespace detail {
 

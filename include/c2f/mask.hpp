@@ -111,14 +111,17 @@ class AttnMask {
   }
 
   /// From a state-dict tensor (e.g. a mask saved by PyTorch): `kind` Keep or Ignore reads a BOOL/U8
-  /// tensor, Additive a floating-point one. Shape [queries, keys] or [n, queries, keys].
+  /// tensor, Additive a floating-point one. Shape [queries, keys], or [..., queries, keys] with the
+  /// leading dimensions flattened into n (so PyTorch's [B, H, L, S] becomes [B·H, L, S] and seed 004's
+  /// fine mask [B, m, k, k] becomes [B·m, k, k]).
   static AttnMask from_tensor(MaskKind kind, const TensorData& t) {
     const std::vector<std::int64_t>& s = t.shape();
-    if (s.size() != 2 && s.size() != 3) {
-      detail::fail("an attention mask is [queries, keys] or [n, queries, keys], got ", detail::shape_string(s));
+    if (s.size() < 2) {
+      detail::fail("an attention mask is [queries, keys] or [..., queries, keys], got ", detail::shape_string(s));
     }
-    const std::array<Index, 3> dims = s.size() == 2 ? std::array<Index, 3>{1, s[0], s[1]}
-                                                    : std::array<Index, 3>{s[0], s[1], s[2]};
+    Index n = 1;
+    for (std::size_t i = 0; i + 2 < s.size(); ++i) n *= s[i];
+    const std::array<Index, 3> dims{n, s[s.size() - 2], s[s.size() - 1]};
     switch (kind) {
       case MaskKind::Keep: return flags(kind, dims, detail::tensor_flags(t, false));
       case MaskKind::Ignore: return flags(kind, dims, detail::tensor_flags(t, true));

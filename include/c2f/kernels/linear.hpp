@@ -17,27 +17,40 @@ void check_linear_shapes(const X& x, const W& w, const Y& y) {
 
 namespace kernels {
 
-/// Rows per task of linear(). Fixed (not derived from the thread count) so that each row's
-/// arithmetic, and hence every output bit, is the same for any number of threads.
+/// Rows per task of matmul_rows() and linear(). Fixed (not derived from the thread count) so that each
+/// row's arithmetic, and hence every output bit, is the same for any number of threads.
 constexpr Index kLinearRowChunk = 128;
 
-/// y = x · wᵀ + bias for x [n, in], w [out, in] (PyTorch's Linear.weight layout), bias [out] or
-/// nullptr, y [n, out]. Row chunks run in parallel on `num_threads` threads (0 = all).
-template <class Scalar>
-void linear(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const RowMatrix<Scalar>>& w,
-            const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
-  detail::check_linear_shapes(x, w, y);
+/// y = x · rhs (+ bias on every row), for x [n, k], rhs any [k, out] Eigen matrix expression (e.g. a
+/// transposed weight), bias [out] or nullptr, y [n, out]. Row chunks run on `num_threads` threads (0 = all).
+template <class Scalar, class Rhs>
+void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, const Scalar* bias,
+                 Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
+  if (x.cols() != rhs.rows() || y.rows() != x.rows() || y.cols() != rhs.cols()) {
+    detail::fail("matmul_rows: x ", detail::shape_string({x.rows(), x.cols()}), " times ",
+                 detail::shape_string({rhs.rows(), rhs.cols()}), " does not fit y ",
+                 detail::shape_string({y.rows(), y.cols()}));
+  }
   const Index n = x.rows();
   const Index chunks = (n + kLinearRowChunk - 1) / kLinearRowChunk;
   detail::parallel_for(chunks, num_threads, [&](Index c, int) {
     const Index r0 = c * kLinearRowChunk;
     const Index rows = std::min(kLinearRowChunk, n - r0);
     typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr out = y.middleRows(r0, rows);
-    out.noalias() = x.middleRows(r0, rows) * w.transpose();
+    out.noalias() = x.middleRows(r0, rows) * rhs;
     if (bias != nullptr) {
-      out.rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(bias, w.rows());
+      out.rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(bias, rhs.cols());
     }
   });
+}
+
+/// y = x · wᵀ + bias for x [n, in], w [out, in] (PyTorch's Linear.weight layout), bias [out] or
+/// nullptr, y [n, out].
+template <class Scalar>
+void linear(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const RowMatrix<Scalar>>& w,
+            const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
+  detail::check_linear_shapes(x, w, y);
+  matmul_rows<Scalar>(x, w.transpose(), bias, y, num_threads);
 }
 
 /// Reference twin of linear(): one dot product per output element, in index order.

@@ -14,6 +14,7 @@
 #include "c2f/core.hpp"
 #include "c2f/detail/mask_plan.hpp"
 #include "c2f/detail/parallel.hpp"
+#include "c2f/detail/softmax.hpp"
 
 #include <cmath>
 #include <limits>
@@ -84,15 +85,6 @@ void check_sdpa_views(const HeadsView<const Scalar>& q, const HeadsView<const Sc
   }
 }
 
-/// row ← exp(row − shift), with masked (−inf) entries exactly 0. Eigen 3.4's vectorised exp clamps
-/// its argument and returns ~1e-38 (float) / ~1e-308 (double) for −inf, so masked keys are zeroed
-/// explicitly rather than trusted to exp. NaN stays NaN.
-template <class Row, class Scalar>
-void exp_shifted(Row&& row, Scalar shift) {
-  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  row = (row.array() == kNegInf).select(Scalar(0), (row.array() - shift).exp()).matrix();
-}
-
 template <class Scalar>
 Scalar resolve_scale(double scale, Index dim) {
   return static_cast<Scalar>(scale != 0.0 ? scale : 1.0 / std::sqrt(static_cast<double>(std::max<Index>(dim, 1))));
@@ -109,21 +101,13 @@ void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>&
   detail::check_sdpa_views(q, k, v, out);
   const Scalar scale = detail::resolve_scale<Scalar>(options.scale, q.dim);
   const Index lq = q.seq, lk = k.seq;
-  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   c2f::detail::parallel_for(q.batch * q.heads, options.num_threads, [&](Index task, int) {
     const Index b = task / q.heads, h = task % q.heads;
     RowMatrix<Scalar> s(lq, lk);
     s.noalias() = (q.block(b, h, 0, lq) * scale) * k.block(b, h, 0, lk).transpose();
     for (Index i = 0; i < lq; ++i) {
       for (Index j = 0; j < lk; ++j) s(i, j) += mask.bias(b, h, i, j);
-      bool any_visible = false;  // NaN counts as visible: it must propagate, not vanish
-      for (Index j = 0; j < lk; ++j) any_visible = any_visible || !(s(i, j) == kNegInf);
-      if (!any_visible) {
-        s.row(i).setZero();
-        continue;
-      }
-      detail::exp_shifted(s.row(i), s.row(i).maxCoeff());
-      s.row(i) /= s.row(i).sum();
+      c2f::detail::softmax_row(s.row(i));
     }
     out.block(b, h, 0, lq).noalias() = s * v.block(b, h, 0, lk);
     if (weights != nullptr) {
@@ -198,7 +182,7 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const HeadsView<const Scal
         alpha[r] = std::exp(m[r] - shift);
         rescale = rescale || alpha[r] != Scalar(1);
         m[r] = m_new;
-        detail::exp_shifted(s.row(r), shift);
+        c2f::detail::exp_shifted(s.row(r), shift);
         l[r] = alpha[r] * l[r] + s.row(r).sum();
       }
       if (rescale) acc = alpha.asDiagonal() * acc;

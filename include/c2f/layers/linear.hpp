@@ -1,8 +1,8 @@
 // c2f layers — Linear: y = x Wᵀ + b with torch.nn.Linear's state-dict names and layout.
 #pragma once
 
+#include "c2f/detail/module.hpp"
 #include "c2f/detail/random.hpp"
-#include "c2f/detail/state_loader.hpp"
 #include "c2f/kernels/linear.hpp"
 
 #include <string>
@@ -10,7 +10,7 @@
 namespace c2f {
 
 template <class Scalar>
-class Linear {
+class Linear : public detail::Module<Linear<Scalar>> {
  public:
   /// weight [out, in] initialised like torch.nn.Linear (U(±1/sqrt(in)), here for the weight and the
   /// bias alike) from `seed`; call load_state_dict() to use trained weights.
@@ -45,18 +45,6 @@ class Linear {
   void save(StateDict& sd, const std::string& prefix) const {
     detail::store(sd, prefix + "weight", weight_, {out_features(), in_features()});
     if (has_bias_) detail::store(sd, prefix + "bias", bias_, {out_features()});
-  }
-
-  /// Strict: every key under the prefix must be this layer's, with the right shape.
-  void load_state_dict(const StateDict& sd, std::string_view prefix = "") {
-    detail::StrictLoader loader(sd, prefix);
-    load(loader, "");
-    loader.finish();
-  }
-  StateDict state_dict(std::string_view prefix = "") const {
-    StateDict sd;
-    save(sd, detail::normalize_prefix(prefix));
-    return sd;
   }
 
   /// y [n, out] = x [n, in] Wᵀ + b.

@@ -2,8 +2,8 @@
 #pragma once
 
 #include "c2f/detail/mask_plan.hpp"
+#include "c2f/detail/module.hpp"
 #include "c2f/detail/random.hpp"
-#include "c2f/detail/state_loader.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
 #include "c2f/layers/linear.hpp"
@@ -49,7 +49,7 @@ struct AttentionOutput {
 /// tensor exists. Seed 000's C2FMultiHeadAttention names (`qkv_proj.weight`, `qkv_proj.bias`) load too.
 /// forward() is const: one module may serve several threads at once.
 template <class Scalar>
-class MultiHeadAttention {
+class MultiHeadAttention : public detail::Module<MultiHeadAttention<Scalar>> {
  public:
   struct Options {
     bool bias = true;
@@ -123,14 +123,6 @@ class MultiHeadAttention {
     if (options_.bias) out_proj_.bias().setZero();
   }
 
-  /// Strict load (PyTorch's strict=True): a missing key, a wrong shape or an unexpected key under
-  /// `prefix` throws std::invalid_argument naming the key. "mha" and "mha." are the same prefix.
-  void load_state_dict(const StateDict& sd, std::string_view prefix = "") {
-    detail::StrictLoader loader(sd, prefix);
-    load(loader, "");
-    loader.finish();
-  }
-
   /// Reads this module's tensors under `name` (a prefix ending in '.' or empty) from a loader shared
   /// with an enclosing module.
   void load(detail::StrictLoader& loader, const std::string& name) {
@@ -153,25 +145,21 @@ class MultiHeadAttention {
     out_proj_.load(loader, name + "out_proj.");
   }
 
-  /// PyTorch's names (never the seed-000 aliases), F32 or F64 as Scalar.
-  StateDict state_dict(std::string_view prefix = "") const {
-    StateDict sd;
-    save(sd, detail::normalize_prefix(prefix));
-    return sd;
-  }
-
-  void save(StateDict& sd, const std::string& name) const {
+  /// Writes this module's tensors under `name`; `qkv_proj_names` writes the packed projection as seed
+  /// 000/004's `qkv_proj.weight` / `qkv_proj.bias` instead of `in_proj_weight` / `in_proj_bias`.
+  void save(StateDict& sd, const std::string& name, bool qkv_proj_names = false) const {
     const Index e = embed_dim_;
     if (packed_in_proj()) {
       RowMatrix<Scalar> packed(3 * e, e);
       for (int i = 0; i < 3; ++i) packed.middleRows(i * e, e) = w_[i];
-      detail::store(sd, name + "in_proj_weight", packed, {3 * e, e});
+      detail::store(sd, name + (qkv_proj_names ? "qkv_proj.weight" : "in_proj_weight"), packed, {3 * e, e});
+      if (options_.bias) detail::store(sd, name + (qkv_proj_names ? "qkv_proj.bias" : "in_proj_bias"), b_, {3 * e});
     } else {
       detail::store(sd, name + "q_proj_weight", w_[0], {e, embed_dim_});
       detail::store(sd, name + "k_proj_weight", w_[1], {e, kdim_});
       detail::store(sd, name + "v_proj_weight", w_[2], {e, vdim_});
+      if (options_.bias) detail::store(sd, name + "in_proj_bias", b_, {3 * e});
     }
-    if (options_.bias) detail::store(sd, name + "in_proj_bias", b_, {3 * e});
     out_proj_.save(sd, name + "out_proj.");
   }
 
