@@ -2,6 +2,7 @@
 // the streaming path allocates no [queries, keys] buffer and grows linearly in the sequence length.
 #include "support/eigen_assert_throws.hpp"
 
+#include "c2f/layers/c2f_attention.hpp"
 #include "c2f/layers/multihead_attention.hpp"
 #include "support/malloc_counter.hpp"
 #include "support/random.hpp"
@@ -73,6 +74,41 @@ TEST_F(MemoryTest, StreamingForwardAllocatesNoQueryKeyBuffer) {
     EXPECT_GT(ratio, 3.0) << "threads=" << threads;
     EXPECT_LT(ratio, 4.5) << "threads=" << threads;
   }
+}
+
+// C2FAttention's folded path never forms the [L, 2d] key/value tensor of the seed's formula: its
+// largest block is the [L, d] output, and its working memory grows linearly in L.
+TEST_F(MemoryTest, C2FFoldedPathHasNoTokenLevelKeyValueTensor) {
+  const Index d = 64, chunk = 32;
+  c2f::C2FAttention<float> m(d, 4, chunk);
+  c2f_test::TestRng rng(23);
+  long long peak[2];
+  const Index lengths[2] = {4096, 16384};
+  for (int i = 0; i < 2; ++i) {
+    const Index L = lengths[i];
+    const c2f::Tensor3<float> x = rng.tensor<float>(1, L, d);
+    for (c2f::FinePath path : {c2f::FinePath::General, c2f::FinePath::Folded}) {
+      m.set_fine_path(path);
+      c2f_memory::reset();
+      const c2f::Tensor3<float> y = m.forward(x);
+      c2f_memory::stop();
+      EXPECT_EQ(y.dimension(1), L);
+      const long long kv_bytes = static_cast<long long>(L * 2 * d * sizeof(float));
+      if (path == c2f::FinePath::General) {
+        EXPECT_GE(c2f_memory::largest_allocation(), kv_bytes) << "the counter must see the general path's kv";
+      } else {
+        EXPECT_EQ(c2f_memory::largest_allocation(), static_cast<long long>(L * d * sizeof(float))) << "L=" << L;
+        // Output + (summaries, context, q, out per chunk) + per-chunk folded queries and pooled tokens.
+        const long long predicted = static_cast<long long>(L * d * sizeof(float) +
+                                                           m.fine_attn().folded_workspace_bytes(1, L, chunk));
+        EXPECT_LE(c2f_memory::peak_bytes(), predicted + predicted / 4) << "L=" << L;
+        peak[i] = c2f_memory::peak_bytes();
+      }
+    }
+  }
+  const double ratio = double(peak[1]) / double(peak[0]);
+  EXPECT_GT(ratio, 3.0);
+  EXPECT_LT(ratio, 4.5);
 }
 
 }  // namespace

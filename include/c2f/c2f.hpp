@@ -3,8 +3,10 @@
 
 #include "c2f/core.hpp"
 #include "c2f/io/safetensors.hpp"
+#include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
+#include "c2f/layers/c2f_attention.hpp"
 #include "c2f/layers/linear.hpp"
 #include "c2f/layers/multihead_attention.hpp"
 #include "c2f/mask.hpp"

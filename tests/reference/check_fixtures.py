@@ -11,12 +11,16 @@ Policy:
   ``torch_version`` and ``torch_path`` only produce notes, since they describe the torch that ran.
 * Tensors that are generator inputs (parameters ``mha.*``, ``query``/``key``/``value``, masks) come from
   numpy's RandomState and must be bit-identical.
-* Tensors computed by torch (each family declares them; for mha: ``output``, ``weights``) may differ in
-  the last bits across CPUs/BLAS builds, and must satisfy |new - committed| <= atol + rtol * |committed|
-  with atol = rtol = 1e-6 for F32 and 1e-12 for F64; NaN and +-inf positions must be identical.
+* Tensors computed by torch (each family declares them; for mha: ``output``, ``weights``; for c2f:
+  ``output``, ``coarse_input``, ``coarse_output``) may differ in the last bits across CPUs/BLAS builds,
+  and must satisfy |new - committed| <= atol + rtol * |committed| with atol = rtol = 1e-6 for F32 and
+  1e-12 for F64; NaN and +-inf positions must be identical.
 * Independently of torch, every mha fixture is also checked against a small float64 numpy
   implementation of multi-head attention (loose tolerance: 1e-4 for f32 files, 1e-10 for f64), so a
-  fixture that encodes a torch quirk rather than the documented semantics is caught.
+  fixture that encodes a torch quirk rather than the documented semantics is caught. Likewise every c2f
+  fixture (``output``, ``coarse_input``, ``coarse_output``) against a float64 numpy implementation of
+  seed 004's coarse-to-fine attention with padding, plus its contract (shapes, mask metadata, no query
+  row without a kept real key).
 * ``--determinism`` additionally generates twice and requires byte-identical files.
 """
 
@@ -226,6 +230,146 @@ def crosscheck_mha(np, st, committed_dir, report):
             report.error(f"{rel}: fully_masked_rows={md['fully_masked_rows']} disagrees with NaNs in output")
 
 
+# --- independent numpy reference for the c2f family ------------------------------------------------
+
+def _attend(np, q, k, v, keep):
+    """One head: q [Lq, dh], k/v [Lk, dh], keep [Lq, Lk] bool (True = attend). A row without any kept key
+    gives NaN here (the fixtures must not have one: c2f's C++ layer and the seed's -1e9 fill disagree)."""
+    s = (q @ k.T) / np.sqrt(q.shape[-1])
+    s = np.where(keep, s, -np.inf)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        return (e / e.sum(axis=-1, keepdims=True)) @ v
+
+
+def c2f_reference(np, t, md):
+    """float64 CoarseAttention / FineAttention / C2FAttention (seed 004 with its fixes) from a fixture's
+    tensors; written per batch item, chunk and head, without torch's reshapes. Returns name -> array."""
+    module = md["module"]
+    d, H, B = int(md["d_model"]), int(md["n_heads"]), int(md["batch"])
+    dh = d // H
+    f = lambda name: t[name].astype(np.float64)  # noqa: E731
+
+    def lin(x, p):
+        return x @ f(p + ".weight").T + f(p + ".bias")
+
+    def coarse(x, keep, p):  # x [B, m, d], keep [B, m, m] or None
+        m = x.shape[1]
+        qkv = lin(x, p + "qkv_proj")
+        q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+        o = np.zeros((B, m, d))
+        for bi in range(B):
+            kp = np.ones((m, m), dtype=bool) if keep is None else keep[bi]
+            for h in range(H):
+                s = slice(h * dh, (h + 1) * dh)
+                o[bi, :, s] = _attend(np, q[bi, :, s], k[bi, :, s], v[bi, :, s], kp)
+        return lin(o, p + "out_proj")
+
+    def fine(xg, ctx, keep, p):  # xg [B, m, k, d], ctx [B, m, d], keep [B, m, k, k]
+        _, m, k, _ = xg.shape
+        q = lin(ctx, p + "q_proj")  # one query per chunk, shared by its k tokens
+        kv = lin(xg, p + "kv_proj")
+        kk, vv = kv[..., :d], kv[..., d:]
+        o = np.zeros((B, m, k, d))
+        for bi in range(B):
+            for j in range(m):
+                for h in range(H):
+                    s = slice(h * dh, (h + 1) * dh)
+                    qq = np.repeat(q[bi, j, s][None, :], k, axis=0)
+                    o[bi, j, :, s] = _attend(np, qq, kk[bi, j, :, s], vv[bi, j, :, s], keep[bi, j])
+        return lin(o, p + "out_proj")
+
+    if module == "coarse":
+        return {"output": coarse(f("x"), t.get("mask"), "coarse.")}
+    if module == "fine":
+        x = f("x")
+        _, m, k, _ = x.shape
+        keep = t["mask"] if "mask" in t else np.ones((B, m, k, k), dtype=bool)
+        return {"output": fine(x, f("coarse_context"), keep, "fine.")}
+    if module != "c2f":
+        raise ValueError(f"unknown module {module!r}")
+    x = f("x")
+    L, c = int(md["seq_len"]), int(md["chunk_size"])
+    m = -(-L // c)
+    chunks = [x[:, j * c:min((j + 1) * c, L)] for j in range(m)]  # the last one may be partial
+    coarse_in = np.stack([ch.mean(axis=1) for ch in chunks], axis=1)  # mean over the real tokens
+    ctx = coarse(coarse_in, t.get("coarse_mask"), "c2f.coarse_attn.")
+    xg = np.zeros((B, m * c, d))
+    xg[:, :L] = x
+    real = (np.arange(m * c) < L).reshape(m, c)  # padded keys are never attended to
+    keep = np.broadcast_to(real[None, :, None, :], (B, m, c, c))
+    if "fine_mask" in t:
+        keep = keep & t["fine_mask"]
+    out = fine(xg.reshape(B, m, c, d), ctx, keep, "c2f.fine_attn.").reshape(B, m * c, d)[:, :L]
+    return {"output": out, "coarse_input": coarse_in, "coarse_output": ctx}
+
+
+def _c2f_check_contract(np, t, md, rel, report):
+    """Shapes/metadata agree with the tensors; no query row of a mask keeps nothing (real keys only)."""
+    module, B, d = md["module"], int(md["batch"]), int(md["d_model"])
+    m = int(md["num_chunks"])
+    if module == "c2f":
+        L, c = int(md["seq_len"]), int(md["chunk_size"])
+        k = c
+        if m != -(-L // c):
+            report.error(f"{rel}: num_chunks {m} != ceil({L} / {c})")
+        shapes = {"x": (B, L, d), "output": (B, L, d), "coarse_input": (B, m, d), "coarse_output": (B, m, d),
+                  "coarse_mask": (B, m, m), "fine_mask": (B, m, c, c)}
+        cmask, fmask = t.get("coarse_mask"), t.get("fine_mask")
+        real = (np.arange(m * c) < L).reshape(m, c)
+        mask_md = {"coarse_mask": cmask, "fine_mask": fmask}
+    elif module == "coarse":
+        shapes = {"x": (B, m, d), "output": (B, m, d), "mask": (B, m, m)}
+        cmask, fmask, real, k = t.get("mask"), None, None, None
+        mask_md = {"mask": cmask}
+    else:
+        k = int(md["chunk_len"])
+        shapes = {"x": (B, m, k, d), "coarse_context": (B, m, d), "output": (B, m, k, d), "mask": (B, m, k, k)}
+        cmask, fmask, real = None, t.get("mask"), np.ones((m, k), dtype=bool)
+        mask_md = {"mask": fmask}
+    for name, shape in shapes.items():
+        if name in t and t[name].shape != shape:
+            report.error(f"{rel}: {name} has shape {list(t[name].shape)}, expected {list(shape)}")
+    for name, v in mask_md.items():
+        if md.get(name) != ("none" if v is None else "bool") or (v is not None and v.dtype != bool):
+            report.error(f"{rel}: metadata {name}={md.get(name)!r} disagrees with the stored tensor")
+    if cmask is not None and cmask.shape == (B, m, m) and not cmask.any(axis=-1).all():
+        report.error(f"{rel}: a coarse mask row keeps no chunk")
+    if module != "coarse":
+        keep = np.broadcast_to(real[None, :, None, :], (B, m, k, k))
+        if fmask is not None and fmask.shape == (B, m, k, k):
+            keep = keep & fmask
+        if not keep.any(axis=-1).all():
+            report.error(f"{rel}: a fine query row keeps no real key")
+        rows_equal = fmask is None or bool((fmask == fmask[:, :, :1, :]).all())
+        if md.get("fine_mask_rows_equal") != ("true" if rows_equal else "false"):
+            report.error(f"{rel}: fine_mask_rows_equal={md.get('fine_mask_rows_equal')!r}, rows equal: {rows_equal}")
+
+
+def crosscheck_c2f(np, st, committed_dir, report):
+    for path in sorted(committed_dir.glob("*.safetensors")):
+        rel = f"c2f/{path.name}"
+        try:
+            raw, md = st.load_file(path)
+        except st.SafetensorsError:
+            continue  # already reported
+        t = {k: st.to_numpy(v) for k, v in raw.items()}
+        dtype = raw["output"].dtype
+        tol = CROSSCHECK_TOLERANCE[dtype]
+        _c2f_check_contract(np, t, md, rel, report)
+        for name, ref in c2f_reference(np, t, md).items():
+            if name not in t:
+                report.error(f"{rel}: '{name}' missing")
+            elif t[name].shape != ref.shape:
+                report.error(f"{rel}: '{name}' has shape {list(t[name].shape)}, numpy reference {list(ref.shape)}")
+            else:
+                compare_values(np, ref, t[name], dtype, tol, tol, f"{rel}:{name} vs numpy reference", report,
+                               stat_key=f"numpy-reference {dtype}")
+
+
+CROSSCHECKS = {"mha": crosscheck_mha, "c2f": crosscheck_c2f}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Compare committed fixtures with a fresh generate.py run.")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help=f"committed data dir (default {DEFAULT_DATA})")
@@ -266,8 +410,9 @@ def main(argv=None):
                     report.error(f"{name}/{n}: two generator runs did not produce identical bytes")
         for name in families:
             compare_family(np, st, generate.FAMILIES[name], args.data / name, fresh / name, report)
-    if "mha" in families and (args.data / "mha").is_dir():
-        crosscheck_mha(np, st, args.data / "mha", report)
+    for name in families:
+        if name in CROSSCHECKS and (args.data / name).is_dir():
+            CROSSCHECKS[name](np, st, args.data / name, report)
 
     for n in report.notes:
         print(f"note: {n}")

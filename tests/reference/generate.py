@@ -43,6 +43,7 @@ GENERATOR = "tests/reference/generate.py"
 sys.dont_write_bytecode = True  # keep __pycache__ out of the source tree
 sys.path.insert(0, str(HERE))
 import safetensors_io as st  # noqa: E402
+import c2f_reference as c2f_ref  # noqa: E402
 
 # dtype tag -> (numpy dtype, torch dtype); every case is produced in both.
 DTYPES = {"f32": (np.float32, torch.float32), "f64": (np.float64, torch.float64)}
@@ -78,7 +79,8 @@ def register_family(name, computed, description):
 
 # Independent RandomState streams per purpose, so that e.g. adding a mask to a case never changes its
 # weights or inputs. The numbers are part of the fixture contract: never renumber.
-STREAMS = {"weights": 1, "inputs": 2, "attn_mask": 3, "key_padding_mask": 4}
+STREAMS = {"weights": 1, "inputs": 2, "attn_mask": 3, "key_padding_mask": 4, "coarse_mask": 5,
+           "fine_mask": 6}
 
 
 def stream(seed: int, purpose: str) -> np.random.RandomState:
@@ -486,6 +488,303 @@ def gen_mha(family_dir: Path) -> List[dict]:
 
 
 # =====================================================================================================
+# Family "c2f": seed 004's CoarseAttention / FineAttention / C2FAttention (c2f_reference.py)
+# =====================================================================================================
+
+C2F_MODULES = ("c2f", "coarse", "fine")
+C2F_MASK_KEEP_PROBABILITY = 0.6  # random keep masks: each entry kept (True) with this probability
+
+
+@dataclass(frozen=True)
+class C2fCase:
+    name: str
+    seed: int
+    description: str
+    module: str  # "c2f" (C2FAttention) | "coarse" (CoarseAttention) | "fine" (FineAttention)
+    seq_len: int  # c2f: L (tokens); coarse and fine: m (chunks)
+    chunk: int = 0  # c2f: chunk_size; fine: chunk length k; coarse: unused
+    d_model: int = 16
+    n_heads: int = 4
+    batch: int = 2
+    coarse_mask: Optional[str] = None  # "random" (c2f: coarse_mask [B, m, m]; coarse: mask)
+    fine_mask: Optional[str] = None  # "per_token" | "per_chunk_key" (c2f: fine_mask [B, m, k, k]; fine: mask)
+
+    @property
+    def num_chunks(self) -> int:
+        if self.module == "c2f":
+            return c2f_ref.C2FAttention.num_chunks(self.seq_len, self.chunk)
+        return self.seq_len
+
+    @property
+    def chunk_len(self) -> int:
+        return self.chunk  # k of the (padded) chunk grid
+
+    def real_keys(self) -> np.ndarray:
+        """[m, k] bool: True where the position of the chunk grid holds a real (not padded) token."""
+        m, k = self.num_chunks, self.chunk_len
+        if self.module != "c2f":
+            return np.ones((m, k), dtype=bool)
+        return (np.arange(m * k) < self.seq_len).reshape(m, k)
+
+
+C2F_CASES: List[C2fCase] = [
+    # --- C2FAttention, no masks ----------------------------------------------------------------------
+    C2fCase("c2f_l64_c8", 4101, "C2FAttention, L divisible by chunk_size (no padding), no masks",
+            "c2f", 64, 8),
+    C2fCase("c2f_l61_c8", 4102, "C2FAttention, L = 61 not divisible by 8: last chunk has 5 real tokens",
+            "c2f", 61, 8),
+    C2fCase("c2f_l5_c8", 4103, "C2FAttention, L = 5 < chunk_size 8: one partial chunk", "c2f", 5, 8),
+    C2fCase("c2f_l13_c1", 4104, "C2FAttention, chunk_size 1: every token is its own chunk", "c2f", 13, 1),
+    C2fCase("c2f_l24_c24", 4105, "C2FAttention, chunk_size = L: a single full chunk", "c2f", 24, 24),
+    C2fCase("c2f_l100_c32", 4106, "C2FAttention, L = 100, chunk 32: last chunk has 4 real tokens",
+            "c2f", 100, 32),
+    C2fCase("c2f_l37_c16", 4107, "C2FAttention, L = 37, chunk 16: last chunk has 5 real tokens",
+            "c2f", 37, 16),
+    # --- C2FAttention with masks ---------------------------------------------------------------------
+    C2fCase("c2f_coarse_mask_l64_c8", 4201, "C2FAttention, random BOOL coarse_mask [B, m, m] (True = keep)",
+            "c2f", 64, 8, coarse_mask="random"),
+    C2fCase("c2f_coarse_mask_l61_c8", 4202,
+            "C2FAttention with padding, random BOOL coarse_mask [B, m, m] (True = keep)",
+            "c2f", 61, 8, coarse_mask="random"),
+    C2fCase("c2f_fine_mask_tokens_l64_c8", 4301,
+            "C2FAttention, random per-token BOOL fine_mask [B, m, k, k] (query rows differ)",
+            "c2f", 64, 8, fine_mask="per_token"),
+    C2fCase("c2f_fine_mask_tokens_l61_c8", 4302,
+            "C2FAttention with padding, random per-token BOOL fine_mask [B, m, k, k] over the padded grid "
+            "(query rows differ; padded keys are masked whatever the mask says)",
+            "c2f", 61, 8, fine_mask="per_token"),
+    C2fCase("c2f_fine_mask_keys_l61_c8", 4303,
+            "C2FAttention with padding, per-chunk key BOOL fine_mask [B, m, k, k]: all query rows of a "
+            "chunk equal",
+            "c2f", 61, 8, fine_mask="per_chunk_key"),
+    C2fCase("c2f_both_masks_l61_c8", 4401,
+            "C2FAttention with padding, random BOOL coarse_mask and per-token BOOL fine_mask",
+            "c2f", 61, 8, coarse_mask="random", fine_mask="per_token"),
+    # --- C2FAttention shapes -------------------------------------------------------------------------
+    C2fCase("c2f_head_dim3_l37_c8", 4501, "C2FAttention, d_model 24 with 8 heads (head dim 3), L = 37",
+            "c2f", 37, 8, d_model=24, n_heads=8),
+    C2fCase("c2f_single_head_b1_l20_c4", 4502, "C2FAttention, batch 1, one head, d_model 8, L = 20, chunk 4",
+            "c2f", 20, 4, d_model=8, n_heads=1, batch=1),
+    # --- CoarseAttention alone -----------------------------------------------------------------------
+    C2fCase("coarse_m1", 4601, "CoarseAttention, a single chunk", "coarse", 1),
+    C2fCase("coarse_m1_mask", 4602, "CoarseAttention, a single chunk, BOOL mask [B, 1, 1] (all True)",
+            "coarse", 1, coarse_mask="random"),
+    C2fCase("coarse_m7", 4603, "CoarseAttention, 7 chunks", "coarse", 7),
+    C2fCase("coarse_m7_mask", 4604, "CoarseAttention, 7 chunks, random BOOL mask [B, m, m] (True = keep)",
+            "coarse", 7, coarse_mask="random"),
+    # --- FineAttention alone -------------------------------------------------------------------------
+    C2fCase("fine_m3_k4", 4701, "FineAttention, 3 chunks of 4 tokens", "fine", 3, 4),
+    C2fCase("fine_m3_k4_mask", 4702,
+            "FineAttention, 3 chunks of 4 tokens, random per-token BOOL mask [B, m, k, k] (True = keep)",
+            "fine", 3, 4, fine_mask="per_token"),
+    C2fCase("fine_m5_k1", 4703, "FineAttention, 5 chunks of 1 token", "fine", 5, 1),
+    C2fCase("fine_m5_k1_mask", 4704, "FineAttention, 5 chunks of 1 token, BOOL mask [B, m, 1, 1] (all True)",
+            "fine", 5, 1, fine_mask="per_token"),
+]
+
+
+def _keep_one_real(rs, keep: np.ndarray, real: np.ndarray) -> None:
+    """keep [n], real [n] bool: if no real position is kept, keep one random real position (in place)."""
+    if not (keep & real).any():
+        idx = np.flatnonzero(real)
+        keep[idx[rs.randint(len(idx))]] = True
+
+
+def _c2f_coarse_mask(rs, c: C2fCase) -> np.ndarray:
+    """[B, m, m] bool, True = keep; every query row keeps at least one chunk."""
+    m = c.num_chunks
+    keep = rs.uniform(size=(c.batch, m, m)) < C2F_MASK_KEEP_PROBABILITY
+    all_real = np.ones(m, dtype=bool)  # every chunk holds at least one real token
+    for bi in range(c.batch):
+        for i in range(m):
+            _keep_one_real(rs, keep[bi, i], all_real)
+    return keep
+
+
+def _c2f_fine_mask(rs, c: C2fCase) -> np.ndarray:
+    """[B, m, k, k] bool over the padded chunk grid, True = keep. Every query row (padded ones included)
+    keeps at least one REAL key, so no row is fully masked once the padded keys are masked too."""
+    B, m, k = c.batch, c.num_chunks, c.chunk_len
+    real = c.real_keys()
+    if c.fine_mask == "per_chunk_key":
+        key_keep = rs.uniform(size=(B, m, k)) < C2F_MASK_KEEP_PROBABILITY
+        for bi in range(B):
+            for j in range(m):
+                _keep_one_real(rs, key_keep[bi, j], real[j])
+        return np.ascontiguousarray(np.repeat(key_keep[:, :, None, :], k, axis=2))
+    if c.fine_mask == "per_token":
+        keep = rs.uniform(size=(B, m, k, k)) < C2F_MASK_KEEP_PROBABILITY
+        for bi in range(B):
+            for j in range(m):
+                for r in range(k):
+                    _keep_one_real(rs, keep[bi, j, r], real[j])
+        return keep
+    raise ValueError(f"{c.name}: unknown fine_mask kind {c.fine_mask!r}")
+
+
+def _c2f_parameters(c: C2fCase) -> Dict[str, np.ndarray]:
+    """float64 values for every entry of the module's state_dict (names relative to the module)."""
+    rs = stream(c.seed, "weights")
+    d = c.d_model
+    p = {}
+    if c.module in ("c2f", "coarse"):
+        pre = "coarse_attn." if c.module == "c2f" else ""
+        # Three [d, d] blocks (q, k, v), each Glorot-uniform for its own fan-in/fan-out.
+        p[pre + "qkv_proj.weight"] = np.concatenate([glorot_uniform(rs, d, d) for _ in range(3)], axis=0)
+        p[pre + "qkv_proj.bias"] = bias_uniform(rs, 3 * d)
+        p[pre + "out_proj.weight"] = glorot_uniform(rs, d, d)
+        p[pre + "out_proj.bias"] = bias_uniform(rs, d)
+    if c.module in ("c2f", "fine"):
+        pre = "fine_attn." if c.module == "c2f" else ""
+        p[pre + "q_proj.weight"] = glorot_uniform(rs, d, d)
+        p[pre + "q_proj.bias"] = bias_uniform(rs, d)
+        p[pre + "kv_proj.weight"] = np.concatenate([glorot_uniform(rs, d, d) for _ in range(2)], axis=0)
+        p[pre + "kv_proj.bias"] = bias_uniform(rs, 2 * d)
+        p[pre + "out_proj.weight"] = glorot_uniform(rs, d, d)
+        p[pre + "out_proj.bias"] = bias_uniform(rs, d)
+    return p
+
+
+def _c2f_inputs(c: C2fCase) -> Dict[str, np.ndarray]:
+    rs = stream(c.seed, "inputs")
+    B, d = c.batch, c.d_model
+    if c.module == "c2f":
+        return {"x": rs.standard_normal(size=(B, c.seq_len, d))}
+    if c.module == "coarse":
+        return {"x": rs.standard_normal(size=(B, c.num_chunks, d))}
+    return {"x": rs.standard_normal(size=(B, c.num_chunks, c.chunk_len, d)),
+            "coarse_context": rs.standard_normal(size=(B, c.num_chunks, d))}
+
+
+def _run_c2f(c: C2fCase, dtype_tag: str, params, inputs, coarse_mask, fine_mask):
+    np_dt, t_dt = DTYPES[dtype_tag]
+    if c.module == "c2f":
+        mod = c2f_ref.C2FAttention(c.d_model, c.n_heads, chunk_size=c.chunk)
+    elif c.module == "coarse":
+        mod = c2f_ref.CoarseAttention(c.d_model, c.n_heads)
+    else:
+        mod = c2f_ref.FineAttention(c.d_model, c.n_heads)
+    if t_dt == torch.float64:
+        mod = mod.double()
+    sd_names = set(mod.state_dict().keys())
+    if sd_names != set(params):
+        raise RuntimeError(f"{c.name}: state_dict keys {sorted(sd_names)} != generated {sorted(params)}")
+    mod.load_state_dict({k: torch.from_numpy(v.astype(np_dt)) for k, v in params.items()}, strict=True)
+    mod.eval()  # dropout is the identity
+
+    t = {k: torch.from_numpy(v.astype(np_dt)) for k, v in inputs.items()}
+    cm = None if coarse_mask is None else torch.from_numpy(coarse_mask)
+    fm = None if fine_mask is None else torch.from_numpy(fine_mask)
+    extra = {}
+    with torch.no_grad():
+        if c.module == "c2f":
+            def hook(_module, args, result):
+                extra["coarse_input"] = to_numpy(args[0])
+                extra["coarse_output"] = to_numpy(result)
+            handle = mod.coarse_attn.register_forward_hook(hook)
+            try:
+                out = mod(t["x"], coarse_mask=cm, fine_mask=fm)
+            finally:
+                handle.remove()
+        elif c.module == "coarse":
+            out = mod(t["x"], mask=cm)
+        else:
+            out = mod(t["x"], t["coarse_context"], mask=fm)
+    sd = {k: to_numpy(v) for k, v in mod.state_dict().items()}
+    return sd, to_numpy(out), extra
+
+
+def _c2f_case_files(family_dir: Path, c: C2fCase) -> dict:
+    if c.module not in C2F_MODULES:
+        raise ValueError(f"{c.name}: unknown module {c.module!r}")
+    if c.d_model % c.n_heads:
+        raise ValueError(f"{c.name}: d_model {c.d_model} not divisible by n_heads {c.n_heads}")
+    if (c.module == "coarse") != (c.chunk == 0):
+        raise ValueError(f"{c.name}: chunk must be set for c2f/fine cases and only for them")
+    if (c.coarse_mask and c.module == "fine") or (c.fine_mask and c.module == "coarse"):
+        raise ValueError(f"{c.name}: mask kind does not fit module {c.module}")
+    B, m, k, d = c.batch, c.num_chunks, c.chunk_len, c.d_model
+
+    params = _c2f_parameters(c)
+    inputs = _c2f_inputs(c)
+    coarse_mask = _c2f_coarse_mask(stream(c.seed, "coarse_mask"), c) if c.coarse_mask else None
+    fine_mask = _c2f_fine_mask(stream(c.seed, "fine_mask"), c) if c.fine_mask else None
+
+    # Fixture contract (c2f's C++ layer gives zero for a row with every key masked, the -1e9 fill a uniform
+    # average): every query row keeps at least one chunk, every fine query row at least one real key.
+    if coarse_mask is not None and not coarse_mask.any(axis=-1).all():
+        raise RuntimeError(f"{c.name}: a coarse mask row masks every chunk")
+    if c.module != "coarse":
+        fine_keep = np.broadcast_to(c.real_keys()[None, :, None, :], (B, m, k, k))
+        if fine_mask is not None:
+            fine_keep = fine_keep & fine_mask
+        if not fine_keep.any(axis=-1).all():
+            raise RuntimeError(f"{c.name}: a fine query row has no kept real key")
+    rows_equal = fine_mask is None or bool((fine_mask == fine_mask[:, :, :1, :]).all())
+    if c.fine_mask == "per_chunk_key" and not rows_equal:
+        raise RuntimeError(f"{c.name}: per-chunk key mask has differing rows")
+    if c.fine_mask == "per_token" and k > 1 and rows_equal:
+        raise RuntimeError(f"{c.name}: per-token mask happens to have equal rows; pick another seed")
+
+    mask_kind = lambda mk: "none" if mk is None else "bool"  # noqa: E731
+    base_meta = {"module": c.module, "d_model": str(d), "n_heads": str(c.n_heads), "batch": str(B),
+                 "seq_len": str(c.seq_len), "num_chunks": str(m)}
+    if c.module == "c2f":
+        base_meta.update(chunk_size=str(c.chunk), coarse_mask=mask_kind(coarse_mask),
+                         fine_mask=mask_kind(fine_mask), fine_mask_rows_equal=b(rows_equal))
+    elif c.module == "coarse":
+        base_meta.update(mask=mask_kind(coarse_mask))
+    else:
+        base_meta.update(chunk_len=str(k), mask=mask_kind(fine_mask), fine_mask_rows_equal=b(rows_equal))
+    base_meta.update(seed=str(c.seed), torch_version=torch_version(), description=c.description)
+
+    out_shape = {"c2f": (B, c.seq_len, d), "coarse": (B, m, d), "fine": (B, m, k, d)}[c.module]
+    files = {}
+    for tag, (np_dt, _) in DTYPES.items():
+        sd, out, extra = _run_c2f(c, tag, params, inputs, coarse_mask, fine_mask)
+        if out.shape != out_shape or not np.isfinite(out).all():
+            raise RuntimeError(f"{c.name}/{tag}: output shape {out.shape} (expected {out_shape}) or not finite")
+        for name, v in extra.items():
+            if v.shape != (B, m, d):
+                raise RuntimeError(f"{c.name}/{tag}: {name} has shape {v.shape}")
+
+        prefix = f"{c.module}."
+        tensors = {prefix + k_: v for k_, v in sd.items()}
+        for k_, v in params.items():  # the module must hold exactly the numpy values
+            if not np.array_equal(tensors[prefix + k_], v.astype(np_dt)):
+                raise RuntimeError(f"{c.name}/{tag}: parameter {k_} was not loaded exactly")
+        tensors.update({k_: v.astype(np_dt) for k_, v in inputs.items()})
+        if c.module == "c2f":
+            if coarse_mask is not None:
+                tensors["coarse_mask"] = coarse_mask
+            if fine_mask is not None:
+                tensors["fine_mask"] = fine_mask
+        elif c.module == "coarse" and coarse_mask is not None:
+            tensors["mask"] = coarse_mask
+        elif c.module == "fine" and fine_mask is not None:
+            tensors["mask"] = fine_mask
+        tensors["output"] = out
+        tensors.update(extra)
+        for k_, v in tensors.items():
+            if v.dtype != bool and v.dtype != np_dt:
+                raise RuntimeError(f"{c.name}/{tag}: tensor {k_} has dtype {v.dtype}")
+        files[tag] = write_case(family_dir, c.name, tag, tensors, base_meta)
+
+    return {"name": c.name, "files": files, **{k_: base_meta[k_] for k_ in sorted(base_meta)}}
+
+
+@register_family(
+    "c2f", computed=("output", "coarse_input", "coarse_output"),
+    description="seed 004's C2FAttention / CoarseAttention / FineAttention (c2f_reference.py): "
+                "padding, coarse and fine keep-masks")
+def gen_c2f(family_dir: Path) -> List[dict]:
+    names = [c.name for c in C2F_CASES]
+    if len(set(names)) != len(names) or len({c.seed for c in C2F_CASES}) != len(C2F_CASES):
+        raise RuntimeError("C2F case names and seeds must be unique")
+    return [_c2f_case_files(family_dir, c) for c in C2F_CASES]
+
+
+# =====================================================================================================
 # Driver
 # =====================================================================================================
 
@@ -514,7 +813,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help=f"data directory; each family goes to OUT/<family>/ (default: {DEFAULT_OUT})")
     ap.add_argument("--family", action="append", help="generate only this family (repeatable)")
-    ap.add_argument("--list", action="store_true", help="list families and MHA cases, write nothing")
+    ap.add_argument("--list", action="store_true", help="list families and cases, write nothing")
     ap.add_argument("-q", "--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.list:
@@ -522,6 +821,8 @@ def main(argv=None) -> int:
             print(f"{f.name}: {f.description}")
         for c in MHA_CASES:
             print(f"  mha/{c.name}: {c.description}")
+        for c in C2F_CASES:
+            print(f"  c2f/{c.name}: {c.description}")
         return 0
     generate(args.out, args.family, verbose=not args.quiet)
     return 0

@@ -1,13 +1,16 @@
-// MultiHeadAttention throughput next to the machine's GEMM throughput, measured in the same run.
+// Attention throughput next to the machine's GEMM throughput, measured in the same run.
 //
-// Shapes: batch 1, embed_dim E = 512, 8 heads, self-attention of length L, 2 threads.
-// Analytic FLOPs (multiply-add = 2):
-//   projections  4 · 2·L·E·E     (q, k, v and out_proj)
-//   attention    2 · 2·L·L·E     (q kᵀ and p v over all heads; softmax not counted)
-//   GEMM         2·L·E·E         (one [L, E] × [E, E] projection — the roofline reference)
+// Shapes: batch 1, d = E = 512, 8 heads, self-attention of length L, 2 threads.
+// Analytic FLOPs (a multiply-add counts 2; softmax and exp are not counted):
+//   GEMM          2·L·E·E                       one [L, E] × [E, E] projection: the roofline reference
+//   MHA           8·L·E·E + 4·L·L·E             q, k, v, out projections; q kᵀ and p v over all heads
+//   C2F (folded)  16·m·E·E + 4·m·m·E + 4·L·H·E + L·E,  m = ceil(L / chunk):
+//                 coarse qkv + out (8·m·E²), coarse attention (4·m²·E), fine q_proj, key fold, value
+//                 fold and out_proj (8·m·E²), per-chunk scores and pooling (4·L·H·E), chunk means (L·E)
 #include <benchmark/benchmark.h>
 
 #include "c2f/kernels/linear.hpp"
+#include "c2f/layers/c2f_attention.hpp"
 #include "c2f/layers/multihead_attention.hpp"
 
 #include <random>
@@ -28,7 +31,7 @@ c2f::Tensor3<float> random_input(Eigen::Index length) {
 
 void set_counters(benchmark::State& state, double flops, Eigen::Index length) {
   state.counters["FLOP"] = flops;
-  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["tokens/s"] =
       benchmark::Counter(static_cast<double>(length), benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -62,12 +65,27 @@ void BM_Mha(benchmark::State& state, c2f::AttentionKernel kernel) {
   state.counters["workspace_bytes"] = double(mha.workspace_bytes(1, length, length));
 }
 
+void BM_C2F(benchmark::State& state) {
+  const Eigen::Index length = state.range(0), chunk = state.range(1);
+  const c2f::C2FAttention<float> c2f_attn(kEmbed, kHeads, chunk, {kThreads, c2f::FinePath::Auto, 0});
+  const c2f::Tensor3<float> x = random_input(length);
+  for (auto _ : state) {
+    c2f::Tensor3<float> y = c2f_attn.forward(x);
+    benchmark::DoNotOptimize(y.data());
+  }
+  const double L = double(length), E = double(kEmbed), H = double(kHeads);
+  const double m = double((length + chunk - 1) / chunk);
+  set_counters(state, 16.0 * m * E * E + 4.0 * m * m * E + 4.0 * L * H * E + L * E, length);
+  state.counters["workspace_bytes"] = double(c2f_attn.fine_attn().folded_workspace_bytes(1, length, chunk));
+}
+
 }  // namespace
 
 BENCHMARK(BM_Gemm)->ArgsProduct({{1024, 4096}, {1, kThreads}})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_Mha, streaming, c2f::AttentionKernel::Streaming)
-    ->RangeMultiplier(2)->Range(256, 4096)->Unit(benchmark::kMillisecond)->UseRealTime();
+    ->RangeMultiplier(4)->Range(1024, 16384)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_CAPTURE(BM_Mha, naive, c2f::AttentionKernel::Naive)
-    ->RangeMultiplier(2)->Range(256, 2048)->Unit(benchmark::kMillisecond)->UseRealTime();
+    ->RangeMultiplier(2)->Range(256, 1024)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_C2F)->ArgsProduct({{1024, 4096, 16384}, {32}})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 BENCHMARK_MAIN();

@@ -1,0 +1,47 @@
+// Seed 000's C2FMultiHeadAttention is full multi-head attention whose packed projection is called
+// `qkv_proj` (a Linear d → 3d, chunked q, k, v) next to `out_proj`: the same parameters and math as
+// torch.nn.MultiheadAttention (and as seed 004's CoarseAttention). c2f::MultiHeadAttention loads those
+// names directly.
+//
+//   seed000_multihead [file.safetensors [prefix]]
+//
+// Without arguments it loads a fixture written by PyTorch whose module (seed 004's CoarseAttention)
+// has exactly seed 000's parameter names under the prefix "coarse.".
+#include <c2f/c2f.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <string>
+
+int main(int argc, char** argv) {
+  const std::string path = argc > 1 ? argv[1] : std::string(C2F_EXAMPLE_DATA_DIR) + "/c2f/coarse_m7_f32.safetensors";
+  const std::string prefix = argc > 2 ? argv[2] : "coarse.";
+  try {
+    const c2f::StateDict sd = c2f::load_safetensors(path);
+    for (const std::string& key : sd.keys(prefix)) {
+      std::printf("  %-28s %s\n", key.c_str(), c2f::detail::shape_string(sd.at(key).shape()).c_str());
+    }
+    c2f::MultiHeadAttention<float> mha(std::stol(sd.metadata().at("d_model")), std::stol(sd.metadata().at("n_heads")));
+    mha.load_state_dict(sd, prefix);  // qkv_proj.* is accepted as in_proj_*
+
+    const c2f::TensorData& xt = sd.at("x");
+    c2f::Tensor3<float> x(xt.shape()[0], xt.shape()[1], xt.shape()[2]);
+    xt.copy_to(x.data());
+    const c2f::Tensor3<float> y = mha.forward(x);
+    std::printf("MultiHeadAttention(%ld, %ld) with seed 000 names: y[0, 0, :4] = %+.6f %+.6f %+.6f %+.6f\n",
+                static_cast<long>(mha.embed_dim()), static_cast<long>(mha.num_heads()), y(0, 0, 0), y(0, 0, 1),
+                y(0, 0, 2), y(0, 0, 3));
+    if (sd.contains("output")) {
+      const std::vector<float> want = sd.at("output").to_vector<float>();
+      double max_diff = 0.0;
+      for (std::size_t i = 0; i < want.size(); ++i) max_diff = std::max(max_diff, double(std::abs(y.data()[i] - want[i])));
+      std::printf("max |c2f - PyTorch| = %.3g over %zu values\n", max_diff, want.size());
+      return max_diff <= 1e-5 ? 0 : 1;
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,73 @@
+// c2f kernels — fixed-size chunks of a sequence: mean pooling, broadcasting chunk rows back to tokens,
+// and the folded fine-attention step of coarse-to-fine attention.
+//
+// A sequence of length L is cut into m = ceil(L / chunk) chunks; chunk i of batch b holds the tokens
+// [i·chunk, min((i+1)·chunk, L)) — the last one may be partial. Chunk rows are indexed c = b·m + i.
+#pragma once
+
+#include "c2f/core.hpp"
+#include "c2f/detail/parallel.hpp"
+#include "c2f/detail/softmax.hpp"
+
+
+namespace c2f {
+namespace kernels {
+
+/// Chunks of a [batch, length] sequence.
+struct ChunkGrid {
+  Index batch = 0, length = 0, chunk = 1;
+
+  Index chunks_per_batch() const { return length == 0 ? 0 : (length + chunk - 1) / chunk; }
+  Index chunks() const { return batch * chunks_per_batch(); }
+  /// First token (within its batch) and number of real tokens of chunk c = b·m + i.
+  Index first(Index c) const { return (c % chunks_per_batch()) * chunk; }
+  Index count(Index c) const { return std::min(chunk, length - first(c)); }
+  /// Row of token 0 of chunk c in the [batch·length, features] token matrix.
+  Index row(Index c) const { return (c / chunks_per_batch()) * length + first(c); }
+};
+
+/// out[c] = mean of the real tokens of chunk c. x [batch·length, d], out [chunks, d].
+template <class Scalar>
+void chunk_mean(const Eigen::Ref<const RowMatrix<Scalar>>& x, const ChunkGrid& grid, Eigen::Ref<RowMatrix<Scalar>> out,
+                int num_threads) {
+  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
+    out.row(c) = x.middleRows(grid.row(c), grid.count(c)).colwise().sum() / static_cast<Scalar>(grid.count(c));
+  });
+}
+
+/// y[token] = chunk_rows[chunk of token] for every real token. chunk_rows [chunks, d], y [batch·length, d].
+template <class Scalar>
+void broadcast_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, const ChunkGrid& grid,
+                      Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
+  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
+    y.middleRows(grid.row(c), grid.count(c)).rowwise() = chunk_rows.row(c);
+  });
+}
+
+/// The folded fine-attention step. For every chunk c and head h, with one query per chunk:
+///   p_c,h = softmax_j( qk[c, h] · x_j + bias(c, h, j) )  over the real tokens j of chunk c,
+///   pooled[c, h] = Σ_j p_c,h[j] x_j   and   mass[c, h] = Σ_j p_c,h[j]  (1, or 0 if all keys are masked).
+/// qk [chunks, heads·d] holds, per head, the query already multiplied into the key projection and
+/// scaled (q_h W_k,h / sqrt(d_k)); pooled [chunks, heads·d]; mass [chunks, heads].
+/// `bias(c, h, j)` returns 0, an additive value or -inf (masked). Masked keys get exactly 0 weight.
+template <class Scalar, class Bias>
+void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const ChunkGrid& grid,
+                           const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads, Bias&& bias,
+                           Eigen::Ref<RowMatrix<Scalar>> pooled, Eigen::Ref<RowMatrix<Scalar>> mass, int num_threads) {
+  const Index d = x.cols();
+  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
+    const Index n = grid.count(c);
+    const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstRowsBlockXpr xc = x.middleRows(grid.row(c), n);
+    const Eigen::Map<const RowMatrix<Scalar>> q(qk.row(c).data(), heads, d);
+    RowMatrix<Scalar> p(heads, n);
+    p.noalias() = q * xc.transpose();
+    for (Index h = 0; h < heads; ++h) {
+      for (Index j = 0; j < n; ++j) p(h, j) += bias(c, h, j);
+      mass(c, h) = detail::softmax_row(p.row(h)) ? Scalar(1) : Scalar(0);
+    }
+    Eigen::Map<RowMatrix<Scalar>>(pooled.row(c).data(), heads, d).noalias() = p * xc;
+  });
+}
+
+}  // namespace kernels
+}  // namespace c2f
