@@ -7,12 +7,17 @@
 //   C2F (folded)  16·m·E·E + 4·m·m·E + 4·L·H·E + L·E,  m = ceil(L / chunk):
 //                 coarse qkv + out (8·m·E²), coarse attention (4·m²·E), fine q_proj, key fold, value
 //                 fold and out_proj (8·m·E²), per-chunk scores and pooling (4·L·H·E), chunk means (L·E)
+//   HMHA          14·L·E·E + 4·L·W·E + 4·n·n·E + 4·L·|S|·E,  n = ceil(L / W), |S| = 2·ceil(log2 L) + 1:
+//                 three C3K2 projections (conv3 3·L·E², conv2 L·E² each) and out_proj (2·L·E²), level 1
+//                 (full windows), level 2 (window means), level 3 (|S| keys per token)
 #include <benchmark/benchmark.h>
 
 #include "c2f/kernels/linear.hpp"
 #include "c2f/layers/c2f_attention.hpp"
+#include "c2f/layers/hmha.hpp"
 #include "c2f/layers/multihead_attention.hpp"
 
+#include <cmath>
 #include <random>
 
 namespace {
@@ -79,6 +84,22 @@ void BM_C2F(benchmark::State& state) {
   state.counters["workspace_bytes"] = double(c2f_attn.fine_attn().folded_workspace_bytes(1, length, chunk));
 }
 
+void BM_HMHA(benchmark::State& state) {
+  const Eigen::Index length = state.range(0), window = state.range(1);
+  c2f::HMHA<float>::Options options;
+  options.num_threads = kThreads;
+  const c2f::HMHA<float> hmha(kEmbed, kHeads, window, options);
+  const c2f::Tensor3<float> x = random_input(length);
+  for (auto _ : state) {
+    c2f::Tensor3<float> y = hmha.forward(x);
+    benchmark::DoNotOptimize(y.data());
+  }
+  const double L = double(length), E = double(kEmbed), W = double(window);
+  const double n = double((length + window - 1) / window);
+  const double keys = 2.0 * std::ceil(std::log2(L)) + 1.0;
+  set_counters(state, 14.0 * L * E * E + 4.0 * L * W * E + 4.0 * n * n * E + 4.0 * L * keys * E, length);
+}
+
 }  // namespace
 
 BENCHMARK(BM_Gemm)->ArgsProduct({{1024, 4096}, {1, kThreads}})->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -87,5 +108,9 @@ BENCHMARK_CAPTURE(BM_Mha, streaming, c2f::AttentionKernel::Streaming)
 BENCHMARK_CAPTURE(BM_Mha, naive, c2f::AttentionKernel::Naive)
     ->RangeMultiplier(2)->Range(256, 1024)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_C2F)->ArgsProduct({{1024, 4096, 16384}, {32}})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_HMHA)
+    ->ArgsProduct({{1024, 2048, 4096, 8192, 16384, 32768}, {64}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 BENCHMARK_MAIN();

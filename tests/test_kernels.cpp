@@ -118,8 +118,9 @@ Problem<Scalar> random_problem(TestRng& rng, int rep) {
   const int attn_kind = static_cast<int>(rng.uniform_int(0, 4));
   const Index n = rng.pick(std::vector<Index>{1, p.batch, p.batch * p.heads});
   if (attn_kind == 1) {
-    p.attn = c2f::AttnMask<Scalar>::causal();
-    d << " mask=causal";
+    const Index diagonal = rng.pick(std::vector<Index>{0, 0, -1, 1, -5, 40});
+    p.attn = c2f::AttnMask<Scalar>::causal(diagonal);
+    d << " mask=causal(" << diagonal << ")";
   } else if (attn_kind == 2 || attn_kind == 3) {
     c2f::BoolTensor3 m(n, p.lq, p.lk);
     const double density = rng.uniform(0.05, 0.95);

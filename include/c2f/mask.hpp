@@ -9,7 +9,9 @@
 //                             (torch.nn.MultiheadAttention's `attn_mask` convention)
 //   AttnMask<S>::additive(m)  floating point, added to the scaled scores; -inf masks a key
 //                             (a float `attn_mask` in either PyTorch API)
-//   AttnMask<S>::causal()     query i sees keys j <= i (top-left aligned, like SDPA's is_causal)
+//   AttnMask<S>::causal()     query i sees keys j <= i (top-left aligned, like SDPA's is_causal);
+//                             causal(diagonal) shifts the edge: keys j <= i + diagonal (diagonal -1 =
+//                             strictly earlier keys; torch.triu(ones, diagonal + 1) in ignore form)
 //
 //   KeyPaddingMask<S>::keep(m) / ::ignore(m)   boolean [batch, keys], same conventions as above
 //                             (nn.MultiheadAttention's `key_padding_mask`: true = ignore)
@@ -39,7 +41,7 @@ enum class MaskKind {
   Keep,      ///< boolean, true = may attend (stored internally as keep flags)
   Ignore,    ///< boolean, true = masked out (converted to keep flags on construction)
   Additive,  ///< floating point, added to the scores
-  Causal,    ///< key j visible from query i iff j <= i
+  Causal,    ///< key j visible from query i iff j <= i + diagonal
   Lengths,   ///< key padding by valid length per batch
 };
 
@@ -80,9 +82,11 @@ class AttnMask {
   AttnMask() = default;
 
   static AttnMask none() { return AttnMask(); }
-  static AttnMask causal() {
+  /// Query i sees keys j <= i + diagonal (default 0: itself and earlier keys).
+  static AttnMask causal(Index diagonal = 0) {
     AttnMask m;
     m.kind_ = MaskKind::Causal;
+    m.diagonal_ = diagonal;
     return m;
   }
 
@@ -132,6 +136,8 @@ class AttnMask {
 
   MaskKind kind() const { return kind_; }
   bool is_none() const { return kind_ == MaskKind::None; }
+  /// Causal masks: the last visible key of query i is i + diagonal().
+  Index diagonal() const { return diagonal_; }
   /// [n, queries, keys] of a tensor mask (n = 1 for a 2-D mask); zeros for none/causal.
   const std::array<Index, 3>& dims() const { return dims_; }
   /// Keep flags (1 = may attend), row-major over dims(); only for Keep/Ignore.
@@ -156,6 +162,7 @@ class AttnMask {
   }
 
   MaskKind kind_ = MaskKind::None;
+  Index diagonal_ = 0;
   std::array<Index, 3> dims_{0, 0, 0};
   std::vector<std::uint8_t> keep_;
   std::vector<Scalar> add_;

@@ -12,15 +12,20 @@ Policy:
 * Tensors that are generator inputs (parameters ``mha.*``, ``query``/``key``/``value``, masks) come from
   numpy's RandomState and must be bit-identical.
 * Tensors computed by torch (each family declares them; for mha: ``output``, ``weights``; for c2f:
-  ``output``, ``coarse_input``, ``coarse_output``) may differ in the last bits across CPUs/BLAS builds,
-  and must satisfy |new - committed| <= atol + rtol * |committed| with atol = rtol = 1e-6 for F32 and
-  1e-12 for F64; NaN and +-inf positions must be identical.
+  ``output``, ``coarse_input``, ``coarse_output``; for conv1d: ``output``; for hmha: ``output_l1``,
+  ``output_l2``, ``output_l3``, ``output_all``, ``q``, ``k``, ``v``) may differ in the last bits across
+  CPUs/BLAS builds, and must satisfy |new - committed| <= atol + rtol * |committed| with
+  atol = rtol = 1e-6 for F32 and 1e-12 for F64; NaN and +-inf positions must be identical.
 * Independently of torch, every mha fixture is also checked against a small float64 numpy
   implementation of multi-head attention (loose tolerance: 1e-4 for f32 files, 1e-10 for f64), so a
   fixture that encodes a torch quirk rather than the documented semantics is caught. Likewise every c2f
   fixture (``output``, ``coarse_input``, ``coarse_output``) against a float64 numpy implementation of
   seed 004's coarse-to-fine attention with padding, plus its contract (shapes, mask metadata, no query
   row without a kept real key).
+* Every conv1d and hmha fixture is cross-checked (same tolerances) against float64 numpy code that is a
+  second formulation next to the dense torch one (hmha_reference.py): convolutions as explicit loops
+  over output positions, groups and taps; HMHA with every window, window mean and sparse set S(i)
+  enumerated per batch item, head and position. Tensor names and shapes are checked against the metadata.
 * ``--determinism`` additionally generates twice and requires byte-identical files.
 """
 
@@ -367,7 +372,185 @@ def crosscheck_c2f(np, st, committed_dir, report):
                                stat_key=f"numpy-reference {dtype}")
 
 
-CROSSCHECKS = {"mha": crosscheck_mha, "c2f": crosscheck_c2f}
+# --- independent numpy reference for the conv1d and hmha families -----------------------------------
+
+def conv1d_loops(np, x, w, bias, padding, groups):
+    """float64 torch.nn.Conv1d semantics in [B, L, C] layout, by explicit loops over output positions,
+    groups and kernel taps: out[b, l, o] = bias[o] + sum_{c, j} w[o, c, j] * x[b, l + j - padding, g*cin + c]
+    (taps outside [0, L) read zero)."""
+    B, L, _ = x.shape
+    c_out, cin_g, k = w.shape
+    cout_g = c_out // groups
+    L_out = L + 2 * padding - k + 1
+    out = np.zeros((B, L_out, c_out))
+    for l in range(L_out):
+        for g in range(groups):
+            o_sl = slice(g * cout_g, (g + 1) * cout_g)
+            for j in range(k):
+                src = l + j - padding
+                if 0 <= src < L:
+                    out[:, l, o_sl] += x[:, src, g * cin_g:(g + 1) * cin_g] @ w[o_sl, :, j].T
+    if bias is not None:
+        out += bias
+    return out
+
+
+def c3k2_loops(np, x, f, prefix):
+    """C3K2Projection: [conv3 (k=3, padding 1) | conv2 (k=1)] along channels."""
+    y3 = conv1d_loops(np, x, f(prefix + "conv3.weight"), f(prefix + "conv3.bias"), 1, 1)
+    y2 = conv1d_loops(np, x, f(prefix + "conv2.weight"), f(prefix + "conv2.bias"), 0, 1)
+    return np.concatenate([y3, y2], axis=-1)
+
+
+def _softmax_rows(np, q, keys, vals, dh):
+    """q [dh], keys/vals [n, dh]; n = 0 gives a zero vector."""
+    if len(keys) == 0:
+        return np.zeros(dh)
+    s = keys @ q / np.sqrt(dh)
+    e = np.exp(s - s.max())
+    return (e / e.sum()) @ vals
+
+
+def sparse_set(i, L, causal):
+    """S(i) = {i} U {i - 2^p} (U {i + 2^p} unless causal), p = 0, 1, ... inside [0, L); sorted."""
+    s, step = {i}, 1
+    while step < L:
+        if i - step >= 0:
+            s.add(i - step)
+        if not causal and i + step < L:
+            s.add(i + step)
+        step *= 2
+    return sorted(s)
+
+
+def hmha_levels_loops(np, q, k, v, H, W, causal):
+    """Per-level head outputs [B, L, dim] of HMHA from the projections, windows and S(i) enumerated."""
+    B, L, d = q.shape
+    dh = d // H
+    m = -(-L // W)
+    windows = [list(range(j * W, min((j + 1) * W, L))) for j in range(m)]
+    o = {lvl: np.zeros((B, L, d)) for lvl in (1, 2, 3)}
+    for bi in range(B):
+        for h in range(H):
+            cs = slice(h * dh, (h + 1) * dh)
+            qh, kh, vh = q[bi, :, cs], k[bi, :, cs], v[bi, :, cs]
+            # level 2: window means, then attention among windows
+            qb = np.array([qh[win].mean(axis=0) for win in windows])
+            kb = np.array([kh[win].mean(axis=0) for win in windows])
+            vb = np.array([vh[win].mean(axis=0) for win in windows])
+            ctx = []
+            for j in range(m):
+                js = [jj for jj in range(m) if not causal or jj < j]
+                ctx.append(_softmax_rows(np, qb[j], kb[js], vb[js], dh))
+            for j, win in enumerate(windows):
+                for i in win:
+                    keys = [t for t in win if not causal or t <= i]
+                    o[1][bi, i, cs] = _softmax_rows(np, qh[i], kh[keys], vh[keys], dh)
+                    o[2][bi, i, cs] = ctx[j]
+                    sset = sparse_set(i, L, causal)
+                    o[3][bi, i, cs] = _softmax_rows(np, qh[i], kh[sset], vh[sset], dh)
+    return o
+
+
+HMHA_OUTPUT_LEVELS = {"output_l1": (1,), "output_l2": (2,), "output_l3": (3,), "output_all": (1, 2, 3)}
+
+
+def conv1d_family_reference(np, t, md):
+    f = lambda name: t[name].astype(np.float64)  # noqa: E731
+    if md["module"] == "conv1d":
+        bias = f("conv.bias") if md["bias"] == "true" else None
+        return {"output": conv1d_loops(np, f("x"), f("conv.weight"), bias, int(md["padding"]),
+                                       int(md["groups"]))}
+    if md["module"] == "c3k2":
+        return {"output": c3k2_loops(np, f("x"), f, "c3k2.")}
+    raise ValueError(f"unknown module {md['module']!r}")
+
+
+def hmha_reference(np, t, md):
+    f = lambda name: t[name].astype(np.float64)  # noqa: E731
+    x = f("x")
+    q, k, v = (c3k2_loops(np, x, f, f"hmha.{p}_proj.") for p in "qkv")
+    o = hmha_levels_loops(np, q, k, v, int(md["heads"]), int(md["window"]), md["causal"] == "true")
+    res = {"q": q, "k": k, "v": v}
+    for name, levels in HMHA_OUTPUT_LEVELS.items():
+        res[name] = sum(o[lvl] for lvl in levels) @ f("hmha.out_proj.weight").T + f("hmha.out_proj.bias")
+    return res
+
+
+def _conv_family_contract(np, t, md, rel, report):
+    """Tensor names and shapes agree with the metadata."""
+    B, L = int(md["batch"]), int(md["seq_len"])
+    module = md["module"]
+    if module == "conv1d":
+        ci, co, kk = int(md["in_channels"]), int(md["out_channels"]), int(md["kernel_size"])
+        p, g = int(md["padding"]), int(md["groups"])
+        lo = L + 2 * p - kk + 1
+        shapes = {"conv.weight": (co, ci // g, kk), "x": (B, L, ci), "output": (B, lo, co)}
+        if md["bias"] == "true":
+            shapes["conv.bias"] = (co,)
+        if md.get("out_len") != str(lo):
+            report.error(f"{rel}: out_len {md.get('out_len')!r}, expected {lo}")
+    elif module == "c3k2":
+        d = int(md["dim"])
+        shapes = {"c3k2.conv3.weight": (d // 2, d, 3), "c3k2.conv3.bias": (d // 2,),
+                  "c3k2.conv2.weight": (d - d // 2, d, 1), "c3k2.conv2.bias": (d - d // 2,),
+                  "x": (B, L, d), "output": (B, L, d)}
+    elif module == "hmha":
+        d, H, W = int(md["dim"]), int(md["heads"]), int(md["window"])
+        if md.get("num_windows") != str(-(-L // W)):
+            report.error(f"{rel}: num_windows {md.get('num_windows')!r} != ceil({L} / {W})")
+        if d % H:
+            report.error(f"{rel}: dim {d} not divisible by heads {H}")
+        shapes = {"x": (B, L, d), "hmha.out_proj.weight": (d, d), "hmha.out_proj.bias": (d,)}
+        for p in "qkv":
+            shapes.update({f"hmha.{p}_proj.conv3.weight": (d // 2, d, 3),
+                           f"hmha.{p}_proj.conv3.bias": (d // 2,),
+                           f"hmha.{p}_proj.conv2.weight": (d - d // 2, d, 1),
+                           f"hmha.{p}_proj.conv2.bias": (d - d // 2,),
+                           p: (B, L, d)})
+        shapes.update({name: (B, L, d) for name in HMHA_OUTPUT_LEVELS})
+    else:
+        report.error(f"{rel}: unknown module {module!r}")
+        return False
+    ok = True
+    for name in sorted(set(shapes) | set(t)):
+        if name not in shapes:
+            report.error(f"{rel}: unexpected tensor '{name}'")
+            ok = False
+        elif name not in t:
+            report.error(f"{rel}: tensor '{name}' missing")
+            ok = False
+        elif t[name].shape != shapes[name]:
+            report.error(f"{rel}: {name} has shape {list(t[name].shape)}, expected {list(shapes[name])}")
+            ok = False
+    return ok
+
+
+def _crosscheck_with(reference, family):
+    def crosscheck(np, st, committed_dir, report):
+        for path in sorted(committed_dir.glob("*.safetensors")):
+            rel = f"{family}/{path.name}"
+            try:
+                raw, md = st.load_file(path)
+            except st.SafetensorsError:
+                continue  # already reported
+            t = {k: st.to_numpy(v) for k, v in raw.items()}
+            dtype = raw["x"].dtype
+            tol = CROSSCHECK_TOLERANCE[dtype]
+            if not _conv_family_contract(np, t, md, rel, report):
+                continue
+            for name, ref in reference(np, t, md).items():
+                compare_values(np, ref, t[name], dtype, tol, tol, f"{rel}:{name} vs numpy reference", report,
+                               stat_key=f"numpy-reference {dtype}")
+    return crosscheck
+
+
+crosscheck_conv1d = _crosscheck_with(conv1d_family_reference, "conv1d")
+crosscheck_hmha = _crosscheck_with(hmha_reference, "hmha")
+
+
+CROSSCHECKS = {"mha": crosscheck_mha, "c2f": crosscheck_c2f, "conv1d": crosscheck_conv1d,
+               "hmha": crosscheck_hmha}
 
 
 def main(argv=None):

@@ -44,6 +44,7 @@ sys.dont_write_bytecode = True  # keep __pycache__ out of the source tree
 sys.path.insert(0, str(HERE))
 import safetensors_io as st  # noqa: E402
 import c2f_reference as c2f_ref  # noqa: E402
+import hmha_reference as hmha_ref  # noqa: E402
 
 # dtype tag -> (numpy dtype, torch dtype); every case is produced in both.
 DTYPES = {"f32": (np.float32, torch.float32), "f64": (np.float64, torch.float64)}
@@ -785,6 +786,317 @@ def gen_c2f(family_dir: Path) -> List[dict]:
 
 
 # =====================================================================================================
+# Family "conv1d": torch.nn.Conv1d in c2f's [B, L, C] layout, and seed 002's C3K2Projection
+# =====================================================================================================
+
+def conv_uniform(rs: np.random.RandomState, shape: Tuple[int, ...], fan_in: int) -> np.ndarray:
+    """Convolution weights ~ U(-a, a), a = 1 / sqrt(fan_in) (fan_in = in_channels / groups * kernel_size,
+    the bound of torch's default Conv1d init)."""
+    a = 1.0 / math.sqrt(fan_in)
+    return rs.uniform(-a, a, size=shape)
+
+
+def _load_exactly(mod: torch.nn.Module, params: Dict[str, np.ndarray], np_dt, case: str) -> None:
+    """load_state_dict(strict=True) from float64 numpy values cast to np_dt, then verify the values."""
+    sd_names = set(mod.state_dict().keys())
+    if sd_names != set(params):
+        raise RuntimeError(f"{case}: state_dict keys {sorted(sd_names)} != generated {sorted(params)}")
+    mod.load_state_dict({k: torch.from_numpy(v.astype(np_dt)) for k, v in params.items()}, strict=True)
+    mod.eval()
+    for k, v in mod.state_dict().items():
+        if not np.array_equal(to_numpy(v), params[k].astype(np_dt)):
+            raise RuntimeError(f"{case}: parameter {k} was not loaded exactly")
+
+
+def _check_dtypes(case: str, tensors: Dict[str, np.ndarray], np_dt) -> None:
+    for k, v in tensors.items():
+        if v.dtype != np_dt:
+            raise RuntimeError(f"{case}: tensor {k} has dtype {v.dtype}")
+
+
+CONV1D_MODULES = ("conv1d", "c3k2")
+
+
+@dataclass(frozen=True)
+class ConvCase:
+    name: str
+    seed: int
+    description: str
+    module: str  # "conv1d" (torch.nn.Conv1d) | "c3k2" (hmha_reference.C3K2Projection)
+    seq_len: int
+    batch: int = 2
+    # conv1d
+    in_channels: int = 8
+    out_channels: int = 6
+    kernel_size: int = 3
+    padding: int = 0
+    groups: int = 1
+    bias: bool = True
+    # c3k2
+    dim: int = 16
+    heads: int = 4
+
+    @property
+    def out_len(self) -> int:
+        if self.module == "c3k2":
+            return self.seq_len
+        return self.seq_len + 2 * self.padding - self.kernel_size + 1
+
+
+def _conv(name, seed, description, k, p, g, L=13, **kw) -> ConvCase:
+    return ConvCase(name, seed, description, "conv1d", L, kernel_size=k, padding=p, groups=g, **kw)
+
+
+CONV1D_CASES: List[ConvCase] = [
+    # --- kernel size x groups x padding 0 / k // 2 (L = 13, in 8, out 6) ------------------------------
+    _conv("conv_k1_p0_g1", 5101, "Conv1d k=1 (pointwise), no padding", 1, 0, 1),
+    _conv("conv_k1_p0_g2", 5102, "Conv1d k=1, groups 2 (4 in / 3 out channels per group)", 1, 0, 2),
+    _conv("conv_k3_p0_g1", 5103, "Conv1d k=3, padding 0: L_out = L - 2", 3, 0, 1),
+    _conv("conv_k3_p1_g1", 5104, "Conv1d k=3, padding 1 (same length)", 3, 1, 1),
+    _conv("conv_k3_p0_g2", 5105, "Conv1d k=3, padding 0, groups 2", 3, 0, 2),
+    _conv("conv_k3_p1_g2", 5106, "Conv1d k=3, padding 1, groups 2", 3, 1, 2),
+    _conv("conv_k5_p0_g1", 5107, "Conv1d k=5, padding 0: L_out = L - 4", 5, 0, 1),
+    _conv("conv_k5_p2_g1", 5108, "Conv1d k=5, padding 2 (same length)", 5, 2, 1),
+    _conv("conv_k5_p0_g2", 5109, "Conv1d k=5, padding 0, groups 2", 5, 0, 2),
+    _conv("conv_k5_p2_g2", 5110, "Conv1d k=5, padding 2, groups 2", 5, 2, 2),
+    # --- edges ---------------------------------------------------------------------------------------
+    _conv("conv_k3_p1_l1", 5201, "Conv1d k=3, padding 1, L = 1: only the centre tap sees data", 3, 1, 1, L=1),
+    _conv("conv_k3_p2_g1", 5202, "Conv1d k=3, padding 2 > k // 2: L_out = L + 2, border outputs "
+          "see a single real tap", 3, 2, 1),
+    _conv("conv_k1_p1_g1", 5203, "Conv1d k=1, padding 1: the first and last outputs are the bias alone",
+          1, 1, 1),
+    _conv("conv_k5_p2_l3", 5204, "Conv1d k=5, padding 2, L = 3 < k: every output window reaches into "
+          "the padding", 5, 2, 1, L=3),
+    _conv("conv_k5_p0_l5", 5205, "Conv1d k=5, padding 0, L = k: a single output position", 5, 0, 1, L=5),
+    _conv("conv_k3_p1_nobias", 5206, "Conv1d k=3, padding 1, bias=False (no conv.bias tensor)", 3, 1, 1,
+          bias=False),
+    _conv("conv_depthwise_k3_p1", 5207, "Conv1d in 4, out 8, groups 4 (depthwise, 2 outputs per input "
+          "channel), k=3, padding 1", 3, 1, 4, in_channels=4, out_channels=8),
+    _conv("conv_k3_p1_b1_l64", 5208, "Conv1d k=3, padding 1, batch 1, L = 64, in 16, out 8 (C3K2's conv3 "
+          "shape)", 3, 1, 1, L=64, batch=1, in_channels=16, out_channels=8),
+    # --- C3K2Projection ------------------------------------------------------------------------------
+    ConvCase("c3k2_d16_l1", 5301, "C3K2Projection dim 16: conv3 (k=3, padding 1) -> 8 | conv2 (k=1) -> 8, "
+             "L = 1", "c3k2", 1),
+    ConvCase("c3k2_d16_l7", 5302, "C3K2Projection dim 16, L = 7", "c3k2", 7),
+    ConvCase("c3k2_d16_l64", 5303, "C3K2Projection dim 16, L = 64", "c3k2", 64),
+    ConvCase("c3k2_d15_l13", 5304, "C3K2Projection odd dim 15 (heads 3): conv3 -> 7 channels | conv2 -> 8",
+             "c3k2", 13, dim=15, heads=3),
+    ConvCase("c3k2_d15_l2", 5305, "C3K2Projection odd dim 15 (heads 3), L = 2", "c3k2", 2, dim=15, heads=3),
+]
+
+
+def _c3k2_parameters(rs: np.random.RandomState, dim: int, prefix: str = "") -> Dict[str, np.ndarray]:
+    """conv3 [dim // 2, dim, 3] and conv2 [dim - dim // 2, dim, 1], weights U(+-1/sqrt(fan_in))."""
+    d3, d2 = dim // 2, dim - dim // 2
+    p = {}
+    p[prefix + "conv3.weight"] = conv_uniform(rs, (d3, dim, 3), 3 * dim)
+    p[prefix + "conv3.bias"] = bias_uniform(rs, d3)
+    p[prefix + "conv2.weight"] = conv_uniform(rs, (d2, dim, 1), dim)
+    p[prefix + "conv2.bias"] = bias_uniform(rs, d2)
+    return p
+
+
+def _conv_case_files(family_dir: Path, c: ConvCase) -> dict:
+    if c.module not in CONV1D_MODULES:
+        raise ValueError(f"{c.name}: unknown module {c.module!r}")
+    rs = stream(c.seed, "weights")
+    if c.module == "conv1d":
+        if c.in_channels % c.groups or c.out_channels % c.groups:
+            raise ValueError(f"{c.name}: channels not divisible by groups")
+        if c.out_len < 1:
+            raise ValueError(f"{c.name}: empty output")
+        cin_g = c.in_channels // c.groups
+        params = {"weight": conv_uniform(rs, (c.out_channels, cin_g, c.kernel_size), cin_g * c.kernel_size)}
+        if c.bias:
+            params["bias"] = bias_uniform(rs, c.out_channels)
+        c_in, c_out, prefix = c.in_channels, c.out_channels, "conv."
+        meta = {"module": "conv1d", "in_channels": str(c.in_channels), "out_channels": str(c.out_channels),
+                "kernel_size": str(c.kernel_size), "padding": str(c.padding), "groups": str(c.groups),
+                "bias": b(c.bias), "batch": str(c.batch), "seq_len": str(c.seq_len),
+                "out_len": str(c.out_len)}
+    else:
+        if c.dim % c.heads:
+            raise ValueError(f"{c.name}: dim not divisible by heads")
+        params = _c3k2_parameters(rs, c.dim)
+        c_in = c_out = c.dim
+        prefix = "c3k2."
+        meta = {"module": "c3k2", "dim": str(c.dim), "heads": str(c.heads), "batch": str(c.batch),
+                "seq_len": str(c.seq_len)}
+    meta.update(seed=str(c.seed), torch_version=torch_version(), description=c.description)
+    x = stream(c.seed, "inputs").standard_normal(size=(c.batch, c.seq_len, c_in))
+
+    files = {}
+    for tag, (np_dt, t_dt) in DTYPES.items():
+        if c.module == "conv1d":
+            mod = torch.nn.Conv1d(c.in_channels, c.out_channels, c.kernel_size, padding=c.padding,
+                                  groups=c.groups, bias=c.bias)
+        else:
+            mod = hmha_ref.C3K2Projection(c.dim, c.heads)
+        if t_dt == torch.float64:
+            mod = mod.double()
+        _load_exactly(mod, params, np_dt, c.name)
+        with torch.no_grad():
+            xt = torch.from_numpy(x.astype(np_dt))
+            out = to_numpy(hmha_ref.conv1d_blc(mod, xt) if c.module == "conv1d" else mod(xt))
+        if out.shape != (c.batch, c.out_len, c_out) or not np.isfinite(out).all():
+            raise RuntimeError(f"{c.name}/{tag}: output shape {out.shape} or not finite")
+        tensors = {prefix + k: v.astype(np_dt) for k, v in params.items()}
+        tensors["x"] = x.astype(np_dt)
+        tensors["output"] = out
+        _check_dtypes(c.name, tensors, np_dt)
+        files[tag] = write_case(family_dir, c.name, tag, tensors, meta)
+    return {"name": c.name, "files": files, **{k: meta[k] for k in sorted(meta)}}
+
+
+@register_family(
+    "conv1d", computed=("output",),
+    description="torch.nn.Conv1d in [B, L, C] layout (kernel, padding, groups, bias) and seed 002's "
+                "C3K2Projection (hmha_reference.py)")
+def gen_conv1d(family_dir: Path) -> List[dict]:
+    names = [c.name for c in CONV1D_CASES]
+    if len(set(names)) != len(names) or len({c.seed for c in CONV1D_CASES}) != len(CONV1D_CASES):
+        raise RuntimeError("conv1d case names and seeds must be unique")
+    return [_conv_case_files(family_dir, c) for c in CONV1D_CASES]
+
+
+# =====================================================================================================
+# Family "hmha": seed 002's hierarchical multi-head attention, dense formulation (hmha_reference.py)
+# =====================================================================================================
+
+# Output tensor -> the attention levels switched on.
+HMHA_OUTPUTS = {"output_l1": (1,), "output_l2": (2,), "output_l3": (3,), "output_all": (1, 2, 3)}
+HMHA_GRID_L = (1, 5, 64, 150, 257)
+HMHA_GRID_W = (4, 16, 64)
+
+
+@dataclass(frozen=True)
+class HmhaCase:
+    name: str
+    seed: int  # shared by all cases of one problem (L, dim, heads, batch): same weights and x
+    description: str
+    seq_len: int
+    window: int
+    causal: bool
+    dim: int = 16
+    heads: int = 4
+    batch: int = 2
+
+    @property
+    def num_windows(self) -> int:
+        return hmha_ref.num_windows(self.seq_len, self.window)
+
+
+def _hmha_cases() -> List[HmhaCase]:
+    cases = []
+
+    def add(L, W, dim, heads, batch, seed, what):
+        for causal in (False, True):
+            m = hmha_ref.num_windows(L, W)
+            last = L - (m - 1) * W
+            desc = (f"HMHA {what}, L = {L}, window {W}: {m} window(s), the last with {last} token(s)"
+                    f"{', causal' if causal else ''}; weights and x shared by every hmha case of seed {seed}")
+            name = f"hmha{'_dh3' if dim == 24 else ''}_l{L}_w{W}{'_causal' if causal else ''}"
+            cases.append(HmhaCase(name, seed, desc, L, W, causal, dim, heads, batch))
+
+    for L in HMHA_GRID_L:
+        batch = 2 if L <= 64 else 1  # keeps the family under ~6 MB
+        for W in HMHA_GRID_W:
+            add(L, W, 16, 4, batch, 6000 + L, f"dim 16, 4 heads (dh 4), batch {batch}")
+    add(37, 8, 24, 8, 2, 6800 + 37, "dim 24, 8 heads (dh 3), batch 2")
+    return cases
+
+
+HMHA_CASES: List[HmhaCase] = _hmha_cases()
+
+
+def _hmha_parameters(c: HmhaCase) -> Dict[str, np.ndarray]:
+    rs = stream(c.seed, "weights")
+    p = {}
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        p.update(_c3k2_parameters(rs, c.dim, prefix=proj + "."))
+    p["out_proj.weight"] = glorot_uniform(rs, c.dim, c.dim)
+    p["out_proj.bias"] = bias_uniform(rs, c.dim)
+    return p
+
+
+def _plain_attention(mod: "hmha_ref.HMHA", x: torch.Tensor, causal: bool) -> torch.Tensor:
+    """out_proj(softmax(q k^T / sqrt(dh)) v) over ALL tokens (causal: t <= i), same projections."""
+    q, k, v = (mod.split_heads(t) for t in mod.project(x))
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(mod.head_dim)
+    if causal:
+        L = x.shape[1]
+        s = s.masked_fill(torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1), float("-inf"))
+    o = torch.softmax(s, dim=-1) @ v
+    return mod.out_proj(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], mod.dim))
+
+
+def _hmha_metamorphic_check(c: HmhaCase, params, x: np.ndarray) -> None:
+    """Assert: with W >= L and only level 1 on, HMHA is plain softmax attention over all tokens."""
+    xt = torch.from_numpy(x)
+    for W in (c.seq_len, c.seq_len + 3):
+        mod = hmha_ref.HMHA(c.dim, c.heads, window=W, levels=(1,), causal=c.causal).double()
+        _load_exactly(mod, params, np.float64, c.name)
+        with torch.no_grad():
+            diff = float((mod(xt) - _plain_attention(mod, xt, c.causal)).abs().max())
+        if not diff <= 1e-12:
+            raise AssertionError(f"{c.name}: level 1 with window {W} >= L differs from plain attention "
+                                 f"by {diff:g}")
+
+
+def _hmha_case_files(family_dir: Path, c: HmhaCase) -> dict:
+    if c.dim % c.heads:
+        raise ValueError(f"{c.name}: dim not divisible by heads")
+    B, L, d = c.batch, c.seq_len, c.dim
+    params = _hmha_parameters(c)
+    x = stream(c.seed, "inputs").standard_normal(size=(B, L, d))
+    _hmha_metamorphic_check(c, params, x)
+
+    meta = {"module": "hmha", "dim": str(d), "heads": str(c.heads), "window": str(c.window),
+            "causal": b(c.causal), "batch": str(B), "seq_len": str(L), "num_windows": str(c.num_windows),
+            "seed": str(c.seed), "torch_version": torch_version(), "description": c.description}
+    files = {}
+    for tag, (np_dt, t_dt) in DTYPES.items():
+        tensors = {"hmha." + k: v.astype(np_dt) for k, v in params.items()}
+        tensors["x"] = x.astype(np_dt)
+        xt = torch.from_numpy(tensors["x"])
+        qkv = None
+        for out_name, levels in HMHA_OUTPUTS.items():
+            mod = hmha_ref.HMHA(d, c.heads, window=c.window, levels=levels, causal=c.causal)
+            if t_dt == torch.float64:
+                mod = mod.double()
+            _load_exactly(mod, params, np_dt, c.name)
+            with torch.no_grad():
+                out, proj = mod(xt, return_qkv=True)
+            out, proj = to_numpy(out), tuple(to_numpy(t) for t in proj)
+            if out.shape != (B, L, d) or not np.isfinite(out).all():
+                raise RuntimeError(f"{c.name}/{tag}: {out_name} shape {out.shape} or not finite")
+            if qkv is not None and not all(np.array_equal(a, b_) for a, b_ in zip(qkv, proj)):
+                raise RuntimeError(f"{c.name}/{tag}: q/k/v differ between level configurations")
+            qkv = proj
+            tensors[out_name] = out
+        tensors.update(q=qkv[0], k=qkv[1], v=qkv[2])
+        _check_dtypes(c.name, tensors, np_dt)
+        files[tag] = write_case(family_dir, c.name, tag, tensors, meta)
+    return {"name": c.name, "files": files, **{k: meta[k] for k in sorted(meta)}}
+
+
+@register_family(
+    "hmha", computed=tuple(HMHA_OUTPUTS) + ("q", "k", "v"),
+    description="seed 002's HMHA (C3K2 q/k/v projections; local window, cross-window and power-of-two "
+                "sparse levels), dense reference (hmha_reference.py)")
+def gen_hmha(family_dir: Path) -> List[dict]:
+    names = [c.name for c in HMHA_CASES]
+    if len(set(names)) != len(names):
+        raise RuntimeError("HMHA case names must be unique")
+    problems = {}
+    for c in HMHA_CASES:  # one seed per problem (L, dim, heads, batch); cases differ by window / causal
+        if problems.setdefault(c.seed, (c.seq_len, c.dim, c.heads, c.batch)) != (c.seq_len, c.dim, c.heads,
+                                                                                  c.batch):
+            raise RuntimeError(f"{c.name}: seed {c.seed} reused for a different problem")
+    return [_hmha_case_files(family_dir, c) for c in HMHA_CASES]
+
+
+# =====================================================================================================
 # Driver
 # =====================================================================================================
 
@@ -823,6 +1135,10 @@ def main(argv=None) -> int:
             print(f"  mha/{c.name}: {c.description}")
         for c in C2F_CASES:
             print(f"  c2f/{c.name}: {c.description}")
+        for c in CONV1D_CASES:
+            print(f"  conv1d/{c.name}: {c.description}")
+        for c in HMHA_CASES:
+            print(f"  hmha/{c.name}: {c.description}")
         return 0
     generate(args.out, args.family, verbose=not args.quiet)
     return 0

@@ -65,7 +65,7 @@ class MaskPlan {
     if (attn_) {
       switch (attn_->kind()) {
         case MaskKind::Causal:
-          if (j > i) return kMasked;
+          if (j > i + attn_->diagonal()) return kMasked;
           break;
         case MaskKind::Additive: out += attn_->additive_values()[attn_index(b, h, i, j)]; break;
         default:
@@ -90,8 +90,9 @@ class MaskPlan {
     BlockMask out = BlockMask::Clear;
     if (attn_) {
       if (attn_->kind() == MaskKind::Causal) {
-        if (j0 > i0 + ni - 1) return BlockMask::Skip;
-        if (j0 + nj - 1 > i0) out = BlockMask::Partial;
+        const Index last_row_edge = i0 + ni - 1 + attn_->diagonal();  // last visible key of the last row
+        if (j0 > last_row_edge) return BlockMask::Skip;
+        if (j0 + nj - 1 > i0 + attn_->diagonal()) out = BlockMask::Partial;
       } else {
         out = BlockMask::Partial;
       }
@@ -117,7 +118,7 @@ class MaskPlan {
       switch (attn_->kind()) {
         case MaskKind::Causal:
           for (Index r = 0; r < rows; ++r) {
-            const Index first = std::max<Index>(0, i0 + r + 1 - j0);
+            const Index first = std::min(cols, std::max<Index>(0, i0 + r + attn_->diagonal() + 1 - j0));
             for (Index c = first; c < cols; ++c) S(r, c) = kMasked;
           }
           break;

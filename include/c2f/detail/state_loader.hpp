@@ -27,9 +27,9 @@ class StrictLoader {
   const std::string& prefix() const { return prefix_; }
   bool has(std::string_view name) const { return sd_.contains(prefix_ + std::string(name)); }
 
-  /// Copies `name` (relative to the prefix) into `dst`, a row-major matrix for a 2-D shape or a
-  /// vector for a 1-D one, resized to `shape`. Throws naming the key when it is missing, has another
-  /// shape, or has a dtype that is not floating point.
+  /// Copies `name` (relative to the prefix) into `dst`: a vector for a 1-D shape, else a row-major
+  /// matrix [shape[0], product of the other dimensions]. Throws naming the key when it is missing, has
+  /// another shape, or has a dtype that is not floating point.
   template <class Derived>
   void read(std::string_view name, const std::vector<std::int64_t>& shape, Eigen::PlainObjectBase<Derived>& dst) {
     static_assert(Derived::IsRowMajor || Derived::ColsAtCompileTime == 1, "read() fills row-major data");
@@ -42,7 +42,9 @@ class StrictLoader {
     if constexpr (Derived::ColsAtCompileTime == 1) {
       dst.resize(static_cast<Index>(shape.at(0)));
     } else {
-      dst.resize(static_cast<Index>(shape.at(0)), static_cast<Index>(shape.at(1)));
+      Index cols = 1;
+      for (std::size_t i = 1; i < shape.size(); ++i) cols *= static_cast<Index>(shape[i]);
+      dst.resize(static_cast<Index>(shape.at(0)), cols);
     }
     try {
       t.copy_to(dst.data());

@@ -35,12 +35,17 @@ void chunk_mean(const Eigen::Ref<const RowMatrix<Scalar>>& x, const ChunkGrid& g
   });
 }
 
-/// y[token] = chunk_rows[chunk of token] for every real token. chunk_rows [chunks, d], y [batch·length, d].
+/// y[token] = chunk_rows[chunk of token] (or += with `accumulate`) for every real token.
+/// chunk_rows [chunks, d], y [batch·length, d].
 template <class Scalar>
 void broadcast_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, const ChunkGrid& grid,
-                      Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
+                      Eigen::Ref<RowMatrix<Scalar>> y, int num_threads, bool accumulate = false) {
   detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
-    y.middleRows(grid.row(c), grid.count(c)).rowwise() = chunk_rows.row(c);
+    if (accumulate) {
+      y.middleRows(grid.row(c), grid.count(c)).rowwise() += chunk_rows.row(c);
+    } else {
+      y.middleRows(grid.row(c), grid.count(c)).rowwise() = chunk_rows.row(c);
+    }
   });
 }
 

@@ -68,13 +68,13 @@ struct SdpaOptions {
   int num_threads = 0;
 };
 
+}  // namespace kernels
+
 namespace detail {
 
 template <class Scalar>
-void check_sdpa_views(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                      const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out) {
-  using c2f::detail::fail;
-  using c2f::detail::shape_string;
+void check_sdpa_views(const kernels::HeadsView<const Scalar>& q, const kernels::HeadsView<const Scalar>& k,
+                      const kernels::HeadsView<const Scalar>& v, const kernels::HeadsView<Scalar>& out) {
   if (k.batch != q.batch || v.batch != q.batch || out.batch != q.batch || k.heads != q.heads ||
       v.heads != q.heads || out.heads != q.heads || k.dim != q.dim || v.seq != k.seq || out.seq != q.seq ||
       out.dim != v.dim) {
@@ -91,6 +91,8 @@ Scalar resolve_scale(double scale, Index dim) {
 }
 
 }  // namespace detail
+
+namespace kernels {
 
 /// Reference kernel. `weights`, when not null, receives the softmax weights as a row-major
 /// [batch, heads, q.seq, k.seq] array. Tasks are (batch, head) pairs.

@@ -1,0 +1,152 @@
+// c2f layers — HMHA, seed 002's hierarchical multi-head attention, with a precise definition.
+//
+// q, k, v = three C3K2Projections (q_proj, k_proj, v_proj) of x [B, L, dim], split into H heads of
+// width dh = dim / H. Windows: m = ceil(L / W); window j holds positions [jW, min((j+1)W, L)). Per head,
+// with scores q·k / sqrt(dh):
+//   level 1, local:   o1_i = softmax_t(q_i·k_t) v_t over t in the window of i;
+//   level 2, cross:   q̄_j, k̄_j, v̄_j = means over the real tokens of window j;
+//                     c_j = Σ_j' softmax_j'(q̄_j·k̄_j') v̄_j' over all m windows; o2_i = c_(window of i);
+//   level 3, global:  S(i) = {i} ∪ {i − 2^p, i + 2^p : p = 0, 1, 2, … inside [0, L)};
+//                     o3_i = softmax_t(q_i·k_t) v_t over t ∈ S(i);
+//   y = out_proj(concat_heads(o1 + o2 + o3)), out_proj = Linear(dim, dim).
+// Options: each level can be switched off (it then contributes 0); `causal` restricts level 1 to
+// t ≤ i, level 2 to windows j' < j (so o2 = 0 in window 0: a row with no visible key gives zeros) and
+// level 3 to {i} ∪ {i − 2^p}.
+// Cost O(L·W·dim + (L/W)²·dim + L·log L·dim); no L × L buffer anywhere.
+// State dict: q_proj.conv3.*, q_proj.conv2.*, k_proj.*, v_proj.*, out_proj.weight, out_proj.bias.
+#pragma once
+
+#include "c2f/detail/mask_plan.hpp"
+#include "c2f/detail/module.hpp"
+#include "c2f/kernels/chunk.hpp"
+#include "c2f/kernels/hierarchical.hpp"
+#include "c2f/kernels/sdpa.hpp"
+#include "c2f/layers/conv1d.hpp"
+#include "c2f/layers/linear.hpp"
+#include "c2f/mask.hpp"
+
+#include <string>
+
+namespace c2f {
+
+/// Which HMHA levels are on (all by default).
+struct HMHALevels {
+  bool local = true;   ///< level 1: attention inside each window
+  bool cross = true;   ///< level 2: attention between window means
+  bool global = true;  ///< level 3: log-spaced sparse attention
+};
+
+template <class Scalar>
+class HMHA : public detail::Module<HMHA<Scalar>> {
+ public:
+  struct Options {
+    bool causal = false;
+    HMHALevels levels;
+    int num_threads = 0;     ///< 0 = all hardware threads; results are bitwise the same for any count
+    std::uint64_t seed = 0;  ///< PyTorch's Conv1d / Linear default init
+  };
+
+  HMHA(Index dim, Index heads, Index window = 64) : HMHA(dim, heads, window, Options{}) {}
+  HMHA(Index dim, Index heads, Index window, Options options)
+      : dim_(dim),
+        heads_(heads),
+        window_(window),
+        options_(options),
+        q_proj_(dim, heads, {options.num_threads, options.seed}),
+        k_proj_(dim, heads, {options.num_threads, options.seed + 2}),
+        v_proj_(dim, heads, {options.num_threads, options.seed + 4}),
+        out_proj_(dim, dim, true, options.seed + 6) {
+    detail::check_scalar<Scalar>();
+    if (window < 1) detail::fail("HMHA: window must be >= 1, got ", window);
+  }
+
+  Index dim() const { return dim_; }
+  Index heads() const { return heads_; }
+  Index head_dim() const { return dim_ / heads_; }
+  Index window() const { return window_; }
+  const Options& options() const { return options_; }
+  void set_levels(HMHALevels levels) { options_.levels = levels; }
+  void set_causal(bool causal) { options_.causal = causal; }
+  void set_num_threads(int n) {
+    options_.num_threads = n;
+    for (C3K2Projection<Scalar>* p : {&q_proj_, &k_proj_, &v_proj_}) p->set_num_threads(n);
+  }
+  const C3K2Projection<Scalar>& q_proj() const { return q_proj_; }
+  const C3K2Projection<Scalar>& k_proj() const { return k_proj_; }
+  const C3K2Projection<Scalar>& v_proj() const { return v_proj_; }
+  const Linear<Scalar>& out_proj() const { return out_proj_; }
+
+  void load(detail::StrictLoader& loader, const std::string& name) {
+    q_proj_.load(loader, name + "q_proj.");
+    k_proj_.load(loader, name + "k_proj.");
+    v_proj_.load(loader, name + "v_proj.");
+    out_proj_.load(loader, name + "out_proj.");
+  }
+  void save(StateDict& sd, const std::string& name) const {
+    q_proj_.save(sd, name + "q_proj.");
+    k_proj_.save(sd, name + "k_proj.");
+    v_proj_.save(sd, name + "v_proj.");
+    out_proj_.save(sd, name + "out_proj.");
+  }
+
+  /// x [B, L, dim] → [B, L, dim].
+  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x) const {
+    if (x.features() != dim_) {
+      detail::fail("HMHA: x must be [batch, length, dim=", dim_, "], got ",
+                   detail::shape_string({x.batch(), x.seq(), x.features()}));
+    }
+    const Index batch = x.batch(), length = x.seq(), rows = batch * length;
+    const int threads = options_.num_threads;
+    RowMatrix<Scalar> q(rows, dim_), k(rows, dim_), v(rows, dim_);
+    q_proj_.forward_rows(x.rows(), batch, length, q);
+    k_proj_.forward_rows(x.rows(), batch, length, k);
+    v_proj_.forward_rows(x.rows(), batch, length, v);
+    RowMatrix<Scalar> o = RowMatrix<Scalar>::Zero(rows, dim_);
+    attend(q, k, v, batch, length, o);
+    Tensor3<Scalar> y(batch, length, dim_);
+    Eigen::Map<RowMatrix<Scalar>> out(y.data(), rows, dim_);
+    out_proj_.forward_rows(o, out, threads);
+    return y;
+  }
+
+  /// The attention part alone on given projections q, k, v [B·L, dim]: o += o1 + o2 + o3.
+  void attend(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v, Index batch,
+              Index length, RowMatrix<Scalar>& o) const {
+    const kernels::ChunkGrid windows{batch, length, window_};
+    const int threads = options_.num_threads;
+    const bool causal = options_.causal;
+    if (options_.levels.local) kernels::window_attention<Scalar>(q, k, v, windows, heads_, causal, o, threads);
+    if (options_.levels.cross && windows.chunks() > 0) {
+      const Index m = windows.chunks_per_batch(), chunks = windows.chunks(), dh = head_dim();
+      RowMatrix<Scalar> qm(chunks, dim_), km(chunks, dim_), vm(chunks, dim_), c(chunks, dim_);
+      kernels::chunk_mean<Scalar>(q, windows, qm, threads);
+      kernels::chunk_mean<Scalar>(k, windows, km, threads);
+      kernels::chunk_mean<Scalar>(v, windows, vm, threads);
+      // Causal: window j sees windows j' < j only — a causal mask shifted one below the diagonal.
+      const AttnMask<Scalar> mask = causal ? AttnMask<Scalar>::causal(-1) : AttnMask<Scalar>();
+      const detail::MaskPlan<Scalar> plan(mask, KeyPaddingMask<Scalar>(), batch, heads_, m, m);
+      kernels::SdpaOptions sdpa;
+      sdpa.num_threads = threads;
+      kernels::sdpa_streaming<Scalar>(kernels::heads_view<const Scalar>(qm.data(), batch, m, dim_, 0, heads_, dh),
+                                      kernels::heads_view<const Scalar>(km.data(), batch, m, dim_, 0, heads_, dh),
+                                      kernels::heads_view<const Scalar>(vm.data(), batch, m, dim_, 0, heads_, dh),
+                                      kernels::heads_view<Scalar>(c.data(), batch, m, dim_, 0, heads_, dh), plan, sdpa);
+      kernels::broadcast_chunks<Scalar>(c, windows, o, threads, /*accumulate=*/true);
+    }
+    if (options_.levels.global) {
+      kernels::sparse_global_attention<Scalar>(q, k, v, batch, length, heads_, causal, o, threads);
+    }
+  }
+
+ private:
+  Index dim_;
+  Index heads_;
+  Index window_;
+  Options options_;
+  C3K2Projection<Scalar> q_proj_;
+  C3K2Projection<Scalar> k_proj_;
+  C3K2Projection<Scalar> v_proj_;
+  Linear<Scalar> out_proj_;
+};
+
+}  // namespace c2f

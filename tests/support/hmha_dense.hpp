@@ -1,0 +1,82 @@
+// The obviously-correct twin of HMHA's windowed kernels: every level as full softmax attention
+// (kernels::sdpa_naive) under an explicit [L, L] (or [m, m]) keep mask built position by position from
+// the definition. Test-only: it materialises L × L masks and scores.
+#pragma once
+
+#include "c2f/detail/mask_plan.hpp"
+#include "c2f/kernels/sdpa.hpp"
+#include "c2f/layers/hmha.hpp"
+
+namespace c2f_test {
+
+template <class Scalar>
+void dense_attention(const c2f::RowMatrix<Scalar>& q, const c2f::RowMatrix<Scalar>& k, const c2f::RowMatrix<Scalar>& v,
+                     c2f::Index batch, c2f::Index length, c2f::Index heads, const c2f::BoolTensor2& keep,
+                     c2f::RowMatrix<Scalar>& out) {
+  const c2f::Index dim = q.cols(), dh = dim / heads;
+  const c2f::AttnMask<Scalar> mask = c2f::AttnMask<Scalar>::keep(keep);
+  const c2f::detail::MaskPlan<Scalar> plan(mask, c2f::KeyPaddingMask<Scalar>(), batch, heads, length, length);
+  out.resize(batch * length, dim);
+  c2f::kernels::SdpaOptions options;
+  options.num_threads = 1;
+  c2f::kernels::sdpa_naive<Scalar>(c2f::kernels::heads_view<const Scalar>(q.data(), batch, length, dim, 0, heads, dh),
+                                   c2f::kernels::heads_view<const Scalar>(k.data(), batch, length, dim, 0, heads, dh),
+                                   c2f::kernels::heads_view<const Scalar>(v.data(), batch, length, dim, 0, heads, dh),
+                                   c2f::kernels::heads_view<Scalar>(out.data(), batch, length, dim, 0, heads, dh), plan,
+                                   options);
+}
+
+/// o1 + o2 + o3 (the levels that are on) for projections q, k, v [batch·length, dim].
+template <class Scalar>
+c2f::RowMatrix<Scalar> hmha_dense(const c2f::RowMatrix<Scalar>& q, const c2f::RowMatrix<Scalar>& k,
+                                  const c2f::RowMatrix<Scalar>& v, c2f::Index batch, c2f::Index length,
+                                  c2f::Index heads, c2f::Index window, bool causal, c2f::HMHALevels levels) {
+  using c2f::Index;
+  const Index dim = q.cols();
+  c2f::RowMatrix<Scalar> o = c2f::RowMatrix<Scalar>::Zero(batch * length, dim), part;
+  if (levels.local) {
+    c2f::BoolTensor2 keep(length, length);
+    for (Index i = 0; i < length; ++i) {
+      for (Index t = 0; t < length; ++t) keep(i, t) = i / window == t / window && (!causal || t <= i);
+    }
+    dense_attention(q, k, v, batch, length, heads, keep, part);
+    o += part;
+  }
+  if (levels.cross && length > 0) {
+    const Index m = (length + window - 1) / window;
+    c2f::RowMatrix<Scalar> qm = c2f::RowMatrix<Scalar>::Zero(batch * m, dim), km = qm, vm = qm;
+    for (Index b = 0; b < batch; ++b) {
+      for (Index t = 0; t < length; ++t) {
+        const Index j = t / window, count = std::min(window, length - j * window);
+        qm.row(b * m + j) += q.row(b * length + t) / Scalar(count);
+        km.row(b * m + j) += k.row(b * length + t) / Scalar(count);
+        vm.row(b * m + j) += v.row(b * length + t) / Scalar(count);
+      }
+    }
+    c2f::BoolTensor2 keep(m, m);
+    for (Index j = 0; j < m; ++j) {
+      for (Index jj = 0; jj < m; ++jj) keep(j, jj) = !causal || jj < j;
+    }
+    c2f::RowMatrix<Scalar> c;
+    dense_attention(qm, km, vm, batch, m, heads, keep, c);
+    for (Index b = 0; b < batch; ++b) {
+      for (Index t = 0; t < length; ++t) o.row(b * length + t) += c.row(b * m + t / window);
+    }
+  }
+  if (levels.global) {
+    c2f::BoolTensor2 keep(length, length);
+    keep.setConstant(false);
+    for (Index i = 0; i < length; ++i) {
+      keep(i, i) = true;
+      for (Index step = 1; step < length; step *= 2) {
+        if (i - step >= 0) keep(i, i - step) = true;
+        if (!causal && i + step < length) keep(i, i + step) = true;
+      }
+    }
+    dense_attention(q, k, v, batch, length, heads, keep, part);
+    o += part;
+  }
+  return o;
+}
+
+}  // namespace c2f_test
