@@ -309,6 +309,33 @@ TYPED_TEST(KernelTest, NanInVisibleInputPropagates) {
   }
 }
 
+// Masked keys get exactly zero weight (Eigen 3.4's vectorised exp(-inf) is ~1e-38, not 0): huge values
+// behind the mask, e.g. uninitialised padding, must not leak into the output.
+TYPED_TEST(KernelTest, MaskedKeysGetExactlyZeroWeight) {
+  using Scalar = TypeParam;
+  TestRng rng(8);
+  Problem<Scalar> p;
+  p.batch = 1, p.heads = 1, p.lq = 6, p.lk = 37, p.dk = 4, p.dv = 3;
+  p.q = rng.matrix<Scalar>(p.lq, p.dk);
+  p.k = rng.matrix<Scalar>(p.lk, p.dk);
+  p.v = rng.matrix<Scalar>(p.lk, p.dv);
+  p.pad = c2f::KeyPaddingMask<Scalar>::lengths({30});
+  const c2f::detail::MaskPlan<Scalar> plan(p.attn, p.pad, 1, 1, p.lq, p.lk);
+  c2f::kernels::SdpaOptions opt;
+  opt.key_block = 16;
+  RowMatrix<Scalar> clean(p.lq, p.dv), fast(p.lq, p.dv), naive(p.lq, p.dv);
+  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(clean), plan, opt);
+  p.v.bottomRows(7).setConstant(std::numeric_limits<Scalar>::max() / 4);  // behind the padding mask
+  c2f::Tensor4<Scalar> weights(1, 1, p.lq, p.lk);
+  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, opt);
+  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, opt, weights.data());
+  EXPECT_TRUE(bitwise_equal(clean, fast));
+  expect_close(naive, clean, tolerance<Scalar>(), tolerance<Scalar>(), "naive with garbage behind the mask");
+  for (Index i = 0; i < p.lq; ++i) {
+    for (Index j = 30; j < p.lk; ++j) EXPECT_EQ(weights(0, 0, i, j), Scalar(0)) << i << ", " << j;
+  }
+}
+
 TYPED_TEST(KernelTest, MaskShapeErrorsNameBothShapes) {
   using Scalar = TypeParam;
   c2f::BoolTensor2 m(5, 6);

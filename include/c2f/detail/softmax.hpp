@@ -8,13 +8,30 @@
 namespace c2f {
 namespace detail {
 
-/// row ← exp(row − shift), with masked (−inf) entries exactly 0. Eigen 3.4's vectorised exp clamps
-/// its argument and returns ~1e-38 (float) / ~1e-308 (double) for −inf, so masked keys are zeroed
-/// explicitly rather than trusted to exp. NaN stays NaN.
+/// What Eigen's vectorised exp returns for −inf. Eigen 3.4 clamps the argument of its packet exp, so
+/// exp(−inf) is ~3e-39 (float, SSE) or ~6e-309 (double) instead of 0; with AVX it may be 0.
+template <class Scalar>
+Scalar vectorized_exp_floor() {
+  static const Scalar floor = [] {
+    Eigen::Array<Scalar, 16, 1> a = Eigen::Array<Scalar, 16, 1>::Constant(-std::numeric_limits<Scalar>::infinity());
+    const Eigen::Array<Scalar, 16, 1> e = a.exp();
+    return e.maxCoeff();
+  }();
+  return floor;
+}
+
+/// row ← exp(row − shift), with masked (−inf) entries exactly 0 and the whole row vectorised:
+/// max(exp(x) − floor, 0) where floor = vectorized_exp_floor() (Eigen 3.4's select() is not
+/// vectorised, and a scalar expf per score costs a fifth of a whole attention forward). Subtracting
+/// the floor moves only values below ~1e-38 (float) / ~1e-307 (double); NaN stays NaN.
 template <class Row, class Scalar>
 void exp_shifted(Row&& row, Scalar shift) {
-  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  row = (row.array() == kNegInf).select(Scalar(0), (row.array() - shift).exp()).matrix();
+  const Scalar floor = vectorized_exp_floor<Scalar>();
+  // max(·, 0) that keeps NaN (Eigen 3.4 exposes NaN-propagating max only as this functor). The 0 also
+  // catches scalar tail elements, whose std::exp(−inf) is an exact 0 and would go to −floor.
+  using NanMax = Eigen::internal::scalar_max_op<Scalar, Scalar, Eigen::PropagateNaN>;
+  using Plain = typename std::decay_t<Row>::PlainObject;
+  row.array() = ((row.array() - shift).exp() - floor).binaryExpr(Plain::Zero(row.rows(), row.cols()).array(), NanMax());
 }
 
 /// Normalised softmax of `row` in place. A row whose every entry is −inf (no visible key) becomes all
