@@ -1,116 +1,177 @@
-// Attention throughput next to the machine's GEMM throughput, measured in the same run.
+// c2f's benchmark sweep: attention layers next to the machine's GEMM throughput, all in one run.
 //
-// Shapes: batch 1, d = E = 512, 8 heads, self-attention of length L, 2 threads.
-// Analytic FLOPs (a multiply-add counts 2; softmax and exp are not counted):
-//   GEMM          2·L·E·E                       one [L, E] × [E, E] projection: the roofline reference
-//   MHA           8·L·E·E + 4·L·L·E             q, k, v, out projections; q kᵀ and p v over all heads
-//   C2F (folded)  16·m·E·E + 4·m·m·E + 4·L·H·E + L·E,  m = ceil(L / chunk):
-//                 coarse qkv + out (8·m·E²), coarse attention (4·m²·E), fine q_proj, key fold, value
-//                 fold and out_proj (8·m·E²), per-chunk scores and pooling (4·L·H·E), chunk means (L·E)
-//   HMHA          14·L·E·E + 4·L·W·E + 4·n·n·E + 4·L·|S|·E,  n = ceil(L / W), |S| = 2·ceil(log2 L) + 1:
-//                 three C3K2 projections (conv3 3·L·E², conv2 L·E² each) and out_proj (2·L·E²), level 1
-//                 (full windows), level 2 (window means), level 3 (|S| keys per token)
+//   bench_attention [--c2f_sweep=quick|long] [Google Benchmark flags]
+//
+// quick (default, about 80 s on 2 cores): L ∈ {256, 1024, 2048, 4096, 8192, 16384};
+// long: L ∈ {256, 512, …, 16384} (HMHA to 32768), the naive kernel to 4096.
+// Every entry: batch 1, d = E = 512, 8 heads, 2 threads (C2F_BENCH_THREADS overrides), float.
+//
+// Counters:
+//   FLOP       analytic floating-point operations of one forward (a multiply-add counts 2; softmax, exp
+//              and normalisation are not counted):
+//                GEMM          2·L·E·E                  one [L, E] × [E, E] projection — the roofline
+//                MHA           8·L·E·E + 4·L·L·E         q, k, v, out projections; q kᵀ and p v (all heads)
+//                C2F (folded)  16·m·E·E + 4·m·m·E + 4·L·H·E + L·E,  m = ceil(L / chunk):
+//                              coarse qkv + out (8·m·E²), coarse attention (4·m²·E), fine q_proj, key fold,
+//                              value fold, out_proj (8·m·E²), per-chunk scores + pooling (4·L·H·E), means (L·E)
+//                HMHA          14·L·E·E + 4·L·W·E + 4·n·n·E + 4·L·|S|·E,  n = ceil(L / W),
+//                              |S| = 2·ceil(log2 L) + 1: three C3K2 projections (4·L·E² each) and out_proj
+//                              (2·L·E²), level 1 (full windows), level 2 (window means), level 3
+//   GFLOPS     FLOP / wall time
+//   tokens/s   L / wall time
+//   peak_bytes heap memory held at once during one forward, beyond what existed before it (input and
+//              weights), measured by counting every malloc (tools/malloc_counter.hpp); includes the output
 #include <benchmark/benchmark.h>
 
 #include "c2f/kernels/linear.hpp"
 #include "c2f/layers/c2f_attention.hpp"
 #include "c2f/layers/hmha.hpp"
 #include "c2f/layers/multihead_attention.hpp"
+#include "tools/malloc_counter.hpp"
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <random>
+#include <string>
+#include <vector>
 
 namespace {
 
-constexpr Eigen::Index kEmbed = 512;
-constexpr Eigen::Index kHeads = 8;
-constexpr int kThreads = 2;
+using Eigen::Index;
 
-c2f::Tensor3<float> random_input(Eigen::Index length) {
+constexpr Index kEmbed = 512;
+constexpr Index kHeads = 8;
+constexpr Index kWindow = 64;
+
+int bench_threads() {
+  const char* env = std::getenv("C2F_BENCH_THREADS");
+  return env != nullptr ? std::atoi(env) : 2;
+}
+
+c2f::Tensor3<float> random_input(Index length) {
   std::mt19937 gen(42);
   std::normal_distribution<float> normal;
   c2f::Tensor3<float> x(1, length, kEmbed);
-  for (Eigen::Index i = 0; i < x.size(); ++i) x.data()[i] = normal(gen);
+  for (Index i = 0; i < x.size(); ++i) x.data()[i] = normal(gen);
   return x;
 }
 
-void set_counters(benchmark::State& state, double flops, Eigen::Index length) {
+// Times `forward` and records the counters; the malloc counter runs during the timed loop (each
+// iteration frees what it allocated, so the peak over the loop is the peak of one forward).
+template <class Forward>
+void run(benchmark::State& state, double flops, Index length, Forward&& forward) {
+  c2f_memory::reset();
+  for (auto _ : state) {
+    c2f::Tensor3<float> y = forward();
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  c2f_memory::stop();
   state.counters["FLOP"] = flops;
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["tokens/s"] =
-      benchmark::Counter(static_cast<double>(length), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens/s"] = benchmark::Counter(double(length), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["peak_bytes"] = double(c2f_memory::peak_bytes());
+  state.counters["L"] = double(length);
+  state.counters["threads"] = bench_threads();
 }
 
 void BM_Gemm(benchmark::State& state) {
-  const Eigen::Index length = state.range(0);
-  const int threads = static_cast<int>(state.range(1));
+  const Index length = state.range(0);
   const c2f::RowMatrix<float> x = c2f::RowMatrix<float>::Random(length, kEmbed);
   const c2f::RowMatrix<float> w = c2f::RowMatrix<float>::Random(kEmbed, kEmbed);
-  c2f::RowMatrix<float> y(length, kEmbed);
-  for (auto _ : state) {
-    c2f::kernels::linear<float>(x, w, nullptr, y, threads);
-    benchmark::DoNotOptimize(y.data());
-  }
-  set_counters(state, 2.0 * double(length) * kEmbed * kEmbed, length);
+  const int threads = bench_threads();
+  run(state, 2.0 * double(length) * kEmbed * kEmbed, length, [&] {
+    c2f::Tensor3<float> y(1, length, kEmbed);
+    Eigen::Map<c2f::RowMatrix<float>> out(y.data(), length, kEmbed);
+    c2f::kernels::linear<float>(x, w, nullptr, out, threads);
+    return y;
+  });
 }
 
 void BM_Mha(benchmark::State& state, c2f::AttentionKernel kernel) {
-  const Eigen::Index length = state.range(0);
+  const Index length = state.range(0);
   c2f::MultiHeadAttention<float>::Options options;
-  options.num_threads = kThreads;
+  options.num_threads = bench_threads();
   options.kernel = kernel;
   const c2f::MultiHeadAttention<float> mha(kEmbed, kHeads, options);
   const c2f::Tensor3<float> x = random_input(length);
-  for (auto _ : state) {
-    c2f::Tensor3<float> y = mha.forward(x);
-    benchmark::DoNotOptimize(y.data());
-  }
   const double L = double(length), E = double(kEmbed);
-  set_counters(state, 8.0 * L * E * E + 4.0 * L * L * E, length);
-  state.counters["workspace_bytes"] = double(mha.workspace_bytes(1, length, length));
+  run(state, 8.0 * L * E * E + 4.0 * L * L * E, length, [&] { return mha.forward(x); });
 }
 
 void BM_C2F(benchmark::State& state) {
-  const Eigen::Index length = state.range(0), chunk = state.range(1);
-  const c2f::C2FAttention<float> c2f_attn(kEmbed, kHeads, chunk, {kThreads, c2f::FinePath::Auto, 0});
+  const Index length = state.range(0), chunk = state.range(1);
+  const c2f::C2FAttention<float> attn(kEmbed, kHeads, chunk, {bench_threads(), c2f::FinePath::Auto, 0});
   const c2f::Tensor3<float> x = random_input(length);
-  for (auto _ : state) {
-    c2f::Tensor3<float> y = c2f_attn.forward(x);
-    benchmark::DoNotOptimize(y.data());
-  }
   const double L = double(length), E = double(kEmbed), H = double(kHeads);
   const double m = double((length + chunk - 1) / chunk);
-  set_counters(state, 16.0 * m * E * E + 4.0 * m * m * E + 4.0 * L * H * E + L * E, length);
-  state.counters["workspace_bytes"] = double(c2f_attn.fine_attn().folded_workspace_bytes(1, length, chunk));
+  run(state, 16.0 * m * E * E + 4.0 * m * m * E + 4.0 * L * H * E + L * E, length, [&] { return attn.forward(x); });
+  state.counters["chunk"] = double(chunk);
 }
 
 void BM_HMHA(benchmark::State& state) {
-  const Eigen::Index length = state.range(0), window = state.range(1);
+  const Index length = state.range(0), window = state.range(1);
   c2f::HMHA<float>::Options options;
-  options.num_threads = kThreads;
+  options.num_threads = bench_threads();
   const c2f::HMHA<float> hmha(kEmbed, kHeads, window, options);
   const c2f::Tensor3<float> x = random_input(length);
-  for (auto _ : state) {
-    c2f::Tensor3<float> y = hmha.forward(x);
-    benchmark::DoNotOptimize(y.data());
-  }
   const double L = double(length), E = double(kEmbed), W = double(window);
   const double n = double((length + window - 1) / window);
   const double keys = 2.0 * std::ceil(std::log2(L)) + 1.0;
-  set_counters(state, 14.0 * L * E * E + 4.0 * L * W * E + 4.0 * n * n * E + 4.0 * L * keys * E, length);
+  run(state, 14.0 * L * E * E + 4.0 * L * W * E + 4.0 * n * n * E + 4.0 * L * keys * E, length,
+      [&] { return hmha.forward(x); });
+  state.counters["window"] = double(window);
+}
+
+void register_sweep(bool long_sweep) {
+  std::vector<Index> lengths = {256, 1024, 2048, 4096, 8192, 16384};
+  Index naive_max = 1024;
+  std::vector<Index> hmha_lengths = lengths;
+  if (long_sweep) {
+    lengths = {256, 512, 1024, 2048, 4096, 8192, 16384};
+    naive_max = 4096;
+    hmha_lengths = lengths;
+    hmha_lengths.push_back(32768);
+  }
+  const std::vector<Index> chunks = {8, 16, 32, 64, 128, 256};
+  for (Index L : lengths) {
+    benchmark::RegisterBenchmark("gemm", BM_Gemm)->Arg(L)->Unit(benchmark::kMillisecond)->UseRealTime();
+    benchmark::RegisterBenchmark("mha_streaming", BM_Mha, c2f::AttentionKernel::Streaming)
+        ->Arg(L)->Unit(benchmark::kMillisecond)->UseRealTime();
+    if (L <= naive_max) {
+      benchmark::RegisterBenchmark("mha_naive", BM_Mha, c2f::AttentionKernel::Naive)
+          ->Arg(L)->Unit(benchmark::kMillisecond)->UseRealTime();
+    }
+    for (Index chunk : chunks) {
+      benchmark::RegisterBenchmark("c2f", BM_C2F)->Args({L, chunk})->Unit(benchmark::kMillisecond)->UseRealTime();
+    }
+  }
+  for (Index L : hmha_lengths) {
+    benchmark::RegisterBenchmark("hmha", BM_HMHA)->Args({L, kWindow})->Unit(benchmark::kMillisecond)->UseRealTime();
+  }
 }
 
 }  // namespace
 
-BENCHMARK(BM_Gemm)->ArgsProduct({{1024, 4096}, {1, kThreads}})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_CAPTURE(BM_Mha, streaming, c2f::AttentionKernel::Streaming)
-    ->RangeMultiplier(4)->Range(1024, 16384)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_CAPTURE(BM_Mha, naive, c2f::AttentionKernel::Naive)
-    ->RangeMultiplier(2)->Range(256, 1024)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_C2F)->ArgsProduct({{1024, 4096, 16384}, {32}})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_HMHA)
-    ->ArgsProduct({{1024, 2048, 4096, 8192, 16384, 32768}, {64}})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  bool long_sweep = false;
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--c2f_sweep=long") == 0) {
+      long_sweep = true;
+    } else if (std::strcmp(argv[i], "--c2f_sweep=quick") != 0) {
+      args.push_back(argv[i]);
+    }
+  }
+  int n = static_cast<int>(args.size());
+  register_sweep(long_sweep);
+  benchmark::Initialize(&n, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
+  benchmark::AddCustomContext("c2f_sweep", long_sweep ? "long" : "quick");
+  benchmark::AddCustomContext("c2f_threads", std::to_string(bench_threads()));
+  benchmark::AddCustomContext("c2f_isa", Eigen::SimdInstructionSetsInUse());
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

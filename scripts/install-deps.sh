@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs c2f's build, test and benchmark dependencies from Debian packages — the one list used by
-# the README commands (scripts/test.sh, scripts/run.sh) and by CI (.ci/run).
+# Installs c2f's dependencies from Debian packages — the one list used by the README commands
+# (scripts/test.sh, scripts/run.sh) and by CI (.ci/run).
 # Packages already installed are not touched; `apt-get update` runs once, only when something is missing.
 set -euo pipefail
 
@@ -9,8 +9,8 @@ PACKAGES=(
   g++ cmake make libeigen3-dev nlohmann-json3-dev
   # tests: GoogleTest, and PyTorch + numpy to regenerate and check the reference fixtures
   libgtest-dev python3 python3-numpy python3-torch
-  # benchmarks: Google Benchmark
-  libbenchmark-dev
+  # benchmarks: Google Benchmark, matplotlib for the plots, libtorch for the libtorch peer
+  libbenchmark-dev python3-matplotlib libtorch-dev
 )
 
 missing=()

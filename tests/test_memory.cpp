@@ -1,10 +1,10 @@
-// Working memory, measured by counting every heap allocation (tests/support/malloc_counter.hpp):
+// Working memory, measured by counting every heap allocation (tools/malloc_counter.hpp):
 // the streaming path allocates no [queries, keys] buffer and grows linearly in the sequence length.
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/layers/c2f_attention.hpp"
 #include "c2f/layers/multihead_attention.hpp"
-#include "support/malloc_counter.hpp"
+#include "tools/malloc_counter.hpp"
 #include "support/random.hpp"
 
 #include <gtest/gtest.h>

@@ -1,0 +1,299 @@
+#!/usr/bin/python3
+"""Runs c2f's benchmark sweep and turns it into a table, Google Benchmark JSON and PNG plots.
+
+    /usr/bin/python3 benchmarks/sweep.py [--long] [--build build/release] [--out results/latest]
+
+Runs build/release/benchmarks/bench_attention (and bench_libtorch when it was built), streaming their
+progress, then writes into the output folder:
+    bench_attention.json, bench_libtorch.json   Google Benchmark's JSON, as measured
+    summary.md                                  the tables printed at the end, and the target checks
+    time_vs_length.png, speedup_vs_chunk.png, memory_vs_length.png
+Every ratio is taken between entries of the same run.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CHUNKS = [8, 16, 32, 64, 128, 256]
+
+
+def run_benchmark(binary, out_json, extra_args):
+    """Runs one Google Benchmark binary, printing each finished entry with a progress counter."""
+    listed = [line for line in subprocess.run([str(binary), "--benchmark_list_tests"] + extra_args, check=True,
+                                              capture_output=True, text=True).stdout.splitlines()
+              if line and " " not in line]
+    total = len(listed)
+    print(f"== {binary.name}: {total} entries", flush=True)
+    cmd = [str(binary), f"--benchmark_out={out_json}", "--benchmark_out_format=json",
+           "--benchmark_counters_tabular=false"] + extra_args
+    start = time.time()
+    done = 0
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            name = line.split(" ")[0] if line else ""
+            if name in listed or name.rsplit("/real_time", 1)[0] in listed:
+                done += 1
+                print(f"[{done:3d}/{total} {time.time() - start:6.1f}s] {line}", flush=True)
+            elif line.startswith(("check", "Run on", "Load Average")):
+                print(line, flush=True)
+    if proc.returncode != 0:
+        sys.exit(f"{binary.name} failed with exit code {proc.returncode}")
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def entries(result):
+    """{(name, L, extra): entry} of a Google Benchmark JSON result: the median of repeated runs, or the
+    single run."""
+    out = {}
+    for b in result["benchmarks"]:
+        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+            continue
+        if b.get("run_type") != "aggregate" and b.get("repetitions", 1) > 1:
+            continue
+        parts = b["run_name"].split("/")
+        args = tuple(int(p) for p in parts[1:] if p.isdigit())
+        out[(parts[0],) + args] = b
+    return out
+
+
+def ms(b):
+    assert b["time_unit"] == "ms"
+    return b["real_time"]
+
+
+def fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+
+
+def slope(xs, ys):
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def summarize(attn, torch_result):
+    e = entries(attn)
+    lengths = sorted({k[1] for k in e if k[0] == "mha_streaming"})
+    out = []
+    ctx = attn["context"]
+    out.append(f"Machine: {ctx.get('num_cpus')} CPUs at {ctx.get('mhz_per_cpu')} MHz ({platform.processor() or platform.machine()}), "
+               f"{ctx.get('c2f_threads')} threads, Eigen SIMD: {ctx.get('c2f_isa')}, sweep `{ctx.get('c2f_sweep')}`, "
+               f"{ctx.get('date')}; "
+               f"d = 512, 8 heads, batch 1, float.")
+    out.append("")
+    rows = []
+    for L in lengths:
+        g, s = e[("gemm", L)], e[("mha_streaming", L)]
+        n = e.get(("mha_naive", L))
+        h = e.get(("hmha", L, 64))
+        rows.append([L, f"{g['GFLOPS']:.1f}", f"{ms(s):.1f}", f"{s['GFLOPS']:.1f}",
+                     f"{100 * s['GFLOPS'] / g['GFLOPS']:.0f} %", fmt_bytes(s["peak_bytes"]),
+                     f"{ms(n):.1f}" if n else "—", fmt_bytes(n["peak_bytes"]) if n else "—",
+                     f"{ms(h):.1f}" if h else "—", fmt_bytes(h["peak_bytes"]) if h else "—"])
+    out.append("### Full attention against the GEMM roofline (same run)")
+    out.append("")
+    out.append(table(["L", "GEMM GFLOPS", "MHA ms", "MHA GFLOPS", "MHA / GEMM", "MHA memory",
+                      "naive ms", "naive memory", "HMHA ms", "HMHA memory"], rows))
+    extra_hmha = sorted(k[1] for k in e if k[0] == "hmha" and k[1] not in lengths)
+    if extra_hmha:
+        out.append("")
+        out.append("HMHA beyond the MHA lengths: " + ", ".join(
+            f"L = {L}: {ms(e[('hmha', L, 64)]):.1f} ms" for L in extra_hmha))
+    out.append("")
+    out.append("### C2FAttention: time, speedup over MultiHeadAttention (same run), peak memory")
+    out.append("")
+    rows = []
+    for L in lengths:
+        mha = ms(e[("mha_streaming", L)])
+        row = [L]
+        for c in CHUNKS:
+            b = e.get(("c2f", L, c))
+            row.append(f"{ms(b):.2f} ms, {mha / ms(b):.0f}×, {fmt_bytes(b['peak_bytes'])}" if b else "—")
+        rows.append(row)
+    out.append(table(["L"] + [f"chunk {c}" for c in CHUNKS], rows))
+
+    if ("c2f", 1024, 32) in e and ("mha_naive", 1024) in e:
+        out.append("")
+        out.append(seed004_table(e))
+
+    checks = []
+    window = [L for L in lengths if 1024 <= L <= 8192]
+    if window:
+        worst = min(e[("mha_streaming", L)]["GFLOPS"] / e[("gemm", L)]["GFLOPS"] for L in window)
+        checks.append(("streaming MHA ≥ 60 % of the GEMM GFLOPS for L in " + ", ".join(map(str, window)),
+                       f"lowest {100 * worst:.0f} %", worst >= 0.60))
+    if ("c2f", 16384, 32) in e:
+        r = ms(e[("mha_streaming", 16384)]) / ms(e[("c2f", 16384, 32)])
+        checks.append(("C2F (chunk 32) ≥ 50× faster than MHA at L = 16384", f"{r:.0f}×", r >= 50))
+    mem = [(L, e[("mha_streaming", L)]["peak_bytes"]) for L in lengths if L >= 1024]
+    if len(mem) >= 2:
+        s = slope([m[0] for m in mem], [m[1] for m in mem])
+        checks.append(("streaming MHA memory grows linearly in L (log-log slope ≈ 1, L ≥ 1024)", f"slope {s:.2f}",
+                       s < 1.2))
+    hm = sorted((k[1], ms(b)) for k, b in e.items() if k[0] == "hmha" and k[1] >= 1024)
+    if len(hm) >= 2:
+        checks.append(("HMHA time vs L (log-log slope, L ≥ 1024)", f"slope {slope(*zip(*hm)):.2f}", None))
+    if torch_result is not None:
+        t = entries(torch_result)
+        rows = []
+        for L in sorted({k[1] for k in t if k[0] == "libtorch_mha"}):
+            lt, cm = ms(t[("libtorch_mha", L)]), ms(t[("c2f_mha", L)])
+            rows.append([L, f"{lt:.1f}", f"{cm:.1f}", f"{lt / cm:.1f}×", f"{t[('c2f_mha', L)]['max_abs_diff']:.2g}"])
+            if L == 2048:
+                checks.append(("c2f MHA ≥ 4× faster than libtorch's at L = 2048", f"{lt / cm:.1f}×", lt / cm >= 4))
+        out.append("")
+        out.append(f"### c2f MultiHeadAttention vs libtorch {torch_result['context'].get('torch_version', '')} "
+                   "torch::nn::MultiheadAttention (same weights and input, same run)")
+        out.append("")
+        out.append(table(["L", "libtorch ms", "c2f ms", "c2f speedup", "max |diff|"], rows))
+    out.append("")
+    out.append("### Targets")
+    out.append("")
+    out.append(table(["target", "measured", "met"],
+                     [[c, m, "—" if ok is None else ("yes" if ok else "**no**")] for c, m, ok in checks]))
+    return "\n".join(out), e, lengths
+
+
+def seed004_table(e):
+    """Seed 004's table (n = 1024, k = 32, h = 8, d = 512), answered with this run's measurements."""
+    n, k, h, d = 1024, 32, 8, 512
+    m = n // k
+    mha, naive, c2f = e[("mha_streaming", n)], e[("mha_naive", n)], e[("c2f", n, k)]
+    rows = [
+        ["seed's \"computational complexity\"", "O(n²) = 1M", "O(m² + m·k²) = 38k (m² + m·k² is 33,792)"],
+        ["attention scores per forward (all heads)", f"h·n² = {h * n * n:,}",
+         f"coarse h·m² = {h * m * m:,} + fine h·m·k = {h * m * k:,} (the seed's formula computes h·m·k² = "
+         f"{h * m * k * k:,}; the fine query is the same for a whole chunk, so one row per chunk suffices)"],
+        ["FLOP per forward (analytic, whole layer)", f"{mha['FLOP'] / 1e9:.2f} G", f"{c2f['FLOP'] / 1e9:.3f} G"],
+        ["seed's \"actual memory (h=8, d=512)\"", "4.2 GB", "1.1 GB"],
+        ["largest score buffer", f"naive kernel: one head's n² floats = {fmt_bytes(4 * n * n)}; streaming: "
+         f"64 × 256 floats = {fmt_bytes(4 * 64 * 256)} per thread",
+         f"coarse: m × m = {m} × {m} per head (inside the same 64 × 256 streaming block); fine: h × k = "
+         f"{h} × {k} per chunk"],
+        ["peak working memory (measured, incl. output)",
+         f"streaming {fmt_bytes(mha['peak_bytes'])}; naive {fmt_bytes(naive['peak_bytes'])}",
+         fmt_bytes(c2f["peak_bytes"])],
+        ["time per forward (measured)", f"{ms(mha):.1f} ms (naive {ms(naive):.1f} ms)",
+         f"{ms(c2f):.2f} ms ({ms(mha) / ms(c2f):.1f}× faster)"],
+    ]
+    return ("### Seed 004's table, measured (n = 1024, k = 32, h = 8, d = 512, batch 1)\n\n" +
+            table(["", "MultiHeadAttention", "C2FAttention (chunk 32)"], rows))
+
+
+def plot(e, lengths, out_dir):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (Debian: python3-matplotlib): no plots")
+        return []
+    files = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    ax.plot(lengths, [ms(e[("mha_streaming", L)]) for L in lengths], "k-o", label="MultiHeadAttention")
+    naive = [L for L in lengths if ("mha_naive", L) in e]
+    if naive:
+        ax.plot(naive, [ms(e[("mha_naive", L)]) for L in naive], "k:", marker="x", label="MHA, naive kernel")
+    hm = sorted(k[1] for k in e if k[0] == "hmha")
+    ax.plot(hm, [ms(e[("hmha", L, 64)]) for L in hm], "m-s", label="HMHA (W = 64)")
+    cmap = plt.get_cmap("viridis")
+    for i, c in enumerate(CHUNKS):
+        ls = [L for L in lengths if ("c2f", L, c) in e]
+        ax.plot(ls, [ms(e[("c2f", L, c)]) for L in ls], "-^", color=cmap(i / len(CHUNKS)), label=f"C2F chunk {c}")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length L", ylabel="time per forward (ms)",
+           title="Time vs length (d = 512, 8 heads, batch 1)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(out_dir / "time_vs_length.png")
+    fig.savefig(files[-1], dpi=80)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for i, L in enumerate(lengths):
+        cs = [c for c in CHUNKS if ("c2f", L, c) in e]
+        ax.plot(cs, [ms(e[("mha_streaming", L)]) / ms(e[("c2f", L, c)]) for c in cs], "-o",
+                color=plt.get_cmap("plasma")(i / max(1, len(lengths))), label=f"L = {L}")
+    ax.set(xscale="log", yscale="log", xlabel="chunk size", ylabel="speedup over MultiHeadAttention",
+           title="C2FAttention speedup vs chunk size (same run)")
+    ax.set_xticks(CHUNKS)
+    ax.set_xticklabels([str(c) for c in CHUNKS])
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(out_dir / "speedup_vs_chunk.png")
+    fig.savefig(files[-1], dpi=80)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    ax.plot(lengths, [e[("mha_streaming", L)]["peak_bytes"] / 2**20 for L in lengths], "k-o", lw=4, ms=9,
+            alpha=0.35, label="MultiHeadAttention (streaming)")
+    if naive:
+        ax.plot(naive, [e[("mha_naive", L)]["peak_bytes"] / 2**20 for L in naive], "k:", marker="x",
+                label="MHA, naive kernel")
+    ax.plot(hm, [e[("hmha", L, 64)]["peak_bytes"] / 2**20 for L in hm], "m--s", label="HMHA (W = 64)")
+    ls = [L for L in lengths if ("c2f", L, 32) in e]
+    ax.plot(ls, [e[("c2f", L, 32)]["peak_bytes"] / 2**20 for L in ls], "g-^", label="C2F chunk 32")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length L", ylabel="peak working memory (MiB, measured)",
+           title="Memory vs length (heap held during one forward)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(out_dir / "memory_vs_length.png")
+    fig.savefig(files[-1], dpi=80)
+    plt.close(fig)
+    return files
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--long", action="store_true", help="the long sweep (more lengths, HMHA to 32768)")
+    p.add_argument("--build", default=str(REPO / "build" / "release"), help="build folder with benchmarks/")
+    p.add_argument("--out", default=str(REPO / "results" / "latest"), help="output folder")
+    p.add_argument("--repetitions", type=int, default=1, help="Google Benchmark repetitions (median reported)")
+    args = p.parse_args(argv)
+    build, out_dir = Path(args.build), Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    extra = ["--c2f_sweep=long"] if args.long else []
+    if args.repetitions > 1:
+        extra += [f"--benchmark_repetitions={args.repetitions}"]
+    attn = run_benchmark(build / "benchmarks" / "bench_attention", out_dir / "bench_attention.json", extra)
+    torch_bin = build / "benchmarks" / "bench_libtorch"
+    torch_result = None
+    if torch_bin.exists():
+        torch_result = run_benchmark(torch_bin, out_dir / "bench_libtorch.json", extra)
+    else:
+        print("bench_libtorch was not built (libtorch-dev not installed): skipping the libtorch peer")
+    text, e, lengths = summarize(attn, torch_result)
+    (out_dir / "summary.md").write_text(text + "\n")
+    print()
+    print(text)
+    files = plot(e, lengths, out_dir)
+    print()
+    print(f"wrote {out_dir}/: bench_attention.json" + (", bench_libtorch.json" if torch_result else "") +
+          ", summary.md" + "".join(f", {f.name}" for f in files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
