@@ -11,6 +11,8 @@ PACKAGES=(
   libgtest-dev python3 python3-numpy python3-torch
   # benchmarks: Google Benchmark, matplotlib for the plots, libtorch for the libtorch peer
   libbenchmark-dev python3-matplotlib libtorch-dev
+  # hardening: clang with libFuzzer (the sanitizer runtimes of g++ come with it)
+  clang libclang-rt-14-dev
 )
 
 missing=()

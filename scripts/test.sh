@@ -1,6 +1,18 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh Debian machine: install what is missing, configure, build, test.
+# The whole test suite on a fresh Debian machine: install what is missing, then
+#   1. the dev preset: configure, build (warnings as errors), run every test;
+#   2. the asan preset: the unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
+#   3. libFuzzer on the safetensors reader, each target for C2F_FUZZ_SECONDS seconds (default 60).
+#
+#   scripts/test.sh [--quick]     --quick runs step 1 only (for local iteration; CI runs everything)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+quick=0
+[ "${1:-}" = "--quick" ] && quick=1
+
 scripts/install-deps.sh
 cmake --workflow --preset dev
+if [ "$quick" = 0 ]; then
+  cmake --workflow --preset asan
+  C2F_FUZZ_SECONDS="${C2F_FUZZ_SECONDS:-60}" tests/fuzz/run.sh
+fi

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <optional>
@@ -448,6 +450,19 @@ TEST(SafetensorsRejects, Rule3HeaderPastEndOfData) {
   expect_rejected(file, {"invalid header length"});
 }
 
+TEST(SafetensorsRejects, Rule3HeaderLengthPlus8OverflowingU64) {
+  // 8 + N wraps to 0..7 for these N: a reader that checks "8 + N <= size" would accept them and read the
+  // header past the end. They are rejected by the size bound before any such sum is formed.
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  for (const std::uint64_t n : {kMax, kMax - 1, kMax - 7, kMax - 8}) {
+    SCOPED_TRACE(n);
+    expect_rejected(make_file("{}", {}, n), {"header too large", std::to_string(n)});
+    expect_rejected(make_file("{}", zeros(64), n), {"header too large", std::to_string(n)});
+  }
+  // Just over the bound and with a large file it is still the bound that rejects it.
+  expect_rejected(make_file("{}", zeros(1024), kMax - 1023), {"header too large"});
+}
+
 TEST(SafetensorsRejects, Rule4HeaderNotUtf8) {
   expect_rejected(make_file("{\"w\xff\":{}}"), {"UTF-8", "0xff", "offset 3"});  // in a key
   expect_rejected(make_file(R"({"__metadata__":{"k":")"
@@ -536,6 +551,21 @@ TEST(SafetensorsRejects, Rule5MissingOrMistypedDataOffsets) {
   }
 }
 
+TEST(SafetensorsRejects, Rule5TensorMissingDataOffsets) {
+  expect_rejected(make_file(R"({"w":{"dtype":"F32","shape":[1]}})", zeros(4)),
+                  {"tensor \"w\"", "no \"data_offsets\""});
+  // The second tensor lacks it; the first is fine.
+  expect_rejected(make_file(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                            R"("b":{"dtype":"U8","shape":[1]}})",
+                            zeros(2)),
+                  {"tensor \"b\"", "no \"data_offsets\""});
+  // A misspelt key does not count (unknown keys are ignored, like the reference does).
+  expect_rejected(make_file(R"({"w":{"dtype":"U8","shape":[1],"data_offset":[0,1]}})", zeros(1)),
+                  {"tensor \"w\"", "no \"data_offsets\""});
+  // An empty tensor needs its offsets too.
+  expect_rejected(make_file(R"({"z":{"dtype":"F32","shape":[0]}})"), {"tensor \"z\"", "no \"data_offsets\""});
+}
+
 TEST(SafetensorsRejects, Rule5DuplicateKeys) {
   // nlohmann keeps the last duplicate; the file is ambiguous, so it is rejected.
   expect_rejected(make_file(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
@@ -565,28 +595,73 @@ TEST(SafetensorsRejects, Rule6UnknownDtype) {
 }
 
 TEST(SafetensorsRejects, Rule7ShapeProductOverflow) {
-  // 2^32 × 2^32 wraps to 0 in 64-bit arithmetic; offsets [0, 0] would then look consistent.
+  // The byte count wraps to a small non-zero value that the offsets and the buffer then match:
+  // (2^62 + 1) × 4 = 2^64 + 4 ≡ 4.
+  expect_rejected(make_file(R"({"w":{"dtype":"F32","shape":[4611686018427387905],"data_offsets":[0,4]}})",
+                            zeros(4)),
+                  {"tensor \"w\"", "overflows", "[4611686018427387905]", "F32"});
+  // The element count overflows: 3 × (2^63 − 1) ≡ 2^63 − 3.
+  expect_rejected(make_file(R"({"w":{"dtype":"U8","shape":[3,9223372036854775807],"data_offsets":[0,0]}})"),
+                  {"tensor \"w\"", "overflows", "[3, 9223372036854775807]", "U8"});
+  // The element count fits, the byte count does not: (2^61 + 1) × 8.
+  expect_rejected(make_file(R"({"w":{"dtype":"F64","shape":[2305843009213693953],"data_offsets":[0,8]}})",
+                            zeros(8)),
+                  {"tensor \"w\"", "overflows", "F64"});
+  // An overflow before a 0 dimension is an overflow (the product is formed left to right, as in the
+  // reference implementation).
+  expect_rejected(make_file(R"({"w":{"dtype":"U8","shape":[4294967297,4294967297,0],"data_offsets":[0,0]}})"),
+                  {"tensor \"w\"", "overflows"});
+}
+
+TEST(SafetensorsRejects, Rule7ShapeProductWrappingToZero) {
+  // 2^32 × 2^32 = 2^64 wraps to 0 in 64-bit arithmetic; offsets [0, 0] and no buffer would then look
+  // like a consistent empty tensor. It must be rejected, not loaded as empty.
+  expect_rejected(make_file(R"({"w":{"dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,0]}})"),
+                  {"tensor \"w\"", "overflows", "[4294967296, 4294967296]", "U8"});
   expect_rejected(make_file(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}})"),
                   {"tensor \"w\"", "overflows", "[4294967296, 4294967296]", "F32"});
-  // The element count fits, the byte count does not: 2^62 elements × 8 bytes.
-  expect_rejected(make_file(R"({"w":{"dtype":"F64","shape":[2,2305843009213693952],"data_offsets":[0,0]}})"),
-                  {"tensor \"w\"", "overflows", "F64"});
-  // 2^64 elements of one byte.
   expect_rejected(make_file(R"({"w":{"dtype":"U8","shape":[4294967296,4294967296,1],"data_offsets":[0,0]}})"),
                   {"overflows"});
   expect_rejected(make_file(R"({"w":{"dtype":"U8","shape":[65536,65536,65536,65536],"data_offsets":[0,0]}})"),
-                  {"overflows"});
+                  {"overflows", "[65536, 65536, 65536, 65536]"});
+  expect_rejected(make_file(R"({"w":{"dtype":"U8","shape":[4,4611686018427387904],"data_offsets":[0,0]}})"),
+                  {"overflows", "[4, 4611686018427387904]"});
+  // Only the byte count wraps to 0: 2^63 × 2 (F16), 2^62 × 4 (F32), 2^62 × 8 (F64).
+  expect_rejected(make_file(R"({"w":{"dtype":"F16","shape":[4611686018427387904,2],"data_offsets":[0,0]}})"),
+                  {"tensor \"w\"", "overflows", "F16"});
+  expect_rejected(make_file(R"({"w":{"dtype":"F32","shape":[4611686018427387904],"data_offsets":[0,0]}})"),
+                  {"tensor \"w\"", "overflows", "F32"});
+  expect_rejected(make_file(R"({"w":{"dtype":"F64","shape":[2,2305843009213693952],"data_offsets":[0,0]}})"),
+                  {"tensor \"w\"", "overflows", "F64"});
+  // Next to a genuine empty tensor, the wrapping one is still the one reported.
+  expect_rejected(make_file(R"({"e":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},)"
+                            R"("w":{"dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,0]}})"),
+                  {"tensor \"w\"", "overflows"});
 }
 
-TEST(SafetensorsRejects, Rule8OffsetsMustTileTheBuffer) {
-  // First tensor does not begin at 0.
+TEST(SafetensorsRejects, Rule8OffsetsNotStartingAtZero) {
   expect_rejected(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", zeros(8),
-                  {"tensor \"w\"", "[4, 8]", "begin at byte 0"});
-  // Gap between tensors.
+                  {"tensor \"w\"", "[4, 8]", "first tensor must begin at byte 0"});
+  // An empty tensor must sit at 0 too when it is the only one.
+  expect_rejected(R"({"z":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})", {},
+                  {"tensor \"z\"", "[4, 4]", "begin at byte 0"});
+  // Offsets near 2^64.
+  expect_rejected(R"({"w":{"dtype":"U8","shape":[1],)"
+                  R"("data_offsets":[18446744073709551615,18446744073709551615]}})",
+                  zeros(1), {"tensor \"w\"", "18446744073709551615", "begin at byte 0"});
+}
+
+TEST(SafetensorsRejects, Rule8OffsetsWithGap) {
   expect_rejected(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
                   R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
                   zeros(12), {"tensor \"b\"", "[8, 12]", "byte 4", "tensor \"a\"", "gap"});
-  // Overlap.
+  // A gap before an empty tensor is a gap as well.
+  expect_rejected(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                  R"("z":{"dtype":"U8","shape":[0],"data_offsets":[2,2]}})",
+                  zeros(2), {"tensor \"z\"", "[2, 2]", "byte 1", "gap"});
+}
+
+TEST(SafetensorsRejects, Rule8OverlappingOffsets) {
   expect_rejected(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                   R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
                   zeros(8), {"tensor \"b\"", "[4, 8]", "byte 8", "overlap"});
@@ -594,16 +669,21 @@ TEST(SafetensorsRejects, Rule8OffsetsMustTileTheBuffer) {
   expect_rejected(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
                   R"("b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
                   zeros(4), {"tensor \"b\"", "[0, 4]", "overlap"});
-  // End before begin.
+  // An empty tensor placed inside another one's bytes.
+  expect_rejected(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                  R"("z":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
+                  zeros(8), {"tensor \"z\"", "[4, 4]", "overlap"});
+}
+
+TEST(SafetensorsRejects, Rule8OffsetsEndBeforeBegin) {
   expect_rejected(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}})", zeros(4),
                   {"tensor \"w\"", "[4, 0]", "end before they begin"});
-  // Offsets near 2^64.
-  expect_rejected(R"({"w":{"dtype":"U8","shape":[1],)"
-                  R"("data_offsets":[18446744073709551615,18446744073709551615]}})",
-                  zeros(1), {"tensor \"w\"", "18446744073709551615"});
   expect_rejected(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
                   R"("b":{"dtype":"U8","shape":[0],"data_offsets":[18446744073709551615,0]}})",
-                  zeros(1), {"tensor \"b\"", "end before they begin"});
+                  zeros(1), {"tensor \"b\"", "[18446744073709551615, 0]", "end before they begin"});
+  // end − begin would wrap to the tensor's byte count (1 − 2^64 + 3 ≡ 4).
+  expect_rejected(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[18446744073709551613,1]}})", zeros(4),
+                  {"tensor \"w\"", "end before they begin"});
 }
 
 TEST(SafetensorsRejects, Rule9SpanMustMatchShapeAndDtype) {
@@ -617,13 +697,23 @@ TEST(SafetensorsRejects, Rule9SpanMustMatchShapeAndDtype) {
                   {"tensor \"w\"", "needs 4 bytes", "span 18446744073709551615"});
 }
 
-TEST(SafetensorsRejects, Rule10BufferMustEndAtEndOfFile) {
-  const Bytes data = bytes_of<float>({1.0f, 2.0f});
-  Bytes trailing = data;
+TEST(SafetensorsRejects, Rule10TrailingBytesAfterLastTensor) {
+  Bytes trailing = bytes_of<float>({1.0f, 2.0f});
   trailing.push_back(0);
   expect_rejected(kF32Entry, trailing, {"cover 8 bytes", "holds 9", "trailing"});
+  expect_rejected("{}", Bytes{0}, {"cover 0 bytes", "holds 1", "trailing"});
+  // Only empty tensors, then a byte.
+  expect_rejected(R"({"z":{"dtype":"F32","shape":[2,0],"data_offsets":[0,0]}})", Bytes{0},
+                  {"cover 0 bytes", "holds 1", "trailing"});
+  // Bytes after the last tensor in offset order (not name order).
+  expect_rejected(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]},)"
+                  R"("b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})",
+                  zeros(10), {"cover 2 bytes", "holds 10", "trailing"});
+}
+
+TEST(SafetensorsRejects, Rule10BufferShorterThanTensors) {
+  const Bytes data = bytes_of<float>({1.0f, 2.0f});
   expect_rejected(kF32Entry, Bytes(data.begin(), data.end() - 1), {"cover 8 bytes", "holds 7", "too short"});
-  expect_rejected("{}", Bytes{0}, {"cover 0 bytes", "holds 1"});
   // A span as large as the shape allows, far beyond the data (the sum end + 8 + N would wrap).
   expect_rejected(
       R"({"w":{"dtype":"F64","shape":[2305843009213693951],"data_offsets":[0,18446744073709551608]}})",
@@ -667,6 +757,72 @@ TEST(SafetensorsRejects, LongNamesAreShortenedInMessages) {
       parse_error(make_file("{\"" + name + R"(":{"dtype":"X","shape":[],"data_offsets":[0,0]}})"));
   EXPECT_NE(msg.find("unknown dtype"), std::string::npos) << msg;
   EXPECT_LT(msg.size(), 1000u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fuzzers' seed corpus and the crash inputs they found (tests/fuzz/).
+
+std::filesystem::path fuzz_dir() {
+  return (std::filesystem::path(C2F_TEST_DATA_DIR) / ".." / "fuzz").lexically_normal();
+}
+
+Bytes read_file_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return Bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+/// Parses `file`: "ok" when it loads, "rejected" on SafetensorsError; any other exception is a failure.
+std::string parse_outcome(const std::filesystem::path& path) {
+  const Bytes file = read_file_bytes(path);
+  try {
+    const StateDict sd = parse(file);
+    // What loads re-encodes to something that loads the same.
+    expect_same(sd, parse(c2f::serialize_safetensors(sd)));
+    return "ok";
+  } catch (const SafetensorsError& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("c2f: safetensors: ", 0), 0u) << msg;
+    return "rejected";
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected success or SafetensorsError, got another exception: " << e.what();
+  } catch (...) {
+    ADD_FAILURE() << "expected success or SafetensorsError, got a non-std exception";
+  }
+  return "error";
+}
+
+std::vector<std::filesystem::path> files_under(const std::filesystem::path& dir) {
+  std::vector<std::filesystem::path> out;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    if (entry.is_regular_file()) out.push_back(entry.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST(SafetensorsCorpus, EveryFileParsesOrThrowsSafetensorsError) {
+  const std::filesystem::path parse_corpus = fuzz_dir() / "corpus" / "parse";
+  const std::filesystem::path regressions = fuzz_dir() / "regressions";
+  ASSERT_TRUE(std::filesystem::is_directory(parse_corpus)) << parse_corpus;
+  ASSERT_TRUE(std::filesystem::is_directory(regressions)) << regressions;
+  std::size_t count = 0;
+  for (const auto& dir : {parse_corpus, regressions}) {
+    for (const std::filesystem::path& path : files_under(dir)) {
+      SCOPED_TRACE(path.string());
+      const std::string outcome = parse_outcome(path);
+      // The seed corpus says by its names what to expect.
+      const std::string stem = path.filename().string();
+      if (stem.rfind("ok_", 0) == 0) {
+        EXPECT_EQ(outcome, "ok");
+      } else if (stem.rfind("bad_", 0) == 0) {
+        EXPECT_EQ(outcome, "rejected");
+      } else {
+        EXPECT_NE(outcome, "error");
+      }
+      ++count;
+    }
+  }
+  EXPECT_GE(count, 10u) << "the seed corpus went missing";
 }
 
 // ---------------------------------------------------------------------------------------------

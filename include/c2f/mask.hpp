@@ -7,7 +7,9 @@
 //                             (torch.nn.functional.scaled_dot_product_attention's convention)
 //   AttnMask<S>::ignore(m)    boolean, true  = the key is MASKED OUT for that query
 //                             (torch.nn.MultiheadAttention's `attn_mask` convention)
-//   AttnMask<S>::additive(m)  floating point, added to the scaled scores; -inf masks a key
+//   AttnMask<S>::additive(m)  floating point, added to the scaled scores; -inf masks a key, and so
+//                             does any value <= -3.4028235e38 (float's lowest, torch.finfo(float32).min,
+//                             which Hugging Face uses as "-inf"), so both give the same result
 //                             (a float `attn_mask` in either PyTorch API)
 //   AttnMask<S>::causal()     query i sees keys j <= i (top-left aligned, like SDPA's is_causal);
 //                             causal(diagonal) shifts the edge: keys j <= i + diagonal (diagonal -1 =
@@ -31,6 +33,7 @@
 #include "c2f/state_dict.hpp"
 
 #include <array>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -53,6 +56,18 @@ namespace detail {
 template <class T, int Rank>
 std::vector<T> tensor_values(const Eigen::Tensor<T, Rank, Eigen::RowMajor>& t) {
   return std::vector<T>(t.data(), t.data() + t.size());
+}
+
+/// Additive mask values at or below float's lowest (torch.finfo(torch.float32).min, used as "-inf" by
+/// Hugging Face) become -inf: such a key is masked, exactly as with -inf. Without this, a row whose
+/// every key carried lowest() would softmax to a uniform average instead of the zeros of a masked row.
+template <class Scalar>
+std::vector<Scalar> normalize_additive(std::vector<Scalar> v) {
+  const Scalar threshold = static_cast<Scalar>(std::numeric_limits<float>::lowest());
+  for (Scalar& x : v) {
+    if (x <= threshold) x = -std::numeric_limits<Scalar>::infinity();
+  }
+  return v;
 }
 
 /// Bools → keep flags (1 = may attend); `invert` for the "true = ignore" convention.
@@ -157,7 +172,7 @@ class AttnMask {
     AttnMask m;
     m.kind_ = MaskKind::Additive;
     m.dims_ = dims;
-    m.add_ = std::move(add);
+    m.add_ = detail::normalize_additive(std::move(add));
     return m;
   }
 
@@ -188,7 +203,7 @@ class KeyPaddingMask {
     KeyPaddingMask k;
     k.kind_ = MaskKind::Additive;
     k.dims_ = {m.dimension(0), m.dimension(1)};
-    k.add_ = detail::tensor_values(m);
+    k.add_ = detail::normalize_additive(detail::tensor_values(m));
     return k;
   }
   /// Batch b attends to keys [0, lengths[b]); lengths must lie in [0, keys].
@@ -210,7 +225,7 @@ class KeyPaddingMask {
     switch (kind) {
       case MaskKind::Keep: k.keep_ = detail::tensor_flags(t, false); break;
       case MaskKind::Ignore: k.keep_ = detail::tensor_flags(t, true); break;
-      case MaskKind::Additive: k.add_ = t.to_vector<Scalar>(); break;
+      case MaskKind::Additive: k.add_ = detail::normalize_additive(t.to_vector<Scalar>()); break;
       default: detail::fail("KeyPaddingMask::from_tensor takes MaskKind Keep, Ignore or Additive");
     }
     return k;
