@@ -17,21 +17,27 @@
 //                HMHA          14·L·E·E + 4·L·W·E + 4·n·n·E + 4·L·|S|·E,  n = ceil(L / W),
 //                              |S| = 2·ceil(log2 L) + 1: three C3K2 projections (4·L·E² each) and out_proj
 //                              (2·L·E²), level 1 (full windows), level 2 (window means), level 3
+//                Sparse C2F    8·L·E² + 2·m·m·E + 4·L·S·E,  m = ceil(L / chunk), S = min(top_k, m)·chunk
+//                              keys per query: projections, chunk scores, fine attention over the selection
 //   GFLOPS     FLOP / wall time
 //   tokens/s   L / wall time
 //   peak_bytes heap memory held at once during one forward, beyond what existed before it (input and
 //              weights), measured by counting every malloc (tools/malloc_counter.hpp); includes the output
+//   rel_error  (sparse entries) ‖y − y_MHA‖ / ‖y_MHA‖ against full MultiHeadAttention with the same
+//              weights on the same input: a smooth random walk plus noise (inputs with local structure)
 #include <benchmark/benchmark.h>
 
 #include "c2f/kernels/linear.hpp"
 #include "c2f/layers/c2f_attention.hpp"
 #include "c2f/layers/hmha.hpp"
 #include "c2f/layers/multihead_attention.hpp"
+#include "c2f/layers/sparse_c2f_attention.hpp"
 #include "tools/malloc_counter.hpp"
 
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -124,6 +130,57 @@ void BM_HMHA(benchmark::State& state) {
   state.counters["window"] = double(window);
 }
 
+// A smooth random walk plus noise along the sequence, per feature: nearby positions look alike.
+c2f::Tensor3<float> random_walk_input(Index length) {
+  std::mt19937 gen(7);
+  std::normal_distribution<float> normal;
+  c2f::Tensor3<float> x(1, length, kEmbed);
+  std::vector<float> level(static_cast<std::size_t>(kEmbed), 0.f);
+  for (Index t = 0; t < length; ++t) {
+    for (Index j = 0; j < kEmbed; ++j) {
+      level[static_cast<std::size_t>(j)] += 0.1f * normal(gen);
+      x(0, t, j) = level[static_cast<std::size_t>(j)] + 0.3f * normal(gen);
+    }
+  }
+  return x;
+}
+
+// Input and full-MHA output per length, computed once (outside any timing).
+struct SparseReference {
+  c2f::Tensor3<float> x, y;
+};
+const SparseReference& sparse_reference(const c2f::MultiHeadAttention<float>& mha, Index length) {
+  static std::map<Index, SparseReference> cache;
+  auto it = cache.find(length);
+  if (it == cache.end()) {
+    SparseReference ref{random_walk_input(length), {}};
+    ref.y = mha.forward(ref.x);
+    it = cache.emplace(length, std::move(ref)).first;
+  }
+  return it->second;
+}
+
+void BM_Sparse(benchmark::State& state) {
+  const Index length = state.range(0), chunk = state.range(1), top_k = state.range(2);
+  c2f::SparseC2FAttention<float>::Options options;
+  options.num_threads = bench_threads();
+  const c2f::SparseC2FAttention<float> sparse(kEmbed, kHeads, chunk, top_k, false, options);
+  const SparseReference& ref = sparse_reference(sparse.dense(), length);
+  const Index m = (length + chunk - 1) / chunk;
+  const double L = double(length), E = double(kEmbed), keys = double(std::min(top_k, m) * chunk);
+  run(state, 8.0 * L * E * E + 2.0 * double(m * m) * E + 4.0 * L * keys * E, length,
+      [&] { return sparse.forward(ref.x); });
+  const c2f::Tensor3<float> y = sparse.forward(ref.x);
+  double err = 0.0, norm = 0.0;
+  for (Index i = 0; i < y.size(); ++i) {
+    err += double(y.data()[i] - ref.y.data()[i]) * double(y.data()[i] - ref.y.data()[i]);
+    norm += double(ref.y.data()[i]) * double(ref.y.data()[i]);
+  }
+  state.counters["rel_error"] = std::sqrt(err / norm);
+  state.counters["chunk"] = double(chunk);
+  state.counters["top_k"] = double(top_k);
+}
+
 void register_sweep(bool long_sweep) {
   std::vector<Index> lengths = {256, 1024, 2048, 4096, 8192, 16384};
   Index naive_max = 1024;
@@ -149,6 +206,11 @@ void register_sweep(bool long_sweep) {
   }
   for (Index L : hmha_lengths) {
     benchmark::RegisterBenchmark("hmha", BM_HMHA)->Args({L, kWindow})->Unit(benchmark::kMillisecond)->UseRealTime();
+  }
+  for (Index L : {Index(4096), Index(16384)}) {
+    for (Index top_k : {1, 2, 4, 8, 16, 32}) {
+      benchmark::RegisterBenchmark("sparse", BM_Sparse)->Args({L, 64, top_k})->Unit(benchmark::kMillisecond)->UseRealTime();
+    }
   }
 }
 

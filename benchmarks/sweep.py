@@ -132,6 +132,19 @@ def summarize(attn, torch_result):
         rows.append(row)
     out.append(table(["L"] + [f"chunk {c}" for c in CHUNKS], rows))
 
+    sparse = sorted(k for k in e if k[0] == "sparse")
+    if sparse:
+        out.append("")
+        out.append("### SparseC2FAttention (chunk 64) against MultiHeadAttention, same weights, random-walk input")
+        out.append("")
+        rows = []
+        for key in sparse:
+            _, L, chunk, top_k = key
+            b = e[key]
+            rows.append([L, top_k, f"{ms(b):.1f}", f"{ms(e[('mha_streaming', L)]) / ms(b):.1f}×",
+                         f"{b['rel_error']:.3f}", fmt_bytes(b["peak_bytes"])])
+        out.append(table(["L", "top_k", "ms", "speedup vs MHA", "relative error", "memory"], rows))
+
     if ("c2f", 1024, 32) in e and ("mha_naive", 1024) in e:
         out.append("")
         out.append(seed004_table(e))
@@ -262,6 +275,25 @@ def plot(e, lengths, out_dir):
     files.append(out_dir / "memory_vs_length.png")
     fig.savefig(files[-1], dpi=80)
     plt.close(fig)
+    sparse = sorted(k for k in e if k[0] == "sparse")
+    if sparse:
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        for i, L in enumerate(sorted({k[1] for k in sparse})):
+            ks = [k for k in sparse if k[1] == L]
+            xs = [ms(e[("mha_streaming", L)]) / ms(e[k]) for k in ks]
+            ys = [e[k]["rel_error"] for k in ks]
+            ax.plot(xs, ys, "-o", color=plt.get_cmap("tab10")(i), label=f"L = {L}")
+            for x, y, k in zip(xs, ys, ks):
+                ax.annotate(f"k={k[3]}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        ax.set(xscale="log", yscale="log", xlabel="speedup over MultiHeadAttention (same run)",
+               ylabel="relative output error ‖y − y_MHA‖ / ‖y_MHA‖",
+               title="SparseC2FAttention (chunk 64): error vs speedup, top_k = k")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        files.append(out_dir / "sparse_error_vs_speedup.png")
+        fig.savefig(files[-1], dpi=80)
+        plt.close(fig)
     return files
 
 

@@ -13,9 +13,10 @@ Policy:
   numpy's RandomState and must be bit-identical.
 * Tensors computed by torch (each family declares them; for mha: ``output``, ``weights``; for c2f:
   ``output``, ``coarse_input``, ``coarse_output``; for conv1d: ``output``; for hmha: ``output_l1``,
-  ``output_l2``, ``output_l3``, ``output_all``, ``q``, ``k``, ``v``) may differ in the last bits across
-  CPUs/BLAS builds, and must satisfy |new - committed| <= atol + rtol * |committed| with
-  atol = rtol = 1e-6 for F32 and 1e-12 for F64; NaN and +-inf positions must be identical.
+  ``output_l2``, ``output_l3``, ``output_all``, ``q``, ``k``, ``v``; for sparse: ``output``,
+  ``mha_output``) may differ in the last bits across CPUs/BLAS builds, and must satisfy
+  |new - committed| <= atol + rtol * |committed| with atol = rtol = 1e-6 for F32 and 1e-12 for F64;
+  NaN and +-inf positions must be identical.
 * Independently of torch, every mha fixture is also checked against a small float64 numpy
   implementation of multi-head attention (loose tolerance: 1e-4 for f32 files, 1e-10 for f64), so a
   fixture that encodes a torch quirk rather than the documented semantics is caught. Likewise every c2f
@@ -26,6 +27,12 @@ Policy:
   second formulation next to the dense torch one (hmha_reference.py): convolutions as explicit loops
   over output positions, groups and taps; HMHA with every window, window mean and sparse set S(i)
   enumerated per batch item, head and position. Tensor names and shapes are checked against the metadata.
+* Every sparse fixture (SparseC2FAttention) is cross-checked against float64 numpy loops over batch
+  items, heads, query chunks and positions (a second formulation next to the dense masks of
+  sparse_reference.py): ``selected`` must match exactly, ``output`` (and ``mha_output`` when top_k >= m,
+  also against the mha family's numpy attention) within the same tolerances; the selection margin
+  recomputed from the stored values must be >= 1e-3 (relative), and the metadata must agree with the
+  tensors (names, dtypes, shapes, ``num_chunks``, ``covers_all``, ``key_padding_mask``, ``empty_rows``).
 * ``--determinism`` additionally generates twice and requires byte-identical files.
 """
 
@@ -549,8 +556,158 @@ crosscheck_conv1d = _crosscheck_with(conv1d_family_reference, "conv1d")
 crosscheck_hmha = _crosscheck_with(hmha_reference, "hmha")
 
 
+# --- independent numpy reference for the sparse family ---------------------------------------------
+
+SPARSE_MARGIN_REL = 1e-3  # the fixtures' selection margin rule (restated here, not imported)
+
+
+def sparse_loops(np, t, md):
+    """float64 SparseC2FAttention from a fixture's tensors, by explicit loops over batch items, heads, query
+    chunks and positions (no masks, no rank tensor): per query chunk the candidates are sorted by
+    (-score, index), the key list of every query position is enumerated chunk by chunk, and each list gets
+    its own softmax. Returns selected [B, H, m, top_k], output [B, L, E], the smallest relative selection
+    margin with its location, and whether some query row had no allowed key."""
+    f = lambda name: t[name].astype(np.float64)  # noqa: E731
+    E, H, B, L = int(md["embed_dim"]), int(md["num_heads"]), int(md["batch"]), int(md["seq_len"])
+    c, K, causal = int(md["chunk_size"]), int(md["top_k"]), md["causal"] == "true"
+    dh = E // H
+    W, bias, x = f("mha.in_proj_weight"), f("mha.in_proj_bias"), f("x")
+    q, k, v = (x @ W[n * E:(n + 1) * E].T + bias[n * E:(n + 1) * E] for n in range(3))
+    pad = t.get("key_padding_mask")
+    m = -(-L // c)
+    chunks = [list(range(j * c, min((j + 1) * c, L))) for j in range(m)]
+    selected = np.full((B, H, m, K), -1, dtype=np.int64)
+    o = np.zeros((B, L, E))
+    margin, where, empty = np.inf, None, False
+    for bi in range(B):
+        for h in range(H):
+            cs = slice(h * dh, (h + 1) * dh)
+            qbar, kbar = [], []
+            for ch in chunks:
+                sq, sk = np.zeros(dh), np.zeros(dh)
+                for p in ch:
+                    sq += q[bi, p, cs]
+                    sk += k[bi, p, cs]
+                qbar.append(sq / len(ch))
+                kbar.append(sk / len(ch))
+            for i, ch in enumerate(chunks):
+                score = {j: float(qbar[i] @ kbar[j]) for j in range(m) if j != i and (not causal or j <= i)}
+                ranked = sorted(score, key=lambda j: (-score[j], j))
+                n_pick = K - 1
+                if 0 < n_pick < len(ranked):
+                    a, b = score[ranked[n_pick - 1]], score[ranked[n_pick]]
+                    rel = (a - b) / (1.0 + max(abs(a), abs(b)))
+                    if rel < margin:
+                        margin, where = rel, (bi, h, i)
+                S = sorted([i] + ranked[:n_pick])
+                selected[bi, h, i, :len(S)] = S
+                for tq in ch:
+                    keys = [u for j in S for u in chunks[j]
+                            if (not causal or u <= tq) and (pad is None or not pad[bi, u])]
+                    if not keys:
+                        empty = True  # zero attention for this head
+                        continue
+                    s = np.array([q[bi, tq, cs] @ k[bi, u, cs] for u in keys]) / np.sqrt(dh)
+                    e = np.exp(s - s.max())
+                    o[bi, tq, cs] = (e / e.sum()) @ v[bi, keys, cs]
+    out = o @ f("mha.out_proj.weight").T + f("mha.out_proj.bias")
+    return selected, out, margin, where, empty
+
+
+def _sparse_contract(np, raw, md, rel, report):
+    """Tensor names, dtypes and shapes agree with the metadata; metadata is self-consistent."""
+    E, H, B, L = int(md["embed_dim"]), int(md["num_heads"]), int(md["batch"]), int(md["seq_len"])
+    c, K = int(md["chunk_size"]), int(md["top_k"])
+    m = -(-L // c)
+    fdt = raw["x"].dtype
+    ok = True
+    if md.get("module") != "sparse" or E % H or K < 1:
+        report.error(f"{rel}: module {md.get('module')!r}, embed_dim {E}, num_heads {H}, top_k {K}")
+        ok = False
+    if md.get("num_chunks") != str(m):
+        report.error(f"{rel}: num_chunks {md.get('num_chunks')!r} != ceil({L} / {c})")
+    if md.get("covers_all") != ("true" if K >= m else "false"):
+        report.error(f"{rel}: covers_all {md.get('covers_all')!r} but top_k {K}, m {m}")
+    spec = {"mha.in_proj_weight": (fdt, (3 * E, E)), "mha.in_proj_bias": (fdt, (3 * E,)),
+            "mha.out_proj.weight": (fdt, (E, E)), "mha.out_proj.bias": (fdt, (E,)),
+            "x": (fdt, (B, L, E)), "output": (fdt, (B, L, E)), "selected": ("I64", (B, H, m, K))}
+    if md.get("key_padding_mask") == "bool":
+        spec["key_padding_mask"] = ("BOOL", (B, L))
+    elif md.get("key_padding_mask") != "none":
+        report.error(f"{rel}: key_padding_mask metadata {md.get('key_padding_mask')!r}")
+    if md.get("covers_all") == "true":
+        spec["mha_output"] = (fdt, (B, L, E))
+    for name in sorted(set(spec) | set(raw)):
+        if name not in spec:
+            report.error(f"{rel}: unexpected tensor '{name}'")
+            ok = False
+        elif name not in raw:
+            report.error(f"{rel}: tensor '{name}' missing")
+            ok = False
+        elif (raw[name].dtype, tuple(raw[name].shape)) != spec[name]:
+            report.error(f"{rel}: {name} is {raw[name].dtype}{list(raw[name].shape)}, expected "
+                         f"{spec[name][0]}{list(spec[name][1])}")
+            ok = False
+    if fdt not in CROSSCHECK_TOLERANCE:
+        report.error(f"{rel}: x has dtype {fdt}")
+        ok = False
+    return ok
+
+
+def crosscheck_sparse(np, st, committed_dir, report):
+    smallest = (np.inf, "")
+    for path in sorted(committed_dir.glob("*.safetensors")):
+        rel = f"sparse/{path.name}"
+        try:
+            raw, md = st.load_file(path)
+        except st.SafetensorsError:
+            continue  # already reported
+        try:
+            if not _sparse_contract(np, raw, md, rel, report):
+                continue
+        except (KeyError, ValueError) as e:
+            report.error(f"{rel}: bad metadata ({e!r})")
+            continue
+        t = {k: st.to_numpy(v) for k, v in raw.items()}
+        dtype = raw["output"].dtype
+        tol = CROSSCHECK_TOLERANCE[dtype]
+        selected, out, margin, where, empty = sparse_loops(np, t, md)
+        if not np.array_equal(selected, t["selected"]):
+            bad = np.argwhere((selected != t["selected"]).any(axis=-1))[:MAX_LINES_PER_TENSOR]
+            report.error(f"{rel}: 'selected' differs from the numpy selection at (b, h, chunk) "
+                         f"{[tuple(int(i) for i in ix) for ix in bad]}")
+        if margin < SPARSE_MARGIN_REL:
+            report.error(f"{rel}: selection margin {margin:.3g} at (b, h, chunk) {where} is below "
+                         f"{SPARSE_MARGIN_REL:g}: float rounding could flip the selection")
+        if margin < smallest[0]:
+            smallest = (margin, f"{rel} at (b, h, chunk) {where}")
+        if md.get("empty_rows") != ("true" if empty else "false"):
+            report.error(f"{rel}: empty_rows={md.get('empty_rows')!r}, numpy reference: {empty}")
+        compare_values(np, out, t["output"], dtype, tol, tol, f"{rel}:output vs numpy reference", report,
+                       stat_key=f"numpy-reference {dtype}")
+        if "mha_output" in t:
+            # top_k >= m: the loops above are plain attention; also the mha family's dense reference.
+            compare_values(np, out, t["mha_output"], dtype, tol, tol, f"{rel}:mha_output vs numpy reference",
+                           report, stat_key=f"numpy-reference {dtype}")
+            L = int(md["seq_len"])
+            mt = {"mha.in_proj_weight": t["mha.in_proj_weight"], "mha.in_proj_bias": t["mha.in_proj_bias"],
+                  "mha.out_proj.weight": t["mha.out_proj.weight"], "mha.out_proj.bias": t["mha.out_proj.bias"],
+                  "query": t["x"], "key": t["x"], "value": t["x"]}
+            if md["causal"] == "true":
+                mt["attn_mask"] = np.triu(np.ones((L, L), dtype=bool), k=1)
+            mmd = {"embed_dim": md["embed_dim"], "num_heads": md["num_heads"], "batch": md["batch"],
+                   "lq": str(L), "lk": str(L), "need_weights": "none"}
+            dense, _ = mha_reference(np, mt, mmd)
+            compare_values(np, dense, t["mha_output"], dtype, tol, tol,
+                           f"{rel}:mha_output vs numpy multi-head attention", report,
+                           stat_key=f"numpy-reference {dtype}")
+    if smallest[1]:
+        report.note(f"sparse: smallest relative selection margin {smallest[0]:.3g} ({smallest[1]}); "
+                    f"required >= {SPARSE_MARGIN_REL:g}")
+
+
 CROSSCHECKS = {"mha": crosscheck_mha, "c2f": crosscheck_c2f, "conv1d": crosscheck_conv1d,
-               "hmha": crosscheck_hmha}
+               "hmha": crosscheck_hmha, "sparse": crosscheck_sparse}
 
 
 def main(argv=None):

@@ -45,6 +45,7 @@ sys.path.insert(0, str(HERE))
 import safetensors_io as st  # noqa: E402
 import c2f_reference as c2f_ref  # noqa: E402
 import hmha_reference as hmha_ref  # noqa: E402
+import sparse_reference as sparse_ref  # noqa: E402
 
 # dtype tag -> (numpy dtype, torch dtype); every case is produced in both.
 DTYPES = {"f32": (np.float32, torch.float32), "f64": (np.float64, torch.float64)}
@@ -1097,6 +1098,236 @@ def gen_hmha(family_dir: Path) -> List[dict]:
 
 
 # =====================================================================================================
+# Family "sparse": SparseC2FAttention, coarse-guided top-k chunk-sparse attention with the weights of a
+# torch.nn.MultiheadAttention (sparse_reference.py)
+# =====================================================================================================
+
+SPARSE_AR_RHO = 0.9  # x = AR(1) walk per feature (a leaky cumulative sum of Gaussian steps) + noise
+SPARSE_NOISE = 0.3
+SPARSE_MAX_ATTEMPTS = 100  # re-seeds per case (seed, seed + 1, ...); case seeds are 100 apart
+SPARSE_COVER_TOL = {"f32": 1e-5, "f64": 1e-12}  # |output - mha_output| when top_k >= m
+
+
+@dataclass(frozen=True)
+class SparseCase:
+    name: str
+    seed: int  # first seed tried; the one used (seed + attempt) goes into the metadata
+    description: str
+    seq_len: int
+    chunk: int
+    top_k: int
+    causal: bool
+    batch: int = 2
+    embed_dim: int = 16
+    num_heads: int = 4
+    lengths: Tuple[int, ...] = ()  # non-empty: bool key_padding_mask with these valid lengths
+    require_empty_rows: bool = False  # re-seed until some (b, h, query) has no allowed key
+
+    @property
+    def num_chunks(self) -> int:
+        return sparse_ref.num_chunks(self.seq_len, self.chunk)
+
+    @property
+    def covers_all(self) -> bool:
+        return self.top_k >= self.num_chunks
+
+
+def _sparse_cases() -> List[SparseCase]:
+    cases = []
+    seed = 7000
+    for L in (37, 128):
+        batch = 2 if L <= 64 else 1  # keeps the family under 2 MB
+        for chunk in (8, 16):
+            for top_k in (1, 2, 4):
+                for causal in (False, True):
+                    seed += 100
+                    m = sparse_ref.num_chunks(L, chunk)
+                    last = L - (m - 1) * chunk
+                    desc = (f"SparseC2FAttention batch {batch}, L = {L}, chunk {chunk} ({m} chunks, the last "
+                            f"with {last} position(s)), top_k {top_k}{', causal' if causal else ''}")
+                    if top_k >= m:
+                        desc += " (top_k >= m: output equals nn.MultiheadAttention, mha_output)"
+                    cases.append(SparseCase(f"sparse_l{L}_c{chunk}_k{top_k}{'_causal' if causal else ''}",
+                                            seed, desc, L, chunk, top_k, causal, batch=batch))
+    cases += [
+        SparseCase("sparse_kpm_l37_c8_k2", 10100,
+                   "SparseC2FAttention L = 37, chunk 8, top_k 2, bool key_padding_mask (lengths 37, 29): "
+                   "chunk 4 of batch 1 is entirely padded; the selection ignores the padding",
+                   37, 8, 2, False, lengths=(37, 29)),
+        SparseCase("sparse_kpm_l37_c8_k2_causal", 10200,
+                   "SparseC2FAttention L = 37, chunk 8, top_k 2, causal, bool key_padding_mask (lengths 37, "
+                   "20): in batch 1 some head selects the entirely padded chunk 3 for chunk 4, whose rows "
+                   "then have no allowed key (zero attention, not NaN)",
+                   37, 8, 2, True, lengths=(37, 20), require_empty_rows=True),
+    ]
+    seed = 10200
+    for top_k in (5, 100):
+        for causal in (False, True):
+            seed += 100
+            cases.append(SparseCase(
+                f"sparse_all_l37_c8_k{top_k}{'_causal' if causal else ''}", seed,
+                f"SparseC2FAttention L = 37, chunk 8 (5 chunks), top_k {top_k} >= m"
+                f"{', causal' if causal else ''}: every eligible chunk is selected, output equals "
+                f"nn.MultiheadAttention (mha_output)", 37, 8, top_k, causal))
+    return cases
+
+
+SPARSE_CASES: List[SparseCase] = _sparse_cases()
+
+
+def _sparse_parameters(seed: int, E: int) -> Dict[str, np.ndarray]:
+    """nn.MultiheadAttention(E, H, batch_first=True) state_dict values, drawn as in family mha."""
+    rs = stream(seed, "weights")
+    return {"in_proj_weight": np.concatenate([glorot_uniform(rs, E, E) for _ in range(3)], axis=0),
+            "in_proj_bias": bias_uniform(rs, 3 * E),
+            "out_proj.weight": glorot_uniform(rs, E, E),
+            "out_proj.bias": bias_uniform(rs, E)}
+
+
+def _sparse_inputs(seed: int, B: int, L: int, E: int) -> np.ndarray:
+    """x [B, L, E] with local structure: per (b, feature), w_0 = e_0, w_t = rho w_(t-1) + sqrt(1 - rho^2) e_t
+    (unit variance, correlation length ~ 1 / (1 - rho) = 10 positions), x = w + 0.3 N(0, 1). Elementwise
+    float64 operations only, so the values are the same on every platform."""
+    rs = stream(seed, "inputs")
+    steps = rs.standard_normal(size=(B, L, E))
+    noise = rs.standard_normal(size=(B, L, E))
+    w = np.empty((B, L, E))
+    w[:, 0] = steps[:, 0]
+    s = math.sqrt(1.0 - SPARSE_AR_RHO * SPARSE_AR_RHO)
+    for t in range(1, L):
+        w[:, t] = SPARSE_AR_RHO * w[:, t - 1] + s * steps[:, t]
+    return w + SPARSE_NOISE * noise
+
+
+def _sparse_mha(c: SparseCase, params: Dict[str, np.ndarray], np_dt) -> torch.nn.MultiheadAttention:
+    """A real nn.MultiheadAttention(E, H, batch_first=True) holding exactly ``params`` cast to np_dt."""
+    mha = torch.nn.MultiheadAttention(c.embed_dim, c.num_heads, batch_first=True)
+    if np_dt == np.float64:
+        mha = mha.double()
+    _load_exactly(mha, params, np_dt, c.name)
+    return mha
+
+
+def _sparse_try_seed(c: SparseCase, seed: int, kpm: Optional[np.ndarray]):
+    """Selection of one candidate seed, or the reason it is rejected."""
+    B, L, E = c.batch, c.seq_len, c.embed_dim
+    params = _sparse_parameters(seed, E)
+    x = _sparse_inputs(seed, B, L, E)
+    results = {}
+    # float64 arithmetic on the float64 values (the reference), float64 arithmetic on the float32-rounded
+    # values (what the f32 file holds), and float32 arithmetic (roughly what an f32 implementation does).
+    for label, vals_dt, arith_dt in (("f64", np.float64, np.float64), ("f32-values", np.float32, np.float64),
+                                     ("f32", np.float32, np.float32)):
+        p = {k: v.astype(vals_dt).astype(arith_dt) for k, v in params.items()}
+        mha = _sparse_mha(c, p, arith_dt)
+        results[label] = sparse_ref.selection(mha, torch.from_numpy(x.astype(vals_dt).astype(arith_dt)),
+                                              c.chunk, c.top_k, c.causal)
+    keep, selected, margin = results["f64"]
+    for label, (k2, s2, m2) in results.items():
+        if not torch.equal(keep, k2) or not torch.equal(selected, s2):
+            return None, f"selection in {label} differs from float64"
+        if label != "f32" and float(m2.min()) < sparse_ref.MARGIN_REL:
+            return None, f"margin {float(m2.min()):.3g} < {sparse_ref.MARGIN_REL:g} ({label})"
+    allowed = sparse_ref.allowed_mask(keep, L, c.chunk, c.causal,
+                                      None if kpm is None else torch.from_numpy(kpm))
+    empty = bool((~allowed.any(dim=-1)).any())
+    if c.require_empty_rows and not empty:
+        return None, "no query row without allowed key"
+    min_margin = min(float(results[k][2].min()) for k in ("f64", "f32-values"))
+    return dict(params=params, x=x, keep=keep, selected=selected.numpy(), empty=empty,
+                margin=min_margin), ""
+
+
+SPARSE_MARGINS: Dict[str, float] = {}  # case -> smallest relative selection margin (inf: no choice made)
+
+
+def _sparse_case_files(family_dir: Path, c: SparseCase) -> dict:
+    B, L, E, H, m = c.batch, c.seq_len, c.embed_dim, c.num_heads, c.num_chunks
+    if E % H or c.top_k < 1 or c.chunk < 1:
+        raise ValueError(f"{c.name}: bad shape parameters")
+    kpm = None
+    if c.lengths:
+        if len(c.lengths) != B:
+            raise ValueError(f"{c.name}: one length per batch item")
+        kpm = np.arange(L)[None, :] >= np.asarray(c.lengths)[:, None]  # True = ignore that key
+    reasons = []
+    for attempt in range(SPARSE_MAX_ATTEMPTS):
+        seed = c.seed + attempt
+        sel, why = _sparse_try_seed(c, seed, kpm)
+        if sel is not None:
+            break
+        reasons.append(f"seed {seed}: {why}")
+    else:
+        raise RuntimeError(f"{c.name}: no acceptable seed in {SPARSE_MAX_ATTEMPTS} attempts: {reasons[-3:]}")
+    SPARSE_MARGINS[c.name] = sel["margin"]
+    params, x, keep = sel["params"], sel["x"], sel["keep"]
+    kpm_t = None if kpm is None else torch.from_numpy(kpm)
+    eligible = sparse_ref.eligible_chunks(m, c.causal).expand(B, H, m, m)
+    if c.covers_all and not torch.equal(keep, eligible):
+        raise RuntimeError(f"{c.name}: top_k >= m but not every eligible chunk is selected")
+    causal_mask = torch.ones(L, L, dtype=torch.bool).triu(diagonal=1) if c.causal else None
+
+    # Metamorphic check (float64, every case): with every eligible chunk selected the dense sparse
+    # reference is nn.MultiheadAttention on the same weights and x (causal mask, key padding mask).
+    mha64 = _sparse_mha(c, params, np.float64)
+    x64 = torch.from_numpy(x)
+    with torch.no_grad():
+        full, _ = sparse_ref.sparse_c2f_attention(mha64, x64, c.chunk, c.top_k, c.causal, kpm_t, keep=eligible)
+        ref, _ = mha64(x64, x64, x64, key_padding_mask=kpm_t, attn_mask=causal_mask, need_weights=False)
+    diff = float((full - ref).abs().max())
+    if not diff <= 1e-12:
+        raise AssertionError(f"{c.name}: all-chunks sparse reference differs from nn.MultiheadAttention "
+                             f"by {diff:g}")
+
+    meta = {"module": "sparse", "embed_dim": str(E), "num_heads": str(H), "chunk_size": str(c.chunk),
+            "top_k": str(c.top_k), "causal": b(c.causal), "batch": str(B), "seq_len": str(L),
+            "num_chunks": str(m), "key_padding_mask": "none" if kpm is None else "bool",
+            "covers_all": b(c.covers_all), "empty_rows": b(sel["empty"]), "seed": str(seed),
+            "torch_version": torch_version(), "description": c.description}
+    files = {}
+    for tag, (np_dt, t_dt) in DTYPES.items():
+        mha = _sparse_mha(c, params, np_dt)
+        xt = torch.from_numpy(x.astype(np_dt))
+        out, _ = sparse_ref.sparse_c2f_attention(mha, xt, c.chunk, c.top_k, c.causal, kpm_t, keep=keep)
+        out = to_numpy(out)
+        if out.shape != (B, L, E) or not np.isfinite(out).all():
+            raise RuntimeError(f"{c.name}/{tag}: output shape {out.shape} or not finite")
+        tensors = {f"mha.{k}": to_numpy(v) for k, v in mha.state_dict().items()}
+        tensors["x"] = x.astype(np_dt)
+        if kpm is not None:
+            tensors["key_padding_mask"] = kpm
+        tensors["output"] = out
+        tensors["selected"] = sel["selected"]
+        if c.covers_all:
+            with torch.no_grad():
+                mo, _ = mha(xt, xt, xt, attn_mask=causal_mask, need_weights=False)
+            mo = to_numpy(mo)
+            diff = float(np.abs(mo - out).max())
+            if not diff <= SPARSE_COVER_TOL[tag]:
+                raise AssertionError(f"{c.name}/{tag}: output differs from nn.MultiheadAttention by {diff:g}")
+            tensors["mha_output"] = mo
+        for k, v in tensors.items():
+            want = {"key_padding_mask": np.dtype(bool), "selected": np.dtype(np.int64)}.get(k, np.dtype(np_dt))
+            if v.dtype != want:
+                raise RuntimeError(f"{c.name}/{tag}: tensor {k} has dtype {v.dtype}")
+        files[tag] = write_case(family_dir, c.name, tag, tensors, meta)
+    return {"name": c.name, "files": files, **{k: meta[k] for k in sorted(meta)}}
+
+
+@register_family(
+    "sparse", computed=("output", "mha_output"),
+    description="SparseC2FAttention: coarse-guided top-k chunk-sparse attention with the weights of "
+                "torch.nn.MultiheadAttention, dense reference (sparse_reference.py)")
+def gen_sparse(family_dir: Path) -> List[dict]:
+    names = [c.name for c in SPARSE_CASES]
+    seeds = [c.seed for c in SPARSE_CASES]
+    if len(set(names)) != len(names) or len(set(s // 100 for s in seeds)) != len(seeds) or any(
+            s % 100 for s in seeds):
+        raise RuntimeError("sparse case names must be unique and seeds distinct multiples of 100")
+    return [_sparse_case_files(family_dir, c) for c in SPARSE_CASES]
+
+
+# =====================================================================================================
 # Driver
 # =====================================================================================================
 
@@ -1139,6 +1370,8 @@ def main(argv=None) -> int:
             print(f"  conv1d/{c.name}: {c.description}")
         for c in HMHA_CASES:
             print(f"  hmha/{c.name}: {c.description}")
+        for c in SPARSE_CASES:
+            print(f"  sparse/{c.name}: {c.description}")
         return 0
     generate(args.out, args.family, verbose=not args.quiet)
     return 0

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -39,6 +40,15 @@ c2f::Tensor3<Scalar> tensor3(const c2f::StateDict& sd, const std::string& name) 
 template <class Scalar>
 std::vector<Scalar> values(const c2f::StateDict& sd, const std::string& name) {
   return sd.at(name).to_vector<Scalar>();
+}
+
+/// An I64 tensor's values.
+inline std::vector<std::int64_t> int64_values(const c2f::StateDict& sd, const std::string& name) {
+  const c2f::TensorData& t = sd.at(name);
+  if (t.dtype() != c2f::DType::I64) throw std::runtime_error(name + " is not I64");
+  std::vector<std::int64_t> out(static_cast<std::size_t>(t.numel()));
+  if (!out.empty()) std::memcpy(out.data(), t.bytes().data(), t.bytes().size());
+  return out;
 }
 
 }  // namespace c2f_test

@@ -182,6 +182,23 @@ class MultiHeadAttention : public detail::Module<MultiHeadAttention<Scalar>> {
     return run(query, key, value, masks, &mode);
   }
 
+  /// The in-projection alone: qp [B·Lq, E] = query W_qᵀ + b_q, kp [B·Lk, E], vp [B·Lk, E] (head h is
+  /// columns [h·head_dim, (h+1)·head_dim)). For layers that run other attention on these weights.
+  void project(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
+               const ConstTensor3Ref<Scalar>& value, RowMatrix<Scalar>& qp, RowMatrix<Scalar>& kp,
+               RowMatrix<Scalar>& vp) const {
+    check_inputs(query, key, value);
+    const Index e = embed_dim_;
+    const int threads = options_.num_threads;
+    qp.resize(query.batch() * query.seq(), e);
+    kp.resize(key.batch() * key.seq(), e);
+    vp.resize(value.batch() * value.seq(), e);
+    const Scalar* bias = options_.bias ? b_.data() : nullptr;
+    kernels::linear<Scalar>(query.rows(), w_[0], bias, qp, threads);
+    kernels::linear<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads);
+    kernels::linear<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads);
+  }
+
   /// Bytes of temporary memory one forward() without weights holds at its peak, besides the returned
   /// [batch, lq, embed_dim] output: the projected q, k, v, the heads' output and every worker's kernel
   /// scratch — linear in the sequence lengths.
@@ -227,16 +244,11 @@ class MultiHeadAttention : public detail::Module<MultiHeadAttention<Scalar>> {
   AttentionOutput<Scalar> run(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
                               const ConstTensor3Ref<Scalar>& value, const AttentionMasks<Scalar>& masks,
                               const AttnWeights* weights_mode) const {
-    check_inputs(query, key, value);
+    RowMatrix<Scalar> qp, kp, vp;
+    project(query, key, value, qp, kp, vp);  // validates the shapes
     const Index batch = query.batch(), lq = query.seq(), lk = key.seq(), e = embed_dim_, h = num_heads_;
     const detail::MaskPlan<Scalar> plan(masks.attn_mask, masks.key_padding_mask, batch, h, lq, lk);
     const int threads = options_.num_threads;
-
-    RowMatrix<Scalar> qp(batch * lq, e), kp(batch * lk, e), vp(batch * lk, e);
-    const Scalar* bias = options_.bias ? b_.data() : nullptr;
-    kernels::linear<Scalar>(query.rows(), w_[0], bias, qp, threads);
-    kernels::linear<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads);
-    kernels::linear<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads);
 
     RowMatrix<Scalar> attn(batch * lq, e);
     const Index dh = head_dim();

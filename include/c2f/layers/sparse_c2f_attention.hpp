@@ -1,0 +1,108 @@
+// c2f layers — SparseC2FAttention: a trained torch.nn.MultiheadAttention run with coarse-guided
+// top-k chunk selection (the real coarse → fine of seed 000's description; NSA / MoBA-style).
+//
+// Parameters and state-dict names are exactly MultiHeadAttention's (`in_proj_weight`, `in_proj_bias`,
+// `out_proj.*`), so any trained nn.MultiheadAttention loads. Self-attention, x [B, L, E]. Per batch
+// and head, after the in-projection (head width dh = E / H):
+//   - chunks of `chunk_size` positions (the last may be partial) are both query and key chunks;
+//     q̄_i, k̄_j = means of the projected queries of chunk i and keys of chunk j;
+//   - coarse scores s_ij = q̄_i·k̄_j; query chunk i selects itself and the (top_k − 1) eligible chunks
+//     j ≠ i with the highest s_ij (ties to the lower index); eligible = all chunks, or j ≤ i with
+//     `causal`; when top_k ≥ the eligible count, all of them;
+//   - fine stage: each query of chunk i attends, with one softmax (scale 1/sqrt(dh)), to every key of
+//     its selected chunks; with `causal` only to keys at positions ≤ its own; the library's masks
+//     (AttentionMasks) combine with the selection (they do not change which chunks are selected);
+//   - heads concatenated, out_proj.
+// With top_k ≥ the number of chunks the output equals MultiHeadAttention's (with a causal mask when
+// `causal`). Cost per head O(L·top_k·chunk·dh + (L/chunk)²·dh); no L × L buffer.
+#pragma once
+
+#include "c2f/detail/module.hpp"
+#include "c2f/kernels/chunk_sparse.hpp"
+#include "c2f/layers/multihead_attention.hpp"
+
+#include <string>
+
+namespace c2f {
+
+template <class Scalar>
+struct SparseAttentionOutput {
+  Tensor3<Scalar> output;             ///< [B, L, E]
+  kernels::ChunkSelection selection;  ///< selected key chunks per (batch, head, query chunk)
+};
+
+template <class Scalar>
+class SparseC2FAttention : public detail::Module<SparseC2FAttention<Scalar>> {
+ public:
+  struct Options {
+    bool bias = true;
+    int num_threads = 0;     ///< 0 = all hardware threads; results are bitwise the same for any count
+    std::uint64_t seed = 0;  ///< PyTorch's MultiheadAttention init
+  };
+
+  SparseC2FAttention(Index embed_dim, Index num_heads, Index chunk_size, Index top_k, bool causal = false)
+      : SparseC2FAttention(embed_dim, num_heads, chunk_size, top_k, causal, Options{}) {}
+  SparseC2FAttention(Index embed_dim, Index num_heads, Index chunk_size, Index top_k, bool causal, Options options)
+      : chunk_(chunk_size), top_k_(top_k), causal_(causal), mha_(embed_dim, num_heads, mha_options(options)) {
+    if (chunk_size < 1 || top_k < 1) {
+      detail::fail("SparseC2FAttention needs chunk_size >= 1 and top_k >= 1, got chunk_size=", chunk_size,
+                   ", top_k=", top_k);
+    }
+  }
+
+  Index embed_dim() const { return mha_.embed_dim(); }
+  Index num_heads() const { return mha_.num_heads(); }
+  Index chunk_size() const { return chunk_; }
+  Index top_k() const { return top_k_; }
+  bool causal() const { return causal_; }
+  void set_top_k(Index top_k) {
+    if (top_k < 1) detail::fail("SparseC2FAttention: top_k must be >= 1, got ", top_k);
+    top_k_ = top_k;
+  }
+  void set_num_threads(int n) { mha_.set_num_threads(n); }
+  /// The same weights as a full MultiHeadAttention.
+  const MultiHeadAttention<Scalar>& dense() const { return mha_; }
+
+  void load(detail::StrictLoader& loader, const std::string& name) { mha_.load(loader, name); }
+  void save(StateDict& sd, const std::string& name) const { mha_.save(sd, name); }
+
+  /// x [B, L, E] → [B, L, E].
+  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const AttentionMasks<Scalar>& masks = {}) const {
+    return forward_with_selection(x, masks).output;
+  }
+
+  /// Also returns the selected key chunks of every (batch, head, query chunk).
+  SparseAttentionOutput<Scalar> forward_with_selection(ConstTensor3Ref<Scalar> x,
+                                                       const AttentionMasks<Scalar>& masks = {}) const {
+    RowMatrix<Scalar> q, k, v;
+    mha_.project(x, x, x, q, k, v);  // validates x
+    const Index batch = x.batch(), length = x.seq(), e = embed_dim(), heads = num_heads();
+    const int threads = mha_.options().num_threads;
+    const detail::MaskPlan<Scalar> plan(masks.attn_mask, masks.key_padding_mask, batch, heads, length, length);
+    const kernels::ChunkGrid grid{batch, length, chunk_};
+    SparseAttentionOutput<Scalar> result;
+    result.selection = kernels::select_chunks<Scalar>(q, k, grid, heads, top_k_, causal_, threads);
+    RowMatrix<Scalar> attn(batch * length, e);
+    kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, result.selection, causal_, plan, attn, threads);
+    result.output = Tensor3<Scalar>(batch, length, e);
+    Eigen::Map<RowMatrix<Scalar>> out(result.output.data(), batch * length, e);
+    mha_.out_proj().forward_rows(attn, out, threads);
+    return result;
+  }
+
+ private:
+  static typename MultiHeadAttention<Scalar>::Options mha_options(const Options& o) {
+    typename MultiHeadAttention<Scalar>::Options m;
+    m.bias = o.bias;
+    m.num_threads = o.num_threads;
+    m.seed = o.seed;
+    return m;
+  }
+
+  Index chunk_;
+  Index top_k_;
+  bool causal_;
+  MultiHeadAttention<Scalar> mha_;
+};
+
+}  // namespace c2f

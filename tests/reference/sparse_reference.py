@@ -1,0 +1,170 @@
+"""PyTorch reference for c2f's ``SparseC2FAttention`` (fixture family "sparse"): coarse-guided top-k
+chunk-sparse self-attention (NSA / MoBA-style block selection) that runs the weights of a trained
+``torch.nn.MultiheadAttention(E, H, batch_first=True)``.
+
+The functions below take a real ``nn.MultiheadAttention`` module and use its parameters
+(``in_proj_weight``, ``in_proj_bias``, ``out_proj.weight``, ``out_proj.bias``): the sparse layer has
+exactly those parameters and state-dict names. The semantics are stated with DENSE tensors, as a
+formulation deliberately different from a chunked kernel: a chunk-averaging matrix, an m x m score
+matrix, a pairwise rank tensor for the top-k selection, and a boolean [B, H, L, L] "allowed" mask for a
+single masked softmax. There is no loop over batch items, heads, chunks or positions.
+
+Definition (x is [B, L, E], self-attention only; dh = E / H, head h = columns [h*dh, (h+1)*dh)):
+
+* q, k, v = x W_q^T + b_q, x W_k^T + b_k, x W_v^T + b_v (the three blocks of in_proj), split in heads.
+* Chunks: m = ceil(L / c); chunk j = positions [j*c, min((j+1)*c, L)) (the last one may be partial).
+  qbar_i, kbar_j = means of the PROJECTED queries / keys of head h over the positions of the chunk.
+* Coarse scores s_ij = qbar_i . kbar_j (no scaling: it would not change the order).
+* Eligible key chunks of query chunk i: all j (non-causal) or j <= i (causal).
+  S_i = {i} U the (top_k - 1) eligible chunks j != i with the highest s_ij, ties to the lower index;
+  when top_k >= the number of eligible chunks, S_i = all eligible chunks. top_k >= 1.
+* Fine stage: query position t of chunk i attends, with ONE softmax (scale 1/sqrt(dh)), to every key
+  position u of the chunks in S_i, with causal additionally u <= t, and with a key padding mask
+  (bool [B, L], True = ignore, torch's convention) only to keys that are not padded. A row without any
+  allowed key gives zero attention (not NaN). The selection ignores the padding mask.
+* y = out_proj(concat_heads(attention)).
+
+With top_k >= m the layer is nn.MultiheadAttention itself (causal: with attn_mask = triu(ones, 1)).
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# A selection is accepted for a fixture only if, for every (batch, head, query chunk) where a choice is
+# made, the gap between the last selected and the first rejected candidate score is at least
+# MARGIN_REL * (1 + max |score| of the two): float32 rounding elsewhere cannot flip it then.
+MARGIN_REL = 1e-3
+
+
+def num_chunks(seq_len: int, chunk_size: int) -> int:
+    return (seq_len + chunk_size - 1) // chunk_size
+
+
+def chunk_membership(seq_len: int, chunk_size: int) -> torch.Tensor:
+    """[L, m] bool: position t belongs to chunk j."""
+    m = num_chunks(seq_len, chunk_size)
+    return torch.arange(seq_len).view(-1, 1) // chunk_size == torch.arange(m).view(1, -1)
+
+
+def chunk_averaging(seq_len: int, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[m, L]: row j holds 1/|chunk j| on the positions of chunk j (a partial last chunk divides by its
+    own size), 0 elsewhere."""
+    member = chunk_membership(seq_len, chunk_size).t().to(dtype)
+    return member / member.sum(dim=1, keepdim=True)
+
+
+def project_heads(mha: nn.MultiheadAttention, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """q, k, v [B, H, L, dh] from mha's packed in-projection (torch's head layout)."""
+    B, L, E = x.shape
+    H = mha.num_heads
+    if not mha._qkv_same_embed_dim or mha.in_proj_bias is None or not mha.batch_first:
+        raise ValueError("SparseC2FAttention needs nn.MultiheadAttention(E, H, batch_first=True) with bias")
+    q, k, v = F.linear(x, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1)
+    return tuple(t.reshape(B, L, H, E // H).transpose(1, 2) for t in (q, k, v))
+
+
+def coarse_scores(q: torch.Tensor, k: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """s [B, H, m, m] = qbar kbar^T, qbar/kbar = chunk means of the projected queries/keys."""
+    A = chunk_averaging(q.shape[-2], chunk_size, q.dtype)
+    return (A @ q) @ (A @ k).transpose(-2, -1)
+
+
+def eligible_chunks(m: int, causal: bool) -> torch.Tensor:
+    """[m, m] bool: key chunk j is eligible for query chunk i."""
+    i = torch.arange(m).view(-1, 1)
+    j = torch.arange(m).view(1, -1)
+    return j <= i if causal else torch.ones(m, m, dtype=torch.bool)
+
+
+def select_chunks(scores: torch.Tensor, top_k: int, causal: bool):
+    """Top-k chunk selection from coarse scores [B, H, m, m].
+
+    Returns ``keep`` [B, H, m, m] bool (key chunk j in S_i), ``selected`` [B, H, m, top_k] int64 (the
+    indices of S_i ascending, padded with -1), and ``margin`` [B, H, m] float64: the gap between the last
+    chosen and the first rejected candidate divided by 1 + max(|their scores|), +inf where nothing is
+    chosen or rejected (top_k = 1, or every eligible chunk fits).
+
+    The rank of a candidate is the number of candidates that beat it: a higher score, or an equal score
+    and a lower index. The top_k - 1 candidates of rank < top_k - 1 are chosen.
+    """
+    if top_k < 1:
+        raise ValueError("top_k must be >= 1")
+    m = scores.shape[-1]
+    own = torch.eye(m, dtype=torch.bool)
+    cand = eligible_chunks(m, causal) & ~own  # [m, m]: eligible chunks other than the query's own
+    s_j = scores.unsqueeze(-1)  # [B, H, m, m(j), 1]
+    s_o = scores.unsqueeze(-2)  # [B, H, m, 1, m(j')]
+    idx = torch.arange(m)
+    lower = (idx.view(1, -1) < idx.view(-1, 1))  # [m(j), m(j')]: j' < j
+    beats = (s_o > s_j) | ((s_o == s_j) & lower)  # j' beats j
+    beats = beats & cand.unsqueeze(-2)  # only candidates j' count (cand[i, j'])
+    rank = beats.sum(dim=-1)  # [B, H, m, m]
+    n_pick = top_k - 1
+    chosen = cand & (rank < n_pick)
+    keep = own | chosen
+
+    # selected indices: ascending, -1 padding to top_k columns
+    key = torch.where(keep, idx.expand_as(keep), idx.expand_as(keep) + m)
+    srt = torch.sort(key, dim=-1).values[..., :min(top_k, m)]
+    srt = torch.where(srt < m, srt, torch.full_like(srt, -1))
+    if top_k > m:
+        srt = torch.cat([srt, torch.full(srt.shape[:-1] + (top_k - m,), -1, dtype=srt.dtype)], dim=-1)
+
+    # selection margin
+    s64 = scores.to(torch.float64)
+    zero = torch.zeros_like(s64)
+    last_in = cand & (rank == n_pick - 1)
+    first_out = cand & (rank == n_pick)
+    has = last_in.any(dim=-1) & first_out.any(dim=-1)
+    a = torch.where(last_in, s64, zero).sum(dim=-1)
+    b = torch.where(first_out, s64, zero).sum(dim=-1)
+    rel = (a - b) / (1.0 + torch.maximum(a.abs(), b.abs()))
+    margin = torch.where(has, rel, torch.full_like(rel, math.inf))
+    return keep, srt.to(torch.int64), margin
+
+
+def allowed_mask(keep: torch.Tensor, seq_len: int, chunk_size: int, causal: bool,
+                 key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[B, H, L, L] bool: query t may attend key u (u's chunk is selected for t's chunk, u <= t when
+    causal, u not padded)."""
+    member = chunk_membership(seq_len, chunk_size).to(torch.float64)  # [L, m]
+    allowed = (member @ keep.to(torch.float64) @ member.t()) > 0.5  # keep[chunk(t), chunk(u)]
+    if causal:
+        allowed = allowed & torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask.view(key_padding_mask.shape[0], 1, 1, seq_len)
+    return allowed
+
+
+def selection(mha: nn.MultiheadAttention, x: torch.Tensor, chunk_size: int, top_k: int, causal: bool):
+    """select_chunks on the coarse scores of mha's own projections of x, in x's dtype (call it with a
+    float64 module and x for the fixtures' selection)."""
+    with torch.no_grad():
+        q, k, _ = project_heads(mha, x)
+        return select_chunks(coarse_scores(q, k, chunk_size), top_k, causal)
+
+
+def sparse_c2f_attention(mha: nn.MultiheadAttention, x: torch.Tensor, chunk_size: int, top_k: int,
+                         causal: bool, key_padding_mask: Optional[torch.Tensor] = None,
+                         keep: Optional[torch.Tensor] = None):
+    """SparseC2FAttention forward with mha's weights: returns (output [B, L, E], keep [B, H, m, m]).
+
+    ``keep`` overrides the selection (the generator passes the one computed in float64); by default it
+    is computed from x in x's dtype."""
+    B, L, E = x.shape
+    H = mha.num_heads
+    dh = E // H
+    with torch.no_grad():
+        if keep is None:
+            keep, _, _ = selection(mha, x, chunk_size, top_k, causal)
+        q, k, v = project_heads(mha, x)
+        allowed = allowed_mask(keep, L, chunk_size, causal, key_padding_mask)
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(dh)
+        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+        p = torch.where(torch.isnan(p), torch.zeros_like(p), p)  # a row without allowed key -> 0
+        o = (p @ v).transpose(1, 2).reshape(B, L, E)
+        return F.linear(o, mha.out_proj.weight, mha.out_proj.bias), keep

@@ -1,0 +1,267 @@
+// SparseC2FAttention: PyTorch fixtures of the selection semantics (dense masks), equality with
+// nn.MultiheadAttention when top_k covers everything, and the kernels against dense twins.
+#include "support/eigen_assert_throws.hpp"
+
+#include "c2f/c2f.hpp"
+#include "support/fixtures.hpp"
+#include "support/random.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+using c2f::Index;
+using c2f::RowMatrix;
+using c2f::SparseC2FAttention;
+using c2f::StateDict;
+using c2f::Tensor3;
+using c2f_test::meta_index;
+using c2f_test::TestRng;
+
+template <class Scalar>
+struct Tol;
+template <>
+struct Tol<float> {
+  static constexpr double atol = 1e-5, rtol = 1e-5;
+  static constexpr const char* file_key = "f32";
+};
+template <>
+struct Tol<double> {
+  static constexpr double atol = 1e-10, rtol = 1e-10;
+  static constexpr const char* file_key = "f64";
+};
+
+template <class Scalar>
+void expect_close(const Scalar* got, const Scalar* want, Index n, double atol, double rtol, const std::string& what) {
+  int reported = 0;
+  for (Index i = 0; i < n && reported < 5; ++i) {
+    const double g = got[i], w = want[i];
+    if (!(std::abs(g - w) <= atol + rtol * std::abs(w))) {
+      ADD_FAILURE() << what << "[" << i << "]: got " << g << ", want " << w << ", |diff| " << std::abs(g - w);
+      ++reported;
+    }
+  }
+}
+
+template <class Module>
+void randomize(Module& module, TestRng& rng, double scale = 0.3) {
+  StateDict random;
+  for (const auto& [key, t] : module.state_dict()) {
+    std::vector<double> v(static_cast<std::size_t>(t.numel()));
+    for (double& x : v) x = scale * rng.normal();
+    random.set(key, c2f::TensorData::from_values(v.data(), t.shape()));
+  }
+  module.load_state_dict(random);
+}
+
+template <class T>
+class SparseTyped : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(SparseTyped, Scalars);
+
+TYPED_TEST(SparseTyped, MatchesTorchSelectionSemantics) {
+  using Scalar = TypeParam;
+  const std::vector<nlohmann::json> cases = c2f_test::manifest_cases("sparse");
+  ASSERT_GE(cases.size(), 24u);
+  for (const nlohmann::json& c : cases) {
+    const std::string name = c.at("name");
+    SCOPED_TRACE(name);
+    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tol<Scalar>::file_key)));
+    const bool causal = sd.metadata().at("causal") == "true";
+    SparseC2FAttention<Scalar> sparse(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"),
+                                      meta_index(sd, "chunk_size"), meta_index(sd, "top_k"), causal);
+    sparse.load_state_dict(sd, "mha.");
+    const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
+    c2f::AttentionMasks<Scalar> masks;
+    if (sd.metadata().at("key_padding_mask") == "bool") {
+      masks.key_padding_mask = c2f::KeyPaddingMask<Scalar>::from_tensor(c2f::MaskKind::Ignore, sd.at("key_padding_mask"));
+    }
+    const std::vector<std::int64_t> want_sel = c2f_test::int64_values(sd, "selected");
+    const std::vector<Scalar> want = c2f_test::values<Scalar>(sd, "output");
+    for (int threads : {1, 2}) {
+      sparse.set_num_threads(threads);
+      const c2f::SparseAttentionOutput<Scalar> r = sparse.forward_with_selection(x, masks);
+      ASSERT_EQ(r.selection.index.size(), want_sel.size());
+      for (std::size_t i = 0; i < want_sel.size(); ++i) {
+        ASSERT_EQ(r.selection.index[i], want_sel[i]) << "selection entry " << i;
+      }
+      ASSERT_EQ(static_cast<std::size_t>(r.output.size()), want.size());
+      expect_close(r.output.data(), want.data(), r.output.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol,
+                   name + " " + std::to_string(threads) + " threads");
+    }
+    if (sd.metadata().at("covers_all") == "true") {
+      // nn.MultiheadAttention's own output, and c2f's MultiHeadAttention on the same weights.
+      const std::vector<Scalar> torch_mha = c2f_test::values<Scalar>(sd, "mha_output");
+      const Tensor3<Scalar> y = sparse.forward(x, masks);
+      expect_close(y.data(), torch_mha.data(), y.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol, name + " vs torch MHA");
+      c2f::AttentionMasks<Scalar> dense_masks = masks;
+      if (causal) dense_masks.attn_mask = c2f::AttnMask<Scalar>::causal();
+      const Tensor3<Scalar> ours = sparse.dense().forward(x, dense_masks);
+      expect_close(y.data(), ours.data(), y.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol, name + " vs c2f MHA");
+    }
+  }
+}
+
+TEST(SparseFixtureCoverage, CoversTheRequiredGrid) {
+  std::set<std::string> seen;
+  bool covers_all[2] = {false, false};
+  for (const nlohmann::json& c : c2f_test::manifest_cases("sparse")) {
+    seen.insert(c.at("top_k").get<std::string>() + "/" + c.at("chunk_size").get<std::string>() + "/" +
+                c.at("seq_len").get<std::string>() + "/" + c.at("causal").get<std::string>());
+    if (c.at("covers_all") == "true") covers_all[c.at("causal") == "true"] = true;
+  }
+  for (const char* k : {"1", "2", "4"}) {
+    for (const char* chunk : {"8", "16"}) {
+      for (const char* L : {"37", "128"}) {
+        for (const char* causal : {"false", "true"}) {
+          EXPECT_TRUE(seen.count(std::string(k) + "/" + chunk + "/" + L + "/" + causal)) << k << chunk << L << causal;
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(covers_all[0] && covers_all[1]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Twins on random shapes
+
+// The selection, brute force: rank every eligible other chunk by its mean-query·mean-key score.
+template <class Scalar>
+std::vector<Index> brute_force_selection(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k, Index batch,
+                                         Index length, Index heads, Index chunk, Index top_k, bool causal) {
+  const Index m = (length + chunk - 1) / chunk, dh = q.cols() / heads;
+  std::vector<Index> out(static_cast<std::size_t>(batch * heads * m * top_k), -1);
+  for (Index b = 0; b < batch; ++b) {
+    for (Index h = 0; h < heads; ++h) {
+      RowMatrix<Scalar> qm = RowMatrix<Scalar>::Zero(m, dh), km = RowMatrix<Scalar>::Zero(m, dh);
+      for (Index t = 0; t < length; ++t) {
+        const Index j = t / chunk, n = std::min(chunk, length - j * chunk);
+        qm.row(j) += q.block(b * length + t, h * dh, 1, dh) / Scalar(n);
+        km.row(j) += k.block(b * length + t, h * dh, 1, dh) / Scalar(n);
+      }
+      for (Index i = 0; i < m; ++i) {
+        std::vector<std::pair<Scalar, Index>> ranked;
+        for (Index j = 0; j < (causal ? i + 1 : m); ++j) {
+          if (j != i) ranked.push_back({-qm.row(i).dot(km.row(j)), j});
+        }
+        std::sort(ranked.begin(), ranked.end());
+        std::vector<Index> chosen = {i};
+        for (Index r = 0; r < std::min<Index>(top_k - 1, static_cast<Index>(ranked.size())); ++r) {
+          chosen.push_back(ranked[static_cast<std::size_t>(r)].second);
+        }
+        std::sort(chosen.begin(), chosen.end());
+        std::copy(chosen.begin(), chosen.end(), out.begin() + ((b * heads + h) * m + i) * top_k);
+      }
+    }
+  }
+  return out;
+}
+
+// The fine stage's twin: full attention (naive kernel) under the dense [B·H, L, L] keep mask that the
+// selection, the causal rule and the key padding define.
+template <class Scalar>
+RowMatrix<Scalar> dense_fine_stage(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v,
+                                   Index batch, Index length, Index heads, Index chunk,
+                                   const std::vector<Index>& selection, Index top_k, bool causal,
+                                   const std::vector<Index>& lengths) {
+  const Index m = (length + chunk - 1) / chunk, dh = q.cols() / heads;
+  c2f::BoolTensor3 keep(batch * heads, length, length);
+  keep.setConstant(false);
+  for (Index b = 0; b < batch; ++b) {
+    for (Index h = 0; h < heads; ++h) {
+      for (Index t = 0; t < length; ++t) {
+        const Index* row = selection.data() + ((b * heads + h) * m + t / chunk) * top_k;
+        for (Index s = 0; s < top_k && row[s] >= 0; ++s) {
+          for (Index j = row[s] * chunk; j < std::min(length, (row[s] + 1) * chunk); ++j) {
+            keep(b * heads + h, t, j) = (!causal || j <= t) && j < lengths[static_cast<std::size_t>(b)];
+          }
+        }
+      }
+    }
+  }
+  const c2f::AttnMask<Scalar> mask = c2f::AttnMask<Scalar>::keep(keep);
+  const c2f::detail::MaskPlan<Scalar> plan(mask, {}, batch, heads, length, length);
+  RowMatrix<Scalar> out(batch * length, q.cols());
+  c2f::kernels::sdpa_naive<Scalar>(c2f::kernels::heads_view<const Scalar>(q.data(), batch, length, q.cols(), 0, heads, dh),
+                                   c2f::kernels::heads_view<const Scalar>(k.data(), batch, length, q.cols(), 0, heads, dh),
+                                   c2f::kernels::heads_view<const Scalar>(v.data(), batch, length, q.cols(), 0, heads, dh),
+                                   c2f::kernels::heads_view<Scalar>(out.data(), batch, length, q.cols(), 0, heads, dh),
+                                   plan, {});
+  return out;
+}
+
+TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
+  using Scalar = TypeParam;
+  TestRng rng(71);
+  for (int rep = 0; rep < 40; ++rep) {
+    const Index heads = rng.pick(std::vector<Index>{1, 2, 4}), dh = rng.pick(std::vector<Index>{1, 3, 4});
+    const Index chunk = rng.pick(std::vector<Index>{1, 2, 3, 7, 8, 16});
+    const Index length = std::max<Index>(1, rng.pick(std::vector<Index>{1, chunk - 1, chunk, chunk + 1, 37, 61, 100}));
+    const Index batch = rng.uniform_int(1, 2), top_k = rng.uniform_int(1, 6);
+    const bool causal = rng.coin();
+    const int threads = static_cast<int>(rng.uniform_int(1, 2));
+    const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, heads * dh), k = rng.matrix<Scalar>(batch * length, heads * dh),
+                            v = rng.matrix<Scalar>(batch * length, heads * dh);
+    std::vector<Index> lengths(static_cast<std::size_t>(batch), length);
+    if (rng.coin(0.3)) lengths[0] = rng.uniform_int(0, length);
+    const c2f::KeyPaddingMask<Scalar> padding = c2f::KeyPaddingMask<Scalar>::lengths(lengths);
+    const c2f::detail::MaskPlan<Scalar> plan({}, padding, batch, heads, length, length);
+    const c2f::kernels::ChunkGrid grid{batch, length, chunk};
+    std::ostringstream what;
+    what << "rep " << rep << ": batch=" << batch << " L=" << length << " chunk=" << chunk << " heads=" << heads
+         << " dh=" << dh << " top_k=" << top_k << " causal=" << causal << " len0=" << lengths[0];
+    SCOPED_TRACE(what.str());
+    const c2f::kernels::ChunkSelection sel = c2f::kernels::select_chunks<Scalar>(q, k, grid, heads, top_k, causal, threads);
+    EXPECT_EQ(sel.index, brute_force_selection(q, k, batch, length, heads, chunk, top_k, causal));
+    RowMatrix<Scalar> fast(batch * length, heads * dh);
+    c2f::kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, sel, causal, plan, fast, threads);
+    const RowMatrix<Scalar> dense =
+        dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, top_k, causal, lengths);
+    const double tol = std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
+    expect_close(fast.data(), dense.data(), fast.size(), tol, tol, what.str());
+  }
+}
+
+// top_k ≥ the number of chunks: the layer is MultiHeadAttention (causal or not), on random shapes.
+TEST(SparseLayer, CoveringTopKEqualsMultiHeadAttention) {
+  TestRng rng(72);
+  for (int rep = 0; rep < 12; ++rep) {
+    const Index chunk = rng.pick(std::vector<Index>{1, 5, 8, 64}), length = rng.uniform_int(1, 90);
+    const bool causal = rep % 2 == 1;
+    SparseC2FAttention<double> sparse(12, 3, chunk, (length + chunk - 1) / chunk + rng.uniform_int(0, 2), causal);
+    randomize(sparse, rng);
+    const Tensor3<double> x = rng.tensor<double>(2, length, 12);
+    c2f::AttentionMasks<double> masks;
+    if (causal) masks.attn_mask = c2f::AttnMask<double>::causal();
+    const Tensor3<double> a = sparse.forward(x), b = sparse.dense().forward(x, masks);
+    expect_close(a.data(), b.data(), a.size(), 1e-12, 1e-12,
+                 "L=" + std::to_string(length) + " chunk=" + std::to_string(chunk) + (causal ? " causal" : ""));
+  }
+}
+
+TEST(SparseLayer, ThreadBitsNamesAndErrors) {
+  TestRng rng(73);
+  SparseC2FAttention<float> sparse(32, 4, 16, 3, true);
+  randomize(sparse, rng);
+  const Tensor3<float> x = rng.tensor<float>(2, 333, 32);
+  sparse.set_num_threads(1);
+  const Tensor3<float> one = sparse.forward(x);
+  sparse.set_num_threads(2);
+  const Tensor3<float> two = sparse.forward(x);
+  EXPECT_EQ(0, std::memcmp(one.data(), two.data(), sizeof(float) * static_cast<std::size_t>(one.size())));
+  // A trained nn.MultiheadAttention's state dict loads as is.
+  std::vector<std::string> keys;
+  for (const auto& kv : sparse.state_dict()) keys.push_back(kv.first);
+  EXPECT_EQ(keys, (std::vector<std::string>{"in_proj_bias", "in_proj_weight", "out_proj.bias", "out_proj.weight"}));
+  EXPECT_THROW(SparseC2FAttention<float>(32, 4, 0, 2), std::invalid_argument);
+  EXPECT_THROW(SparseC2FAttention<float>(32, 4, 8, 0), std::invalid_argument);
+  EXPECT_THROW(SparseC2FAttention<float>(30, 4, 8, 2), std::invalid_argument);
+  EXPECT_THROW(sparse.forward(rng.tensor<float>(1, 10, 16)), std::invalid_argument);
+  EXPECT_EQ(sparse.forward(rng.tensor<float>(0, 10, 32)).size(), 0);
+  EXPECT_EQ(sparse.forward(rng.tensor<float>(2, 0, 32)).size(), 0);
+}
+
+}  // namespace
