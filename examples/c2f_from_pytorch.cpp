@@ -5,6 +5,8 @@
 //
 // Without an argument it uses a test fixture (L = 61, chunk 8: the last chunk is partial). Write your
 // own file with examples/export_c2f.py.
+#include "example_support.hpp"
+
 #include <c2f/c2f.hpp>
 
 #include <cmath>
@@ -23,9 +25,7 @@ int main(int argc, char** argv) {
                 static_cast<long>(attn.d_model()), static_cast<long>(attn.n_heads()),
                 static_cast<long>(attn.chunk_size()), path.c_str());
 
-    const c2f::TensorData& xt = sd.at("x");
-    c2f::Tensor3<float> x(xt.shape()[0], xt.shape()[1], xt.shape()[2]);
-    xt.copy_to(x.data());
+    const c2f::Tensor3<float> x = example::tensor3(sd, "x");
     const c2f::Tensor3<float> y = attn.forward(x);
     const Eigen::Index L = y.dimension(1), k = attn.chunk_size();
     std::printf("input [%ld, %ld, %ld] -> output [%ld, %ld, %ld] (%ld chunks per sequence)\n",
@@ -38,14 +38,7 @@ int main(int argc, char** argv) {
       for (Eigen::Index j = 0; j < std::min<Eigen::Index>(4, y.dimension(2)); ++j) std::printf(" %+.6f", y(0, t, j));
       std::printf("\n");
     }
-    if (sd.contains("output")) {
-      const std::vector<float> want = sd.at("output").to_vector<float>();
-      double max_diff = 0.0;
-      for (std::size_t i = 0; i < want.size(); ++i) max_diff = std::max(max_diff, double(std::abs(y.data()[i] - want[i])));
-      std::printf("max |c2f - PyTorch| = %.3g over %zu values\n", max_diff, want.size());
-      return max_diff <= 1e-5 ? 0 : 1;
-    }
-    return 0;
+    return example::compare_with_pytorch(sd, y);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

@@ -6,6 +6,8 @@
 // The file holds the module's state_dict under the prefix "mha." and, optionally, "query" and "output"
 // tensors, with embed_dim / num_heads in its metadata — the layout of examples/export_mha.py and of
 // the test fixtures. Without an argument it uses a fixture written by tests/reference/generate.py.
+#include "example_support.hpp"
+
 #include <c2f/c2f.hpp>
 
 #include <cmath>
@@ -27,23 +29,14 @@ int main(int argc, char** argv) {
     c2f::MultiHeadAttention<float> mha(meta("embed_dim"), meta("num_heads"));
     mha.load_state_dict(sd, "mha.");
 
-    const c2f::TensorData& q = sd.at("query");
-    c2f::Tensor3<float> x(q.shape()[0], q.shape()[1], q.shape()[2]);
-    q.copy_to(x.data());
+    const c2f::Tensor3<float> x = example::tensor3(sd, "query");
     const c2f::Tensor3<float> y = mha.forward(x);  // self-attention, like mha(x, x, x) in PyTorch
     std::printf("output [%ld, %ld, %ld], first row:", static_cast<long>(y.dimension(0)),
                 static_cast<long>(y.dimension(1)), static_cast<long>(y.dimension(2)));
     for (Eigen::Index j = 0; j < std::min<Eigen::Index>(6, y.dimension(2)); ++j) std::printf(" %+.6f", y(0, 0, j));
     std::printf(" ...\n");
 
-    if (sd.contains("output")) {
-      const std::vector<float> want = sd.at("output").to_vector<float>();
-      double max_diff = 0.0;
-      for (std::size_t i = 0; i < want.size(); ++i) max_diff = std::max(max_diff, double(std::abs(y.data()[i] - want[i])));
-      std::printf("max |c2f - PyTorch| = %.3g over %zu values\n", max_diff, want.size());
-      return max_diff <= 1e-5 ? 0 : 1;
-    }
-    return 0;
+    return example::compare_with_pytorch(sd, y);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

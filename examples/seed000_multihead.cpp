@@ -7,6 +7,8 @@
 //
 // Without arguments it loads a fixture written by PyTorch whose module (seed 004's CoarseAttention)
 // has exactly seed 000's parameter names under the prefix "coarse.".
+#include "example_support.hpp"
+
 #include <c2f/c2f.hpp>
 
 #include <cmath>
@@ -25,21 +27,12 @@ int main(int argc, char** argv) {
     c2f::MultiHeadAttention<float> mha(std::stol(sd.metadata().at("d_model")), std::stol(sd.metadata().at("n_heads")));
     mha.load_state_dict(sd, prefix);  // qkv_proj.* is accepted as in_proj_*
 
-    const c2f::TensorData& xt = sd.at("x");
-    c2f::Tensor3<float> x(xt.shape()[0], xt.shape()[1], xt.shape()[2]);
-    xt.copy_to(x.data());
+    const c2f::Tensor3<float> x = example::tensor3(sd, "x");
     const c2f::Tensor3<float> y = mha.forward(x);
     std::printf("MultiHeadAttention(%ld, %ld) with seed 000 names: y[0, 0, :4] = %+.6f %+.6f %+.6f %+.6f\n",
                 static_cast<long>(mha.embed_dim()), static_cast<long>(mha.num_heads()), y(0, 0, 0), y(0, 0, 1),
                 y(0, 0, 2), y(0, 0, 3));
-    if (sd.contains("output")) {
-      const std::vector<float> want = sd.at("output").to_vector<float>();
-      double max_diff = 0.0;
-      for (std::size_t i = 0; i < want.size(); ++i) max_diff = std::max(max_diff, double(std::abs(y.data()[i] - want[i])));
-      std::printf("max |c2f - PyTorch| = %.3g over %zu values\n", max_diff, want.size());
-      return max_diff <= 1e-5 ? 0 : 1;
-    }
-    return 0;
+    return example::compare_with_pytorch(sd, y);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

@@ -3,6 +3,7 @@
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/c2f.hpp"
+#include "support/compare.hpp"
 #include "support/fixtures.hpp"
 #include "support/random.hpp"
 
@@ -19,51 +20,11 @@ using c2f::Index;
 using c2f::StateDict;
 using c2f::Tensor3;
 using c2f_test::meta_index;
+using c2f_test::expect_close;
+using c2f_test::randomize;
+using c2f_test::same_bits;
+using c2f_test::Tolerance;
 using c2f_test::TestRng;
-
-template <class Scalar>
-struct Tol;
-template <>
-struct Tol<float> {
-  static constexpr double atol = 1e-5, rtol = 1e-5;
-  static constexpr const char* file_key = "f32";
-};
-template <>
-struct Tol<double> {
-  static constexpr double atol = 1e-10, rtol = 1e-10;
-  static constexpr const char* file_key = "f64";
-};
-
-template <class Scalar>
-void expect_close(const Scalar* got, const Scalar* want, Index n, double atol, double rtol, const std::string& what) {
-  int reported = 0;
-  for (Index i = 0; i < n && reported < 5; ++i) {
-    const double g = got[i], w = want[i];
-    if (!(std::abs(g - w) <= atol + rtol * std::abs(w))) {
-      ADD_FAILURE() << what << "[" << i << "]: got " << g << ", want " << w << ", |diff| " << std::abs(g - w);
-      ++reported;
-    }
-  }
-}
-
-template <class Scalar>
-bool same_bits(const Tensor3<Scalar>& a, const Tensor3<Scalar>& b) {
-  return a.dimensions() == b.dimensions() &&
-         std::memcmp(a.data(), b.data(), sizeof(Scalar) * static_cast<std::size_t>(a.size())) == 0;
-}
-
-// Replaces every parameter with random values (biases included, so bias handling is exercised).
-template <class Module>
-void randomize(Module& module, TestRng& rng, double scale = 0.3) {
-  StateDict sd = module.state_dict();
-  StateDict random;
-  for (const auto& [key, t] : sd) {
-    std::vector<double> v(static_cast<std::size_t>(t.numel()));
-    for (double& x : v) x = scale * rng.normal();
-    random.set(key, c2f::TensorData::from_values(v.data(), t.shape()));
-  }
-  module.load_state_dict(random);
-}
 
 // ------------------------------------------------------------------------------------------------
 // PyTorch fixtures (tests/reference/c2f_reference.py: seed 004's modules, the two bugs fixed, padding)
@@ -77,12 +38,12 @@ c2f::AttnMask<Scalar> keep_mask(const StateDict& sd, const std::string& meta_key
 template <class Scalar>
 void check_fixture(const nlohmann::json& c) {
   const std::string name = c.at("name");
-  const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tol<Scalar>::file_key)));
+  const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
   const std::string module = sd.metadata().at("module");
   const Index d = meta_index(sd, "d_model"), heads = meta_index(sd, "n_heads");
   const std::vector<Scalar> want = c2f_test::values<Scalar>(sd, "output");
   for (int threads : {1, 2}) {
-    const std::string what = name + " (" + Tol<Scalar>::file_key + ", " + std::to_string(threads) + " threads)";
+    const std::string what = name + " (" + Tolerance<Scalar>::file_key + ", " + std::to_string(threads) + " threads)";
     if (module == "c2f") {
       C2FAttention<Scalar> m(d, heads, meta_index(sd, "chunk_size"));
       m.load_state_dict(sd, "c2f.");
@@ -93,11 +54,11 @@ void check_fixture(const nlohmann::json& c) {
       const Tensor3<Scalar> summaries = m.coarse_input(x);
       const std::vector<Scalar> want_in = c2f_test::values<Scalar>(sd, "coarse_input");
       ASSERT_EQ(static_cast<std::size_t>(summaries.size()), want_in.size()) << what;
-      expect_close(summaries.data(), want_in.data(), summaries.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol,
+      expect_close(summaries.data(), want_in.data(), summaries.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
                    what + " coarse_input");
       const std::vector<Scalar> want_ctx = c2f_test::values<Scalar>(sd, "coarse_output");
       const Tensor3<Scalar> ctx = m.coarse_attn().forward(summaries, masks.coarse);
-      expect_close(ctx.data(), want_ctx.data(), ctx.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol, what + " coarse_output");
+      expect_close(ctx.data(), want_ctx.data(), ctx.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, what + " coarse_output");
 
       std::vector<FinePath> paths = {FinePath::Auto, FinePath::General};
       if (sd.metadata().at("fine_mask") == "none" || sd.metadata().at("fine_mask_rows_equal") == "true") {
@@ -107,7 +68,7 @@ void check_fixture(const nlohmann::json& c) {
         m.set_fine_path(path);
         const Tensor3<Scalar> y = m.forward(x, masks);
         ASSERT_EQ(y.dimensions(), x.dimensions()) << what;
-        expect_close(y.data(), want.data(), y.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol,
+        expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
                      what + " path " + std::to_string(static_cast<int>(path)));
       }
     } else if (module == "coarse") {
@@ -115,7 +76,7 @@ void check_fixture(const nlohmann::json& c) {
       m.load_state_dict(sd, "coarse.");
       const Tensor3<Scalar> y = m.forward(c2f_test::tensor3<Scalar>(sd, "x"), keep_mask<Scalar>(sd, "mask", "mask"));
       ASSERT_EQ(static_cast<std::size_t>(y.size()), want.size()) << what;
-      expect_close(y.data(), want.data(), y.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol, what);
+      expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, what);
     } else {
       ASSERT_EQ(module, "fine");
       c2f::FineAttention<Scalar> m(d, heads, {threads, FinePath::Auto, 0});
@@ -128,7 +89,7 @@ void check_fixture(const nlohmann::json& c) {
         const c2f::Tensor4<Scalar> y =
             m.forward(x, c2f_test::tensor3<Scalar>(sd, "coarse_context"), keep_mask<Scalar>(sd, "mask", "mask"));
         ASSERT_EQ(y.dimensions(), x.dimensions()) << what;
-        expect_close(y.data(), want.data(), y.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol, what);
+        expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, what);
       }
     }
   }

@@ -5,6 +5,7 @@
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/c2f.hpp"
+#include "support/compare.hpp"
 #include "support/random.hpp"
 
 #include <gtest/gtest.h>
@@ -20,46 +21,13 @@ using c2f::Index;
 using c2f::RowMatrix;
 using c2f::StateDict;
 using c2f::Tensor3;
+using c2f_test::error_of;
+using c2f_test::expect_close;
+using c2f_test::randomize;
+using c2f_test::same_bits;
 using c2f_test::TestRng;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-template <class Module>
-void randomize(Module& module, TestRng& rng, double scale = 0.3) {
-  StateDict random;
-  for (const auto& [key, t] : module.state_dict()) {
-    std::vector<double> v(static_cast<std::size_t>(t.numel()));
-    for (double& x : v) x = scale * rng.normal();
-    random.set(key, c2f::TensorData::from_values(v.data(), t.shape()));
-  }
-  module.load_state_dict(random);
-}
-
-template <class Scalar>
-bool same_bits(const Tensor3<Scalar>& a, const Tensor3<Scalar>& b) {
-  return a.dimensions() == b.dimensions() &&
-         std::memcmp(a.data(), b.data(), sizeof(Scalar) * static_cast<std::size_t>(a.size())) == 0;
-}
-
-template <class Scalar>
-void expect_near(const Tensor3<Scalar>& got, const Scalar* want, double tol, const std::string& what) {
-  int reported = 0;
-  for (Index i = 0; i < got.size() && reported < 5; ++i) {
-    if (!(std::abs(double(got.data()[i]) - double(want[i])) <= tol * (1.0 + std::abs(double(want[i]))))) {
-      ADD_FAILURE() << what << "[" << i << "]: got " << got.data()[i] << ", want " << want[i];
-      ++reported;
-    }
-  }
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "<no std::invalid_argument>";
-}
 
 bool all_finite(const Tensor3<float>& t) { return Eigen::Map<const Eigen::ArrayXf>(t.data(), t.size()).allFinite(); }
 bool any_nan(const Tensor3<float>& t) { return Eigen::Map<const Eigen::ArrayXf>(t.data(), t.size()).isNaN().any(); }
@@ -151,7 +119,7 @@ TEST(EdgeShapes, LengthOneIsOutProjOfValueProjection) {
                               Eigen::Map<const Eigen::RowVectorXd>(b.data() + 16, 8);
   const RowMatrix<double> want = (v * mha.out_proj().weight().transpose()).rowwise() +
                                  mha.out_proj().bias().transpose();
-  expect_near(y, want.data(), 1e-12, "MHA L = 1");
+  expect_close(y.data(), want.data(), y.size(), 1e-12, 1e-12, "MHA L = 1");
 
   // HMHA at L = 1: every level sees only token 0, so o = v (level 1) + v (level 2) + v (level 3);
   // causal drops level 2 (no earlier window).
@@ -164,7 +132,8 @@ TEST(EdgeShapes, LengthOneIsOutProjOfValueProjection) {
     RowMatrix<double> expect_o = Eigen::Map<const RowMatrix<double>>(hv.data(), 3, 8) * (causal ? 2.0 : 3.0);
     RowMatrix<double> expect_y(3, 8);
     hmha.out_proj().forward_rows(expect_o, expect_y, 1);
-    expect_near(hmha.forward(x), expect_y.data(), 1e-12, causal ? "HMHA L = 1 causal" : "HMHA L = 1");
+    const Tensor3<double> y_hmha = hmha.forward(x);
+    expect_close(y_hmha.data(), expect_y.data(), y_hmha.size(), 1e-12, 1e-12, causal ? "HMHA L = 1 causal" : "HMHA L = 1");
   }
 }
 
@@ -176,13 +145,13 @@ TEST(EdgeShapes, ChunkOrWindowLongerThanTheSequence) {
   randomize(long_chunk, rng);
   exact_chunk.load_state_dict(long_chunk.state_dict());
   const Tensor3<float> a = long_chunk.forward(x), b = exact_chunk.forward(x);
-  expect_near(a, b.data(), 1e-6, "C2F chunk 64 vs chunk 10 at L = 10");
+  expect_close(a.data(), b.data(), a.size(), 1e-6, 1e-6, "C2F chunk 64 vs chunk 10 at L = 10");
 
   c2f::HMHA<float> long_window(8, 2, 100), exact_window(8, 2, 10);
   randomize(long_window, rng);
   exact_window.load_state_dict(long_window.state_dict());
   const Tensor3<float> c = long_window.forward(x), d = exact_window.forward(x);
-  expect_near(c, d.data(), 1e-6, "HMHA window 100 vs window 10 at L = 10");
+  expect_close(c.data(), d.data(), c.size(), 1e-6, 1e-6, "HMHA window 100 vs window 10 at L = 10");
 }
 
 // Window 1 with only level 2: the window means are the tokens, so level 2 is full attention.
@@ -291,7 +260,7 @@ TEST(EdgeMasks, FullyMaskedRowsAndFullyMaskedKeyBlocks) {
   mha.set_kernel(c2f::AttentionKernel::Naive);
   const Tensor3<float> naive = mha.forward(x, masks);
   ASSERT_TRUE(all_finite(streaming));
-  expect_near(streaming, naive.data(), 1e-5, "streaming vs naive");
+  expect_close(streaming.data(), naive.data(), streaming.size(), 1e-5, 1e-5, "streaming vs naive");
   for (Index j = 0; j < 8; ++j) EXPECT_EQ(streaming(0, 5, j), mha.out_proj().bias()[j]);
 
   // C2F: a coarse row with no visible chunk gets zero coarse attention; the output stays finite.

@@ -3,6 +3,7 @@
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/c2f.hpp"
+#include "support/compare.hpp"
 #include "support/fixtures.hpp"
 #include "support/hmha_dense.hpp"
 #include "support/random.hpp"
@@ -20,43 +21,10 @@ using c2f::RowMatrix;
 using c2f::StateDict;
 using c2f::Tensor3;
 using c2f_test::meta_index;
+using c2f_test::expect_close;
+using c2f_test::randomize;
+using c2f_test::Tolerance;
 using c2f_test::TestRng;
-
-template <class Scalar>
-struct Tol;
-template <>
-struct Tol<float> {
-  static constexpr double atol = 1e-5, rtol = 1e-5;
-  static constexpr const char* file_key = "f32";
-};
-template <>
-struct Tol<double> {
-  static constexpr double atol = 1e-10, rtol = 1e-10;
-  static constexpr const char* file_key = "f64";
-};
-
-template <class Scalar>
-void expect_close(const Scalar* got, const Scalar* want, Index n, double atol, double rtol, const std::string& what) {
-  int reported = 0;
-  for (Index i = 0; i < n && reported < 5; ++i) {
-    const double g = got[i], w = want[i];
-    if (!(std::abs(g - w) <= atol + rtol * std::abs(w))) {
-      ADD_FAILURE() << what << "[" << i << "]: got " << g << ", want " << w << ", |diff| " << std::abs(g - w);
-      ++reported;
-    }
-  }
-}
-
-template <class Module>
-void randomize(Module& module, TestRng& rng, double scale = 0.3) {
-  StateDict random;
-  for (const auto& [key, t] : module.state_dict()) {
-    std::vector<double> v(static_cast<std::size_t>(t.numel()));
-    for (double& x : v) x = scale * rng.normal();
-    random.set(key, c2f::TensorData::from_values(v.data(), t.shape()));
-  }
-  module.load_state_dict(random);
-}
 
 template <class T>
 class HmhaTyped : public ::testing::Test {};
@@ -73,7 +41,7 @@ TYPED_TEST(HmhaTyped, Conv1dAndC3K2MatchTorch) {
   for (const nlohmann::json& c : cases) {
     const std::string name = c.at("name");
     SCOPED_TRACE(name);
-    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tol<Scalar>::file_key)));
+    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
     const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
     const std::vector<Scalar> want = c2f_test::values<Scalar>(sd, "output");
     Tensor3<Scalar> y;
@@ -95,7 +63,7 @@ TYPED_TEST(HmhaTyped, Conv1dAndC3K2MatchTorch) {
         y = proj.forward(x);
       }
       ASSERT_EQ(static_cast<std::size_t>(y.size()), want.size());
-      expect_close(y.data(), want.data(), y.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol,
+      expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
                    name + " " + std::to_string(threads) + " threads");
     }
   }
@@ -113,7 +81,7 @@ TYPED_TEST(HmhaTyped, HmhaMatchesDenseTorchFormulation) {
   for (const nlohmann::json& c : cases) {
     const std::string name = c.at("name");
     SCOPED_TRACE(name);
-    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tol<Scalar>::file_key)));
+    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
     typename HMHA<Scalar>::Options o;
     o.causal = sd.metadata().at("causal") == "true";
     HMHA<Scalar> hmha(meta_index(sd, "dim"), meta_index(sd, "heads"), meta_index(sd, "window"), o);
@@ -121,7 +89,7 @@ TYPED_TEST(HmhaTyped, HmhaMatchesDenseTorchFormulation) {
     const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
     const Tensor3<Scalar> q = hmha.q_proj().forward(x);
     const std::vector<Scalar> want_q = c2f_test::values<Scalar>(sd, "q");
-    expect_close(q.data(), want_q.data(), q.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol, name + " q");
+    expect_close(q.data(), want_q.data(), q.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " q");
     for (int threads : {1, 2}) {
       hmha.set_num_threads(threads);
       for (const auto& [key, levels] : configs) {
@@ -129,7 +97,7 @@ TYPED_TEST(HmhaTyped, HmhaMatchesDenseTorchFormulation) {
         const Tensor3<Scalar> y = hmha.forward(x);
         const std::vector<Scalar> want = c2f_test::values<Scalar>(sd, key);
         ASSERT_EQ(static_cast<std::size_t>(y.size()), want.size());
-        expect_close(y.data(), want.data(), y.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol,
+        expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
                      name + " " + key + " " + std::to_string(threads) + " threads");
       }
     }

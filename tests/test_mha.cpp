@@ -3,6 +3,7 @@
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/c2f.hpp"
+#include "support/compare.hpp"
 #include "support/fixtures.hpp"
 #include "support/random.hpp"
 
@@ -17,20 +18,9 @@ using c2f::Index;
 using c2f::MultiHeadAttention;
 using c2f::StateDict;
 using c2f::Tensor3;
+using c2f_test::error_of;
 using c2f_test::meta_index;
-
-template <class Scalar>
-struct Tolerance;
-template <>
-struct Tolerance<float> {
-  static constexpr double atol = 1e-5, rtol = 1e-5;
-  static constexpr const char* file_key = "f32";
-};
-template <>
-struct Tolerance<double> {
-  static constexpr double atol = 1e-10, rtol = 1e-10;
-  static constexpr const char* file_key = "f64";
-};
+using c2f_test::Tolerance;
 
 // Compares c2f's values with torch's. Where torch has NaN (a fully masked query row: torch's
 // documented NaN, c2f's documented zeros) `on_torch_nan` decides what c2f must hold instead.
@@ -231,15 +221,6 @@ TEST(MhaLoading, AcceptsSeed000Names) {
   expect_matches_torch(b.data(), c2f_test::values<float>(sd, "output"), "seed-000 names", [](std::size_t, float) {
     return false;
   });
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "<no std::invalid_argument thrown>";
 }
 
 TEST(MhaLoading, StrictLoadingNamesTheKey) {

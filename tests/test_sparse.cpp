@@ -3,6 +3,7 @@
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/c2f.hpp"
+#include "support/compare.hpp"
 #include "support/fixtures.hpp"
 #include "support/random.hpp"
 
@@ -19,43 +20,10 @@ using c2f::SparseC2FAttention;
 using c2f::StateDict;
 using c2f::Tensor3;
 using c2f_test::meta_index;
+using c2f_test::expect_close;
+using c2f_test::randomize;
+using c2f_test::Tolerance;
 using c2f_test::TestRng;
-
-template <class Scalar>
-struct Tol;
-template <>
-struct Tol<float> {
-  static constexpr double atol = 1e-5, rtol = 1e-5;
-  static constexpr const char* file_key = "f32";
-};
-template <>
-struct Tol<double> {
-  static constexpr double atol = 1e-10, rtol = 1e-10;
-  static constexpr const char* file_key = "f64";
-};
-
-template <class Scalar>
-void expect_close(const Scalar* got, const Scalar* want, Index n, double atol, double rtol, const std::string& what) {
-  int reported = 0;
-  for (Index i = 0; i < n && reported < 5; ++i) {
-    const double g = got[i], w = want[i];
-    if (!(std::abs(g - w) <= atol + rtol * std::abs(w))) {
-      ADD_FAILURE() << what << "[" << i << "]: got " << g << ", want " << w << ", |diff| " << std::abs(g - w);
-      ++reported;
-    }
-  }
-}
-
-template <class Module>
-void randomize(Module& module, TestRng& rng, double scale = 0.3) {
-  StateDict random;
-  for (const auto& [key, t] : module.state_dict()) {
-    std::vector<double> v(static_cast<std::size_t>(t.numel()));
-    for (double& x : v) x = scale * rng.normal();
-    random.set(key, c2f::TensorData::from_values(v.data(), t.shape()));
-  }
-  module.load_state_dict(random);
-}
 
 template <class T>
 class SparseTyped : public ::testing::Test {};
@@ -69,7 +37,7 @@ TYPED_TEST(SparseTyped, MatchesTorchSelectionSemantics) {
   for (const nlohmann::json& c : cases) {
     const std::string name = c.at("name");
     SCOPED_TRACE(name);
-    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tol<Scalar>::file_key)));
+    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
     const bool causal = sd.metadata().at("causal") == "true";
     SparseC2FAttention<Scalar> sparse(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"),
                                       meta_index(sd, "chunk_size"), meta_index(sd, "top_k"), causal);
@@ -89,18 +57,18 @@ TYPED_TEST(SparseTyped, MatchesTorchSelectionSemantics) {
         ASSERT_EQ(r.selection.index[i], want_sel[i]) << "selection entry " << i;
       }
       ASSERT_EQ(static_cast<std::size_t>(r.output.size()), want.size());
-      expect_close(r.output.data(), want.data(), r.output.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol,
+      expect_close(r.output.data(), want.data(), r.output.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
                    name + " " + std::to_string(threads) + " threads");
     }
     if (sd.metadata().at("covers_all") == "true") {
       // nn.MultiheadAttention's own output, and c2f's MultiHeadAttention on the same weights.
       const std::vector<Scalar> torch_mha = c2f_test::values<Scalar>(sd, "mha_output");
       const Tensor3<Scalar> y = sparse.forward(x, masks);
-      expect_close(y.data(), torch_mha.data(), y.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol, name + " vs torch MHA");
+      expect_close(y.data(), torch_mha.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " vs torch MHA");
       c2f::AttentionMasks<Scalar> dense_masks = masks;
       if (causal) dense_masks.attn_mask = c2f::AttnMask<Scalar>::causal();
       const Tensor3<Scalar> ours = sparse.dense().forward(x, dense_masks);
-      expect_close(y.data(), ours.data(), y.size(), Tol<Scalar>::atol, Tol<Scalar>::rtol, name + " vs c2f MHA");
+      expect_close(y.data(), ours.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " vs c2f MHA");
     }
   }
 }

@@ -124,6 +124,17 @@ template <class... Parts>
   throw std::invalid_argument(os.str());
 }
 
+/// Throws "<layer>: <what> must be [batch, seq, <width_name>=<width>], got [b, l, f]" unless the
+/// input's last dimension is `width`.
+template <class Scalar>
+void check_features(const ConstTensorRef<Scalar, 3>& x, Index width, const char* layer, const char* what,
+                    const char* width_name) {
+  if (x.features() != width) {
+    fail(layer, ": ", what, " must be [batch, seq, ", width_name, "=", width, "], got ",
+         shape_string({x.batch(), x.seq(), x.features()}));
+  }
+}
+
 template <class Scalar>
 constexpr void check_scalar() {
   static_assert(std::is_same<Scalar, float>::value || std::is_same<Scalar, double>::value,

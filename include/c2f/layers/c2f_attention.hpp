@@ -179,10 +179,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   Tensor3<Scalar> forward_chunked(ConstTensor3Ref<Scalar> x, Index chunk, ConstTensor3Ref<Scalar> coarse_context,
                                   const AttnMask<Scalar>& mask = {}) const {
     if (chunk < 1) detail::fail("FineAttention: chunk size must be >= 1, got ", chunk);
-    if (x.features() != d_) {
-      detail::fail("FineAttention: tokens must be [batch, seq, d_model=", d_, "], got ",
-                   detail::shape_string({x.batch(), x.seq(), x.features()}));
-    }
+    detail::check_features(x, d_, "FineAttention", "tokens", "d_model");
     const kernels::ChunkGrid grid{x.batch(), x.seq(), chunk};
     const Index m = grid.chunks_per_batch(), chunks = grid.chunks();
     if (coarse_context.batch() != x.batch() || coarse_context.seq() != m || coarse_context.features() != d_) {
@@ -374,10 +371,7 @@ class C2FAttention : public detail::Module<C2FAttention<Scalar>> {
 
   /// x [B, L, d] → [B, L, d]; any L ≥ 0 (see the file comment for partial chunks).
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const C2FMasks<Scalar>& masks = {}) const {
-    if (x.features() != d_model()) {
-      detail::fail("C2FAttention: x must be [batch, seq, d_model=", d_model(), "], got ",
-                   detail::shape_string({x.batch(), x.seq(), x.features()}));
-    }
+    detail::check_features(x, d_model(), "C2FAttention", "x", "d_model");
     const Tensor3<Scalar> summaries = coarse_input(x);
     const Tensor3<Scalar> context = coarse_.forward(summaries, masks.coarse);
     return fine_.forward_chunked(x, chunk_, context, masks.fine);

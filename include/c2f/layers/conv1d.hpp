@@ -67,10 +67,7 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
 
   /// x [B, L, in] → [B, L + 2·padding − kernel_size + 1, out].
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x) const {
-    if (x.features() != shape_.in_channels) {
-      detail::fail("Conv1d: x must be [batch, length, in_channels=", shape_.in_channels, "], got ",
-                   detail::shape_string({x.batch(), x.seq(), x.features()}));
-    }
+    detail::check_features(x, shape_.in_channels, "Conv1d", "x", "in_channels");
     Tensor3<Scalar> y(x.batch(), std::max<Index>(0, shape_.out_length(x.seq())), shape_.out_channels);
     Eigen::Map<RowMatrix<Scalar>> out(y.data(), y.dimension(0) * y.dimension(1), shape_.out_channels);
     forward_rows(x.rows(), x.batch(), x.seq(), out);
@@ -140,10 +137,7 @@ class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
   }
 
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x) const {
-    if (x.features() != dim_) {
-      detail::fail("C3K2Projection: x must be [batch, length, dim=", dim_, "], got ",
-                   detail::shape_string({x.batch(), x.seq(), x.features()}));
-    }
+    detail::check_features(x, dim_, "C3K2Projection", "x", "dim");
     Tensor3<Scalar> y(x.batch(), x.seq(), dim_);
     Eigen::Map<RowMatrix<Scalar>> out(y.data(), x.batch() * x.seq(), dim_);
     forward_rows(x.rows(), x.batch(), x.seq(), out);

@@ -91,10 +91,7 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
 
   /// x [B, L, dim] → [B, L, dim].
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x) const {
-    if (x.features() != dim_) {
-      detail::fail("HMHA: x must be [batch, length, dim=", dim_, "], got ",
-                   detail::shape_string({x.batch(), x.seq(), x.features()}));
-    }
+    detail::check_features(x, dim_, "HMHA", "x", "dim");
     const Index batch = x.batch(), length = x.seq(), rows = batch * length;
     const int threads = options_.num_threads;
     RowMatrix<Scalar> q(rows, dim_), k(rows, dim_), v(rows, dim_);

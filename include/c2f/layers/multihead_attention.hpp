@@ -224,10 +224,7 @@ class MultiHeadAttention : public detail::Module<MultiHeadAttention<Scalar>> {
   void check_inputs(const ConstTensor3Ref<Scalar>& q, const ConstTensor3Ref<Scalar>& k,
                     const ConstTensor3Ref<Scalar>& v) const {
     using detail::shape_string;
-    if (q.features() != embed_dim_) {
-      detail::fail("MultiHeadAttention: query must be [batch, seq, embed_dim=", embed_dim_, "], got ",
-                   shape_string({q.batch(), q.seq(), q.features()}));
-    }
+    detail::check_features(q, embed_dim_, "MultiHeadAttention", "query", "embed_dim");
     if (k.features() != kdim_ || v.features() != vdim_) {
       detail::fail("MultiHeadAttention: key must be [batch, seq, kdim=", kdim_, "] and value [batch, seq, vdim=", vdim_,
                    "], got key ", shape_string({k.batch(), k.seq(), k.features()}), " and value ",

@@ -1,0 +1,74 @@
+// Comparisons and helpers shared by the C++ test suites.
+#pragma once
+
+#include "c2f/core.hpp"
+#include "c2f/state_dict.hpp"
+#include "support/random.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace c2f_test {
+
+/// The tolerances against PyTorch fixtures: fp32 atol = rtol = 1e-5, fp64 1e-10; and which fixture file.
+template <class Scalar>
+struct Tolerance;
+template <>
+struct Tolerance<float> {
+  static constexpr double atol = 1e-5, rtol = 1e-5;
+  static constexpr const char* file_key = "f32";
+};
+template <>
+struct Tolerance<double> {
+  static constexpr double atol = 1e-10, rtol = 1e-10;
+  static constexpr const char* file_key = "f64";
+};
+
+/// |got − want| ≤ atol + rtol·|want| element by element (NaN fails); reports the first five misses.
+template <class Scalar>
+void expect_close(const Scalar* got, const Scalar* want, c2f::Index n, double atol, double rtol, const std::string& what) {
+  int reported = 0;
+  for (c2f::Index i = 0; i < n && reported < 5; ++i) {
+    const double g = got[i], w = want[i];
+    if (!(std::abs(g - w) <= atol + rtol * std::abs(w))) {
+      ADD_FAILURE() << what << "[" << i << "]: got " << g << ", want " << w << ", |diff| " << std::abs(g - w);
+      ++reported;
+    }
+  }
+}
+
+template <class Scalar>
+bool same_bits(const c2f::Tensor3<Scalar>& a, const c2f::Tensor3<Scalar>& b) {
+  return a.dimensions() == b.dimensions() &&
+         std::memcmp(a.data(), b.data(), sizeof(Scalar) * static_cast<std::size_t>(a.size())) == 0;
+}
+
+/// Replaces every parameter of a layer with N(0, scale²) values — biases included, so that bias
+/// handling is exercised (fresh layers have zero biases).
+template <class Module>
+void randomize(Module& module, TestRng& rng, double scale = 0.3) {
+  c2f::StateDict random;
+  for (const auto& [key, t] : module.state_dict()) {
+    std::vector<double> v(static_cast<std::size_t>(t.numel()));
+    for (double& x : v) x = scale * rng.normal();
+    random.set(key, c2f::TensorData::from_values(v.data(), t.shape()));
+  }
+  module.load_state_dict(random);
+}
+
+/// The message of the std::invalid_argument `fn` throws, or a marker when it throws none.
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "<no std::invalid_argument thrown>";
+}
+
+}  // namespace c2f_test
