@@ -71,4 +71,18 @@ inline bool expected_nbytes(const c2f::TensorData& t, std::uint64_t& out) {
   return true;
 }
 
+/// Parses `encoded` (the writer's output for `sd`), checks it gives `sd` back and re-serialises to the
+/// same bytes; `what` names the round trip in the failure message.
+inline void check_round_trip(const c2f::StateDict& sd, const std::vector<std::uint8_t>& encoded, const std::string& what) {
+  c2f::StateDict back;
+  try {
+    back = c2f::parse_safetensors(encoded.data(), encoded.size());
+  } catch (const c2f::SafetensorsError& e) {
+    C2F_FUZZ_CHECK(false, std::string("the writer's output does not parse: ") + e.what());
+  }
+  const std::string diff = state_dict_difference(sd, back);
+  C2F_FUZZ_CHECK(diff.empty(), what + " differs: " + diff);
+  C2F_FUZZ_CHECK(c2f::serialize_safetensors(back) == encoded, "serialising twice gives different bytes");
+}
+
 }  // namespace c2f_fuzz

@@ -219,13 +219,19 @@ def mha_reference(np, t, md):
     return o, w
 
 
-def crosscheck_mha(np, st, committed_dir, report):
+def family_files(st, committed_dir, family):
+    """(relative name, raw tensors, metadata) of every committed file of a family that loads (files that
+    do not load were already reported by the comparison)."""
     for path in sorted(committed_dir.glob("*.safetensors")):
-        rel = f"mha/{path.name}"
         try:
             raw, md = st.load_file(path)
         except st.SafetensorsError:
-            continue  # already reported
+            continue
+        yield f"{family}/{path.name}", raw, md
+
+
+def crosscheck_mha(np, st, committed_dir, report):
+    for rel, raw, md in family_files(st, committed_dir, "mha"):
         t = {k: st.to_numpy(v) for k, v in raw.items()}
         dtype = raw["output"].dtype
         tol = CROSSCHECK_TOLERANCE[dtype]
@@ -359,12 +365,7 @@ def _c2f_check_contract(np, t, md, rel, report):
 
 
 def crosscheck_c2f(np, st, committed_dir, report):
-    for path in sorted(committed_dir.glob("*.safetensors")):
-        rel = f"c2f/{path.name}"
-        try:
-            raw, md = st.load_file(path)
-        except st.SafetensorsError:
-            continue  # already reported
+    for rel, raw, md in family_files(st, committed_dir, "c2f"):
         t = {k: st.to_numpy(v) for k, v in raw.items()}
         dtype = raw["output"].dtype
         tol = CROSSCHECK_TOLERANCE[dtype]
@@ -535,12 +536,7 @@ def _conv_family_contract(np, t, md, rel, report):
 
 def _crosscheck_with(reference, family):
     def crosscheck(np, st, committed_dir, report):
-        for path in sorted(committed_dir.glob("*.safetensors")):
-            rel = f"{family}/{path.name}"
-            try:
-                raw, md = st.load_file(path)
-            except st.SafetensorsError:
-                continue  # already reported
+        for rel, raw, md in family_files(st, committed_dir, family):
             t = {k: st.to_numpy(v) for k, v in raw.items()}
             dtype = raw["x"].dtype
             tol = CROSSCHECK_TOLERANCE[dtype]
@@ -656,12 +652,7 @@ def _sparse_contract(np, raw, md, rel, report):
 
 def crosscheck_sparse(np, st, committed_dir, report):
     smallest = (np.inf, "")
-    for path in sorted(committed_dir.glob("*.safetensors")):
-        rel = f"sparse/{path.name}"
-        try:
-            raw, md = st.load_file(path)
-        except st.SafetensorsError:
-            continue  # already reported
+    for rel, raw, md in family_files(st, committed_dir, "sparse"):
         try:
             if not _sparse_contract(np, raw, md, rel, report):
                 continue
