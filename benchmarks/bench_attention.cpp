@@ -2,7 +2,7 @@
 //
 //   bench_attention [--c2f_sweep=quick|long] [Google Benchmark flags]
 //
-// quick (default, about 80 s on 2 cores): L ∈ {256, 1024, 2048, 4096, 8192, 16384};
+// quick (default, about 2 minutes on 2 cores): L ∈ {256, 1024, 2048, 4096, 8192, 16384};
 // long: L ∈ {256, 512, …, 16384} (HMHA to 32768), the naive kernel to 4096.
 // Every entry: batch 1, d = E = 512, 8 heads, 2 threads (C2F_BENCH_THREADS overrides), float.
 //

@@ -3,7 +3,7 @@
 # (table on stdout; Google Benchmark JSON, summary.md and PNG plots in the output folder).
 #
 #   scripts/run.sh [--long] [--native] [--out DIR]
-#     --long    the long sweep (more lengths, HMHA to 32768; about 10 minutes on 2 cores)
+#     --long    the long sweep (L = 256 … 16384 in powers of two, HMHA to 32768; about 3 minutes)
 #     --native  build with -march=native (binaries then only run on this CPU family)
 #     --out     output folder (default results/latest)
 set -euo pipefail
