@@ -213,6 +213,16 @@ def seed004_table(e):
             table(["", "MultiHeadAttention", "C2FAttention (chunk 32)"], rows))
 
 
+def finish(plt, fig, ax, path, legend_size):
+    """Grid, legend, layout; saves `fig` as a small PNG at `path` and returns the path."""
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def plot(e, lengths, out_dir):
     try:
         import matplotlib
@@ -235,12 +245,7 @@ def plot(e, lengths, out_dir):
         ax.plot(ls, [ms(e[("c2f", L, c)]) for L in ls], "-^", color=cmap(i / len(CHUNKS)), label=f"C2F chunk {c}")
     ax.set(xscale="log", yscale="log", xlabel="sequence length L", ylabel="time per forward (ms)",
            title="Time vs length (d = 512, 8 heads, batch 1)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    files.append(out_dir / "time_vs_length.png")
-    fig.savefig(files[-1], dpi=80)
-    plt.close(fig)
+    files.append(finish(plt, fig, ax, out_dir / "time_vs_length.png", legend_size=7))
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for i, L in enumerate(lengths):
@@ -251,12 +256,7 @@ def plot(e, lengths, out_dir):
            title="C2FAttention speedup vs chunk size (same run)")
     ax.set_xticks(CHUNKS)
     ax.set_xticklabels([str(c) for c in CHUNKS])
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(out_dir / "speedup_vs_chunk.png")
-    fig.savefig(files[-1], dpi=80)
-    plt.close(fig)
+    files.append(finish(plt, fig, ax, out_dir / "speedup_vs_chunk.png", legend_size=8))
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     ax.plot(lengths, [e[("mha_streaming", L)]["peak_bytes"] / 2**20 for L in lengths], "k-o", lw=4, ms=9,
@@ -269,12 +269,7 @@ def plot(e, lengths, out_dir):
     ax.plot(ls, [e[("c2f", L, 32)]["peak_bytes"] / 2**20 for L in ls], "g-^", label="C2F chunk 32")
     ax.set(xscale="log", yscale="log", xlabel="sequence length L", ylabel="peak working memory (MiB, measured)",
            title="Memory vs length (heap held during one forward)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(out_dir / "memory_vs_length.png")
-    fig.savefig(files[-1], dpi=80)
-    plt.close(fig)
+    files.append(finish(plt, fig, ax, out_dir / "memory_vs_length.png", legend_size=8))
     sparse = sorted(k for k in e if k[0] == "sparse")
     if sparse:
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -288,12 +283,7 @@ def plot(e, lengths, out_dir):
         ax.set(xscale="log", yscale="log", xlabel="speedup over MultiHeadAttention (same run)",
                ylabel="relative output error ‖y − y_MHA‖ / ‖y_MHA‖",
                title="SparseC2FAttention (chunk 64): error vs speedup, top_k = k")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        files.append(out_dir / "sparse_error_vs_speedup.png")
-        fig.savefig(files[-1], dpi=80)
-        plt.close(fig)
+        files.append(finish(plt, fig, ax, out_dir / "sparse_error_vs_speedup.png", legend_size=8))
     return files
 
 
