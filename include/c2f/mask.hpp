@@ -70,21 +70,21 @@ std::vector<Scalar> normalize_additive(std::vector<Scalar> v) {
   return v;
 }
 
-/// Bools → keep flags (1 = may attend); `invert` for the "true = ignore" convention.
-inline std::vector<std::uint8_t> bool_flags(const bool* p, Index n, bool invert) {
+/// Bools (or bytes, non-zero = true) → keep flags (1 = may attend); `invert` for the "true = ignore"
+/// convention.
+template <class T>
+std::vector<std::uint8_t> bool_flags(const T* p, Index n, bool invert) {
   std::vector<std::uint8_t> out(static_cast<std::size_t>(n));
-  for (Index i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = (p[i] != invert) ? 1 : 0;
+  for (Index i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = ((p[i] != T(0)) != invert) ? 1 : 0;
   return out;
 }
 
-/// Converts a BOOL/U8 (non-zero = true) or floating-point state-dict tensor into flags or values.
+/// Keep flags from a BOOL/U8 state-dict tensor (non-zero = true).
 inline std::vector<std::uint8_t> tensor_flags(const TensorData& t, bool invert) {
   if (t.dtype() != DType::BOOL && t.dtype() != DType::U8) {
     fail("a boolean mask needs a BOOL or U8 tensor, got ", dtype_name(t.dtype()));
   }
-  std::vector<std::uint8_t> out(t.bytes().size());
-  for (std::size_t i = 0; i < out.size(); ++i) out[i] = ((t.bytes()[i] != 0) != invert) ? 1 : 0;
-  return out;
+  return bool_flags(t.bytes().data(), static_cast<Index>(t.bytes().size()), invert);
 }
 
 }  // namespace detail

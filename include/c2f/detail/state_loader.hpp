@@ -54,9 +54,6 @@ class StrictLoader {
     used_.insert(key);
   }
 
-  /// Marks a key as read by a caller that copied it some other way.
-  void mark_used(std::string_view name) { used_.insert(prefix_ + std::string(name)); }
-
   /// Throws naming the first key under the prefix that no read() consumed.
   void finish() const {
     for (const std::string& key : sd_.keys(prefix_)) {
