@@ -58,7 +58,10 @@ TYPED_TEST(HmhaTyped, Conv1dAndC3K2MatchTorch) {
         y = conv.forward(x);
       } else {
         ASSERT_EQ(sd.metadata().at("module"), "c3k2");
-        c2f::C3K2Projection<Scalar> proj(meta_index(sd, "dim"), meta_index(sd, "heads"), {threads, 0});
+        typename c2f::C3K2Projection<Scalar>::Options o;
+        o.num_threads = threads;
+        o.causal = sd.metadata().at("causal") == "true";
+        c2f::C3K2Projection<Scalar> proj(meta_index(sd, "dim"), meta_index(sd, "heads"), o);
         proj.load_state_dict(sd, "c3k2");
         y = proj.forward(x);
       }
@@ -126,11 +129,12 @@ TYPED_TEST(HmhaTyped, Conv1dMatchesNaiveOnRandomShapes) {
     const Index groups = rng.pick(std::vector<Index>{1, 2, 3});
     const Index in = groups * rng.uniform_int(1, 5), out = groups * rng.uniform_int(1, 5);
     const Index kernel = rng.pick(std::vector<Index>{1, 2, 3, 5, 7});
-    const Index padding = rng.uniform_int(0, kernel);
-    const Index length = std::max<Index>(kernel - 2 * padding, 0) +
+    const bool causal = rng.coin(0.3);  // kernel − 1 zeros on the left only
+    const Index padding = causal ? 0 : rng.uniform_int(0, kernel);
+    const Index length = std::max<Index>(causal ? 0 : kernel - 2 * padding, 0) +
                          rng.pick(std::vector<Index>{0, 1, 2, 13, 127, 128, 129, 300});
     const Index batch = rng.uniform_int(1, 3);
-    const c2f::kernels::Conv1dShape shape{in, out, kernel, padding, groups};
+    const c2f::kernels::Conv1dShape shape{in, out, kernel, padding, groups, causal};
     const RowMatrix<Scalar> x = rng.matrix<Scalar>(batch * length, in);
     const RowMatrix<Scalar> w = rng.matrix<Scalar>(out, in / groups * kernel);  // PyTorch layout, flattened
     const RowMatrix<Scalar> bias = rng.matrix<Scalar>(1, out);
@@ -141,7 +145,7 @@ TYPED_TEST(HmhaTyped, Conv1dMatchesNaiveOnRandomShapes) {
     c2f::kernels::conv1d_naive<Scalar>(x, batch, length, shape, w.data(), bias.data(), naive);
     std::ostringstream what;
     what << "rep " << rep << ": batch=" << batch << " L=" << length << " in=" << in << " out=" << out
-         << " k=" << kernel << " padding=" << padding << " groups=" << groups;
+         << " k=" << kernel << " padding=" << padding << " groups=" << groups << " causal=" << causal;
     const double tol = std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
     expect_close(fast.data(), naive.data(), fast.size(), tol, tol, what.str());
     EXPECT_EQ(c2f::kernels::conv1d_torch_weight(taps, shape), std::vector<Scalar>(w.data(), w.data() + w.size()));
@@ -251,6 +255,7 @@ TEST(HmhaContract, NamesErrorsAndEmptyInput) {
   const Tensor3<float> empty = hmha.forward(rng.tensor<float>(2, 0, 16));
   EXPECT_EQ(empty.dimension(1), 0);
   EXPECT_THROW(c2f::Conv1d<float>(4, 6, 3, {0, 4, true, 1, 0}), std::invalid_argument);  // 6 % 4 != 0
+  EXPECT_THROW(c2f::Conv1d<float>(4, 4, 3, {1, 1, true, 1, 0, /*causal=*/true}), std::invalid_argument);
   c2f::Conv1d<float> conv(4, 4, 5);
   EXPECT_THROW(conv.forward(rng.tensor<float>(1, 3, 4)), std::invalid_argument);  // shorter than the kernel
 }

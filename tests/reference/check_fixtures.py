@@ -382,14 +382,15 @@ def crosscheck_c2f(np, st, committed_dir, report):
 
 # --- independent numpy reference for the conv1d and hmha families -----------------------------------
 
-def conv1d_loops(np, x, w, bias, padding, groups):
+def conv1d_loops(np, x, w, bias, padding, groups, right_padding=None):
     """float64 torch.nn.Conv1d semantics in [B, L, C] layout, by explicit loops over output positions,
     groups and kernel taps: out[b, l, o] = bias[o] + sum_{c, j} w[o, c, j] * x[b, l + j - padding, g*cin + c]
-    (taps outside [0, L) read zero)."""
+    (taps outside [0, L) read zero). ``padding`` zeros go on the left, ``right_padding`` (default: the
+    same) on the right; causal = (k - 1, 0)."""
     B, L, _ = x.shape
     c_out, cin_g, k = w.shape
     cout_g = c_out // groups
-    L_out = L + 2 * padding - k + 1
+    L_out = L + padding + (padding if right_padding is None else right_padding) - k + 1
     out = np.zeros((B, L_out, c_out))
     for l in range(L_out):
         for g in range(groups):
@@ -403,9 +404,11 @@ def conv1d_loops(np, x, w, bias, padding, groups):
     return out
 
 
-def c3k2_loops(np, x, f, prefix):
-    """C3K2Projection: [conv3 (k=3, padding 1) | conv2 (k=1)] along channels."""
-    y3 = conv1d_loops(np, x, f(prefix + "conv3.weight"), f(prefix + "conv3.bias"), 1, 1)
+def c3k2_loops(np, x, f, prefix, causal=False):
+    """C3K2Projection: [conv3 (k=3, padding 1; causal: 2 zeros on the left, none on the right) |
+    conv2 (k=1)] along channels."""
+    pads = (2, 0) if causal else (1, 1)
+    y3 = conv1d_loops(np, x, f(prefix + "conv3.weight"), f(prefix + "conv3.bias"), pads[0], 1, pads[1])
     y2 = conv1d_loops(np, x, f(prefix + "conv2.weight"), f(prefix + "conv2.bias"), 0, 1)
     return np.concatenate([y3, y2], axis=-1)
 
@@ -446,15 +449,13 @@ def hmha_levels_loops(np, q, k, v, H, W, causal):
             qb = np.array([qh[win].mean(axis=0) for win in windows])
             kb = np.array([kh[win].mean(axis=0) for win in windows])
             vb = np.array([vh[win].mean(axis=0) for win in windows])
-            ctx = []
-            for j in range(m):
-                js = [jj for jj in range(m) if not causal or jj < j]
-                ctx.append(_softmax_rows(np, qb[j], kb[js], vb[js], dh))
+            ctx = [_softmax_rows(np, qb[j], kb, vb, dh) for j in range(m)]
             for j, win in enumerate(windows):
                 for i in win:
                     keys = [t for t in win if not causal or t <= i]
                     o[1][bi, i, cs] = _softmax_rows(np, qh[i], kh[keys], vh[keys], dh)
-                    o[2][bi, i, cs] = ctx[j]
+                    # causal: token i's own query over the summaries of the windows before its own
+                    o[2][bi, i, cs] = _softmax_rows(np, qh[i], kb[:j], vb[:j], dh) if causal else ctx[j]
                     sset = sparse_set(i, L, causal)
                     o[3][bi, i, cs] = _softmax_rows(np, qh[i], kh[sset], vh[sset], dh)
     return o
@@ -470,15 +471,16 @@ def conv1d_family_reference(np, t, md):
         return {"output": conv1d_loops(np, f("x"), f("conv.weight"), bias, int(md["padding"]),
                                        int(md["groups"]))}
     if md["module"] == "c3k2":
-        return {"output": c3k2_loops(np, f("x"), f, "c3k2.")}
+        return {"output": c3k2_loops(np, f("x"), f, "c3k2.", md["causal"] == "true")}
     raise ValueError(f"unknown module {md['module']!r}")
 
 
 def hmha_reference(np, t, md):
     f = lambda name: t[name].astype(np.float64)  # noqa: E731
     x = f("x")
-    q, k, v = (c3k2_loops(np, x, f, f"hmha.{p}_proj.") for p in "qkv")
-    o = hmha_levels_loops(np, q, k, v, int(md["heads"]), int(md["window"]), md["causal"] == "true")
+    causal = md["causal"] == "true"
+    q, k, v = (c3k2_loops(np, x, f, f"hmha.{p}_proj.", causal) for p in "qkv")
+    o = hmha_levels_loops(np, q, k, v, int(md["heads"]), int(md["window"]), causal)
     res = {"q": q, "k": k, "v": v}
     for name, levels in HMHA_OUTPUT_LEVELS.items():
         res[name] = sum(o[lvl] for lvl in levels) @ f("hmha.out_proj.weight").T + f("hmha.out_proj.bias")

@@ -836,6 +836,7 @@ class ConvCase:
     # c3k2
     dim: int = 16
     heads: int = 4
+    causal: bool = False
 
     @property
     def out_len(self) -> int:
@@ -883,6 +884,12 @@ CONV1D_CASES: List[ConvCase] = [
     ConvCase("c3k2_d15_l13", 5304, "C3K2Projection odd dim 15 (heads 3): conv3 -> 7 channels | conv2 -> 8",
              "c3k2", 13, dim=15, heads=3),
     ConvCase("c3k2_d15_l2", 5305, "C3K2Projection odd dim 15 (heads 3), L = 2", "c3k2", 2, dim=15, heads=3),
+    ConvCase("c3k2_causal_d16_l1", 5401, "causal C3K2Projection dim 16, L = 1: conv3 = Conv1d(k=3, padding 0) "
+             "on F.pad(x, (2, 0)), only the last tap sees data", "c3k2", 1, causal=True),
+    ConvCase("c3k2_causal_d16_l7", 5402, "causal C3K2Projection dim 16, L = 7: output i reads x[i-2 .. i]",
+             "c3k2", 7, causal=True),
+    ConvCase("c3k2_causal_d15_l13", 5403, "causal C3K2Projection odd dim 15 (heads 3), L = 13", "c3k2", 13,
+             dim=15, heads=3, causal=True),
 ]
 
 
@@ -922,7 +929,7 @@ def _conv_case_files(family_dir: Path, c: ConvCase) -> dict:
         c_in = c_out = c.dim
         prefix = "c3k2."
         meta = {"module": "c3k2", "dim": str(c.dim), "heads": str(c.heads), "batch": str(c.batch),
-                "seq_len": str(c.seq_len)}
+                "seq_len": str(c.seq_len), "causal": b(c.causal)}
     meta.update(seed=str(c.seed), torch_version=torch_version(), description=c.description)
     x = stream(c.seed, "inputs").standard_normal(size=(c.batch, c.seq_len, c_in))
 
@@ -932,7 +939,7 @@ def _conv_case_files(family_dir: Path, c: ConvCase) -> dict:
             mod = torch.nn.Conv1d(c.in_channels, c.out_channels, c.kernel_size, padding=c.padding,
                                   groups=c.groups, bias=c.bias)
         else:
-            mod = hmha_ref.C3K2Projection(c.dim, c.heads)
+            mod = hmha_ref.C3K2Projection(c.dim, c.heads, c.causal)
         if t_dt == torch.float64:
             mod = mod.double()
         _load_exactly(mod, params, np_dt, c.name)

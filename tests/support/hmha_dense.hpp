@@ -9,20 +9,20 @@
 
 namespace c2f_test {
 
+/// Softmax attention of q [batch·lq, dim] over k, v [batch·lk, dim] under keep [lq, lk].
 template <class Scalar>
 void dense_attention(const c2f::RowMatrix<Scalar>& q, const c2f::RowMatrix<Scalar>& k, const c2f::RowMatrix<Scalar>& v,
-                     c2f::Index batch, c2f::Index length, c2f::Index heads, const c2f::BoolTensor2& keep,
-                     c2f::RowMatrix<Scalar>& out) {
-  const c2f::Index dim = q.cols(), dh = dim / heads;
+                     c2f::Index batch, c2f::Index heads, const c2f::BoolTensor2& keep, c2f::RowMatrix<Scalar>& out) {
+  const c2f::Index dim = q.cols(), dh = dim / heads, lq = keep.dimension(0), lk = keep.dimension(1);
   const c2f::AttnMask<Scalar> mask = c2f::AttnMask<Scalar>::keep(keep);
-  const c2f::detail::MaskPlan<Scalar> plan(mask, c2f::KeyPaddingMask<Scalar>(), batch, heads, length, length);
-  out.resize(batch * length, dim);
+  const c2f::detail::MaskPlan<Scalar> plan(mask, c2f::KeyPaddingMask<Scalar>(), batch, heads, lq, lk);
+  out.resize(batch * lq, dim);
   c2f::kernels::SdpaOptions options;
   options.num_threads = 1;
-  c2f::kernels::sdpa_naive<Scalar>(c2f::kernels::heads_view<const Scalar>(q.data(), batch, length, dim, 0, heads, dh),
-                                   c2f::kernels::heads_view<const Scalar>(k.data(), batch, length, dim, 0, heads, dh),
-                                   c2f::kernels::heads_view<const Scalar>(v.data(), batch, length, dim, 0, heads, dh),
-                                   c2f::kernels::heads_view<Scalar>(out.data(), batch, length, dim, 0, heads, dh), plan,
+  c2f::kernels::sdpa_naive<Scalar>(c2f::kernels::heads_view<const Scalar>(q.data(), batch, lq, dim, 0, heads, dh),
+                                   c2f::kernels::heads_view<const Scalar>(k.data(), batch, lk, dim, 0, heads, dh),
+                                   c2f::kernels::heads_view<const Scalar>(v.data(), batch, lk, dim, 0, heads, dh),
+                                   c2f::kernels::heads_view<Scalar>(out.data(), batch, lq, dim, 0, heads, dh), plan,
                                    options);
 }
 
@@ -39,7 +39,7 @@ c2f::RowMatrix<Scalar> hmha_dense(const c2f::RowMatrix<Scalar>& q, const c2f::Ro
     for (Index i = 0; i < length; ++i) {
       for (Index t = 0; t < length; ++t) keep(i, t) = i / window == t / window && (!causal || t <= i);
     }
-    dense_attention(q, k, v, batch, length, heads, keep, part);
+    dense_attention(q, k, v, batch, heads, keep, part);
     o += part;
   }
   if (levels.cross && length > 0) {
@@ -53,14 +53,22 @@ c2f::RowMatrix<Scalar> hmha_dense(const c2f::RowMatrix<Scalar>& q, const c2f::Ro
         vm.row(b * m + j) += v.row(b * length + t) / Scalar(count);
       }
     }
-    c2f::BoolTensor2 keep(m, m);
-    for (Index j = 0; j < m; ++j) {
-      for (Index jj = 0; jj < m; ++jj) keep(j, jj) = !causal || jj < j;
-    }
-    c2f::RowMatrix<Scalar> c;
-    dense_attention(qm, km, vm, batch, m, heads, keep, c);
-    for (Index b = 0; b < batch; ++b) {
-      for (Index t = 0; t < length; ++t) o.row(b * length + t) += c.row(b * m + t / window);
+    if (causal) {
+      // Token i, with its own query, over the summaries of the windows before its own.
+      c2f::BoolTensor2 keep(length, m);
+      for (Index i = 0; i < length; ++i) {
+        for (Index j = 0; j < m; ++j) keep(i, j) = j < i / window;
+      }
+      dense_attention(q, km, vm, batch, heads, keep, part);
+      o += part;
+    } else {
+      c2f::BoolTensor2 keep(m, m);
+      keep.setConstant(true);
+      c2f::RowMatrix<Scalar> c;
+      dense_attention(qm, km, vm, batch, heads, keep, c);
+      for (Index b = 0; b < batch; ++b) {
+        for (Index t = 0; t < length; ++t) o.row(b * length + t) += c.row(b * m + t / window);
+      }
     }
   }
   if (levels.global) {
@@ -73,7 +81,7 @@ c2f::RowMatrix<Scalar> hmha_dense(const c2f::RowMatrix<Scalar>& q, const c2f::Ro
         if (!causal && i + step < length) keep(i, i + step) = true;
       }
     }
-    dense_attention(q, k, v, batch, length, heads, keep, part);
+    dense_attention(q, k, v, batch, heads, keep, part);
     o += part;
   }
   return o;

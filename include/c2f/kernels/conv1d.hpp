@@ -10,16 +10,25 @@ namespace kernels {
 
 struct Conv1dShape {
   Index in_channels = 0, out_channels = 0, kernel = 1, padding = 0, groups = 1;
+  /// Causal padding: kernel − 1 zeros on the left, none on the right (PyTorch: conv(F.pad(x, (k − 1, 0)))
+  /// with padding 0), so output i reads inputs i − kernel + 1 … i and the length is kept. Needs padding 0.
+  bool causal = false;
 
   Index in_per_group() const { return in_channels / groups; }
   Index out_per_group() const { return out_channels / groups; }
-  /// Output length for an input of `length` (stride 1): length + 2·padding − kernel + 1.
-  Index out_length(Index length) const { return length + 2 * padding - kernel + 1; }
+  /// Zeros before and after the input.
+  Index left_padding() const { return causal ? kernel - 1 : padding; }
+  Index right_padding() const { return causal ? 0 : padding; }
+  /// Output length for an input of `length` (stride 1): length + left + right padding − kernel + 1.
+  Index out_length(Index length) const { return length + left_padding() + right_padding() - kernel + 1; }
 
   void validate() const {
     if (in_channels <= 0 || out_channels <= 0 || kernel <= 0 || padding < 0 || groups <= 0) {
       detail::fail("Conv1d: in_channels, out_channels, kernel_size and groups must be positive and padding >= 0, got in=",
                    in_channels, " out=", out_channels, " kernel_size=", kernel, " padding=", padding, " groups=", groups);
+    }
+    if (causal && padding != 0) {
+      detail::fail("Conv1d: causal padding adds kernel_size - 1 zeros on the left; padding must be 0, got ", padding);
     }
     if (in_channels % groups != 0 || out_channels % groups != 0) {
       detail::fail("Conv1d: in_channels (", in_channels, ") and out_channels (", out_channels,
@@ -62,7 +71,7 @@ void check_conv1d(const X& x, const Y& y, Index batch, Index length, const kerne
   const Index out_len = s.out_length(length);
   if (out_len < 0) {
     fail("Conv1d: input length ", length, " is shorter than kernel_size ", s.kernel, " - 2 x padding ",
-                      s.padding);
+         s.padding);
   }
   if (x.rows() != batch * length || x.cols() != s.in_channels || y.rows() != batch * out_len ||
       y.cols() != s.out_channels) {
@@ -79,8 +88,8 @@ namespace kernels {
 /// Output rows per task of conv1d(); fixed, so the result bits do not depend on the thread count.
 constexpr Index kConv1dRowChunk = 128;
 
-/// y[b, i, o] = bias[o] + Σ_t Σ_c W[o, c, t] · x[b, i + t − padding, g(o)·in/groups + c] (zero outside
-/// the input). x [batch·length, in], taps from conv1d_taps(), bias [out] or nullptr,
+/// y[b, i, o] = bias[o] + Σ_t Σ_c W[o, c, t] · x[b, i + t − left_padding, g(o)·in/groups + c] (zero
+/// outside the input). x [batch·length, in], taps from conv1d_taps(), bias [out] or nullptr,
 /// y [batch·out_length, out] (may be a column block of a wider matrix).
 template <class Scalar>
 void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length, const Conv1dShape& s,
@@ -98,8 +107,8 @@ void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index len
       out.setZero();
     }
     for (Index t = 0; t < s.kernel; ++t) {
-      // Output row i reads input row i + t − padding; keep the rows where that lies inside [0, length).
-      const Index shift = t - s.padding;
+      // Output row i reads input row i + t − left padding; keep the rows where that lies inside [0, length).
+      const Index shift = t - s.left_padding();
       const Index i0 = std::max(r0, -shift), i1 = std::min(r1, length - shift);
       if (i1 <= i0) continue;
       for (Index g = 0; g < s.groups; ++g) {
@@ -123,7 +132,7 @@ void conv1d_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Ind
         const Index g = o / cout;
         Scalar acc = bias != nullptr ? bias[o] : Scalar(0);
         for (Index t = 0; t < s.kernel; ++t) {
-          const Index src = i + t - s.padding;
+          const Index src = i + t - s.left_padding();
           if (src < 0 || src >= length) continue;
           for (Index c = 0; c < cin; ++c) acc += torch_weight[(o * cin + c) * s.kernel + t] * x(b * length + src, g * cin + c);
         }

@@ -44,6 +44,33 @@ void window_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen:
   });
 }
 
+/// Causal level 2 (NSA's compressed branch): token i of window c attends, with its own query and one
+/// softmax, to the summaries of the complete windows before its own:
+///   out[i] += softmax_j(q_i·k̄_j / sqrt(dh)) v̄_j per head, j = 0 … c − 1 (window 0 gets nothing).
+/// k̄, v̄ [chunks, heads·dh] hold the window means (chunk_mean over `grid`). Tasks are windows; each is
+/// one [count, c] score block per head, so a token's result never depends on a later token.
+template <class Scalar>
+void window_summary_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k_mean,
+                              const Eigen::Ref<const RowMatrix<Scalar>>& v_mean, const ChunkGrid& grid, Index heads,
+                              Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
+  const Index dh = q.cols() / heads, m = grid.chunks_per_batch();
+  const Scalar scale = static_cast<Scalar>(1.0 / std::sqrt(static_cast<double>(dh)));
+  std::vector<RowMatrix<Scalar>> scratch(
+      static_cast<std::size_t>(detail::resolve_threads(num_threads, grid.chunks())));
+  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int worker) {
+    const Index before = c % m;  // complete windows before this one, in the same batch item
+    if (before == 0) return;
+    const Index r = grid.row(c), n = grid.count(c), first = c - before;
+    RowMatrix<Scalar>& s = scratch[static_cast<std::size_t>(worker)];
+    s.resize(n, before);
+    for (Index h = 0; h < heads; ++h) {
+      s.noalias() = (q.block(r, h * dh, n, dh) * scale) * k_mean.block(first, h * dh, before, dh).transpose();
+      for (Index i = 0; i < n; ++i) detail::softmax_row(s.row(i));
+      out.block(r, h * dh, n, dh).noalias() += s * v_mean.block(first, h * dh, before, dh);
+    }
+  });
+}
+
 /// Offsets of the log-spaced key set of level 3, in the order the kernels visit them:
 /// 0, −1, +1, −2, +2, −4, +4, … (|offset| < length); with `causal` only 0 and the negative ones.
 inline std::vector<Index> sparse_offsets(Index length, bool causal) {

@@ -21,12 +21,16 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
     bool bias = true;
     int num_threads = 0;  ///< 0 = all hardware threads; results are bitwise the same for any count
     std::uint64_t seed = 0;  ///< init like PyTorch: weight and bias U(±1/sqrt(in/groups · kernel_size))
+    /// Pad kernel_size − 1 zeros on the left only (output i reads x[i − kernel_size + 1 … i]); padding
+    /// must be 0. PyTorch: conv(F.pad(x, (kernel_size − 1, 0))) on a Conv1d with padding 0.
+    bool causal = false;
   };
 
   Conv1d(Index in_channels, Index out_channels, Index kernel_size)
       : Conv1d(in_channels, out_channels, kernel_size, Options{}) {}
   Conv1d(Index in_channels, Index out_channels, Index kernel_size, Options options)
-      : shape_{in_channels, out_channels, kernel_size, options.padding, options.groups}, options_(options) {
+      : shape_{in_channels, out_channels, kernel_size, options.padding, options.groups, options.causal},
+        options_(options) {
     detail::check_scalar<Scalar>();
     shape_.validate();
     reset_parameters(options.seed);
@@ -65,7 +69,7 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
     if (options_.bias) detail::store(sd, name + "bias", bias_, {shape_.out_channels});
   }
 
-  /// x [B, L, in] → [B, L + 2·padding − kernel_size + 1, out].
+  /// x [B, L, in] → [B, L + 2·padding − kernel_size + 1, out] ([B, L, out] when causal).
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x) const {
     detail::check_features(x, shape_.in_channels, "Conv1d", "x", "in_channels");
     Tensor3<Scalar> y(x.batch(), std::max<Index>(0, shape_.out_length(x.seq())), shape_.out_channels);
@@ -91,6 +95,8 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
 /// Seed 002's "C3K2" projection: conv3 = Conv1d(dim → dim/2, k=3, padding=1) and
 /// conv2 = Conv1d(dim → dim − dim/2, k=1), concatenated on channels: [B, L, dim] → [B, L, dim];
 /// head h is channels [h·dim/heads, (h+1)·dim/heads). State dict: `conv3.*`, `conv2.*`.
+/// With `causal`, conv3 pads 2 on the left and 0 on the right (position i reads x[i−2], x[i−1], x[i];
+/// PyTorch: conv3(F.pad(x, (2, 0))) with the conv's padding 0); same weights.
 ///
 /// Parameters: 3·dim·(dim/2) + dim·(dim − dim/2) + dim ≈ 2·dim² — about twice a Linear(dim, dim)
 /// (dim² + dim), not the "40 % fewer" the seed claims (dim = 512: 524,800 vs 262,656).
@@ -100,15 +106,15 @@ class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
   struct Options {
     int num_threads = 0;
     std::uint64_t seed = 0;  ///< PyTorch's Conv1d init for both convolutions
+    bool causal = false;     ///< conv3 reads x[i−2 … i] instead of x[i−1 … i+1]
   };
 
   C3K2Projection(Index dim, Index heads) : C3K2Projection(dim, heads, Options{}) {}
   C3K2Projection(Index dim, Index heads, Options options)
       : dim_(dim),
         heads_(heads),
-        conv3_(std::max<Index>(dim, 2), std::max<Index>(dim / 2, 1), 3, {1, 1, true, options.num_threads, options.seed}),
-        conv2_(std::max<Index>(dim, 2), std::max<Index>(dim - dim / 2, 1), 1,
-               {0, 1, true, options.num_threads, options.seed + 1}) {
+        conv3_(std::max<Index>(dim, 2), std::max<Index>(dim / 2, 1), 3, conv_options(options, /*padding=*/1, 0)),
+        conv2_(std::max<Index>(dim, 2), std::max<Index>(dim - dim / 2, 1), 1, conv_options(options, /*padding=*/0, 1)) {
     if (dim < 2 || heads <= 0 || dim % heads != 0) {
       detail::fail("C3K2Projection needs dim >= 2 divisible by heads > 0, got dim=", dim, ", heads=", heads);
     }
@@ -116,6 +122,7 @@ class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
 
   Index dim() const { return dim_; }
   Index heads() const { return heads_; }
+  bool causal() const { return conv3_.shape().causal; }
   void set_num_threads(int n) {
     conv3_.set_num_threads(n);
     conv2_.set_num_threads(n);
@@ -152,6 +159,16 @@ class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
   }
 
  private:
+  /// Causal: every convolution pads kernel_size − 1 on the left only (a no-op for conv2's k = 1).
+  static typename Conv1d<Scalar>::Options conv_options(const Options& o, Index padding, std::uint64_t seed_offset) {
+    typename Conv1d<Scalar>::Options c;
+    c.padding = o.causal ? 0 : padding;
+    c.causal = o.causal;
+    c.num_threads = o.num_threads;
+    c.seed = o.seed + seed_offset;
+    return c;
+  }
+
   Index dim_;
   Index heads_;
   Conv1d<Scalar> conv3_;

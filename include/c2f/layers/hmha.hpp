@@ -9,10 +9,14 @@
 //   level 3, global:  S(i) = {i} ∪ {i − 2^p, i + 2^p : p = 0, 1, 2, … inside [0, L)};
 //                     o3_i = softmax_t(q_i·k_t) v_t over t ∈ S(i);
 //   y = out_proj(concat_heads(o1 + o2 + o3)), out_proj = Linear(dim, dim).
-// Options: each level can be switched off (it then contributes 0); `causal` restricts level 1 to
-// t ≤ i, level 2 to windows j' < j (so o2 = 0 in window 0: a row with no visible key gives zeros) and
-// level 3 to {i} ∪ {i − 2^p}.
-// Cost O(L·W·dim + (L/W)²·dim + L·log L·dim); no L × L buffer anywhere.
+// Options: each level can be switched off (it then contributes 0). `causal` (a construction option)
+// makes every output depend only on x[0 … i]:
+//   projections: each C3K2 conv3 pads 2 on the left and 0 on the right (reads x[i−2], x[i−1], x[i]);
+//   level 1: keys t ≤ i of i's window;
+//   level 2: token i attends with its own q_i to the summaries (k̄_j, v̄_j) of the complete windows
+//            j < window(i), one softmax (NSA's compressed branch); window 0 gets 0;
+//   level 3: S(i) = {i} ∪ {i − 2^p}.
+// Cost O(L·W·dim + (L/W)²·dim + L·log L·dim) (causal level 2: O(L·(L/W)·dim)); no L × L buffer anywhere.
 // State dict: q_proj.conv3.*, q_proj.conv2.*, k_proj.*, v_proj.*, out_proj.weight, out_proj.bias.
 #pragma once
 
@@ -52,9 +56,9 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
         heads_(heads),
         window_(window),
         options_(options),
-        q_proj_(dim, heads, {options.num_threads, options.seed}),
-        k_proj_(dim, heads, {options.num_threads, options.seed + 2}),
-        v_proj_(dim, heads, {options.num_threads, options.seed + 4}),
+        q_proj_(dim, heads, {options.num_threads, options.seed, options.causal}),
+        k_proj_(dim, heads, {options.num_threads, options.seed + 2, options.causal}),
+        v_proj_(dim, heads, {options.num_threads, options.seed + 4, options.causal}),
         out_proj_(dim, dim, true, options.seed + 6) {
     detail::check_scalar<Scalar>();
     if (window < 1) detail::fail("HMHA: window must be >= 1, got ", window);
@@ -65,8 +69,8 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
   Index head_dim() const { return dim_ / heads_; }
   Index window() const { return window_; }
   const Options& options() const { return options_; }
+  bool causal() const { return options_.causal; }
   void set_levels(HMHALevels levels) { options_.levels = levels; }
-  void set_causal(bool causal) { options_.causal = causal; }
   void set_num_threads(int n) {
     options_.num_threads = n;
     for (C3K2Projection<Scalar>* p : {&q_proj_, &k_proj_, &v_proj_}) p->set_num_threads(n);
@@ -115,20 +119,23 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
     if (options_.levels.local) kernels::window_attention<Scalar>(q, k, v, windows, heads_, causal, o, threads);
     if (options_.levels.cross && windows.chunks() > 0) {
       const Index m = windows.chunks_per_batch(), chunks = windows.chunks(), dh = head_dim();
-      RowMatrix<Scalar> qm(chunks, dim_), km(chunks, dim_), vm(chunks, dim_), c(chunks, dim_);
-      kernels::chunk_mean<Scalar>(q, windows, qm, threads);
+      RowMatrix<Scalar> km(chunks, dim_), vm(chunks, dim_);
       kernels::chunk_mean<Scalar>(k, windows, km, threads);
       kernels::chunk_mean<Scalar>(v, windows, vm, threads);
-      // Causal: window j sees windows j' < j only — a causal mask shifted one below the diagonal.
-      const AttnMask<Scalar> mask = causal ? AttnMask<Scalar>::causal(-1) : AttnMask<Scalar>();
-      const detail::MaskPlan<Scalar> plan(mask, KeyPaddingMask<Scalar>(), batch, heads_, m, m);
-      kernels::SdpaOptions sdpa;
-      sdpa.num_threads = threads;
-      kernels::sdpa_streaming<Scalar>(kernels::heads_view<const Scalar>(qm.data(), batch, m, dim_, 0, heads_, dh),
-                                      kernels::heads_view<const Scalar>(km.data(), batch, m, dim_, 0, heads_, dh),
-                                      kernels::heads_view<const Scalar>(vm.data(), batch, m, dim_, 0, heads_, dh),
-                                      kernels::heads_view<Scalar>(c.data(), batch, m, dim_, 0, heads_, dh), plan, sdpa);
-      kernels::broadcast_chunks<Scalar>(c, windows, o, threads, /*accumulate=*/true);
+      if (causal) {
+        kernels::window_summary_attention<Scalar>(q, km, vm, windows, heads_, o, threads);
+      } else {
+        RowMatrix<Scalar> qm(chunks, dim_), c(chunks, dim_);
+        kernels::chunk_mean<Scalar>(q, windows, qm, threads);
+        kernels::SdpaOptions sdpa;
+        sdpa.num_threads = threads;
+        kernels::sdpa_streaming<Scalar>(kernels::heads_view<const Scalar>(qm.data(), batch, m, dim_, 0, heads_, dh),
+                                        kernels::heads_view<const Scalar>(km.data(), batch, m, dim_, 0, heads_, dh),
+                                        kernels::heads_view<const Scalar>(vm.data(), batch, m, dim_, 0, heads_, dh),
+                                        kernels::heads_view<Scalar>(c.data(), batch, m, dim_, 0, heads_, dh),
+                                        detail::MaskPlan<Scalar>(), sdpa);
+        kernels::broadcast_chunks<Scalar>(c, windows, o, threads, /*accumulate=*/true);
+      }
     }
     if (options_.levels.global) {
       kernels::sparse_global_attention<Scalar>(q, k, v, batch, length, heads_, causal, o, threads);
