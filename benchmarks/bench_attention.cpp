@@ -17,14 +17,16 @@
 //                HMHA          14·L·E·E + 4·L·W·E + 4·n·n·E + 4·L·|S|·E,  n = ceil(L / W),
 //                              |S| = 2·ceil(log2 L) + 1: three C3K2 projections (4·L·E² each) and out_proj
 //                              (2·L·E²), level 1 (full windows), level 2 (window means), level 3
-//                Sparse C2F    8·L·E² + 2·m·m·E + 4·L·S·E,  m = ceil(L / chunk), S = min(top_k, m)·chunk
-//                              keys per query: projections, chunk scores, fine attention over the selection
+//                Sparse C2F    8·L·E² + 2·C·E + 4·L·S·E,  m = ceil(L / chunk), S = min(top_k, m)·chunk
+//                              keys per query: projections, chunk scores, fine attention over the selection;
+//                              C = m·m (per-chunk gating), L·m (per-token), L·m / 2 (per-token, causal)
 //   GFLOPS     FLOP / wall time
 //   tokens/s   L / wall time
 //   peak_bytes heap memory held at once during one forward, beyond what existed before it (input and
 //              weights), measured by counting every malloc (tools/malloc_counter.hpp); includes the output
-//   rel_error  (sparse entries) ‖y − y_MHA‖ / ‖y_MHA‖ against full MultiHeadAttention with the same
-//              weights on the same input: a smooth random walk plus noise (inputs with local structure)
+//   rel_error  (sparse entries) ‖y − y_MHA‖ / ‖y_MHA‖ against full MultiHeadAttention (causal for the
+//              causal entries) with the same weights on the same input: a smooth random walk plus noise
+//              (inputs with local structure)
 #include <benchmark/benchmark.h>
 
 #include "c2f/kernels/linear.hpp"
@@ -145,30 +147,39 @@ c2f::Tensor3<float> random_walk_input(Index length) {
   return x;
 }
 
-// Input and full-MHA output per length, computed once (outside any timing).
+// Input and full-MHA output (causal or not) per length, computed once (outside any timing).
 struct SparseReference {
   c2f::Tensor3<float> x, y;
 };
-const SparseReference& sparse_reference(const c2f::MultiHeadAttention<float>& mha, Index length) {
-  static std::map<Index, SparseReference> cache;
-  auto it = cache.find(length);
+const SparseReference& sparse_reference(const c2f::MultiHeadAttention<float>& mha, Index length, bool causal) {
+  static std::map<std::pair<Index, bool>, SparseReference> cache;
+  auto it = cache.find({length, causal});
   if (it == cache.end()) {
     SparseReference ref{random_walk_input(length), {}};
-    ref.y = mha.forward(ref.x);
-    it = cache.emplace(length, std::move(ref)).first;
+    c2f::AttentionMasks<float> masks;
+    if (causal) masks.attn_mask = c2f::AttnMask<float>::causal();
+    ref.y = mha.forward(ref.x, masks);
+    it = cache.emplace(std::make_pair(length, causal), std::move(ref)).first;
   }
   return it->second;
 }
 
+// Sparse gating modes of the benchmark entries.
+enum SparseMode : Index { kPerChunk = 0, kPerToken = 1, kPerTokenCausal = 2 };
+
 void BM_Sparse(benchmark::State& state) {
-  const Index length = state.range(0), chunk = state.range(1), top_k = state.range(2);
+  const Index length = state.range(0), chunk = state.range(1), top_k = state.range(2), mode = state.range(3);
   c2f::SparseC2FAttention<float>::Options options;
   options.num_threads = bench_threads();
-  const c2f::SparseC2FAttention<float> sparse(kEmbed, kHeads, chunk, top_k, false, options);
-  const SparseReference& ref = sparse_reference(sparse.dense(), length);
+  options.gating = mode == kPerChunk ? c2f::Gating::PerChunk : c2f::Gating::PerToken;
+  const bool causal = mode == kPerTokenCausal;
+  const c2f::SparseC2FAttention<float> sparse(kEmbed, kHeads, chunk, top_k, causal, options);
+  const SparseReference& ref = sparse_reference(sparse.dense(), length, causal);
   const Index m = (length + chunk - 1) / chunk;
   const double L = double(length), E = double(kEmbed), keys = double(std::min(top_k, m) * chunk);
-  run(state, 8.0 * L * E * E + 2.0 * double(m * m) * E + 4.0 * L * keys * E, length,
+  // Chunk scores: m² summaries (per chunk) or L·m (per token; causal: about half of them).
+  const double scores = mode == kPerChunk ? double(m * m) : (causal ? 0.5 : 1.0) * L * double(m);
+  run(state, 8.0 * L * E * E + 2.0 * scores * E + 4.0 * L * keys * E, length,
       [&] { return sparse.forward(ref.x); });
   const c2f::Tensor3<float> y = sparse.forward(ref.x);
   double err = 0.0, norm = 0.0;
@@ -209,7 +220,10 @@ void register_sweep(bool long_sweep) {
   }
   for (Index L : {Index(4096), Index(16384)}) {
     for (Index top_k : {1, 2, 4, 8, 16, 32}) {
-      benchmark::RegisterBenchmark("sparse", BM_Sparse)->Args({L, 64, top_k})->Unit(benchmark::kMillisecond)->UseRealTime();
+      for (Index mode : {kPerChunk, kPerToken, kPerTokenCausal}) {
+        const char* name = mode == kPerChunk ? "sparse" : (mode == kPerToken ? "sparse_token" : "sparse_token_causal");
+        benchmark::RegisterBenchmark(name, BM_Sparse)->Args({L, 64, top_k, mode})->Unit(benchmark::kMillisecond)->UseRealTime();
+      }
     }
   }
 }

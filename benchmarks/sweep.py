@@ -23,6 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CHUNKS = [8, 16, 32, 64, 128, 256]
+SPARSE_MODES = {"sparse": 0, "sparse_token": 1, "sparse_token_causal": 2}  # bench_attention's 4th argument
 
 
 def run_benchmark(binary, out_json, extra_args):
@@ -137,13 +138,22 @@ def summarize(attn, torch_result):
         out.append("")
         out.append("### SparseC2FAttention (chunk 64) against MultiHeadAttention, same weights, random-walk input")
         out.append("")
+        out.append("Per-chunk gating (mean query of a chunk), per-token gating (MoBA: each token's own query) "
+                   "and per-token causal; relative error against full MHA (causal MHA for the causal column).")
+        out.append("")
         rows = []
         for key in sparse:
-            _, L, chunk, top_k = key
+            _, L, chunk, top_k, _mode = key
             b = e[key]
-            rows.append([L, top_k, f"{ms(b):.1f}", f"{ms(e[('mha_streaming', L)]) / ms(b):.1f}×",
-                         f"{b['rel_error']:.3f}", fmt_bytes(b["peak_bytes"])])
-        out.append(table(["L", "top_k", "ms", "speedup vs MHA", "relative error", "memory"], rows))
+            mha = ms(e[("mha_streaming", L)])
+            row = [L, top_k, f"{ms(b):.1f} ms, {mha / ms(b):.1f}×, {b['rel_error']:.3f}", fmt_bytes(b["peak_bytes"])]
+            for name in ("sparse_token", "sparse_token_causal"):
+                t = e.get((name, L, chunk, top_k, SPARSE_MODES[name]))
+                row.append(f"{ms(t):.1f} ms, {ms(t) / ms(b):.2f}× per-chunk time, {t['rel_error']:.3f}" if t else "—")
+            rows.append(row)
+        out.append(table(["L", "top_k", "per chunk: time, speedup vs MHA, error", "memory",
+                          "per token: time, vs per chunk, error", "per token causal: time, vs per chunk, error"],
+                         rows))
 
     if ("c2f", 1024, 32) in e and ("mha_naive", 1024) in e:
         out.append("")
@@ -158,6 +168,11 @@ def summarize(attn, torch_result):
     if ("c2f", 16384, 32) in e:
         r = ms(e[("mha_streaming", 16384)]) / ms(e[("c2f", 16384, 32)])
         checks.append(("C2F (chunk 32) ≥ 50× faster than MHA at L = 16384", f"{r:.0f}×", r >= 50))
+    chunk_g, token_g = e.get(("sparse", 16384, 64, 8, 0)), e.get(("sparse_token", 16384, 64, 8, 1))
+    if chunk_g and token_g:
+        r = ms(token_g) / ms(chunk_g)
+        checks.append(("SparseC2F per-token gating within 1.5× of per-chunk gating (L = 16384, chunk 64, top_k 8)",
+                       f"{r:.2f}×", r <= 1.5))
     mem = [(L, e[("mha_streaming", L)]["peak_bytes"]) for L in lengths if L >= 1024]
     if len(mem) >= 2:
         s = slope([m[0] for m in mem], [m[1] for m in mem])
@@ -274,12 +289,14 @@ def plot(e, lengths, out_dir):
     if sparse:
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
         for i, L in enumerate(sorted({k[1] for k in sparse})):
-            ks = [k for k in sparse if k[1] == L]
-            xs = [ms(e[("mha_streaming", L)]) / ms(e[k]) for k in ks]
-            ys = [e[k]["rel_error"] for k in ks]
-            ax.plot(xs, ys, "-o", color=plt.get_cmap("tab10")(i), label=f"L = {L}")
-            for x, y, k in zip(xs, ys, ks):
-                ax.annotate(f"k={k[3]}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+            for name, style, label in (("sparse", "-o", "per chunk"), ("sparse_token", "--s", "per token")):
+                ks = [k for k in e if k[0] == name and k[1] == L]
+                ks.sort()
+                xs = [ms(e[("mha_streaming", L)]) / ms(e[k]) for k in ks]
+                ys = [e[k]["rel_error"] for k in ks]
+                ax.plot(xs, ys, style, color=plt.get_cmap("tab10")(i), label=f"L = {L}, {label}")
+                for x, y, k in zip(xs, ys, ks):
+                    ax.annotate(f"k={k[3]}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
         ax.set(xscale="log", yscale="log", xlabel="speedup over MultiHeadAttention (same run)",
                ylabel="relative output error ‖y − y_MHA‖ / ‖y_MHA‖",
                title="SparseC2FAttention (chunk 64): error vs speedup, top_k = k")

@@ -39,8 +39,10 @@ TYPED_TEST(SparseTyped, MatchesTorchSelectionSemantics) {
     SCOPED_TRACE(name);
     const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
     const bool causal = sd.metadata().at("causal") == "true";
+    typename SparseC2FAttention<Scalar>::Options o;
+    o.gating = sd.metadata().at("gating") == "token" ? c2f::Gating::PerToken : c2f::Gating::PerChunk;
     SparseC2FAttention<Scalar> sparse(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"),
-                                      meta_index(sd, "chunk_size"), meta_index(sd, "top_k"), causal);
+                                      meta_index(sd, "chunk_size"), meta_index(sd, "top_k"), causal, o);
     sparse.load_state_dict(sd, "mha.");
     const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
     c2f::AttentionMasks<Scalar> masks;
@@ -73,35 +75,39 @@ TYPED_TEST(SparseTyped, MatchesTorchSelectionSemantics) {
   }
 }
 
+// Per-chunk gating (non-causal), per-token gating non-causal and causal, each over
+// top_k ∈ {1, 2, 4} × chunk ∈ {8, 16} × L ∈ {37, 128}; and top_k covering everything for each.
 TEST(SparseFixtureCoverage, CoversTheRequiredGrid) {
-  std::set<std::string> seen;
-  bool covers_all[2] = {false, false};
+  std::set<std::string> seen, covers_all;
   for (const nlohmann::json& c : c2f_test::manifest_cases("sparse")) {
+    const std::string mode = c.at("gating").get<std::string>() + "/" + c.at("causal").get<std::string>();
     seen.insert(c.at("top_k").get<std::string>() + "/" + c.at("chunk_size").get<std::string>() + "/" +
-                c.at("seq_len").get<std::string>() + "/" + c.at("causal").get<std::string>());
-    if (c.at("covers_all") == "true") covers_all[c.at("causal") == "true"] = true;
+                c.at("seq_len").get<std::string>() + "/" + mode);
+    if (c.at("covers_all") == "true") covers_all.insert(mode);
   }
-  for (const char* k : {"1", "2", "4"}) {
-    for (const char* chunk : {"8", "16"}) {
-      for (const char* L : {"37", "128"}) {
-        for (const char* causal : {"false", "true"}) {
-          EXPECT_TRUE(seen.count(std::string(k) + "/" + chunk + "/" + L + "/" + causal)) << k << chunk << L << causal;
+  for (const char* mode : {"chunk/false", "token/false", "token/true"}) {
+    for (const char* k : {"1", "2", "4"}) {
+      for (const char* chunk : {"8", "16"}) {
+        for (const char* L : {"37", "128"}) {
+          EXPECT_TRUE(seen.count(std::string(k) + "/" + chunk + "/" + L + "/" + mode)) << k << chunk << L << mode;
         }
       }
     }
+    EXPECT_TRUE(covers_all.count(mode)) << mode;
   }
-  EXPECT_TRUE(covers_all[0] && covers_all[1]);
 }
 
 // ------------------------------------------------------------------------------------------------
 // Twins on random shapes
 
-// The selection, brute force: rank every eligible other chunk by its mean-query·mean-key score.
+// The selection, brute force: rank every eligible other chunk by its score — the mean query of the
+// query chunk (per chunk) or the token's own query (per token) dotted with the mean key of the chunk.
 template <class Scalar>
 std::vector<Index> brute_force_selection(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k, Index batch,
-                                         Index length, Index heads, Index chunk, Index top_k, bool causal) {
-  const Index m = (length + chunk - 1) / chunk, dh = q.cols() / heads;
-  std::vector<Index> out(static_cast<std::size_t>(batch * heads * m * top_k), -1);
+                                         Index length, Index heads, Index chunk, Index top_k, bool per_token,
+                                         bool causal) {
+  const Index m = (length + chunk - 1) / chunk, dh = q.cols() / heads, rows = per_token ? length : m;
+  std::vector<Index> out(static_cast<std::size_t>(batch * heads * rows * top_k), -1);
   for (Index b = 0; b < batch; ++b) {
     for (Index h = 0; h < heads; ++h) {
       RowMatrix<Scalar> qm = RowMatrix<Scalar>::Zero(m, dh), km = RowMatrix<Scalar>::Zero(m, dh);
@@ -110,18 +116,21 @@ std::vector<Index> brute_force_selection(const RowMatrix<Scalar>& q, const RowMa
         qm.row(j) += q.block(b * length + t, h * dh, 1, dh) / Scalar(n);
         km.row(j) += k.block(b * length + t, h * dh, 1, dh) / Scalar(n);
       }
-      for (Index i = 0; i < m; ++i) {
+      for (Index i = 0; i < rows; ++i) {
+        const Index own = per_token ? i / chunk : i;
+        const RowMatrix<Scalar> query = per_token ? RowMatrix<Scalar>(q.block(b * length + i, h * dh, 1, dh))
+                                                  : RowMatrix<Scalar>(qm.row(i));
         std::vector<std::pair<Scalar, Index>> ranked;
-        for (Index j = 0; j < (causal ? i + 1 : m); ++j) {
-          if (j != i) ranked.push_back({-qm.row(i).dot(km.row(j)), j});
+        for (Index j = 0; j < (causal ? own : m); ++j) {
+          if (j != own) ranked.push_back({-query.row(0).dot(km.row(j)), j});
         }
         std::sort(ranked.begin(), ranked.end());
-        std::vector<Index> chosen = {i};
+        std::vector<Index> chosen = {own};
         for (Index r = 0; r < std::min<Index>(top_k - 1, static_cast<Index>(ranked.size())); ++r) {
           chosen.push_back(ranked[static_cast<std::size_t>(r)].second);
         }
         std::sort(chosen.begin(), chosen.end());
-        std::copy(chosen.begin(), chosen.end(), out.begin() + ((b * heads + h) * m + i) * top_k);
+        std::copy(chosen.begin(), chosen.end(), out.begin() + ((b * heads + h) * rows + i) * top_k);
       }
     }
   }
@@ -129,19 +138,19 @@ std::vector<Index> brute_force_selection(const RowMatrix<Scalar>& q, const RowMa
 }
 
 // The fine stage's twin: full attention (naive kernel) under the dense [B·H, L, L] keep mask that the
-// selection, the causal rule and the key padding define.
+// selection (per query chunk or per token), the causal rule and the key padding define.
 template <class Scalar>
 RowMatrix<Scalar> dense_fine_stage(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v,
                                    Index batch, Index length, Index heads, Index chunk,
-                                   const std::vector<Index>& selection, Index top_k, bool causal,
+                                   const std::vector<Index>& selection, Index top_k, bool per_token, bool causal,
                                    const std::vector<Index>& lengths) {
-  const Index m = (length + chunk - 1) / chunk, dh = q.cols() / heads;
+  const Index m = (length + chunk - 1) / chunk, dh = q.cols() / heads, rows = per_token ? length : m;
   c2f::BoolTensor3 keep(batch * heads, length, length);
   keep.setConstant(false);
   for (Index b = 0; b < batch; ++b) {
     for (Index h = 0; h < heads; ++h) {
       for (Index t = 0; t < length; ++t) {
-        const Index* row = selection.data() + ((b * heads + h) * m + t / chunk) * top_k;
+        const Index* row = selection.data() + ((b * heads + h) * rows + (per_token ? t : t / chunk)) * top_k;
         for (Index s = 0; s < top_k && row[s] >= 0; ++s) {
           for (Index j = row[s] * chunk; j < std::min(length, (row[s] + 1) * chunk); ++j) {
             keep(b * heads + h, t, j) = (!causal || j <= t) && j < lengths[static_cast<std::size_t>(b)];
@@ -161,15 +170,17 @@ RowMatrix<Scalar> dense_fine_stage(const RowMatrix<Scalar>& q, const RowMatrix<S
   return out;
 }
 
+// Both gatings' selection and fine kernels against the brute-force selection and the dense fine stage.
 TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
   using Scalar = TypeParam;
   TestRng rng(71);
-  for (int rep = 0; rep < 40; ++rep) {
+  for (int rep = 0; rep < 80; ++rep) {
+    const bool per_token = rep % 2 == 1;  // 40 shapes per gating
     const Index heads = rng.pick(std::vector<Index>{1, 2, 4}), dh = rng.pick(std::vector<Index>{1, 3, 4});
     const Index chunk = rng.pick(std::vector<Index>{1, 2, 3, 7, 8, 16});
     const Index length = std::max<Index>(1, rng.pick(std::vector<Index>{1, chunk - 1, chunk, chunk + 1, 37, 61, 100}));
     const Index batch = rng.uniform_int(1, 2), top_k = rng.uniform_int(1, 6);
-    const bool causal = rng.coin();
+    const bool causal = per_token && rng.coin();  // per-chunk gating is never causal
     const int threads = static_cast<int>(rng.uniform_int(1, 2));
     const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, heads * dh), k = rng.matrix<Scalar>(batch * length, heads * dh),
                             v = rng.matrix<Scalar>(batch * length, heads * dh);
@@ -180,33 +191,62 @@ TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
     const c2f::kernels::ChunkGrid grid{batch, length, chunk};
     std::ostringstream what;
     what << "rep " << rep << ": batch=" << batch << " L=" << length << " chunk=" << chunk << " heads=" << heads
-         << " dh=" << dh << " top_k=" << top_k << " causal=" << causal << " len0=" << lengths[0];
+         << " dh=" << dh << " top_k=" << top_k << (per_token ? " per token" : " per chunk") << " causal=" << causal
+         << " len0=" << lengths[0];
     SCOPED_TRACE(what.str());
-    const c2f::kernels::ChunkSelection sel = c2f::kernels::select_chunks<Scalar>(q, k, grid, heads, top_k, causal, threads);
-    EXPECT_EQ(sel.index, brute_force_selection(q, k, batch, length, heads, chunk, top_k, causal));
+    const c2f::kernels::ChunkSelection sel =
+        per_token ? c2f::kernels::select_chunks_per_token<Scalar>(q, k, grid, heads, top_k, causal, threads)
+                  : c2f::kernels::select_chunks<Scalar>(q, k, grid, heads, top_k, threads);
+    EXPECT_EQ(sel.index, brute_force_selection(q, k, batch, length, heads, chunk, top_k, per_token, causal));
     RowMatrix<Scalar> fast(batch * length, heads * dh);
-    c2f::kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, sel, causal, plan, fast, threads);
+    if (per_token) {
+      c2f::kernels::token_sparse_attention<Scalar>(q, k, v, grid, heads, sel, causal, plan, fast, threads);
+    } else {
+      c2f::kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, sel, plan, fast, threads);
+    }
     const RowMatrix<Scalar> dense =
-        dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, top_k, causal, lengths);
+        dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, top_k, per_token, causal, lengths);
     const double tol = std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
     expect_close(fast.data(), dense.data(), fast.size(), tol, tol, what.str());
   }
 }
 
-// top_k ≥ the number of chunks: the layer is MultiHeadAttention (causal or not), on random shapes.
+// A selection of the wrong kind or shape is refused by the fine kernels.
+TEST(SparseKernels, FineStagesRefuseAMismatchedSelection) {
+  TestRng rng(74);
+  const RowMatrix<float> q = rng.matrix<float>(20, 8), k = q, v = q;
+  const c2f::kernels::ChunkGrid grid{1, 20, 4};
+  RowMatrix<float> out(20, 8);
+  const c2f::kernels::ChunkSelection per_chunk = c2f::kernels::select_chunks<float>(q, k, grid, 2, 2, 1);
+  const c2f::kernels::ChunkSelection per_token = c2f::kernels::select_chunks_per_token<float>(q, k, grid, 2, 2, true, 1);
+  EXPECT_EQ(per_chunk.queries, 5);
+  EXPECT_EQ(per_token.queries, 20);
+  EXPECT_THROW(c2f::kernels::token_sparse_attention<float>(q, k, v, grid, 2, per_chunk, true, {}, out, 1),
+               std::invalid_argument);
+  EXPECT_THROW(c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, 2, per_token, {}, out, 1),
+               std::invalid_argument);
+  EXPECT_THROW(c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, 4, per_chunk, {}, out, 1),
+               std::invalid_argument);
+}
+
+// top_k ≥ the number of chunks: the layer is MultiHeadAttention (causal or not, either gating), on
+// random shapes.
 TEST(SparseLayer, CoveringTopKEqualsMultiHeadAttention) {
   TestRng rng(72);
-  for (int rep = 0; rep < 12; ++rep) {
+  for (int rep = 0; rep < 18; ++rep) {
     const Index chunk = rng.pick(std::vector<Index>{1, 5, 8, 64}), length = rng.uniform_int(1, 90);
-    const bool causal = rep % 2 == 1;
-    SparseC2FAttention<double> sparse(12, 3, chunk, (length + chunk - 1) / chunk + rng.uniform_int(0, 2), causal);
+    const bool causal = rep % 3 == 1;
+    SparseC2FAttention<double>::Options o;
+    o.gating = rep % 3 == 2 ? c2f::Gating::PerToken : c2f::Gating::Auto;
+    SparseC2FAttention<double> sparse(12, 3, chunk, (length + chunk - 1) / chunk + rng.uniform_int(0, 2), causal, o);
     randomize(sparse, rng);
     const Tensor3<double> x = rng.tensor<double>(2, length, 12);
     c2f::AttentionMasks<double> masks;
     if (causal) masks.attn_mask = c2f::AttnMask<double>::causal();
     const Tensor3<double> a = sparse.forward(x), b = sparse.dense().forward(x, masks);
     expect_close(a.data(), b.data(), a.size(), 1e-12, 1e-12,
-                 "L=" + std::to_string(length) + " chunk=" + std::to_string(chunk) + (causal ? " causal" : ""));
+                 "L=" + std::to_string(length) + " chunk=" + std::to_string(chunk) + (causal ? " causal" : "") +
+                     (sparse.gating() == c2f::Gating::PerToken ? " per token" : " per chunk"));
   }
 }
 
@@ -227,6 +267,13 @@ TEST(SparseLayer, ThreadBitsNamesAndErrors) {
   EXPECT_THROW(SparseC2FAttention<float>(32, 4, 0, 2), std::invalid_argument);
   EXPECT_THROW(SparseC2FAttention<float>(32, 4, 8, 0), std::invalid_argument);
   EXPECT_THROW(SparseC2FAttention<float>(30, 4, 8, 2), std::invalid_argument);
+  // Gating: Auto resolves by causality; per-chunk gating reads the whole chunk and cannot be causal.
+  EXPECT_EQ(sparse.gating(), c2f::Gating::PerToken);
+  EXPECT_EQ(SparseC2FAttention<float>(32, 4, 16, 3).gating(), c2f::Gating::PerChunk);
+  SparseC2FAttention<float>::Options per_chunk;
+  per_chunk.gating = c2f::Gating::PerChunk;
+  EXPECT_NE(c2f_test::error_of([&] { SparseC2FAttention<float>(32, 4, 16, 3, true, per_chunk); }).find("cannot be causal"),
+            std::string::npos);
   EXPECT_THROW(sparse.forward(rng.tensor<float>(1, 10, 16)), std::invalid_argument);
   EXPECT_EQ(sparse.forward(rng.tensor<float>(0, 10, 32)).size(), 0);
   EXPECT_EQ(sparse.forward(rng.tensor<float>(2, 0, 32)).size(), 0);

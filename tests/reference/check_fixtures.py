@@ -28,7 +28,8 @@ Policy:
   over output positions, groups and taps; HMHA with every window, window mean and sparse set S(i)
   enumerated per batch item, head and position. Tensor names and shapes are checked against the metadata.
 * Every sparse fixture (SparseC2FAttention) is cross-checked against float64 numpy loops over batch
-  items, heads, query chunks and positions (a second formulation next to the dense masks of
+  items, heads, query chunks and positions, selecting per chunk or per position as the fixture's
+  ``gating`` says (a second formulation next to the dense masks of
   sparse_reference.py): ``selected`` must match exactly, ``output`` (and ``mha_output`` when top_k >= m,
   also against the mha family's numpy attention) within the same tolerances; the selection margin
   recomputed from the stored values must be >= 1e-3 (relative), and the metadata must agree with the
@@ -561,20 +562,22 @@ SPARSE_MARGIN_REL = 1e-3  # the fixtures' selection margin rule (restated here, 
 
 def sparse_loops(np, t, md):
     """float64 SparseC2FAttention from a fixture's tensors, by explicit loops over batch items, heads, query
-    chunks and positions (no masks, no rank tensor): per query chunk the candidates are sorted by
-    (-score, index), the key list of every query position is enumerated chunk by chunk, and each list gets
-    its own softmax. Returns selected [B, H, m, top_k], output [B, L, E], the smallest relative selection
-    margin with its location, and whether some query row had no allowed key."""
+    chunks and positions (no masks, no rank tensor): per query chunk (gating "chunk") or per query position
+    (gating "token") the candidates are sorted by (-score, index), the key list of every query position is
+    enumerated chunk by chunk, and each list gets its own softmax. Returns selected [B, H, R, top_k] (R = m
+    or L), output [B, L, E], the smallest relative selection margin with its location, and whether some
+    query row had no allowed key."""
     f = lambda name: t[name].astype(np.float64)  # noqa: E731
     E, H, B, L = int(md["embed_dim"]), int(md["num_heads"]), int(md["batch"]), int(md["seq_len"])
     c, K, causal = int(md["chunk_size"]), int(md["top_k"]), md["causal"] == "true"
+    per_token = md["gating"] == "token"
     dh = E // H
     W, bias, x = f("mha.in_proj_weight"), f("mha.in_proj_bias"), f("x")
     q, k, v = (x @ W[n * E:(n + 1) * E].T + bias[n * E:(n + 1) * E] for n in range(3))
     pad = t.get("key_padding_mask")
     m = -(-L // c)
     chunks = [list(range(j * c, min((j + 1) * c, L))) for j in range(m)]
-    selected = np.full((B, H, m, K), -1, dtype=np.int64)
+    selected = np.full((B, H, L if per_token else m, K), -1, dtype=np.int64)
     o = np.zeros((B, L, E))
     margin, where, empty = np.inf, None, False
     for bi in range(B):
@@ -588,18 +591,26 @@ def sparse_loops(np, t, md):
                     sk += k[bi, p, cs]
                 qbar.append(sq / len(ch))
                 kbar.append(sk / len(ch))
-            for i, ch in enumerate(chunks):
-                score = {j: float(qbar[i] @ kbar[j]) for j in range(m) if j != i and (not causal or j <= i)}
+
+            def choose(row, query, own):
+                """own + the K - 1 best candidates for one selection row; records the margin."""
+                nonlocal margin, where
+                score = {j: float(query @ kbar[j]) for j in range(m) if j != own and (not causal or j < own)}
                 ranked = sorted(score, key=lambda j: (-score[j], j))
                 n_pick = K - 1
                 if 0 < n_pick < len(ranked):
                     a, b = score[ranked[n_pick - 1]], score[ranked[n_pick]]
                     rel = (a - b) / (1.0 + max(abs(a), abs(b)))
                     if rel < margin:
-                        margin, where = rel, (bi, h, i)
-                S = sorted([i] + ranked[:n_pick])
-                selected[bi, h, i, :len(S)] = S
+                        margin, where = rel, (bi, h, row)
+                S = sorted([own] + ranked[:n_pick])
+                selected[bi, h, row, :len(S)] = S
+                return S
+
+            for i, ch in enumerate(chunks):
+                S_chunk = None if per_token else choose(i, qbar[i], i)
                 for tq in ch:
+                    S = choose(tq, q[bi, tq, cs], i) if per_token else S_chunk
                     keys = [u for j in S for u in chunks[j]
                             if (not causal or u <= tq) and (pad is None or not pad[bi, u])]
                     if not keys:
@@ -626,9 +637,13 @@ def _sparse_contract(np, raw, md, rel, report):
         report.error(f"{rel}: num_chunks {md.get('num_chunks')!r} != ceil({L} / {c})")
     if md.get("covers_all") != ("true" if K >= m else "false"):
         report.error(f"{rel}: covers_all {md.get('covers_all')!r} but top_k {K}, m {m}")
+    if md.get("gating") not in ("chunk", "token") or (md.get("gating") == "chunk" and md.get("causal") != "false"):
+        report.error(f"{rel}: gating {md.get('gating')!r} with causal {md.get('causal')!r}")
+        ok = False
+    rows = L if md.get("gating") == "token" else m
     spec = {"mha.in_proj_weight": (fdt, (3 * E, E)), "mha.in_proj_bias": (fdt, (3 * E,)),
             "mha.out_proj.weight": (fdt, (E, E)), "mha.out_proj.bias": (fdt, (E,)),
-            "x": (fdt, (B, L, E)), "output": (fdt, (B, L, E)), "selected": ("I64", (B, H, m, K))}
+            "x": (fdt, (B, L, E)), "output": (fdt, (B, L, E)), "selected": ("I64", (B, H, rows, K))}
     if md.get("key_padding_mask") == "bool":
         spec["key_padding_mask"] = ("BOOL", (B, L))
     elif md.get("key_padding_mask") != "none":
@@ -667,13 +682,13 @@ def crosscheck_sparse(np, st, committed_dir, report):
         selected, out, margin, where, empty = sparse_loops(np, t, md)
         if not np.array_equal(selected, t["selected"]):
             bad = np.argwhere((selected != t["selected"]).any(axis=-1))[:MAX_LINES_PER_TENSOR]
-            report.error(f"{rel}: 'selected' differs from the numpy selection at (b, h, chunk) "
+            report.error(f"{rel}: 'selected' differs from the numpy selection at (b, h, row) "
                          f"{[tuple(int(i) for i in ix) for ix in bad]}")
         if margin < SPARSE_MARGIN_REL:
-            report.error(f"{rel}: selection margin {margin:.3g} at (b, h, chunk) {where} is below "
+            report.error(f"{rel}: selection margin {margin:.3g} at (b, h, row) {where} is below "
                          f"{SPARSE_MARGIN_REL:g}: float rounding could flip the selection")
         if margin < smallest[0]:
-            smallest = (margin, f"{rel} at (b, h, chunk) {where}")
+            smallest = (margin, f"{rel} at (b, h, row) {where}")
         if md.get("empty_rows") != ("true" if empty else "false"):
             report.error(f"{rel}: empty_rows={md.get('empty_rows')!r}, numpy reference: {empty}")
         compare_values(np, out, t["output"], dtype, tol, tol, f"{rel}:output vs numpy reference", report,

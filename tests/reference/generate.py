@@ -1129,10 +1129,15 @@ class SparseCase:
     num_heads: int = 4
     lengths: Tuple[int, ...] = ()  # non-empty: bool key_padding_mask with these valid lengths
     require_empty_rows: bool = False  # re-seed until some (b, h, query) has no allowed key
+    gating: str = "chunk"  # "chunk" (one selection per query chunk) or "token" (per query position)
 
     @property
     def num_chunks(self) -> int:
         return sparse_ref.num_chunks(self.seq_len, self.chunk)
+
+    @property
+    def selection_rows(self) -> int:
+        return self.num_chunks if self.gating == "chunk" else self.seq_len
 
     @property
     def covers_all(self) -> bool:
@@ -1143,39 +1148,46 @@ def _sparse_cases() -> List[SparseCase]:
     cases = []
     seed = 7000
     for L in (37, 128):
-        batch = 2 if L <= 64 else 1  # keeps the family under 2 MB
+        batch = 2 if L <= 64 else 1  # keeps the family small
         for chunk in (8, 16):
             for top_k in (1, 2, 4):
-                for causal in (False, True):
-                    seed += 100
+                # per-chunk gating (seeds 7100, 7300, ...), per-token gating causal (7200, 7400, ...) and
+                # non-causal (the causal case's seed + 13000)
+                for gating, causal, seed_base in (("chunk", False, 0), ("token", True, 0),
+                                                  ("token", False, 13000)):
+                    if seed_base == 0:
+                        seed += 100
                     m = sparse_ref.num_chunks(L, chunk)
                     last = L - (m - 1) * chunk
                     desc = (f"SparseC2FAttention batch {batch}, L = {L}, chunk {chunk} ({m} chunks, the last "
-                            f"with {last} position(s)), top_k {top_k}{', causal' if causal else ''}")
+                            f"with {last} position(s)), top_k {top_k}, {gating} gating"
+                            f"{', causal' if causal else ''}")
                     if top_k >= m:
                         desc += " (top_k >= m: output equals nn.MultiheadAttention, mha_output)"
-                    cases.append(SparseCase(f"sparse_l{L}_c{chunk}_k{top_k}{'_causal' if causal else ''}",
-                                            seed, desc, L, chunk, top_k, causal, batch=batch))
+                    tag = "tok_" if gating == "token" else ""
+                    cases.append(SparseCase(f"sparse_{tag}l{L}_c{chunk}_k{top_k}{'_causal' if causal else ''}",
+                                            seed + seed_base, desc, L, chunk, top_k, causal, batch=batch,
+                                            gating=gating))
     cases += [
         SparseCase("sparse_kpm_l37_c8_k2", 10100,
-                   "SparseC2FAttention L = 37, chunk 8, top_k 2, bool key_padding_mask (lengths 37, 29): "
-                   "chunk 4 of batch 1 is entirely padded; the selection ignores the padding",
+                   "SparseC2FAttention L = 37, chunk 8, top_k 2, per-chunk gating, bool key_padding_mask "
+                   "(lengths 37, 29): chunk 4 of batch 1 is entirely padded; the selection ignores the padding",
                    37, 8, 2, False, lengths=(37, 29)),
-        SparseCase("sparse_kpm_l37_c8_k2_causal", 10200,
-                   "SparseC2FAttention L = 37, chunk 8, top_k 2, causal, bool key_padding_mask (lengths 37, "
-                   "20): in batch 1 some head selects the entirely padded chunk 3 for chunk 4, whose rows "
-                   "then have no allowed key (zero attention, not NaN)",
-                   37, 8, 2, True, lengths=(37, 20), require_empty_rows=True),
+        SparseCase("sparse_tok_kpm_l37_c8_k2_causal", 10200,
+                   "SparseC2FAttention L = 37, chunk 8, top_k 2, per-token gating, causal, bool "
+                   "key_padding_mask (lengths 37, 20): in batch 1 some tokens of chunks 3 and 4 select the "
+                   "entirely padded chunk 3 and see no allowed key (zero attention, not NaN)",
+                   37, 8, 2, True, lengths=(37, 20), require_empty_rows=True, gating="token"),
     ]
-    seed = 10200
-    for top_k in (5, 100):
-        for causal in (False, True):
-            seed += 100
+    for k_all, seeds in ((5, (10300, 10400, 10700)), (100, (10500, 10600, 10800))):
+        for (gating, causal), seed in zip((("chunk", False), ("token", True), ("token", False)), seeds):
+            tag = "tok_" if gating == "token" else ""
+            top_k = k_all if gating == "chunk" else min(k_all, 9)  # per token: [B, H, L, top_k] stays small
             cases.append(SparseCase(
-                f"sparse_all_l37_c8_k{top_k}{'_causal' if causal else ''}", seed,
-                f"SparseC2FAttention L = 37, chunk 8 (5 chunks), top_k {top_k} >= m"
+                f"sparse_{tag}all_l37_c8_k{top_k}{'_causal' if causal else ''}", seed,
+                f"SparseC2FAttention L = 37, chunk 8 (5 chunks), top_k {top_k} >= m, {gating} gating"
                 f"{', causal' if causal else ''}: every eligible chunk is selected, output equals "
-                f"nn.MultiheadAttention (mha_output)", 37, 8, top_k, causal))
+                f"nn.MultiheadAttention (mha_output)", 37, 8, top_k, causal, gating=gating))
     return cases
 
 
@@ -1228,14 +1240,14 @@ def _sparse_try_seed(c: SparseCase, seed: int, kpm: Optional[np.ndarray]):
         p = {k: v.astype(vals_dt).astype(arith_dt) for k, v in params.items()}
         mha = _sparse_mha(c, p, arith_dt)
         results[label] = sparse_ref.selection(mha, torch.from_numpy(x.astype(vals_dt).astype(arith_dt)),
-                                              c.chunk, c.top_k, c.causal)
+                                              c.chunk, c.top_k, c.gating, c.causal)
     keep, selected, margin = results["f64"]
     for label, (k2, s2, m2) in results.items():
         if not torch.equal(keep, k2) or not torch.equal(selected, s2):
             return None, f"selection in {label} differs from float64"
         if label != "f32" and float(m2.min()) < sparse_ref.MARGIN_REL:
             return None, f"margin {float(m2.min()):.3g} < {sparse_ref.MARGIN_REL:g} ({label})"
-    allowed = sparse_ref.allowed_mask(keep, L, c.chunk, c.causal,
+    allowed = sparse_ref.allowed_mask(keep, L, c.chunk, c.gating, c.causal,
                                       None if kpm is None else torch.from_numpy(kpm))
     empty = bool((~allowed.any(dim=-1)).any())
     if c.require_empty_rows and not empty:
@@ -1269,7 +1281,8 @@ def _sparse_case_files(family_dir: Path, c: SparseCase) -> dict:
     SPARSE_MARGINS[c.name] = sel["margin"]
     params, x, keep = sel["params"], sel["x"], sel["keep"]
     kpm_t = None if kpm is None else torch.from_numpy(kpm)
-    eligible = sparse_ref.eligible_chunks(m, c.causal).expand(B, H, m, m)
+    own, cand = sparse_ref.own_and_candidates(L, c.chunk, c.gating, c.causal)
+    eligible = (own | cand).expand(B, H, c.selection_rows, m)
     if c.covers_all and not torch.equal(keep, eligible):
         raise RuntimeError(f"{c.name}: top_k >= m but not every eligible chunk is selected")
     causal_mask = torch.ones(L, L, dtype=torch.bool).triu(diagonal=1) if c.causal else None
@@ -1279,7 +1292,8 @@ def _sparse_case_files(family_dir: Path, c: SparseCase) -> dict:
     mha64 = _sparse_mha(c, params, np.float64)
     x64 = torch.from_numpy(x)
     with torch.no_grad():
-        full, _ = sparse_ref.sparse_c2f_attention(mha64, x64, c.chunk, c.top_k, c.causal, kpm_t, keep=eligible)
+        full, _ = sparse_ref.sparse_c2f_attention(mha64, x64, c.chunk, c.top_k, c.gating, c.causal, kpm_t,
+                                                  keep=eligible)
         ref, _ = mha64(x64, x64, x64, key_padding_mask=kpm_t, attn_mask=causal_mask, need_weights=False)
     diff = float((full - ref).abs().max())
     if not diff <= 1e-12:
@@ -1287,7 +1301,7 @@ def _sparse_case_files(family_dir: Path, c: SparseCase) -> dict:
                              f"by {diff:g}")
 
     meta = {"module": "sparse", "embed_dim": str(E), "num_heads": str(H), "chunk_size": str(c.chunk),
-            "top_k": str(c.top_k), "causal": b(c.causal), "batch": str(B), "seq_len": str(L),
+            "top_k": str(c.top_k), "gating": c.gating, "causal": b(c.causal), "batch": str(B), "seq_len": str(L),
             "num_chunks": str(m), "key_padding_mask": "none" if kpm is None else "bool",
             "covers_all": b(c.covers_all), "empty_rows": b(sel["empty"]), "seed": str(seed),
             "torch_version": torch_version(), "description": c.description}
@@ -1295,7 +1309,7 @@ def _sparse_case_files(family_dir: Path, c: SparseCase) -> dict:
     for tag, (np_dt, t_dt) in DTYPES.items():
         mha = _sparse_mha(c, params, np_dt)
         xt = torch.from_numpy(x.astype(np_dt))
-        out, _ = sparse_ref.sparse_c2f_attention(mha, xt, c.chunk, c.top_k, c.causal, kpm_t, keep=keep)
+        out, _ = sparse_ref.sparse_c2f_attention(mha, xt, c.chunk, c.top_k, c.gating, c.causal, kpm_t, keep=keep)
         out = to_numpy(out)
         if out.shape != (B, L, E) or not np.isfinite(out).all():
             raise RuntimeError(f"{c.name}/{tag}: output shape {out.shape} or not finite")

@@ -14,14 +14,17 @@ Definition (x is [B, L, E], self-attention only; dh = E / H, head h = columns [h
 * q, k, v = x W_q^T + b_q, x W_k^T + b_k, x W_v^T + b_v (the three blocks of in_proj), split in heads.
 * Chunks: m = ceil(L / c); chunk j = positions [j*c, min((j+1)*c, L)) (the last one may be partial).
   qbar_i, kbar_j = means of the PROJECTED queries / keys of head h over the positions of the chunk.
-* Coarse scores s_ij = qbar_i . kbar_j (no scaling: it would not change the order).
-* Eligible key chunks of query chunk i: all j (non-causal) or j <= i (causal).
-  S_i = {i} U the (top_k - 1) eligible chunks j != i with the highest s_ij, ties to the lower index;
-  when top_k >= the number of eligible chunks, S_i = all eligible chunks. top_k >= 1.
-* Fine stage: query position t of chunk i attends, with ONE softmax (scale 1/sqrt(dh)), to every key
-  position u of the chunks in S_i, with causal additionally u <= t, and with a key padding mask
-  (bool [B, L], True = ignore, torch's convention) only to keys that are not padded. A row without any
-  allowed key gives zero attention (not NaN). The selection ignores the padding mask.
+* Gating "chunk" (never causal): a selection row per query chunk i; scores s_ij = qbar_i . kbar_j (no
+  scaling: it would not change the order); candidates = all chunks j != i; S_i = {i} U the (top_k - 1)
+  candidates with the highest s_ij, ties to the lower index; when top_k - 1 >= the number of candidates,
+  all of them. Every query position of chunk i uses S_i.
+* Gating "token" (MoBA's): a selection row per query position t of chunk c; scores s_tj = q_t . kbar_j;
+  candidates = all chunks j != c, or with causal the chunks j < c; S_t = {c} U the (top_k - 1) best
+  candidates, same rules. top_k >= 1.
+* Fine stage: query position t attends, with ONE softmax (scale 1/sqrt(dh)), to every key position u of
+  the chunks in its selection, with causal additionally u <= t, and with a key padding mask (bool
+  [B, L], True = ignore, torch's convention) only to keys that are not padded. A row without any allowed
+  key gives zero attention (not NaN). The selection ignores the padding mask.
 * y = out_proj(concat_heads(attention)).
 
 With top_k >= m the layer is nn.MultiheadAttention itself (causal: with attn_mask = triu(ones, 1)).
@@ -67,26 +70,40 @@ def project_heads(mha: nn.MultiheadAttention, x: torch.Tensor) -> Tuple[torch.Te
     return tuple(t.reshape(B, L, H, E // H).transpose(1, 2) for t in (q, k, v))
 
 
-def coarse_scores(q: torch.Tensor, k: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """s [B, H, m, m] = qbar kbar^T, qbar/kbar = chunk means of the projected queries/keys."""
-    A = chunk_averaging(q.shape[-2], chunk_size, q.dtype)
-    return (A @ q) @ (A @ k).transpose(-2, -1)
+def chunk_means(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[..., m, dh]: the chunk means of x [..., L, dh]."""
+    return chunk_averaging(x.shape[-2], chunk_size, x.dtype) @ x
 
 
-def eligible_chunks(m: int, causal: bool) -> torch.Tensor:
-    """[m, m] bool: key chunk j is eligible for query chunk i."""
-    i = torch.arange(m).view(-1, 1)
+def gating_scores(q: torch.Tensor, k: torch.Tensor, chunk_size: int, gating: str) -> torch.Tensor:
+    """Chunk scores: [B, H, m, m] = qbar kbar^T (gating "chunk") or [B, H, L, m] = q kbar^T ("token")."""
+    queries = chunk_means(q, chunk_size) if gating == "chunk" else q
+    return queries @ chunk_means(k, chunk_size).transpose(-2, -1)
+
+
+def own_and_candidates(seq_len: int, chunk_size: int, gating: str, causal: bool):
+    """[R, m] bool each: the query row's own chunk, and its candidate chunks (R = m rows for gating
+    "chunk", L rows for "token")."""
+    m = num_chunks(seq_len, chunk_size)
+    if gating == "chunk":
+        if causal:
+            raise ValueError("per-chunk gating reads every query of a chunk: it cannot be causal")
+        own_idx = torch.arange(m)
+    else:
+        own_idx = torch.arange(seq_len) // chunk_size
     j = torch.arange(m).view(1, -1)
-    return j <= i if causal else torch.ones(m, m, dtype=torch.bool)
+    own = own_idx.view(-1, 1) == j
+    cand = (j < own_idx.view(-1, 1)) if causal else ~own
+    return own, cand
 
 
-def select_chunks(scores: torch.Tensor, top_k: int, causal: bool):
-    """Top-k chunk selection from coarse scores [B, H, m, m].
+def select_chunks(scores: torch.Tensor, top_k: int, own: torch.Tensor, cand: torch.Tensor):
+    """Top-k chunk selection from chunk scores [B, H, R, m] (R query rows: chunks or tokens).
 
-    Returns ``keep`` [B, H, m, m] bool (key chunk j in S_i), ``selected`` [B, H, m, top_k] int64 (the
-    indices of S_i ascending, padded with -1), and ``margin`` [B, H, m] float64: the gap between the last
-    chosen and the first rejected candidate divided by 1 + max(|their scores|), +inf where nothing is
-    chosen or rejected (top_k = 1, or every eligible chunk fits).
+    Returns ``keep`` [B, H, R, m] bool (key chunk j selected for row r), ``selected`` [B, H, R, top_k]
+    int64 (the indices ascending, padded with -1), and ``margin`` [B, H, R] float64: the gap between the
+    last chosen and the first rejected candidate divided by 1 + max(|their scores|), +inf where nothing is
+    chosen or rejected (top_k = 1, or every candidate fits).
 
     The rank of a candidate is the number of candidates that beat it: a higher score, or an equal score
     and a lower index. The top_k - 1 candidates of rank < top_k - 1 are chosen.
@@ -94,15 +111,13 @@ def select_chunks(scores: torch.Tensor, top_k: int, causal: bool):
     if top_k < 1:
         raise ValueError("top_k must be >= 1")
     m = scores.shape[-1]
-    own = torch.eye(m, dtype=torch.bool)
-    cand = eligible_chunks(m, causal) & ~own  # [m, m]: eligible chunks other than the query's own
-    s_j = scores.unsqueeze(-1)  # [B, H, m, m(j), 1]
-    s_o = scores.unsqueeze(-2)  # [B, H, m, 1, m(j')]
+    s_j = scores.unsqueeze(-1)  # [B, H, R, m(j), 1]
+    s_o = scores.unsqueeze(-2)  # [B, H, R, 1, m(j')]
     idx = torch.arange(m)
     lower = (idx.view(1, -1) < idx.view(-1, 1))  # [m(j), m(j')]: j' < j
     beats = (s_o > s_j) | ((s_o == s_j) & lower)  # j' beats j
-    beats = beats & cand.unsqueeze(-2)  # only candidates j' count (cand[i, j'])
-    rank = beats.sum(dim=-1)  # [B, H, m, m]
+    beats = beats & cand.unsqueeze(-2)  # only candidates j' count (cand[r, j'])
+    rank = beats.sum(dim=-1)  # [B, H, R, m]
     n_pick = top_k - 1
     chosen = cand & (rank < n_pick)
     keep = own | chosen
@@ -127,12 +142,13 @@ def select_chunks(scores: torch.Tensor, top_k: int, causal: bool):
     return keep, srt.to(torch.int64), margin
 
 
-def allowed_mask(keep: torch.Tensor, seq_len: int, chunk_size: int, causal: bool,
+def allowed_mask(keep: torch.Tensor, seq_len: int, chunk_size: int, gating: str, causal: bool,
                  key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[B, H, L, L] bool: query t may attend key u (u's chunk is selected for t's chunk, u <= t when
+    """[B, H, L, L] bool: query t may attend key u (u's chunk is selected for t's row, u <= t when
     causal, u not padded)."""
     member = chunk_membership(seq_len, chunk_size).to(torch.float64)  # [L, m]
-    allowed = (member @ keep.to(torch.float64) @ member.t()) > 0.5  # keep[chunk(t), chunk(u)]
+    rows = member @ keep.to(torch.float64) if gating == "chunk" else keep.to(torch.float64)  # [B, H, L, m]
+    allowed = (rows @ member.t()) > 0.5  # keep[row(t), chunk(u)]
     if causal:
         allowed = allowed & torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
     if key_padding_mask is not None:
@@ -140,18 +156,20 @@ def allowed_mask(keep: torch.Tensor, seq_len: int, chunk_size: int, causal: bool
     return allowed
 
 
-def selection(mha: nn.MultiheadAttention, x: torch.Tensor, chunk_size: int, top_k: int, causal: bool):
-    """select_chunks on the coarse scores of mha's own projections of x, in x's dtype (call it with a
+def selection(mha: nn.MultiheadAttention, x: torch.Tensor, chunk_size: int, top_k: int, gating: str,
+              causal: bool):
+    """select_chunks on the gating scores of mha's own projections of x, in x's dtype (call it with a
     float64 module and x for the fixtures' selection)."""
     with torch.no_grad():
         q, k, _ = project_heads(mha, x)
-        return select_chunks(coarse_scores(q, k, chunk_size), top_k, causal)
+        own, cand = own_and_candidates(x.shape[1], chunk_size, gating, causal)
+        return select_chunks(gating_scores(q, k, chunk_size, gating), top_k, own, cand)
 
 
 def sparse_c2f_attention(mha: nn.MultiheadAttention, x: torch.Tensor, chunk_size: int, top_k: int,
-                         causal: bool, key_padding_mask: Optional[torch.Tensor] = None,
+                         gating: str, causal: bool, key_padding_mask: Optional[torch.Tensor] = None,
                          keep: Optional[torch.Tensor] = None):
-    """SparseC2FAttention forward with mha's weights: returns (output [B, L, E], keep [B, H, m, m]).
+    """SparseC2FAttention forward with mha's weights: returns (output [B, L, E], keep [B, H, R, m]).
 
     ``keep`` overrides the selection (the generator passes the one computed in float64); by default it
     is computed from x in x's dtype."""
@@ -160,9 +178,9 @@ def sparse_c2f_attention(mha: nn.MultiheadAttention, x: torch.Tensor, chunk_size
     dh = E // H
     with torch.no_grad():
         if keep is None:
-            keep, _, _ = selection(mha, x, chunk_size, top_k, causal)
+            keep, _, _ = selection(mha, x, chunk_size, top_k, gating, causal)
         q, k, v = project_heads(mha, x)
-        allowed = allowed_mask(keep, L, chunk_size, causal, key_padding_mask)
+        allowed = allowed_mask(keep, L, chunk_size, gating, causal, key_padding_mask)
         s = (q @ k.transpose(-2, -1)) / math.sqrt(dh)
         p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
         p = torch.where(torch.isnan(p), torch.zeros_like(p), p)  # a row without allowed key -> 0

@@ -3,6 +3,12 @@
 //
 // q, k, v, out are [batch·length, heads·dh] row-major matrices (head h = columns [h·dh, (h+1)·dh)).
 // Chunks of `grid` (the last may be partial) serve both as query chunks and as key chunks.
+//
+// Two gatings choose the key chunks a query attends to:
+//   per chunk (select_chunks + chunk_sparse_attention): one choice per query chunk, from the mean query
+//     of the chunk — it reads every query of the chunk, so it is not causal;
+//   per token (select_chunks_per_token + token_sparse_attention, MoBA's gating): one choice per query
+//     token, from its own query — causal when only earlier chunks are eligible.
 #pragma once
 
 #include "c2f/core.hpp"
@@ -20,66 +26,152 @@
 namespace c2f {
 namespace kernels {
 
-/// Selected key chunks of every (batch, head, query chunk), ascending, −1 where fewer than top_k
-/// chunks are eligible: a row-major [batch, heads, chunks_per_batch, top_k] array.
+/// Selected key chunks of every (batch, head, query row), ascending, −1 where fewer than top_k chunks
+/// are eligible: a row-major [batch, heads, queries, top_k] array. A query row is a query chunk
+/// (per-chunk gating, queries = chunks per batch item) or a query token (per-token gating, queries =
+/// sequence length).
 struct ChunkSelection {
-  Index batch = 0, heads = 0, chunks = 0, top_k = 0;
+  Index batch = 0, heads = 0, queries = 0, top_k = 0;
+  bool per_token = false;
   std::vector<Index> index;
 
-  Index* row(Index b, Index h, Index i) { return index.data() + ((b * heads + h) * chunks + i) * top_k; }
-  const Index* row(Index b, Index h, Index i) const { return index.data() + ((b * heads + h) * chunks + i) * top_k; }
+  Index* row(Index b, Index h, Index i) { return index.data() + ((b * heads + h) * queries + i) * top_k; }
+  const Index* row(Index b, Index h, Index i) const { return index.data() + ((b * heads + h) * queries + i) * top_k; }
 };
 
-/// Coarse stage: per (batch, head), q̄_i and k̄_j are the means of the projected queries and keys of
-/// chunk i and j; query chunk i keeps itself and the (top_k − 1) eligible chunks j ≠ i with the highest
-/// q̄_i·k̄_j (ties to the lower index); eligible = all chunks, or j ≤ i with `causal`.
+}  // namespace kernels
+
+namespace detail {
+
+/// The `picks` best candidates by score (highest first, ties to the lower index, NaN ranks like −inf),
+/// kept while the candidates arrive in ascending index order.
+template <class Scalar>
+class TopPicks {
+ public:
+  explicit TopPicks(Index picks) : picks_(std::max<Index>(picks, 0)), best_(static_cast<std::size_t>(picks_)) {}
+  void clear() { n_ = 0; }
+  void offer(Scalar score, Index index) {
+    if (picks_ == 0) return;
+    if (std::isnan(score)) score = -std::numeric_limits<Scalar>::infinity();
+    // An equal score arriving later has a higher index, so it ranks below: strict > only.
+    if (n_ == picks_ && !(score > best_[static_cast<std::size_t>(n_ - 1)].first)) return;
+    Index pos = n_ < picks_ ? n_++ : picks_ - 1;
+    while (pos > 0 && score > best_[static_cast<std::size_t>(pos - 1)].first) {
+      best_[static_cast<std::size_t>(pos)] = best_[static_cast<std::size_t>(pos - 1)];
+      --pos;
+    }
+    best_[static_cast<std::size_t>(pos)] = {score, index};
+  }
+  /// Writes own ∪ the picks, ascending, into out[0 .. picks + 1).
+  void write(Index own, Index* out) const {
+    out[0] = own;
+    for (Index r = 0; r < n_; ++r) out[r + 1] = best_[static_cast<std::size_t>(r)].second;
+    std::sort(out, out + n_ + 1);
+  }
+
+ private:
+  Index picks_ = 0, n_ = 0;
+  std::vector<std::pair<Scalar, Index>> best_;
+};
+
+/// Throws unless `sel` is a per-chunk / per-token selection over `grid` and `heads`.
+inline void check_selection(const kernels::ChunkSelection& sel, const kernels::ChunkGrid& grid, Index heads,
+                            bool per_token, const char* kernel) {
+  const Index queries = per_token ? grid.length : grid.chunks_per_batch();
+  if (sel.per_token != per_token || sel.batch != grid.batch || sel.heads != heads || sel.queries != queries ||
+      sel.top_k < 1 || static_cast<Index>(sel.index.size()) != sel.batch * sel.heads * sel.queries * sel.top_k) {
+    fail(kernel, ": the selection must be ", per_token ? "per token" : "per chunk", " over [batch, heads, queries] = ",
+         shape_string({grid.batch, heads, queries}), ", got ", sel.per_token ? "per token " : "per chunk ",
+         shape_string({sel.batch, sel.heads, sel.queries}), " with top_k ", sel.top_k);
+  }
+}
+}  // namespace detail
+
+namespace kernels {
+
+/// Per-chunk gating (non-causal): per (batch, head), q̄_i and k̄_j are the means of the projected queries
+/// and keys of chunk i and j; query chunk i keeps itself and the (top_k − 1) chunks j ≠ i with the
+/// highest q̄_i·k̄_j (ties to the lower index; all of them when fewer exist).
 template <class Scalar>
 ChunkSelection select_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                             const ChunkGrid& grid, Index heads, Index top_k, bool causal, int num_threads) {
+                             const ChunkGrid& grid, Index heads, Index top_k, int num_threads) {
   if (top_k < 1) detail::fail("select_chunks: top_k must be >= 1, got ", top_k);
   const Index m = grid.chunks_per_batch(), dim = q.cols(), dh = dim / heads;
-  ChunkSelection sel{grid.batch, heads, m, top_k, std::vector<Index>(static_cast<std::size_t>(grid.batch * heads * m * top_k), -1)};
+  ChunkSelection sel{grid.batch, heads, m, top_k, false,
+                     std::vector<Index>(static_cast<std::size_t>(grid.batch * heads * m * top_k), -1)};
   RowMatrix<Scalar> qm(grid.chunks(), dim), km(grid.chunks(), dim);
   chunk_mean<Scalar>(q, grid, qm, num_threads);
   chunk_mean<Scalar>(k, grid, km, num_threads);
   detail::parallel_for(grid.batch * heads, num_threads, [&](Index task, int) {
     const Index b = task / heads, h = task % heads;
     const RowMatrix<Scalar> s = qm.block(b * m, h * dh, m, dh) * km.block(b * m, h * dh, m, dh).transpose();
-    std::vector<Index> candidates;
+    detail::TopPicks<Scalar> picks(std::min<Index>(top_k - 1, m - 1));
     for (Index i = 0; i < m; ++i) {
-      const Index eligible = causal ? i + 1 : m;
-      candidates.clear();
-      for (Index j = 0; j < eligible; ++j) {
-        if (j != i) candidates.push_back(j);
+      picks.clear();
+      for (Index j = 0; j < m; ++j) {
+        if (j != i) picks.offer(s(i, j), j);
       }
-      const Index others = std::min<Index>(top_k - 1, static_cast<Index>(candidates.size()));
-      // Highest score first, ties to the lower index; a NaN score ranks like -inf.
-      const auto score = [&](Index j) { return std::isnan(s(i, j)) ? -std::numeric_limits<Scalar>::infinity() : s(i, j); };
-      std::partial_sort(candidates.begin(), candidates.begin() + others, candidates.end(), [&](Index x, Index y) {
-        return score(x) > score(y) || (score(x) == score(y) && x < y);
-      });
-      Index* out = sel.row(b, h, i);
-      out[0] = i;
-      std::copy(candidates.begin(), candidates.begin() + others, out + 1);
-      std::sort(out, out + others + 1);
+      picks.write(i, sel.row(b, h, i));
     }
   });
   return sel;
 }
 
-/// Fine stage: every query of chunk i attends, with one softmax (scale 1/sqrt(dh)), to the keys of its
-/// selected chunks; with `causal` only to keys at positions ≤ its own; `mask` (the library's masks,
-/// absolute positions) combines. out[rows of chunk i, head h] = softmax(q kᵀ / sqrt(dh) + mask) v.
+/// Per-token gating (MoBA's): token t of chunk c scores the eligible chunks j ≠ c by q_t·k̄_j (k̄_j the
+/// mean of the projected keys of chunk j) and keeps c plus the (top_k − 1) highest (ties to the lower
+/// index; all of them when fewer exist). Eligible: every chunk, or with `causal` the chunks j < c (all
+/// complete), so the choice of token t reads nothing after t. Tasks are (batch, query chunk); each is
+/// one [chunk, eligible] score GEMM per head.
+template <class Scalar>
+ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                       const Eigen::Ref<const RowMatrix<Scalar>>& k, const ChunkGrid& grid,
+                                       Index heads, Index top_k, bool causal, int num_threads) {
+  if (top_k < 1) detail::fail("select_chunks_per_token: top_k must be >= 1, got ", top_k);
+  const Index m = grid.chunks_per_batch(), dim = q.cols(), dh = dim / heads, length = grid.length;
+  ChunkSelection sel{grid.batch, heads, length, top_k, true,
+                     std::vector<Index>(static_cast<std::size_t>(grid.batch * heads * length * top_k), -1)};
+  RowMatrix<Scalar> km(grid.chunks(), dim);
+  chunk_mean<Scalar>(k, grid, km, num_threads);
+  struct Workspace {
+    RowMatrix<Scalar> s;
+  };
+  std::vector<Workspace> work(static_cast<std::size_t>(detail::resolve_threads(num_threads, grid.chunks())));
+  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int worker) {
+    const Index b = c / m, i = c % m, rows = grid.count(c), t0 = grid.first(c);
+    const Index eligible = causal ? i : m;  // chunks [0, eligible) are scored; the own chunk is skipped
+    RowMatrix<Scalar>& s = work[static_cast<std::size_t>(worker)].s;
+    detail::TopPicks<Scalar> picks(std::min<Index>(top_k - 1, causal ? i : m - 1));
+    for (Index h = 0; h < heads; ++h) {
+      s.resize(rows, eligible);
+      if (eligible > 0) {
+        s.noalias() = q.block(grid.row(c), h * dh, rows, dh) * km.block(b * m, h * dh, eligible, dh).transpose();
+      }
+      for (Index r = 0; r < rows; ++r) {
+        picks.clear();
+        for (Index j = 0; j < eligible; ++j) {
+          if (j != i) picks.offer(s(r, j), j);
+        }
+        picks.write(i, sel.row(b, h, t0 + r));
+      }
+    }
+  });
+  return sel;
+}
+
+
+/// Fine stage of per-chunk gating: every query of chunk i attends, with one softmax (scale 1/sqrt(dh)),
+/// to the keys of its selected chunks; `mask` (the library's masks, absolute positions) combines.
+/// out[rows of chunk i, head h] = softmax(q kᵀ / sqrt(dh) + mask) v (overwritten).
 /// Tasks are (batch, head, query chunk); the selected keys and values of a task are gathered into one
 /// block, so each task is two GEMMs: [chunk, dh] × [dh, selected keys] and back.
 template <class Scalar>
 void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
                             const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads,
-                            const ChunkSelection& selection, bool causal, const detail::MaskPlan<Scalar>& mask,
+                            const ChunkSelection& selection, const detail::MaskPlan<Scalar>& mask,
                             Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
+  detail::check_selection(selection, grid, heads, false, "chunk_sparse_attention");
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k;
   const Scalar scale = static_cast<Scalar>(1.0 / std::sqrt(static_cast<double>(dh)));
-  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   struct Workspace {
     RowMatrix<Scalar> kg, vg, s;
   };
@@ -103,20 +195,117 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
     }
     ws.s.resize(rows, n);
     ws.s.noalias() = (q.block(q_row, h * dh, rows, dh) * scale) * ws.kg.transpose();
-    filled = 0;
-    for (Index t = 0; t < top_k && chosen[t] >= 0; ++t) {
-      const Index kc = b * m + chosen[t], count = grid.count(kc), j0 = grid.first(kc);
-      Eigen::Block<RowMatrix<Scalar>> block = ws.s.middleCols(filled, count);
-      if (!mask.empty()) mask.apply(b, h, i0, j0, block);
-      if (causal && j0 + count - 1 > i0) {
-        for (Index r = 0; r < rows; ++r) {
-          for (Index col = std::max<Index>(0, i0 + r + 1 - j0); col < count; ++col) block(r, col) = kNegInf;
-        }
+    if (!mask.empty()) {
+      filled = 0;
+      for (Index t = 0; t < top_k && chosen[t] >= 0; ++t) {
+        const Index kc = b * m + chosen[t], count = grid.count(kc);
+        Eigen::Block<RowMatrix<Scalar>> block = ws.s.middleCols(filled, count);
+        mask.apply(b, h, i0, grid.first(kc), block);
+        filled += count;
       }
-      filled += count;
     }
     for (Index r = 0; r < rows; ++r) detail::softmax_row(ws.s.row(r));
     out.block(q_row, h * dh, rows, dh).noalias() = ws.s * ws.vg;
+  });
+}
+
+/// Queries per GEMM in token_sparse_attention. Fixed, so that a token's arithmetic depends only on its
+/// own data and on its position among the earlier tokens that chose the same key chunk — never on the
+/// thread count, and never on a later token (the causal guarantee holds bit for bit).
+constexpr Index kTokenGroupRows = 32;
+
+/// Fine stage of per-token gating: token t attends, with one softmax (scale 1/sqrt(dh)), to the keys of
+/// the chunks it selected; with `causal`, in its own chunk only to keys ≤ t (the other selected chunks
+/// lie before it); `mask` (absolute positions) combines. out[t, head h] is overwritten.
+///
+/// GEMM-shaped although every token chooses differently: per (batch, head), the tokens are grouped by
+/// the key chunk they selected; each key chunk j runs [group, dh] × [dh, chunk] and back over its
+/// gathered queries (in groups of kTokenGroupRows, ascending token order), and every token merges the
+/// partial softmaxes of its chunks with a running max and sum (the log-sum-exp merge of split-K flash
+/// decoding) in ascending key-chunk order. Working memory per worker: [length, dh] accumulators.
+template <class Scalar>
+void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                            const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads,
+                            const ChunkSelection& selection, bool causal, const detail::MaskPlan<Scalar>& mask,
+                            Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
+  detail::check_selection(selection, grid, heads, true, "token_sparse_attention");
+  const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k, length = grid.length;
+  const Scalar scale = static_cast<Scalar>(1.0 / std::sqrt(static_cast<double>(dh)));
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  constexpr Index G = kTokenGroupRows;
+  struct Workspace {
+    std::vector<Index> start, members, fill;  // tokens per key chunk: members[start[j] .. start[j+1])
+    RowMatrix<Scalar> acc, qg, s, pv;
+    Vector<Scalar> run_max, run_sum, alpha;
+  };
+  const Index tasks = grid.batch * heads;
+  std::vector<Workspace> work(static_cast<std::size_t>(detail::resolve_threads(num_threads, tasks)));
+  detail::parallel_for(tasks, num_threads, [&](Index task, int worker) {
+    const Index b = task / heads, h = task % heads, base = b * length;
+    Workspace& ws = work[static_cast<std::size_t>(worker)];
+    // Bucket the tokens by selected key chunk (counting sort: each bucket is in ascending token order).
+    ws.start.assign(static_cast<std::size_t>(m + 1), 0);
+    for (Index t = 0; t < length; ++t) {
+      const Index* chosen = selection.row(b, h, t);
+      for (Index r = 0; r < top_k && chosen[r] >= 0; ++r) ++ws.start[static_cast<std::size_t>(chosen[r] + 1)];
+    }
+    for (Index j = 0; j < m; ++j) ws.start[static_cast<std::size_t>(j + 1)] += ws.start[static_cast<std::size_t>(j)];
+    ws.members.resize(static_cast<std::size_t>(ws.start[static_cast<std::size_t>(m)]));
+    ws.fill.assign(ws.start.begin(), ws.start.end() - 1);
+    for (Index t = 0; t < length; ++t) {
+      const Index* chosen = selection.row(b, h, t);
+      for (Index r = 0; r < top_k && chosen[r] >= 0; ++r) {
+        ws.members[static_cast<std::size_t>(ws.fill[static_cast<std::size_t>(chosen[r])]++)] = t;
+      }
+    }
+    ws.acc.setZero(length, dh);
+    ws.run_max.setConstant(length, kNegInf);
+    ws.run_sum.setZero(length);
+    ws.qg.resize(G, dh);
+    ws.alpha.resize(G);
+    for (Index j = 0; j < m; ++j) {
+      const Index kc = b * m + j, count = grid.count(kc), j0 = grid.first(kc), key_row = grid.row(kc);
+      const Eigen::Block<const Eigen::Ref<const RowMatrix<Scalar>>> kj = k.block(key_row, h * dh, count, dh);
+      const Eigen::Block<const Eigen::Ref<const RowMatrix<Scalar>>> vj = v.block(key_row, h * dh, count, dh);
+      const Index first = ws.start[static_cast<std::size_t>(j)], last = ws.start[static_cast<std::size_t>(j + 1)];
+      for (Index g0 = first; g0 < last; g0 += G) {
+        const Index n = std::min(G, last - g0);
+        const Index* tokens = ws.members.data() + g0;
+        for (Index r = 0; r < n; ++r) ws.qg.row(r) = q.block(base + tokens[r], h * dh, 1, dh) * scale;
+        if (n < G) ws.qg.bottomRows(G - n).setZero();  // fixed GEMM shape; these rows are discarded
+        ws.s.resize(G, count);
+        ws.s.noalias() = ws.qg * kj.transpose();
+        for (Index r = 0; r < n; ++r) {
+          const Index t = tokens[r];
+          typename RowMatrix<Scalar>::RowXpr row = ws.s.row(r);
+          if (causal && t - j0 < count - 1) row.tail(count - 1 - std::max<Index>(t - j0, -1)).setConstant(kNegInf);
+          if (!mask.empty()) {
+            Eigen::Block<RowMatrix<Scalar>> one = ws.s.block(r, 0, 1, count);
+            mask.apply(b, h, t, j0, one);
+          }
+          const Scalar m_old = ws.run_max[t], m_new = std::max(m_old, row.maxCoeff());
+          const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;  // all hidden so far: no −inf − −inf
+          ws.alpha[r] = std::exp(m_old - shift);
+          detail::exp_shifted(row, shift);
+          ws.run_sum[t] = ws.alpha[r] * ws.run_sum[t] + row.sum();
+          ws.run_max[t] = m_new;
+        }
+        if (n < G) ws.s.bottomRows(G - n).setZero();
+        ws.pv.noalias() = ws.s * vj;
+        for (Index r = 0; r < n; ++r) {
+          const Index t = tokens[r];
+          ws.acc.row(t) = ws.alpha[r] * ws.acc.row(t) + ws.pv.row(r);
+        }
+      }
+    }
+    for (Index t = 0; t < length; ++t) {
+      // The sum is 0 only when every key was masked (a visible key contributes exp(0) = 1 at the max).
+      if (ws.run_sum[t] == Scalar(0)) {
+        out.block(base + t, h * dh, 1, dh).setZero();
+      } else {
+        out.block(base + t, h * dh, 1, dh) = ws.acc.row(t) / ws.run_sum[t];
+      }
+    }
   });
 }
 
