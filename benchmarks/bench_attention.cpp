@@ -97,12 +97,10 @@ void BM_Gemm(benchmark::State& state) {
   });
 }
 
-void BM_Mha(benchmark::State& state, c2f::AttentionKernel kernel) {
+void BM_Mha(benchmark::State& state, c2f::AttnKernel kernel) {
   const Index length = state.range(0);
-  c2f::MultiHeadAttention<float>::Options options;
-  options.num_threads = bench_threads();
-  options.kernel = kernel;
-  const c2f::MultiHeadAttention<float> mha(kEmbed, kHeads, options);
+  const c2f::MultiHeadAttention<float> mha(
+      kEmbed, kHeads, c2f::MultiHeadAttention<float>::Options().num_threads(bench_threads()).kernel(kernel));
   const c2f::Tensor3<float> x = random_input(length);
   const double L = double(length), E = double(kEmbed);
   run(state, 8.0 * L * E * E + 4.0 * L * L * E, length, [&] { return mha.forward(x); });
@@ -110,7 +108,7 @@ void BM_Mha(benchmark::State& state, c2f::AttentionKernel kernel) {
 
 void BM_C2F(benchmark::State& state) {
   const Index length = state.range(0), chunk = state.range(1);
-  const c2f::C2FAttention<float> attn(kEmbed, kHeads, chunk, {bench_threads(), c2f::FinePath::Auto, 0});
+  const c2f::C2FAttention<float> attn(kEmbed, kHeads, chunk, c2f::C2FAttention<float>::Options().num_threads(bench_threads()));
   const c2f::Tensor3<float> x = random_input(length);
   const double L = double(length), E = double(kEmbed), H = double(kHeads);
   const double m = double((length + chunk - 1) / chunk);
@@ -120,9 +118,7 @@ void BM_C2F(benchmark::State& state) {
 
 void BM_HMHA(benchmark::State& state) {
   const Index length = state.range(0), window = state.range(1);
-  c2f::HMHA<float>::Options options;
-  options.num_threads = bench_threads();
-  const c2f::HMHA<float> hmha(kEmbed, kHeads, window, options);
+  const c2f::HMHA<float> hmha(kEmbed, kHeads, window, c2f::HMHA<float>::Options().num_threads(bench_threads()));
   const c2f::Tensor3<float> x = random_input(length);
   const double L = double(length), E = double(kEmbed), W = double(window);
   const double n = double((length + window - 1) / window);
@@ -156,8 +152,8 @@ const SparseReference& sparse_reference(const c2f::MultiHeadAttention<float>& mh
   auto it = cache.find({length, causal});
   if (it == cache.end()) {
     SparseReference ref{random_walk_input(length), {}};
-    c2f::AttentionMasks<float> masks;
-    if (causal) masks.attn_mask = c2f::AttnMask<float>::causal();
+    c2f::Masks<float> masks;
+    if (causal) masks.attn_mask(c2f::AttnMask<float>::causal());
     ref.y = mha.forward(ref.x, masks);
     it = cache.emplace(std::make_pair(length, causal), std::move(ref)).first;
   }
@@ -169,12 +165,14 @@ enum SparseMode : Index { kPerChunk = 0, kPerToken = 1, kPerTokenCausal = 2 };
 
 void BM_Sparse(benchmark::State& state) {
   const Index length = state.range(0), chunk = state.range(1), top_k = state.range(2), mode = state.range(3);
-  c2f::SparseC2FAttention<float>::Options options;
-  options.num_threads = bench_threads();
-  options.gating = mode == kPerChunk ? c2f::Gating::PerChunk : c2f::Gating::PerToken;
   const bool causal = mode == kPerTokenCausal;
-  const c2f::SparseC2FAttention<float> sparse(kEmbed, kHeads, chunk, top_k, causal, options);
-  const SparseReference& ref = sparse_reference(sparse.dense(), length, causal);
+  const c2f::SparseC2FAttention<float> sparse(
+      kEmbed, kHeads, chunk, top_k,
+      c2f::SparseC2FAttention<float>::Options()
+          .num_threads(bench_threads())
+          .causal(causal)
+          .gating(mode == kPerChunk ? c2f::Gating::PerChunk : c2f::Gating::PerToken));
+  const SparseReference& ref = sparse_reference(sparse.as_multihead_attention(), length, causal);
   const Index m = (length + chunk - 1) / chunk;
   const double L = double(length), E = double(kEmbed), keys = double(std::min(top_k, m) * chunk);
   // Chunk scores: m² summaries (per chunk) or L·m (per token; causal: about half of them).
@@ -205,10 +203,10 @@ void register_sweep(bool long_sweep) {
   const std::vector<Index> chunks = {8, 16, 32, 64, 128, 256};
   for (Index L : lengths) {
     benchmark::RegisterBenchmark("gemm", BM_Gemm)->Arg(L)->Unit(benchmark::kMillisecond)->UseRealTime();
-    benchmark::RegisterBenchmark("mha_streaming", BM_Mha, c2f::AttentionKernel::Streaming)
+    benchmark::RegisterBenchmark("mha_streaming", BM_Mha, c2f::AttnKernel::Streaming)
         ->Arg(L)->Unit(benchmark::kMillisecond)->UseRealTime();
     if (L <= naive_max) {
-      benchmark::RegisterBenchmark("mha_naive", BM_Mha, c2f::AttentionKernel::Naive)
+      benchmark::RegisterBenchmark("mha_naive", BM_Mha, c2f::AttnKernel::Naive)
           ->Arg(L)->Unit(benchmark::kMillisecond)->UseRealTime();
     }
     for (Index chunk : chunks) {

@@ -54,7 +54,7 @@ struct Peer {
     c2f::StateDict sd;
     for (const auto& p : torch_mha->named_parameters()) sd.set(p.key(), to_tensor_data(p.value()));
     c2f::MultiHeadAttention<float>::Options options;
-    options.num_threads = bench_threads();
+    options.num_threads(bench_threads());
     c2f_mha = std::make_unique<c2f::MultiHeadAttention<float>>(kEmbed, kHeads, options);
     c2f_mha->load_state_dict(sd);
     x = torch::randn({L, 1, kEmbed});

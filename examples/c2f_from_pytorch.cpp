@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
     c2f::C2FAttention<float> attn(meta("d_model"), meta("n_heads"), meta("chunk_size"));
     attn.load_state_dict(sd, "c2f.");
     std::printf("C2FAttention(d_model=%ld, n_heads=%ld, chunk_size=%ld) loaded from %s\n",
-                static_cast<long>(attn.d_model()), static_cast<long>(attn.n_heads()),
+                static_cast<long>(attn.embed_dim()), static_cast<long>(attn.num_heads()),
                 static_cast<long>(attn.chunk_size()), path.c_str());
 
     const c2f::Tensor3<float> x = example::tensor3(sd, "x");

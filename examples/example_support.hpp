@@ -3,12 +3,22 @@
 #pragma once
 
 #include <c2f/c2f.hpp>
+#include <c2f/io/safetensors.hpp>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 namespace example {
+
+/// "[2, 3, 4]".
+inline std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
 
 /// A [batch, seq, features] tensor of the file, converted to float.
 inline c2f::Tensor3<float> tensor3(const c2f::StateDict& sd, const std::string& name) {

@@ -23,7 +23,7 @@ int main(int argc, char** argv) {
     std::printf("loaded %zu tensors from %s\n", sd.size(), path.c_str());
     for (const std::string& key : sd.keys("mha.")) {
       const c2f::TensorData& t = sd.at(key);
-      std::printf("  %-24s %-4s %s\n", key.c_str(), c2f::dtype_name(t.dtype()), c2f::detail::shape_string(t.shape()).c_str());
+      std::printf("  %-24s %-4s %s\n", key.c_str(), c2f::dtype_name(t.dtype()), example::shape_text(t.shape()).c_str());
     }
 
     c2f::MultiHeadAttention<float> mha(meta("embed_dim"), meta("num_heads"));

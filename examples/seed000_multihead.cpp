@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   try {
     const c2f::StateDict sd = c2f::load_safetensors(path);
     for (const std::string& key : sd.keys(prefix)) {
-      std::printf("  %-28s %s\n", key.c_str(), c2f::detail::shape_string(sd.at(key).shape()).c_str());
+      std::printf("  %-28s %s\n", key.c_str(), example::shape_text(sd.at(key).shape()).c_str());
     }
     c2f::MultiHeadAttention<float> mha(std::stol(sd.metadata().at("d_model")), std::stol(sd.metadata().at("n_heads")));
     mha.load_state_dict(sd, prefix);  // qkv_proj.* is accepted as in_proj_*

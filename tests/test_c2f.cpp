@@ -26,6 +26,12 @@ using c2f_test::same_bits;
 using c2f_test::Tolerance;
 using c2f_test::TestRng;
 
+// Masks of a C2FAttention call with only the fine stage's mask.
+template <class Scalar>
+c2f::Masks<Scalar> fine_only(const c2f::AttnMask<Scalar>& mask) {
+  return c2f::Masks<Scalar>().fine_attn_mask(mask);
+}
+
 // ------------------------------------------------------------------------------------------------
 // PyTorch fixtures (tests/reference/c2f_reference.py: seed 004's modules, the two bugs fixed, padding)
 
@@ -49,15 +55,16 @@ void check_fixture(const nlohmann::json& c) {
       m.load_state_dict(sd, "c2f.");
       m.set_num_threads(threads);
       const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
-      const c2f::C2FMasks<Scalar> masks{keep_mask<Scalar>(sd, "coarse_mask", "coarse_mask"),
-                                        keep_mask<Scalar>(sd, "fine_mask", "fine_mask")};
+      c2f::Masks<Scalar> masks;
+      masks.attn_mask(keep_mask<Scalar>(sd, "coarse_mask", "coarse_mask"));
+      masks.fine_attn_mask(keep_mask<Scalar>(sd, "fine_mask", "fine_mask"));
       const Tensor3<Scalar> summaries = m.coarse_input(x);
       const std::vector<Scalar> want_in = c2f_test::values<Scalar>(sd, "coarse_input");
       ASSERT_EQ(static_cast<std::size_t>(summaries.size()), want_in.size()) << what;
       expect_close(summaries.data(), want_in.data(), summaries.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
                    what + " coarse_input");
       const std::vector<Scalar> want_ctx = c2f_test::values<Scalar>(sd, "coarse_output");
-      const Tensor3<Scalar> ctx = m.coarse_attn().forward(summaries, masks.coarse);
+      const Tensor3<Scalar> ctx = m.coarse_attn().forward(summaries, c2f::Masks<Scalar>().attn_mask(masks.attn_mask()));
       expect_close(ctx.data(), want_ctx.data(), ctx.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, what + " coarse_output");
 
       std::vector<FinePath> paths = {FinePath::Auto, FinePath::General};
@@ -72,22 +79,23 @@ void check_fixture(const nlohmann::json& c) {
                      what + " path " + std::to_string(static_cast<int>(path)));
       }
     } else if (module == "coarse") {
-      c2f::CoarseAttention<Scalar> m(d, heads, {threads, 0});
+      c2f::CoarseAttention<Scalar> m(d, heads, typename c2f::CoarseAttention<Scalar>::Options().num_threads(threads));
       m.load_state_dict(sd, "coarse.");
-      const Tensor3<Scalar> y = m.forward(c2f_test::tensor3<Scalar>(sd, "x"), keep_mask<Scalar>(sd, "mask", "mask"));
+      const Tensor3<Scalar> y = m.forward(c2f_test::tensor3<Scalar>(sd, "x"), c2f::Masks<Scalar>().attn_mask(keep_mask<Scalar>(sd, "mask", "mask")));
       ASSERT_EQ(static_cast<std::size_t>(y.size()), want.size()) << what;
       expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, what);
     } else {
       ASSERT_EQ(module, "fine");
-      c2f::FineAttention<Scalar> m(d, heads, {threads, FinePath::Auto, 0});
+      c2f::FineAttention<Scalar> m(d, heads, typename c2f::FineAttention<Scalar>::Options().num_threads(threads));
       m.load_state_dict(sd, "fine.");
       const c2f::TensorData& xt = sd.at("x");
       c2f::Tensor4<Scalar> x(xt.shape()[0], xt.shape()[1], xt.shape()[2], xt.shape()[3]);
       xt.copy_to(x.data());
       for (FinePath path : {FinePath::Auto, FinePath::General}) {
-        m.set_path(path);
+        m.set_fine_path(path);
         const c2f::Tensor4<Scalar> y =
-            m.forward(x, c2f_test::tensor3<Scalar>(sd, "coarse_context"), keep_mask<Scalar>(sd, "mask", "mask"));
+            m.forward(x, c2f_test::tensor3<Scalar>(sd, "coarse_context"),
+                      c2f::Masks<Scalar>().attn_mask(keep_mask<Scalar>(sd, "mask", "mask")));
         ASSERT_EQ(y.dimensions(), x.dimensions()) << what;
         expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, what);
       }
@@ -147,14 +155,17 @@ TYPED_TEST(C2FPathTest, FoldedPathEqualsGeneralPathOnRandomShapes) {
     const Index length = std::max<Index>(
         1, rng.pick(std::vector<Index>{1, chunk - 1, chunk, chunk + 1, 37, 61, 97, rng.uniform_int(2, 150)}));
     const Index batch = rng.uniform_int(1, 3);
-    C2FAttention<Scalar> m(d, heads, chunk, {static_cast<int>(rng.uniform_int(1, 2)), FinePath::Folded, 0});
+    C2FAttention<Scalar> m(d, heads, chunk,
+                           typename C2FAttention<Scalar>::Options()
+                               .num_threads(static_cast<int>(rng.uniform_int(1, 2)))
+                               .fine_path(FinePath::Folded));
     randomize(m, rng);
     const Tensor3<Scalar> x = rng.tensor<Scalar>(batch, length, d);
     const Index nchunks = (length + chunk - 1) / chunk;
 
     // Half the shapes use a fine mask whose rows are equal within each chunk (a per-chunk key mask),
     // with some chunks fully masked; the folded path must accept it.
-    c2f::C2FMasks<Scalar> masks;
+    c2f::Masks<Scalar> masks;
     std::string mask_desc = "none";
     if (rep % 2 == 1) {
       c2f::BoolTensor3 keep(batch * nchunks, chunk, chunk);
@@ -165,7 +176,7 @@ TYPED_TEST(C2FPathTest, FoldedPathEqualsGeneralPathOnRandomShapes) {
           for (Index t = 0; t < chunk; ++t) keep(c, t, j) = kj;
         }
       }
-      masks.fine = c2f::AttnMask<Scalar>::keep(keep);
+      masks.fine_attn_mask(c2f::AttnMask<Scalar>::keep(keep));
       mask_desc = "per-chunk keys";
     }
     std::ostringstream what;
@@ -182,16 +193,16 @@ TYPED_TEST(C2FPathTest, FoldedPathEqualsGeneralPathOnRandomShapes) {
 }
 
 TEST(C2FPath, FoldedPathRejectsMasksWhoseRowsDiffer) {
-  C2FAttention<float> m(8, 2, 4, {1, FinePath::Folded, 0});
+  C2FAttention<float> m(8, 2, 4, C2FAttention<float>::Options().num_threads(1).fine_path(FinePath::Folded));
   TestRng rng(32);
   const Tensor3<float> x = rng.tensor<float>(1, 8, 8);
   c2f::BoolTensor2 causal(4, 4);
   for (Index i = 0; i < 4; ++i) {
     for (Index j = 0; j < 4; ++j) causal(i, j) = j <= i;
   }
-  EXPECT_THROW(m.forward(x, {{}, c2f::AttnMask<float>::keep(causal)}), std::invalid_argument);
+  EXPECT_THROW(m.forward(x, fine_only(c2f::AttnMask<float>::keep(causal))), std::invalid_argument);
   m.set_fine_path(FinePath::Auto);  // Auto falls back to the general path
-  const Tensor3<float> y = m.forward(x, {{}, c2f::AttnMask<float>::keep(causal)});
+  const Tensor3<float> y = m.forward(x, fine_only(c2f::AttnMask<float>::keep(causal)));
   EXPECT_TRUE(Eigen::Map<const Eigen::ArrayXf>(y.data(), y.size()).allFinite());
 }
 
@@ -265,7 +276,7 @@ TEST(C2FMasks, FullyMaskedFineRowOutputsOutProjBias) {
   keep.setConstant(true);
   for (Index j = 0; j < 4; ++j) keep(1, 2, j) = false;  // chunk 1, token 2 (= token 6) sees nothing
   const std::vector<float> bias = m.state_dict().at("fine_attn.out_proj.bias").to_vector<float>();
-  const Tensor3<float> y = m.forward(x, {{}, c2f::AttnMask<float>::keep(keep)});
+  const Tensor3<float> y = m.forward(x, fine_only(c2f::AttnMask<float>::keep(keep)));
   for (Index j = 0; j < 8; ++j) EXPECT_EQ(y(0, 6, j), bias[static_cast<std::size_t>(j)]);
   EXPECT_NE(y(0, 5, 0), bias[0]);
   // A whole chunk masked for every row: the folded path takes it, with the same result.
@@ -276,7 +287,7 @@ TEST(C2FMasks, FullyMaskedFineRowOutputsOutProjBias) {
   }
   for (FinePath path : {FinePath::Folded, FinePath::General}) {
     m.set_fine_path(path);
-    const Tensor3<float> z = m.forward(x, {{}, c2f::AttnMask<float>::keep(chunk_hidden)});
+    const Tensor3<float> z = m.forward(x, fine_only(c2f::AttnMask<float>::keep(chunk_hidden)));
     for (Index t = 0; t < 4; ++t) {
       for (Index j = 0; j < 8; ++j) EXPECT_EQ(z(0, t, j), bias[static_cast<std::size_t>(j)]);
     }
@@ -291,12 +302,12 @@ TEST(C2FMasks, WrongMaskShapesNameTheShapes) {
   fine.setConstant(true);
   coarse.setConstant(true);
   try {
-    m.forward(x, {{}, c2f::AttnMask<float>::keep(fine)});
+    m.forward(x, fine_only(c2f::AttnMask<float>::keep(fine)));
     ADD_FAILURE() << "expected std::invalid_argument";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("[5, 4, 4]"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(m.forward(x, {c2f::AttnMask<float>::keep(coarse), {}}), std::invalid_argument);
+  EXPECT_THROW(m.forward(x, c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::keep(coarse))), std::invalid_argument);
   EXPECT_THROW(m.forward(rng.tensor<float>(2, 10, 6)), std::invalid_argument);
   EXPECT_THROW(C2FAttention<float>(10, 3, 4), std::invalid_argument);
   EXPECT_THROW(C2FAttention<float>(8, 2, 0), std::invalid_argument);
@@ -322,8 +333,9 @@ TEST(C2FThreads, OutputBitsIdenticalForOneAndTwoThreads) {
 
 TEST(C2FInit, SeedAdviceIsFollowedDeterministically) {
   const Index d = 64;
-  C2FAttention<double> a(d, 4, 8, {1, FinePath::Auto, 5}), b(d, 4, 8, {1, FinePath::Auto, 5}),
-      c(d, 4, 8, {1, FinePath::Auto, 6});
+  C2FAttention<double> a(d, 4, 8, C2FAttention<double>::Options().num_threads(1).seed(5)),
+      b(d, 4, 8, C2FAttention<double>::Options().num_threads(1).seed(5)),
+      c(d, 4, 8, C2FAttention<double>::Options().num_threads(1).seed(6));
   const StateDict sa = a.state_dict(), sb = b.state_dict(), sc = c.state_dict();
   for (const auto& [key, t] : sa) EXPECT_EQ(t.bytes(), sb.at(key).bytes()) << key;
   EXPECT_NE(sa.at("fine_attn.q_proj.weight").bytes(), sc.at("fine_attn.q_proj.weight").bytes());
@@ -363,7 +375,7 @@ TEST(C2FStateDict, NamesAreThePyTorchModulesNames) {
                       "c2f.fine_attn.kv_proj.bias", "c2f.fine_attn.kv_proj.weight", "c2f.fine_attn.out_proj.bias",
                       "c2f.fine_attn.out_proj.weight", "c2f.fine_attn.q_proj.bias", "c2f.fine_attn.q_proj.weight"}));
   StateDict sd = m.state_dict("c2f");
-  C2FAttention<float> other(16, 4, 8, {1, FinePath::Auto, 9});
+  C2FAttention<float> other(16, 4, 8, C2FAttention<float>::Options().num_threads(1).seed(9));
   other.load_state_dict(sd, "c2f");
   sd.set("c2f.fine_attn.extra", c2f::TensorData::from_values(std::vector<float>(1).data(), {1}));
   try {

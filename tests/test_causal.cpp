@@ -113,17 +113,17 @@ TYPED_TEST_SUITE(CausalTyped, Scalars);
 TYPED_TEST(CausalTyped, MultiHeadAttentionWithCausalMask) {
   using Scalar = TypeParam;
   TestRng rng(301);
-  for (c2f::AttentionKernel kernel : {c2f::AttentionKernel::Streaming, c2f::AttentionKernel::Naive}) {
+  for (c2f::AttnKernel kernel : {c2f::AttnKernel::Streaming, c2f::AttnKernel::Naive}) {
     typename c2f::MultiHeadAttention<Scalar>::Options o;
-    o.kernel = kernel;
-    o.query_block = 8;  // several query and key blocks, so block skipping is exercised
-    o.key_block = 16;
+    o.kernel(kernel);
+    o.query_block(8);  // several query and key blocks, so block skipping is exercised
+    o.key_block(16);
     c2f::MultiHeadAttention<Scalar> mha(16, 4, o);
     randomize(mha, rng);
     const Tensor3<Scalar> x = rng.tensor<Scalar>(2, 45, 16);
-    c2f::AttentionMasks<Scalar> causal;
-    causal.attn_mask = c2f::AttnMask<Scalar>::causal();
-    const std::string name = kernel == c2f::AttentionKernel::Naive ? "naive" : "streaming";
+    c2f::Masks<Scalar> causal;
+    causal.attn_mask(c2f::AttnMask<Scalar>::causal());
+    const std::string name = kernel == c2f::AttnKernel::Naive ? "naive" : "streaming";
     expect_causal<Scalar>([&](const Tensor3<Scalar>& in) { return mha.forward(in, causal); }, x, 8, rng,
                           "MHA causal " + name);
     expect_not_causal<Scalar>([&](const Tensor3<Scalar>& in) { return mha.forward(in); }, x, 8, rng,
@@ -137,7 +137,7 @@ TYPED_TEST(CausalTyped, Hmha) {
   for (Index window : {1, 4, 5}) {
     for (bool causal : {true, false}) {
       typename c2f::HMHA<Scalar>::Options o;
-      o.causal = causal;
+      o.causal(causal);
       c2f::HMHA<Scalar> hmha(16, 4, window, o);
       randomize(hmha, rng);
       const Tensor3<Scalar> x = rng.tensor<Scalar>(2, 23, 16);
@@ -160,7 +160,7 @@ TYPED_TEST(CausalTyped, SparseC2FAttention) {
       for (c2f::Gating gating : {c2f::Gating::Auto, c2f::Gating::PerChunk, c2f::Gating::PerToken}) {
         const bool causal = gating == c2f::Gating::Auto;  // causal: per-token gating
         typename c2f::SparseC2FAttention<Scalar>::Options o;
-        o.gating = gating;
+        o.gating(gating);
         c2f::SparseC2FAttention<Scalar> sparse(16, 2, chunk, top_k, causal, o);
         randomize(sparse, rng, 0.6);
         const Tensor3<Scalar> x = rng.tensor<Scalar>(2, 33, 16);

@@ -46,7 +46,7 @@ std::vector<Layer> all_layers(TestRng& rng, Index d, Index heads) {
   auto c2f_attn = std::make_shared<c2f::C2FAttention<float>>(d, heads, 4);
   auto c3k2 = std::make_shared<c2f::C3K2Projection<float>>(d, heads);
   auto hmha = std::make_shared<c2f::HMHA<float>>(d, heads, 4);
-  auto conv = std::make_shared<c2f::Conv1d<float>>(d, d, 3, c2f::Conv1d<float>::Options{1, 2, true, 0, 0});
+  auto conv = std::make_shared<c2f::Conv1d<float>>(d, d, 3, c2f::Conv1d<float>::Options().padding(1).groups(2));
   randomize(*mha, rng);
   randomize(*coarse, rng);
   randomize(*c2f_attn, rng);
@@ -125,13 +125,13 @@ TEST(EdgeShapes, LengthOneIsOutProjOfValueProjection) {
   // causal drops level 2 (no earlier window).
   for (bool causal : {false, true}) {
     c2f::HMHA<double>::Options o;
-    o.causal = causal;
+    o.causal(causal);
     c2f::HMHA<double> hmha(8, 2, 4, o);
     randomize(hmha, rng);
     const Tensor3<double> hv = hmha.v_proj().forward(x);
     RowMatrix<double> expect_o = Eigen::Map<const RowMatrix<double>>(hv.data(), 3, 8) * (causal ? 2.0 : 3.0);
     RowMatrix<double> expect_y(3, 8);
-    hmha.out_proj().forward_rows(expect_o, expect_y, 1);
+    hmha.out_proj().forward_rows(expect_o, expect_y);
     const Tensor3<double> y_hmha = hmha.forward(x);
     expect_close(y_hmha.data(), expect_y.data(), y_hmha.size(), 1e-12, 1e-12, causal ? "HMHA L = 1 causal" : "HMHA L = 1");
   }
@@ -158,7 +158,7 @@ TEST(EdgeShapes, ChunkOrWindowLongerThanTheSequence) {
 TEST(EdgeShapes, WindowOneCrossLevelIsFullAttention) {
   TestRng rng(55);
   c2f::HMHA<double>::Options o;
-  o.levels = {false, true, false};
+  o.levels({false, true, false});
   c2f::HMHA<double> hmha(8, 2, 1, o);
   const RowMatrix<double> q = rng.matrix<double>(14, 8), k = rng.matrix<double>(14, 8), v = rng.matrix<double>(14, 8);
   RowMatrix<double> got = RowMatrix<double>::Zero(14, 8), want(14, 8);
@@ -166,7 +166,7 @@ TEST(EdgeShapes, WindowOneCrossLevelIsFullAttention) {
   c2f::kernels::sdpa_naive<double>(c2f::kernels::heads_view<const double>(q.data(), 2, 7, 8, 0, 2, 4),
                                    c2f::kernels::heads_view<const double>(k.data(), 2, 7, 8, 0, 2, 4),
                                    c2f::kernels::heads_view<const double>(v.data(), 2, 7, 8, 0, 2, 4),
-                                   c2f::kernels::heads_view<double>(want.data(), 2, 7, 8, 0, 2, 4), {}, {});
+                                   c2f::kernels::heads_view<double>(want.data(), 2, 7, 8, 0, 2, 4), {}, 0.5, {});
   EXPECT_LT((got - want).cwiseAbs().maxCoeff(), 1e-12);
 }
 
@@ -255,9 +255,9 @@ TEST(EdgeMasks, FullyMaskedRowsAndFullyMaskedKeyBlocks) {
   for (Index i = 0; i < L; ++i) {
     for (Index j = 0; j < L; ++j) keep(i, j) = i == 5 ? false : (j >= 512 || j == i);  // key blocks 0, 1 hidden
   }
-  const c2f::AttentionMasks<float> masks{c2f::AttnMask<float>::keep(keep), {}};
+  const c2f::Masks<float> masks = c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::keep(keep));
   const Tensor3<float> streaming = mha.forward(x, masks);
-  mha.set_kernel(c2f::AttentionKernel::Naive);
+  mha.set_kernel(c2f::AttnKernel::Naive);
   const Tensor3<float> naive = mha.forward(x, masks);
   ASSERT_TRUE(all_finite(streaming));
   expect_close(streaming.data(), naive.data(), streaming.size(), 1e-5, 1e-5, "streaming vs naive");
@@ -269,7 +269,8 @@ TEST(EdgeMasks, FullyMaskedRowsAndFullyMaskedKeyBlocks) {
   c2f::BoolTensor2 coarse(3, 3);
   coarse.setConstant(true);
   for (Index j = 0; j < 3; ++j) coarse(1, j) = false;
-  const Tensor3<float> y = c2f_attn.forward(rng.tensor<float>(1, 12, 8), {c2f::AttnMask<float>::keep(coarse), {}});
+  const Tensor3<float> y = c2f_attn.forward(rng.tensor<float>(1, 12, 8),
+                                             c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::keep(coarse)));
   EXPECT_TRUE(all_finite(y));
 }
 
@@ -295,12 +296,14 @@ TEST(EdgeMasks, MinusInfinityAndLowestMasksAgree) {
     pad_lowest(0, j) = j == 8 ? std::numeric_limits<float>::lowest() : 0.f;
     pad_lowest(1, j) = 0.f;
   }
-  for (c2f::AttentionKernel kernel : {c2f::AttentionKernel::Streaming, c2f::AttentionKernel::Naive}) {
+  for (c2f::AttnKernel kernel : {c2f::AttnKernel::Streaming, c2f::AttnKernel::Naive}) {
     mha.set_kernel(kernel);
-    const Tensor3<float> a = mha.forward(x, {c2f::AttnMask<float>::additive(with_inf),
-                                             c2f::KeyPaddingMask<float>::additive(pad_inf)});
-    const Tensor3<float> b = mha.forward(x, {c2f::AttnMask<float>::additive(with_lowest),
-                                             c2f::KeyPaddingMask<float>::additive(pad_lowest)});
+    const Tensor3<float> a = mha.forward(x, c2f::Masks<float>()
+                                                .attn_mask(c2f::AttnMask<float>::additive(with_inf))
+                                                .key_padding_mask(c2f::KeyPaddingMask<float>::additive(pad_inf)));
+    const Tensor3<float> b = mha.forward(x, c2f::Masks<float>()
+                                                .attn_mask(c2f::AttnMask<float>::additive(with_lowest))
+                                                .key_padding_mask(c2f::KeyPaddingMask<float>::additive(pad_lowest)));
     EXPECT_TRUE(same_bits(a, b));
     EXPECT_TRUE(all_finite(a));
     for (Index j = 0; j < 8; ++j) EXPECT_EQ(a(0, 4, j), mha.out_proj().bias()[j]);
@@ -360,16 +363,16 @@ TEST(EdgeMetamorphic, ConstantQueriesAndKeysAverageTheValues) {
   q.rowwise() = rng.matrix<double>(1, H * dh).row(0);
   k.rowwise() = rng.matrix<double>(1, H * dh).row(0);
   const RowMatrix<double> v = rng.matrix<double>(B * L, H * dh);
-  for (c2f::AttentionKernel kernel : {c2f::AttentionKernel::Streaming, c2f::AttentionKernel::Naive}) {
+  for (c2f::AttnKernel kernel : {c2f::AttnKernel::Streaming, c2f::AttnKernel::Naive}) {
     RowMatrix<double> out(B * L, H * dh);
     const c2f::kernels::HeadsView<const double> qv = c2f::kernels::heads_view<const double>(q.data(), B, L, H * dh, 0, H, dh),
                                                 kv = c2f::kernels::heads_view<const double>(k.data(), B, L, H * dh, 0, H, dh),
                                                 vv = c2f::kernels::heads_view<const double>(v.data(), B, L, H * dh, 0, H, dh);
     const c2f::kernels::HeadsView<double> ov = c2f::kernels::heads_view<double>(out.data(), B, L, H * dh, 0, H, dh);
-    if (kernel == c2f::AttentionKernel::Streaming) {
-      c2f::kernels::sdpa_streaming<double>(qv, kv, vv, ov, {}, {});
+    if (kernel == c2f::AttnKernel::Streaming) {
+      c2f::kernels::sdpa_streaming<double>(qv, kv, vv, ov, {}, 0.5, {});
     } else {
-      c2f::kernels::sdpa_naive<double>(qv, kv, vv, ov, {}, {});
+      c2f::kernels::sdpa_naive<double>(qv, kv, vv, ov, {}, 0.5, {});
     }
     for (Index b = 0; b < B; ++b) {
       const Eigen::RowVectorXd mean = v.middleRows(b * L, L).colwise().mean();

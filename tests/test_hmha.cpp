@@ -48,10 +48,10 @@ TYPED_TEST(HmhaTyped, Conv1dAndC3K2MatchTorch) {
     for (int threads : {1, 2}) {
       if (sd.metadata().at("module") == "conv1d") {
         typename c2f::Conv1d<Scalar>::Options o;
-        o.padding = meta_index(sd, "padding");
-        o.groups = meta_index(sd, "groups");
-        o.bias = sd.metadata().at("bias") == "true";
-        o.num_threads = threads;
+        o.padding(meta_index(sd, "padding"));
+        o.groups(meta_index(sd, "groups"));
+        o.bias(sd.metadata().at("bias") == "true");
+        o.num_threads(threads);
         c2f::Conv1d<Scalar> conv(meta_index(sd, "in_channels"), meta_index(sd, "out_channels"),
                                  meta_index(sd, "kernel_size"), o);
         conv.load_state_dict(sd, "conv");
@@ -59,8 +59,8 @@ TYPED_TEST(HmhaTyped, Conv1dAndC3K2MatchTorch) {
       } else {
         ASSERT_EQ(sd.metadata().at("module"), "c3k2");
         typename c2f::C3K2Projection<Scalar>::Options o;
-        o.num_threads = threads;
-        o.causal = sd.metadata().at("causal") == "true";
+        o.num_threads(threads);
+        o.causal(sd.metadata().at("causal") == "true");
         c2f::C3K2Projection<Scalar> proj(meta_index(sd, "dim"), meta_index(sd, "heads"), o);
         proj.load_state_dict(sd, "c3k2");
         y = proj.forward(x);
@@ -86,7 +86,7 @@ TYPED_TEST(HmhaTyped, HmhaMatchesDenseTorchFormulation) {
     SCOPED_TRACE(name);
     const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
     typename HMHA<Scalar>::Options o;
-    o.causal = sd.metadata().at("causal") == "true";
+    o.causal(sd.metadata().at("causal") == "true");
     HMHA<Scalar> hmha(meta_index(sd, "dim"), meta_index(sd, "heads"), meta_index(sd, "window"), o);
     hmha.load_state_dict(sd, "hmha.");
     const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
@@ -163,19 +163,19 @@ TYPED_TEST(HmhaTyped, WindowedKernelsMatchDenseTwinOnRandomShapes) {
         std::max<Index>(1, rng.pick(std::vector<Index>{1, window - 1, window, window + 1, 37, 64, 65, 131}));
     const Index batch = rng.uniform_int(1, 2);
     typename HMHA<Scalar>::Options o;
-    o.causal = rng.coin();
-    o.levels = {rng.coin(0.7), rng.coin(0.7), rng.coin(0.7)};
-    o.num_threads = static_cast<int>(rng.uniform_int(1, 2));
+    o.causal(rng.coin());
+    o.levels({rng.coin(0.7), rng.coin(0.7), rng.coin(0.7)});
+    o.num_threads(static_cast<int>(rng.uniform_int(1, 2)));
     const HMHA<Scalar> hmha(dim, heads, window, o);
     const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, dim, 1.5), k = rng.matrix<Scalar>(batch * length, dim, 1.5),
                             v = rng.matrix<Scalar>(batch * length, dim);
     RowMatrix<Scalar> fast = RowMatrix<Scalar>::Zero(batch * length, dim);
     hmha.attend(q, k, v, batch, length, fast);
-    const RowMatrix<Scalar> dense = c2f_test::hmha_dense(q, k, v, batch, length, heads, window, o.causal, o.levels);
+    const RowMatrix<Scalar> dense = c2f_test::hmha_dense(q, k, v, batch, length, heads, window, o.causal(), o.levels());
     std::ostringstream what;
     what << "rep " << rep << ": batch=" << batch << " L=" << length << " W=" << window << " dim=" << dim
-         << " heads=" << heads << " causal=" << o.causal << " levels=" << o.levels.local << o.levels.cross
-         << o.levels.global;
+         << " heads=" << heads << " causal=" << o.causal() << " levels=" << o.levels().local << o.levels().cross
+         << o.levels().global;
     const double tol = std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
     expect_close(fast.data(), dense.data(), fast.size(), tol, tol, what.str());
   }
@@ -190,21 +190,21 @@ TEST(HmhaMetamorphic, WindowCoveringTheSequenceIsFullAttention) {
   TestRng rng(43);
   for (bool causal : {false, true}) {
     typename HMHA<double>::Options o;
-    o.levels = {true, false, false};
-    o.causal = causal;
+    o.levels({true, false, false});
+    o.causal(causal);
     HMHA<double> hmha(12, 3, 64, o);
     randomize(hmha, rng);
     const Tensor3<double> x = rng.tensor<double>(2, 50, 12);
     const Tensor3<double> y = hmha.forward(x);
     const Tensor3<double> q = hmha.q_proj().forward(x), k = hmha.k_proj().forward(x), v = hmha.v_proj().forward(x);
     const c2f::AttnMask<double> mask = causal ? c2f::AttnMask<double>::causal() : c2f::AttnMask<double>();
-    const c2f::detail::MaskPlan<double> plan(mask, {}, 2, 3, 50, 50);
+    const c2f::MaskView<double> plan(mask, {}, 2, 3, 50, 50);
     RowMatrix<double> attn(100, 12), want(100, 12);
     c2f::kernels::sdpa_naive<double>(c2f::kernels::heads_view<const double>(q.data(), 2, 50, 12, 0, 3, 4),
                                      c2f::kernels::heads_view<const double>(k.data(), 2, 50, 12, 0, 3, 4),
                                      c2f::kernels::heads_view<const double>(v.data(), 2, 50, 12, 0, 3, 4),
-                                     c2f::kernels::heads_view<double>(attn.data(), 2, 50, 12, 0, 3, 4), plan, {});
-    hmha.out_proj().forward_rows(attn, want, 1);
+                                     c2f::kernels::heads_view<double>(attn.data(), 2, 50, 12, 0, 3, 4), plan, 0.5, {});
+    hmha.out_proj().forward_rows(attn, want);
     expect_close(y.data(), want.data(), y.size(), 1e-12, 1e-12, causal ? "causal" : "non-causal");
   }
 }
@@ -213,7 +213,7 @@ TEST(HmhaThreads, OutputBitsIdenticalForOneAndTwoThreads) {
   TestRng rng(44);
   for (bool causal : {false, true}) {
     typename HMHA<float>::Options o;
-    o.causal = causal;
+    o.causal(causal);
     HMHA<float> hmha(32, 4, 16, o);
     randomize(hmha, rng);
     const Tensor3<float> x = rng.tensor<float>(2, 700, 32);
@@ -254,8 +254,8 @@ TEST(HmhaContract, NamesErrorsAndEmptyInput) {
   EXPECT_THROW(hmha.forward(rng.tensor<float>(1, 5, 12)), std::invalid_argument);
   const Tensor3<float> empty = hmha.forward(rng.tensor<float>(2, 0, 16));
   EXPECT_EQ(empty.dimension(1), 0);
-  EXPECT_THROW(c2f::Conv1d<float>(4, 6, 3, {0, 4, true, 1, 0}), std::invalid_argument);  // 6 % 4 != 0
-  EXPECT_THROW(c2f::Conv1d<float>(4, 4, 3, {1, 1, true, 1, 0, /*causal=*/true}), std::invalid_argument);
+  EXPECT_THROW(c2f::Conv1d<float>(4, 6, 3, c2f::Conv1d<float>::Options().groups(4)), std::invalid_argument);  // 6 % 4
+  EXPECT_THROW(c2f::Conv1d<float>(4, 4, 3, c2f::Conv1d<float>::Options().padding(1).causal(true)), std::invalid_argument);
   c2f::Conv1d<float> conv(4, 4, 5);
   EXPECT_THROW(conv.forward(rng.tensor<float>(1, 3, 4)), std::invalid_argument);  // shorter than the kernel
 }

@@ -95,6 +95,7 @@ struct Problem {
   c2f::kernels::HeadsView<const Scalar> view(const RowMatrix<Scalar>& m, Index seq, Index dim) const {
     return c2f::kernels::heads_view<const Scalar>(m.data(), batch, seq, heads * dim, 0, heads, dim);
   }
+  Scalar scale() const { return c2f::kernels::default_scale<Scalar>(dk); }
   c2f::kernels::HeadsView<Scalar> out_view(RowMatrix<Scalar>& m) const {
     return c2f::kernels::heads_view<Scalar>(m.data(), batch, lq, heads * dv, 0, heads, dv);
   }
@@ -163,15 +164,15 @@ TYPED_TEST(KernelTest, StreamingMatchesNaiveOnRandomShapes) {
   for (int rep = 0; rep < kShapes; ++rep) {
     const Problem<Scalar> p = random_problem<Scalar>(rng, rep);
     c2f::kernels::SdpaOptions opt;
-    opt.query_block = rng.pick(std::vector<Index>{1, 7, 16, 64});
-    opt.key_block = rng.pick(std::vector<Index>{1, 5, 32, 64, 300});
-    opt.num_threads = 1;
-    const c2f::detail::MaskPlan<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+    opt.query_block(rng.pick(std::vector<Index>{1, 7, 16, 64}));
+    opt.key_block(rng.pick(std::vector<Index>{1, 5, 32, 64, 300}));
+    opt.num_threads(1);
+    const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
     RowMatrix<Scalar> naive(p.batch * p.lq, p.heads * p.dv), fast(p.batch * p.lq, p.heads * p.dv);
-    c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, opt);
-    c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, opt);
+    c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt);
+    c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, p.scale(), opt);
     std::ostringstream what;
-    what << p.description << " query_block=" << opt.query_block << " key_block=" << opt.key_block;
+    what << p.description << " query_block=" << opt.query_block() << " key_block=" << opt.key_block();
     SCOPED_TRACE(what.str());
     ASSERT_TRUE(fast.allFinite());
     expect_close(fast, naive, tolerance<Scalar>(), tolerance<Scalar>(), what.str());
@@ -183,16 +184,16 @@ TYPED_TEST(KernelTest, OutputBitsDoNotDependOnThreadCount) {
   TestRng rng(3);
   for (int rep = 0; rep < 10; ++rep) {
     const Problem<Scalar> p = random_problem<Scalar>(rng, rep);
-    const c2f::detail::MaskPlan<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+    const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
     c2f::kernels::SdpaOptions opt;
-    opt.query_block = 16;
-    opt.key_block = 32;
+    opt.query_block(16);
+    opt.key_block(32);
     RowMatrix<Scalar> outs[2][2];
     for (int threads = 1; threads <= 2; ++threads) {
-      opt.num_threads = threads;
+      opt.num_threads(threads);
       for (RowMatrix<Scalar>& o : outs[threads - 1]) o.resize(p.batch * p.lq, p.heads * p.dv);
-      c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][0]), plan, opt);
-      c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][1]), plan, opt);
+      c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][0]), plan, p.scale(), opt);
+      c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][1]), plan, p.scale(), opt);
     }
     EXPECT_TRUE(bitwise_equal(outs[0][0], outs[1][0])) << p.description << ": streaming kernel";
     EXPECT_TRUE(bitwise_equal(outs[0][1], outs[1][1])) << p.description << ": naive kernel";
@@ -214,13 +215,13 @@ TYPED_TEST(KernelTest, FullyMaskedRowsGiveZeros) {
   for (Index j = 0; j < p.lk; ++j) keep(3, j) = false;  // row 3: nothing visible
   p.attn = c2f::AttnMask<Scalar>::keep(keep);
   p.pad = c2f::KeyPaddingMask<Scalar>::lengths({p.lk, 0});  // batch 1: no key at all
-  const c2f::detail::MaskPlan<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+  const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
   c2f::kernels::SdpaOptions opt;
-  opt.key_block = 16;
+  opt.key_block(16);
   RowMatrix<Scalar> naive(p.batch * p.lq, p.heads * p.dv), fast(p.batch * p.lq, p.heads * p.dv);
   c2f::Tensor4<Scalar> weights(p.batch, p.heads, p.lq, p.lk);
-  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, opt, weights.data());
-  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, opt);
+  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt, weights.data());
+  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, p.scale(), opt);
   for (Index b = 0; b < p.batch; ++b) {
     for (Index i = 0; i < p.lq; ++i) {
       const bool empty_row = b == 1 || i == 3;
@@ -254,13 +255,13 @@ TYPED_TEST(KernelTest, WholeMaskedKeyBlockStaysFinite) {
     }
   }
   p.attn = c2f::AttnMask<Scalar>::additive(band);
-  const c2f::detail::MaskPlan<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+  const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
   c2f::kernels::SdpaOptions opt;
-  opt.query_block = 8;
-  opt.key_block = 8;
+  opt.query_block(8);
+  opt.key_block(8);
   RowMatrix<Scalar> naive(p.lq, p.heads * p.dv), fast(p.lq, p.heads * p.dv);
-  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, opt);
-  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, opt);
+  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt);
+  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, p.scale(), opt);
   ASSERT_TRUE(fast.allFinite());
   ASSERT_FALSE(fast.isZero(0));
   expect_close(fast, naive, tolerance<Scalar>(), tolerance<Scalar>(), "banded mask");
@@ -275,12 +276,12 @@ TYPED_TEST(KernelTest, LargeLogitsStayFinite) {
   p.q = rng.matrix<Scalar>(p.lq, p.dk, 60.0);
   p.k = rng.matrix<Scalar>(p.lk, p.dk, 60.0);
   p.v = rng.matrix<Scalar>(p.lk, p.dv);
-  const c2f::detail::MaskPlan<Scalar> plan;
+  const c2f::MaskView<Scalar> plan;
   c2f::kernels::SdpaOptions opt;
-  opt.key_block = 7;
+  opt.key_block(7);
   RowMatrix<Scalar> naive(p.lq, p.dv), fast(p.lq, p.dv);
-  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, opt);
-  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, opt);
+  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt);
+  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, p.scale(), opt);
   const Scalar max_logit = (p.q * p.k.transpose()).cwiseAbs().maxCoeff() / Scalar(2);
   EXPECT_GT(max_logit, Scalar(1000));
   ASSERT_TRUE(fast.allFinite());
@@ -297,12 +298,12 @@ TYPED_TEST(KernelTest, NanInVisibleInputPropagates) {
   p.k = rng.matrix<Scalar>(p.lk, p.dk);
   p.v = rng.matrix<Scalar>(p.lk, p.dv);
   p.q(2, 1) = std::numeric_limits<Scalar>::quiet_NaN();
-  const c2f::detail::MaskPlan<Scalar> plan;
+  const c2f::MaskView<Scalar> plan;
   c2f::kernels::SdpaOptions opt;
-  opt.key_block = 3;
+  opt.key_block(3);
   RowMatrix<Scalar> naive(p.lq, p.dv), fast(p.lq, p.dv);
-  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, opt);
-  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, opt);
+  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt);
+  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, p.scale(), opt);
   for (Index i = 0; i < p.lq; ++i) {
     EXPECT_EQ(i == 2, std::isnan(fast(i, 0))) << "row " << i;
     EXPECT_EQ(i == 2, std::isnan(naive(i, 0))) << "row " << i;
@@ -320,15 +321,15 @@ TYPED_TEST(KernelTest, MaskedKeysGetExactlyZeroWeight) {
   p.k = rng.matrix<Scalar>(p.lk, p.dk);
   p.v = rng.matrix<Scalar>(p.lk, p.dv);
   p.pad = c2f::KeyPaddingMask<Scalar>::lengths({30});
-  const c2f::detail::MaskPlan<Scalar> plan(p.attn, p.pad, 1, 1, p.lq, p.lk);
+  const c2f::MaskView<Scalar> plan(p.attn, p.pad, 1, 1, p.lq, p.lk);
   c2f::kernels::SdpaOptions opt;
-  opt.key_block = 16;
+  opt.key_block(16);
   RowMatrix<Scalar> clean(p.lq, p.dv), fast(p.lq, p.dv), naive(p.lq, p.dv);
-  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(clean), plan, opt);
+  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(clean), plan, p.scale(), opt);
   p.v.bottomRows(7).setConstant(std::numeric_limits<Scalar>::max() / 4);  // behind the padding mask
   c2f::Tensor4<Scalar> weights(1, 1, p.lq, p.lk);
-  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, opt);
-  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, opt, weights.data());
+  c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, p.scale(), opt);
+  c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt, weights.data());
   EXPECT_TRUE(bitwise_equal(clean, fast));
   expect_close(naive, clean, tolerance<Scalar>(), tolerance<Scalar>(), "naive with garbage behind the mask");
   for (Index i = 0; i < p.lq; ++i) {
@@ -343,16 +344,16 @@ TYPED_TEST(KernelTest, MaskShapeErrorsNameBothShapes) {
   const c2f::AttnMask<Scalar> attn = c2f::AttnMask<Scalar>::keep(m);
   const c2f::KeyPaddingMask<Scalar> none;
   try {
-    c2f::detail::MaskPlan<Scalar> plan(attn, none, 2, 4, 5, 7);
+    c2f::MaskView<Scalar> plan(attn, none, 2, 4, 5, 7);
     FAIL() << "expected std::invalid_argument";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("[5, 7]"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("[5, 6]"), std::string::npos) << e.what();
   }
-  EXPECT_THROW((c2f::detail::MaskPlan<Scalar>(c2f::AttnMask<Scalar>(), c2f::KeyPaddingMask<Scalar>::lengths({3, 8}),
+  EXPECT_THROW((c2f::MaskView<Scalar>(c2f::AttnMask<Scalar>(), c2f::KeyPaddingMask<Scalar>::lengths({3, 8}),
                                               2, 1, 5, 7)),
                std::invalid_argument);  // length 8 > 7 keys
-  EXPECT_THROW((c2f::detail::MaskPlan<Scalar>(c2f::AttnMask<Scalar>(), c2f::KeyPaddingMask<Scalar>::lengths({3}),
+  EXPECT_THROW((c2f::MaskView<Scalar>(c2f::AttnMask<Scalar>(), c2f::KeyPaddingMask<Scalar>::lengths({3}),
                                               2, 1, 5, 7)),
                std::invalid_argument);  // one length for two batches
 }

@@ -20,7 +20,7 @@ struct Measured {
 Measured measure_forward(c2f::MultiHeadAttention<float>& mha, const c2f::Tensor3<float>& x, bool weights) {
   c2f_memory::reset();
   if (weights) {
-    const c2f::AttentionOutput<float> out = mha.forward_with_weights(x, x, x);
+    const c2f::AttnOutput<float> out = mha.forward_with_weights(x, x, x);
     EXPECT_EQ(out.weights.dimension(2), x.dimension(1));
   } else {
     const c2f::Tensor3<float> out = mha.forward(x);
@@ -100,7 +100,7 @@ TEST_F(MemoryTest, C2FFoldedPathHasNoTokenLevelKeyValueTensor) {
         EXPECT_EQ(c2f_memory::largest_allocation(), static_cast<long long>(L * d * sizeof(float))) << "L=" << L;
         // Output + (summaries, context, q, out per chunk) + per-chunk folded queries and pooled tokens.
         const long long predicted = static_cast<long long>(L * d * sizeof(float) +
-                                                           m.fine_attn().folded_workspace_bytes(1, L, chunk));
+                                                           m.fine_attn().workspace_bytes(1, L, chunk));
         EXPECT_LE(c2f_memory::peak_bytes(), predicted + predicted / 4) << "L=" << L;
         peak[i] = c2f_memory::peak_bytes();
       }

@@ -47,9 +47,9 @@ void expect_matches_torch(const Scalar* got, const std::vector<Scalar>& want, co
 template <class Scalar>
 typename MultiHeadAttention<Scalar>::Options options_from(const StateDict& sd) {
   typename MultiHeadAttention<Scalar>::Options o;
-  o.bias = sd.metadata().at("bias") == "true";
-  o.kdim = meta_index(sd, "kdim");
-  o.vdim = meta_index(sd, "vdim");
+  o.bias(sd.metadata().at("bias") == "true");
+  o.kdim(meta_index(sd, "kdim"));
+  o.vdim(meta_index(sd, "vdim"));
   return o;
 }
 
@@ -71,7 +71,7 @@ std::optional<std::vector<Index>> lengths_of(const c2f::TensorData& ignore_mask)
 // Every way c2f can express the fixture's masks: torch's tensors as given, the causal shorthand for
 // torch's causal bool mask, key lengths for a suffix padding mask, and keep-convention masks.
 template <class Scalar>
-std::vector<std::pair<std::string, c2f::AttentionMasks<Scalar>>> mask_variants(const StateDict& sd) {
+std::vector<std::pair<std::string, c2f::Masks<Scalar>>> mask_variants(const StateDict& sd) {
   const auto& meta = sd.metadata();
   std::vector<c2f::AttnMask<Scalar>> attn = {c2f::AttnMask<Scalar>()};
   std::vector<std::string> attn_names = {"none"};
@@ -105,10 +105,11 @@ std::vector<std::pair<std::string, c2f::AttentionMasks<Scalar>>> mask_variants(c
     pad = {c2f::KeyPaddingMask<Scalar>::from_tensor(c2f::MaskKind::Additive, sd.at("key_padding_mask"))};
     pad_names = {"additive(tensor)"};
   }
-  std::vector<std::pair<std::string, c2f::AttentionMasks<Scalar>>> out;
+  std::vector<std::pair<std::string, c2f::Masks<Scalar>>> out;
   for (std::size_t a = 0; a < attn.size(); ++a) {
     for (std::size_t p = 0; p < pad.size(); ++p) {
-      out.push_back({"attn_mask=" + attn_names[a] + " key_padding_mask=" + pad_names[p], {attn[a], pad[p]}});
+      out.push_back({"attn_mask=" + attn_names[a] + " key_padding_mask=" + pad_names[p],
+                     c2f::Masks<Scalar>().attn_mask(attn[a]).key_padding_mask(pad[p])});
     }
   }
   return out;
@@ -129,17 +130,17 @@ void check_case(const nlohmann::json& c) {
   mha.load_state_dict(sd, "mha.");
   // Where torch has NaN (fully masked query row), c2f's attention is 0, so the output is out_proj.bias.
   const auto out_is_bias = [&](std::size_t i, Scalar got) {
-    const Scalar bias = mha.has_bias() ? mha.out_proj().bias()[static_cast<Index>(i % std::size_t(embed_dim))] : 0;
+    const Scalar bias = mha.options().bias() ? mha.out_proj().bias()[static_cast<Index>(i % std::size_t(embed_dim))] : 0;
     return got == bias;
   };
 
   for (const auto& [mask_name, masks] : mask_variants<Scalar>(sd)) {
-    for (c2f::AttentionKernel kernel : {c2f::AttentionKernel::Streaming, c2f::AttentionKernel::Naive}) {
+    for (c2f::AttnKernel kernel : {c2f::AttnKernel::Streaming, c2f::AttnKernel::Naive}) {
       for (int threads : {1, 2}) {
         mha.set_num_threads(threads);
         mha.set_kernel(kernel);
         const std::string what = name + " (" + mask_name + ", " +
-                                 (kernel == c2f::AttentionKernel::Naive ? "naive" : "streaming") + ", " +
+                                 (kernel == c2f::AttnKernel::Naive ? "naive" : "streaming") + ", " +
                                  std::to_string(threads) + " threads) output";
         const Tensor3<Scalar> out = mha.forward(q, k, v, masks);
         ASSERT_EQ(out.dimension(0), q.dimension(0));
@@ -151,7 +152,7 @@ void check_case(const nlohmann::json& c) {
     }
     if (weights_mode != "none") {
       const c2f::AttnWeights mode = weights_mode == "average" ? c2f::AttnWeights::Averaged : c2f::AttnWeights::PerHead;
-      const c2f::AttentionOutput<Scalar> r = mha.forward_with_weights(q, k, v, masks, mode);
+      const c2f::AttnOutput<Scalar> r = mha.forward_with_weights(q, k, v, masks, mode);
       const std::vector<Scalar> want_w = c2f_test::values<Scalar>(sd, "weights");
       ASSERT_EQ(r.weights.dimension(1), mode == c2f::AttnWeights::Averaged ? 1 : heads);
       ASSERT_EQ(static_cast<std::size_t>(r.weights.size()), want_w.size());
@@ -259,9 +260,9 @@ TEST(MhaLoading, StrictLoadingNamesTheKey) {
 
 TEST(MhaLoading, StateDictRoundTripUsesTorchNames) {
   MultiHeadAttention<double>::Options o;
-  o.kdim = 12;
-  o.vdim = 20;
-  o.seed = 7;
+  o.kdim(12);
+  o.vdim(20);
+  o.seed(7);
   MultiHeadAttention<double> a(16, 2, o);
   const StateDict sd = a.state_dict("attn");
   std::vector<std::string> keys;
@@ -273,7 +274,7 @@ TEST(MhaLoading, StateDictRoundTripUsesTorchNames) {
 
   MultiHeadAttention<double> b(16, 2, [&] {
     MultiHeadAttention<double>::Options ob = o;
-    ob.seed = 99;  // different initial weights, replaced by the load
+    ob.seed(99);  // different initial weights, replaced by the load
     return ob;
   }());
   b.load_state_dict(sd, "attn");
@@ -343,7 +344,7 @@ TEST(MhaValidation, RejectsBadShapesWithBothShapesInTheMessage) {
   EXPECT_THROW(mha.forward(x, x, other_len), std::invalid_argument);
   c2f::BoolTensor2 bad_mask(5, 4);
   bad_mask.setConstant(false);
-  msg = error_of([&] { mha.forward(x, {c2f::AttnMask<float>::ignore(bad_mask), {}}); });
+  msg = error_of([&] { mha.forward(x, c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::ignore(bad_mask))); });
   EXPECT_NE(msg.find("[5, 5]"), std::string::npos) << msg;
   EXPECT_NE(msg.find("[5, 4]"), std::string::npos) << msg;
 }
@@ -365,14 +366,15 @@ TEST(MhaInputs, AcceptsTensorMapsOverCallerMemory) {
 TEST(MhaThreads, OutputBitsIdenticalForOneAndTwoThreads) {
   c2f_test::TestRng rng(14);
   MultiHeadAttention<float>::Options o;
-  o.seed = 3;
+  o.seed(3);
   MultiHeadAttention<float> mha(32, 4, o);
   const Tensor3<float> x = rng.tensor<float>(2, 301, 32);
   c2f::BoolTensor2 pad(2, 301);
   for (Index i = 0; i < pad.size(); ++i) pad.data()[i] = rng.coin(0.2);
-  for (const c2f::AttentionMasks<float>& masks :
-       {c2f::AttentionMasks<float>{}, c2f::AttentionMasks<float>{c2f::AttnMask<float>::causal(),
-                                                                 c2f::KeyPaddingMask<float>::ignore(pad)}}) {
+  for (const c2f::Masks<float>& masks :
+       {c2f::Masks<float>(), c2f::Masks<float>()
+                                 .attn_mask(c2f::AttnMask<float>::causal())
+                                 .key_padding_mask(c2f::KeyPaddingMask<float>::ignore(pad))}) {
     mha.set_num_threads(1);
     const Tensor3<float> one = mha.forward(x, masks);
     mha.set_num_threads(2);

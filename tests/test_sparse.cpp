@@ -40,20 +40,20 @@ TYPED_TEST(SparseTyped, MatchesTorchSelectionSemantics) {
     const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
     const bool causal = sd.metadata().at("causal") == "true";
     typename SparseC2FAttention<Scalar>::Options o;
-    o.gating = sd.metadata().at("gating") == "token" ? c2f::Gating::PerToken : c2f::Gating::PerChunk;
+    o.gating(sd.metadata().at("gating") == "token" ? c2f::Gating::PerToken : c2f::Gating::PerChunk);
     SparseC2FAttention<Scalar> sparse(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"),
                                       meta_index(sd, "chunk_size"), meta_index(sd, "top_k"), causal, o);
     sparse.load_state_dict(sd, "mha.");
     const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
-    c2f::AttentionMasks<Scalar> masks;
+    c2f::Masks<Scalar> masks;
     if (sd.metadata().at("key_padding_mask") == "bool") {
-      masks.key_padding_mask = c2f::KeyPaddingMask<Scalar>::from_tensor(c2f::MaskKind::Ignore, sd.at("key_padding_mask"));
+      masks.key_padding_mask(c2f::KeyPaddingMask<Scalar>::from_tensor(c2f::MaskKind::Ignore, sd.at("key_padding_mask")));
     }
     const std::vector<std::int64_t> want_sel = c2f_test::int64_values(sd, "selected");
     const std::vector<Scalar> want = c2f_test::values<Scalar>(sd, "output");
     for (int threads : {1, 2}) {
       sparse.set_num_threads(threads);
-      const c2f::SparseAttentionOutput<Scalar> r = sparse.forward_with_selection(x, masks);
+      const c2f::SparseAttnOutput<Scalar> r = sparse.forward_with_selection(x, masks);
       ASSERT_EQ(r.selection.index.size(), want_sel.size());
       for (std::size_t i = 0; i < want_sel.size(); ++i) {
         ASSERT_EQ(r.selection.index[i], want_sel[i]) << "selection entry " << i;
@@ -67,9 +67,9 @@ TYPED_TEST(SparseTyped, MatchesTorchSelectionSemantics) {
       const std::vector<Scalar> torch_mha = c2f_test::values<Scalar>(sd, "mha_output");
       const Tensor3<Scalar> y = sparse.forward(x, masks);
       expect_close(y.data(), torch_mha.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " vs torch MHA");
-      c2f::AttentionMasks<Scalar> dense_masks = masks;
-      if (causal) dense_masks.attn_mask = c2f::AttnMask<Scalar>::causal();
-      const Tensor3<Scalar> ours = sparse.dense().forward(x, dense_masks);
+      c2f::Masks<Scalar> dense_masks = masks;
+      if (causal) dense_masks.attn_mask(c2f::AttnMask<Scalar>::causal());
+      const Tensor3<Scalar> ours = sparse.as_multihead_attention().forward(x, dense_masks);
       expect_close(y.data(), ours.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " vs c2f MHA");
     }
   }
@@ -160,13 +160,13 @@ RowMatrix<Scalar> dense_fine_stage(const RowMatrix<Scalar>& q, const RowMatrix<S
     }
   }
   const c2f::AttnMask<Scalar> mask = c2f::AttnMask<Scalar>::keep(keep);
-  const c2f::detail::MaskPlan<Scalar> plan(mask, {}, batch, heads, length, length);
+  const c2f::MaskView<Scalar> plan(mask, {}, batch, heads, length, length);
   RowMatrix<Scalar> out(batch * length, q.cols());
   c2f::kernels::sdpa_naive<Scalar>(c2f::kernels::heads_view<const Scalar>(q.data(), batch, length, q.cols(), 0, heads, dh),
                                    c2f::kernels::heads_view<const Scalar>(k.data(), batch, length, q.cols(), 0, heads, dh),
                                    c2f::kernels::heads_view<const Scalar>(v.data(), batch, length, q.cols(), 0, heads, dh),
                                    c2f::kernels::heads_view<Scalar>(out.data(), batch, length, q.cols(), 0, heads, dh),
-                                   plan, {});
+                                   plan, c2f::kernels::default_scale<Scalar>(dh), {});
   return out;
 }
 
@@ -187,7 +187,7 @@ TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
     std::vector<Index> lengths(static_cast<std::size_t>(batch), length);
     if (rng.coin(0.3)) lengths[0] = rng.uniform_int(0, length);
     const c2f::KeyPaddingMask<Scalar> padding = c2f::KeyPaddingMask<Scalar>::lengths(lengths);
-    const c2f::detail::MaskPlan<Scalar> plan({}, padding, batch, heads, length, length);
+    const c2f::MaskView<Scalar> plan({}, padding, batch, heads, length, length);
     const c2f::kernels::ChunkGrid grid{batch, length, chunk};
     std::ostringstream what;
     what << "rep " << rep << ": batch=" << batch << " L=" << length << " chunk=" << chunk << " heads=" << heads
@@ -199,10 +199,11 @@ TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
                   : c2f::kernels::select_chunks<Scalar>(q, k, grid, heads, top_k, threads);
     EXPECT_EQ(sel.index, brute_force_selection(q, k, batch, length, heads, chunk, top_k, per_token, causal));
     RowMatrix<Scalar> fast(batch * length, heads * dh);
+    const Scalar scale = c2f::kernels::default_scale<Scalar>(dh);
     if (per_token) {
-      c2f::kernels::token_sparse_attention<Scalar>(q, k, v, grid, heads, sel, causal, plan, fast, threads);
+      c2f::kernels::token_sparse_attention<Scalar>(q, k, v, grid, heads, sel, causal, plan, scale, fast, threads);
     } else {
-      c2f::kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, sel, plan, fast, threads);
+      c2f::kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, sel, plan, scale, fast, threads);
     }
     const RowMatrix<Scalar> dense =
         dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, top_k, per_token, causal, lengths);
@@ -221,11 +222,11 @@ TEST(SparseKernels, FineStagesRefuseAMismatchedSelection) {
   const c2f::kernels::ChunkSelection per_token = c2f::kernels::select_chunks_per_token<float>(q, k, grid, 2, 2, true, 1);
   EXPECT_EQ(per_chunk.queries, 5);
   EXPECT_EQ(per_token.queries, 20);
-  EXPECT_THROW(c2f::kernels::token_sparse_attention<float>(q, k, v, grid, 2, per_chunk, true, {}, out, 1),
+  EXPECT_THROW(c2f::kernels::token_sparse_attention<float>(q, k, v, grid, 2, per_chunk, true, {}, 0.5f, out, 1),
                std::invalid_argument);
-  EXPECT_THROW(c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, 2, per_token, {}, out, 1),
+  EXPECT_THROW(c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, 2, per_token, {}, 0.5f, out, 1),
                std::invalid_argument);
-  EXPECT_THROW(c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, 4, per_chunk, {}, out, 1),
+  EXPECT_THROW(c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, 4, per_chunk, {}, 0.5f, out, 1),
                std::invalid_argument);
 }
 
@@ -237,13 +238,13 @@ TEST(SparseLayer, CoveringTopKEqualsMultiHeadAttention) {
     const Index chunk = rng.pick(std::vector<Index>{1, 5, 8, 64}), length = rng.uniform_int(1, 90);
     const bool causal = rep % 3 == 1;
     SparseC2FAttention<double>::Options o;
-    o.gating = rep % 3 == 2 ? c2f::Gating::PerToken : c2f::Gating::Auto;
+    o.gating(rep % 3 == 2 ? c2f::Gating::PerToken : c2f::Gating::Auto);
     SparseC2FAttention<double> sparse(12, 3, chunk, (length + chunk - 1) / chunk + rng.uniform_int(0, 2), causal, o);
     randomize(sparse, rng);
     const Tensor3<double> x = rng.tensor<double>(2, length, 12);
-    c2f::AttentionMasks<double> masks;
-    if (causal) masks.attn_mask = c2f::AttnMask<double>::causal();
-    const Tensor3<double> a = sparse.forward(x), b = sparse.dense().forward(x, masks);
+    c2f::Masks<double> masks;
+    if (causal) masks.attn_mask(c2f::AttnMask<double>::causal());
+    const Tensor3<double> a = sparse.forward(x), b = sparse.as_multihead_attention().forward(x, masks);
     expect_close(a.data(), b.data(), a.size(), 1e-12, 1e-12,
                  "L=" + std::to_string(length) + " chunk=" + std::to_string(chunk) + (causal ? " causal" : "") +
                      (sparse.gating() == c2f::Gating::PerToken ? " per token" : " per chunk"));
@@ -271,7 +272,7 @@ TEST(SparseLayer, ThreadBitsNamesAndErrors) {
   EXPECT_EQ(sparse.gating(), c2f::Gating::PerToken);
   EXPECT_EQ(SparseC2FAttention<float>(32, 4, 16, 3).gating(), c2f::Gating::PerChunk);
   SparseC2FAttention<float>::Options per_chunk;
-  per_chunk.gating = c2f::Gating::PerChunk;
+  per_chunk.gating(c2f::Gating::PerChunk);
   EXPECT_NE(c2f_test::error_of([&] { SparseC2FAttention<float>(32, 4, 16, 3, true, per_chunk); }).find("cannot be causal"),
             std::string::npos);
   EXPECT_THROW(sparse.forward(rng.tensor<float>(1, 10, 16)), std::invalid_argument);

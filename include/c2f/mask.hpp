@@ -1,7 +1,7 @@
 // c2f — the one mask vocabulary of the library.
 //
-// Every layer takes masks of these two types, so no caller has to remember whether `true` means
-// "keep" or "drop":
+// Every mask is one of these two types, so no caller has to remember whether `true` means "keep" or
+// "drop"; a forward call takes them in one Masks struct (at the end of this file):
 //
 //   AttnMask<S>::keep(m)      boolean, true  = the query MAY attend to that key
 //                             (torch.nn.functional.scaled_dot_product_attention's convention)
@@ -30,6 +30,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/options.hpp"
 #include "c2f/state_dict.hpp"
 
 #include <array>
@@ -131,8 +132,8 @@ class AttnMask {
 
   /// From a state-dict tensor (e.g. a mask saved by PyTorch): `kind` Keep or Ignore reads a BOOL/U8
   /// tensor, Additive a floating-point one. Shape [queries, keys], or [..., queries, keys] with the
-  /// leading dimensions flattened into n (so PyTorch's [B, H, L, S] becomes [B·H, L, S] and seed 004's
-  /// fine mask [B, m, k, k] becomes [B·m, k, k]).
+  /// leading dimensions flattened into n (so PyTorch's [B, H, L, S] becomes [B·H, L, S] and the
+  /// coarse-to-fine module's fine mask [B, m, k, k] becomes [B·m, k, k]).
   static AttnMask from_tensor(MaskKind kind, const TensorData& t) {
     const std::vector<std::int64_t>& s = t.shape();
     if (s.size() < 2) {
@@ -255,4 +256,38 @@ class KeyPaddingMask {
   std::vector<Index> lengths_;
 };
 
+/// The masks of one forward call: the library's one masks type, taken by every layer. A layer uses
+/// the fields its attention has and rejects the others with std::invalid_argument (never ignores them):
+///   MultiHeadAttention, SparseC2FAttention   attn_mask [queries, keys], key_padding_mask [batch, keys]
+///   CoarseAttention                          attn_mask [chunks, chunks], key_padding_mask [batch, chunks]
+///   FineAttention                            attn_mask [chunk, chunk] (inside every chunk)
+///   C2FAttention                             attn_mask: the coarse stage's; fine_attn_mask: the fine stage's
+///   HMHA, C2FAttention2D                     none
+///
+/// Named, chainable setters like the layers' options:
+///   mha.forward(x, c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::causal()).key_padding_mask(pad));
+template <class Scalar>
+class Masks {
+  using Self = Masks;
+  /// Over (query, key) pairs.
+  C2F_ARG(AttnMask<Scalar>, attn_mask);
+  /// Over keys, per batch item.
+  C2F_ARG(KeyPaddingMask<Scalar>, key_padding_mask);
+  /// Coarse-to-fine layers: the mask inside the chunks.
+  C2F_ARG(AttnMask<Scalar>, fine_attn_mask);
+};
+
+namespace detail {
+
+/// Throws unless only the fields a layer takes are set: "<layer> takes no <field>".
+template <class Scalar>
+void check_mask_fields(const Masks<Scalar>& masks, const char* layer, bool attn, bool key_padding, bool fine) {
+  const char* unused = !attn && !masks.attn_mask().is_none()                 ? "attn_mask"
+                       : !key_padding && !masks.key_padding_mask().is_none() ? "key_padding_mask"
+                       : !fine && !masks.fine_attn_mask().is_none()          ? "fine_attn_mask"
+                                                                             : nullptr;
+  if (unused != nullptr) fail(layer, " takes no ", unused, " (see c2f::Masks for the fields each layer uses)");
+}
+
+}  // namespace detail
 }  // namespace c2f

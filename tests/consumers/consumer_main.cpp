@@ -1,5 +1,7 @@
-// A downstream program: builds a MultiHeadAttention, saves and reloads its weights, runs it.
+// A downstream program: builds a MultiHeadAttention, saves and reloads its weights (c2f::safetensors),
+// runs it.
 #include <c2f/c2f.hpp>
+#include <c2f/io/safetensors.hpp>
 
 #include <cstdio>
 #include <string>

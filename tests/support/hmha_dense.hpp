@@ -3,7 +3,7 @@
 // the definition. Test-only: it materialises L × L masks and scores.
 #pragma once
 
-#include "c2f/detail/mask_plan.hpp"
+#include "c2f/mask_view.hpp"
 #include "c2f/kernels/sdpa.hpp"
 #include "c2f/layers/hmha.hpp"
 
@@ -15,15 +15,15 @@ void dense_attention(const c2f::RowMatrix<Scalar>& q, const c2f::RowMatrix<Scala
                      c2f::Index batch, c2f::Index heads, const c2f::BoolTensor2& keep, c2f::RowMatrix<Scalar>& out) {
   const c2f::Index dim = q.cols(), dh = dim / heads, lq = keep.dimension(0), lk = keep.dimension(1);
   const c2f::AttnMask<Scalar> mask = c2f::AttnMask<Scalar>::keep(keep);
-  const c2f::detail::MaskPlan<Scalar> plan(mask, c2f::KeyPaddingMask<Scalar>(), batch, heads, lq, lk);
+  const c2f::MaskView<Scalar> plan(mask, c2f::KeyPaddingMask<Scalar>(), batch, heads, lq, lk);
   out.resize(batch * lq, dim);
   c2f::kernels::SdpaOptions options;
-  options.num_threads = 1;
+  options.num_threads(1);
   c2f::kernels::sdpa_naive<Scalar>(c2f::kernels::heads_view<const Scalar>(q.data(), batch, lq, dim, 0, heads, dh),
                                    c2f::kernels::heads_view<const Scalar>(k.data(), batch, lk, dim, 0, heads, dh),
                                    c2f::kernels::heads_view<const Scalar>(v.data(), batch, lk, dim, 0, heads, dh),
                                    c2f::kernels::heads_view<Scalar>(out.data(), batch, lq, dim, 0, heads, dh), plan,
-                                   options);
+                                   c2f::kernels::default_scale<Scalar>(dh), options);
 }
 
 /// o1 + o2 + o3 (the levels that are on) for projections q, k, v [batch·length, dim].

@@ -6,9 +6,9 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/checks.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
-
 
 namespace c2f {
 namespace kernels {
@@ -26,20 +26,26 @@ struct ChunkGrid {
   Index row(Index c) const { return (c / chunks_per_batch()) * length + first(c); }
 };
 
-/// out[c] = mean of the real tokens of chunk c. x [batch·length, d], out [chunks, d].
+/// out[c] = mean of the real tokens of chunk c (overwritten). x [batch·length, d], out [chunks, d].
 template <class Scalar>
 void chunk_mean(const Eigen::Ref<const RowMatrix<Scalar>>& x, const ChunkGrid& grid, Eigen::Ref<RowMatrix<Scalar>> out,
                 int num_threads) {
+  detail::check_grid("chunk_mean", grid);
+  detail::check_shape("chunk_mean", "x", x, grid.batch * grid.length, x.cols());
+  detail::check_shape("chunk_mean", "out", out, grid.chunks(), x.cols());
   detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
     out.row(c) = x.middleRows(grid.row(c), grid.count(c)).colwise().sum() / static_cast<Scalar>(grid.count(c));
   });
 }
 
-/// y[token] = chunk_rows[chunk of token] (or += with `accumulate`) for every real token.
-/// chunk_rows [chunks, d], y [batch·length, d].
+/// y[token] = chunk_rows[chunk of token] for every real token: overwrites y, or adds to it with
+/// `accumulate`. chunk_rows [chunks, d], y [batch·length, d].
 template <class Scalar>
 void broadcast_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, const ChunkGrid& grid,
                       Eigen::Ref<RowMatrix<Scalar>> y, int num_threads, bool accumulate = false) {
+  detail::check_grid("broadcast_chunks", grid);
+  detail::check_shape("broadcast_chunks", "chunk_rows", chunk_rows, grid.chunks(), y.cols());
+  detail::check_shape("broadcast_chunks", "y", y, grid.batch * grid.length, chunk_rows.cols());
   detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
     if (accumulate) {
       y.middleRows(grid.row(c), grid.count(c)).rowwise() += chunk_rows.row(c);
@@ -52,14 +58,21 @@ void broadcast_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, con
 /// The folded fine-attention step. For every chunk c and head h, with one query per chunk:
 ///   p_c,h = softmax_j( qk[c, h] · x_j + bias(c, h, j) )  over the real tokens j of chunk c,
 ///   pooled[c, h] = Σ_j p_c,h[j] x_j   and   mass[c, h] = Σ_j p_c,h[j]  (1, or 0 if all keys are masked).
-/// qk [chunks, heads·d] holds, per head, the query already multiplied into the key projection and
-/// scaled (q_h W_k,h / sqrt(d_k)); pooled [chunks, heads·d]; mass [chunks, heads].
+/// x [batch·length, d]; qk [chunks, heads·d] holds, per head, the query already multiplied into the key
+/// projection and by the softmax scale (q_h W_k,h / sqrt(d_k)), so no scale is applied here; pooled
+/// [chunks, heads·d] and mass [chunks, heads] are overwritten.
 /// `bias(c, h, j)` returns 0, an additive value or -inf (masked). Masked keys get exactly 0 weight.
 template <class Scalar, class Bias>
 void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const ChunkGrid& grid,
                            const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads, Bias&& bias,
                            Eigen::Ref<RowMatrix<Scalar>> pooled, Eigen::Ref<RowMatrix<Scalar>> mass, int num_threads) {
   const Index d = x.cols();
+  detail::check_grid("fine_attention_folded", grid);
+  detail::check_heads("fine_attention_folded", heads * d, heads);
+  detail::check_shape("fine_attention_folded", "x", x, grid.batch * grid.length, d);
+  detail::check_shape("fine_attention_folded", "qk", qk, grid.chunks(), heads * d);
+  detail::check_shape("fine_attention_folded", "pooled", pooled, grid.chunks(), heads * d);
+  detail::check_shape("fine_attention_folded", "mass", mass, grid.chunks(), heads);
   detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
     const Index n = grid.count(c);
     const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstRowsBlockXpr xc = x.middleRows(grid.row(c), n);

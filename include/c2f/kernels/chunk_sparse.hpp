@@ -2,7 +2,8 @@
 // projections of a multi-head attention.
 //
 // q, k, v, out are [batch·length, heads·dh] row-major matrices (head h = columns [h·dh, (h+1)·dh)).
-// Chunks of `grid` (the last may be partial) serve both as query chunks and as key chunks.
+// Chunks of `grid` (the last may be partial) serve both as query chunks and as key chunks. The fine
+// stages OVERWRITE `out`; arguments are checked at entry (std::invalid_argument, every build type).
 //
 // Two gatings choose the key chunks a query attends to:
 //   per chunk (select_chunks + chunk_sparse_attention): one choice per query chunk, from the mean query
@@ -12,10 +13,12 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/mask_plan.hpp"
+#include "c2f/detail/checks.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
+#include "c2f/detail/top_picks.hpp"
 #include "c2f/kernels/chunk.hpp"
+#include "c2f/mask_view.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -37,57 +40,25 @@ struct ChunkSelection {
 
   Index* row(Index b, Index h, Index i) { return index.data() + ((b * heads + h) * queries + i) * top_k; }
   const Index* row(Index b, Index h, Index i) const { return index.data() + ((b * heads + h) * queries + i) * top_k; }
-};
 
-}  // namespace kernels
-
-namespace detail {
-
-/// The `picks` best candidates by score (highest first, ties to the lower index, NaN ranks like −inf),
-/// kept while the candidates arrive in ascending index order.
-template <class Scalar>
-class TopPicks {
- public:
-  explicit TopPicks(Index picks) : picks_(std::max<Index>(picks, 0)), best_(static_cast<std::size_t>(picks_)) {}
-  void clear() { n_ = 0; }
-  void offer(Scalar score, Index index) {
-    if (picks_ == 0) return;
-    if (std::isnan(score)) score = -std::numeric_limits<Scalar>::infinity();
-    // An equal score arriving later has a higher index, so it ranks below: strict > only.
-    if (n_ == picks_ && !(score > best_[static_cast<std::size_t>(n_ - 1)].first)) return;
-    Index pos = n_ < picks_ ? n_++ : picks_ - 1;
-    while (pos > 0 && score > best_[static_cast<std::size_t>(pos - 1)].first) {
-      best_[static_cast<std::size_t>(pos)] = best_[static_cast<std::size_t>(pos - 1)];
-      --pos;
+  /// Throws unless this is a per-chunk (or per-token) selection over `grid` and `heads` whose indices
+  /// are valid chunks (or −1 padding).
+  void check(const char* kernel, const ChunkGrid& grid, Index num_heads, bool per_token_rows) const {
+    const Index want = per_token_rows ? grid.length : grid.chunks_per_batch();
+    if (per_token != per_token_rows || batch != grid.batch || heads != num_heads || queries != want || top_k < 1 ||
+        static_cast<Index>(index.size()) != batch * heads * queries * top_k) {
+      detail::fail(kernel, ": the selection must be ", per_token_rows ? "per token" : "per chunk",
+                   " over [batch, heads, queries] = ", detail::shape_string({grid.batch, num_heads, want}), ", got ",
+                   per_token ? "per token " : "per chunk ", detail::shape_string({batch, heads, queries}),
+                   " with top_k ", top_k);
     }
-    best_[static_cast<std::size_t>(pos)] = {score, index};
+    const Index m = grid.chunks_per_batch();
+    for (Index j : index) {
+      if (j < -1 || j >= m) detail::fail(kernel, ": selected chunk ", j, " is outside [0, ", m, ")");
+    }
   }
-  /// Writes own ∪ the picks, ascending, into out[0 .. picks + 1).
-  void write(Index own, Index* out) const {
-    out[0] = own;
-    for (Index r = 0; r < n_; ++r) out[r + 1] = best_[static_cast<std::size_t>(r)].second;
-    std::sort(out, out + n_ + 1);
-  }
-
- private:
-  Index picks_ = 0, n_ = 0;
-  std::vector<std::pair<Scalar, Index>> best_;
 };
 
-/// Throws unless `sel` is a per-chunk / per-token selection over `grid` and `heads`.
-inline void check_selection(const kernels::ChunkSelection& sel, const kernels::ChunkGrid& grid, Index heads,
-                            bool per_token, const char* kernel) {
-  const Index queries = per_token ? grid.length : grid.chunks_per_batch();
-  if (sel.per_token != per_token || sel.batch != grid.batch || sel.heads != heads || sel.queries != queries ||
-      sel.top_k < 1 || static_cast<Index>(sel.index.size()) != sel.batch * sel.heads * sel.queries * sel.top_k) {
-    fail(kernel, ": the selection must be ", per_token ? "per token" : "per chunk", " over [batch, heads, queries] = ",
-         shape_string({grid.batch, heads, queries}), ", got ", sel.per_token ? "per token " : "per chunk ",
-         shape_string({sel.batch, sel.heads, sel.queries}), " with top_k ", sel.top_k);
-  }
-}
-}  // namespace detail
-
-namespace kernels {
 
 /// Per-chunk gating (non-causal): per (batch, head), q̄_i and k̄_j are the means of the projected queries
 /// and keys of chunk i and j; query chunk i keeps itself and the (top_k − 1) chunks j ≠ i with the
@@ -95,7 +66,7 @@ namespace kernels {
 template <class Scalar>
 ChunkSelection select_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
                              const ChunkGrid& grid, Index heads, Index top_k, int num_threads) {
-  if (top_k < 1) detail::fail("select_chunks: top_k must be >= 1, got ", top_k);
+  detail::check_selection_inputs("select_chunks", q, k, grid, heads, top_k);
   const Index m = grid.chunks_per_batch(), dim = q.cols(), dh = dim / heads;
   ChunkSelection sel{grid.batch, heads, m, top_k, false,
                      std::vector<Index>(static_cast<std::size_t>(grid.batch * heads * m * top_k), -1)};
@@ -126,7 +97,7 @@ template <class Scalar>
 ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                        const Eigen::Ref<const RowMatrix<Scalar>>& k, const ChunkGrid& grid,
                                        Index heads, Index top_k, bool causal, int num_threads) {
-  if (top_k < 1) detail::fail("select_chunks_per_token: top_k must be >= 1, got ", top_k);
+  detail::check_selection_inputs("select_chunks_per_token", q, k, grid, heads, top_k);
   const Index m = grid.chunks_per_batch(), dim = q.cols(), dh = dim / heads, length = grid.length;
   ChunkSelection sel{grid.batch, heads, length, top_k, true,
                      std::vector<Index>(static_cast<std::size_t>(grid.batch * heads * length * top_k), -1)};
@@ -159,19 +130,18 @@ ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>
 }
 
 
-/// Fine stage of per-chunk gating: every query of chunk i attends, with one softmax (scale 1/sqrt(dh)),
-/// to the keys of its selected chunks; `mask` (the library's masks, absolute positions) combines.
-/// out[rows of chunk i, head h] = softmax(q kᵀ / sqrt(dh) + mask) v (overwritten).
+/// Fine stage of per-chunk gating: every query of chunk i attends, with one softmax, to the keys of its
+/// selected chunks; `mask` (the library's masks, absolute positions) combines.
+/// out[rows of chunk i, head h] = softmax(q kᵀ · scale + mask) v (overwritten).
 /// Tasks are (batch, head, query chunk); the selected keys and values of a task are gathered into one
 /// block, so each task is two GEMMs: [chunk, dh] × [dh, selected keys] and back.
 template <class Scalar>
 void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
                             const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads,
-                            const ChunkSelection& selection, const detail::MaskPlan<Scalar>& mask,
+                            const ChunkSelection& selection, const MaskView<Scalar>& mask, Scalar scale,
                             Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
-  detail::check_selection(selection, grid, heads, false, "chunk_sparse_attention");
+  detail::check_sparse_fine_inputs("chunk_sparse_attention", q, k, v, out, grid, heads, selection, false, mask, scale);
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k;
-  const Scalar scale = static_cast<Scalar>(1.0 / std::sqrt(static_cast<double>(dh)));
   struct Workspace {
     RowMatrix<Scalar> kg, vg, s;
   };
@@ -214,7 +184,7 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
 /// thread count, and never on a later token (the causal guarantee holds bit for bit).
 constexpr Index kTokenGroupRows = 32;
 
-/// Fine stage of per-token gating: token t attends, with one softmax (scale 1/sqrt(dh)), to the keys of
+/// Fine stage of per-token gating: token t attends, with one softmax (scores q·k · scale), to the keys of
 /// the chunks it selected; with `causal`, in its own chunk only to keys ≤ t (the other selected chunks
 /// lie before it); `mask` (absolute positions) combines. out[t, head h] is overwritten.
 ///
@@ -226,11 +196,10 @@ constexpr Index kTokenGroupRows = 32;
 template <class Scalar>
 void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
                             const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads,
-                            const ChunkSelection& selection, bool causal, const detail::MaskPlan<Scalar>& mask,
+                            const ChunkSelection& selection, bool causal, const MaskView<Scalar>& mask, Scalar scale,
                             Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
-  detail::check_selection(selection, grid, heads, true, "token_sparse_attention");
+  detail::check_sparse_fine_inputs("token_sparse_attention", q, k, v, out, grid, heads, selection, true, mask, scale);
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k, length = grid.length;
-  const Scalar scale = static_cast<Scalar>(1.0 / std::sqrt(static_cast<double>(dh)));
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   constexpr Index G = kTokenGroupRows;
   struct Workspace {

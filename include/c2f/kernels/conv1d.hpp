@@ -3,6 +3,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/checks.hpp"
 #include "c2f/detail/parallel.hpp"
 
 namespace c2f {
@@ -40,6 +41,7 @@ struct Conv1dShape {
 /// PyTorch's weight [out, in/groups, kernel] rearranged tap-major: rows [t·out, (t+1)·out) hold W[:, :, t].
 template <class Scalar>
 RowMatrix<Scalar> conv1d_taps(const Scalar* torch_weight, const Conv1dShape& s) {
+  s.validate();
   RowMatrix<Scalar> taps(s.kernel * s.out_channels, s.in_per_group());
   for (Index o = 0; o < s.out_channels; ++o) {
     for (Index c = 0; c < s.in_per_group(); ++c) {
@@ -63,38 +65,18 @@ std::vector<Scalar> conv1d_torch_weight(const RowMatrix<Scalar>& taps, const Con
   return w;
 }
 
-}  // namespace kernels
-
-namespace detail {
-template <class X, class Y>
-void check_conv1d(const X& x, const Y& y, Index batch, Index length, const kernels::Conv1dShape& s) {
-  const Index out_len = s.out_length(length);
-  if (out_len < 0) {
-    fail("Conv1d: input length ", length, " is shorter than kernel_size ", s.kernel, " - 2 x padding ",
-         s.padding);
-  }
-  if (x.rows() != batch * length || x.cols() != s.in_channels || y.rows() != batch * out_len ||
-      y.cols() != s.out_channels) {
-    fail("Conv1d: x ", shape_string({x.rows(), x.cols()}), " and y ",
-                      shape_string({y.rows(), y.cols()}), " do not fit [batch·length, in] = ",
-                      shape_string({batch * length, s.in_channels}), " → [batch·out_length, out] = ",
-                      shape_string({batch * out_len, s.out_channels}));
-  }
-}
-}  // namespace detail
-
-namespace kernels {
 
 /// Output rows per task of conv1d(); fixed, so the result bits do not depend on the thread count.
 constexpr Index kConv1dRowChunk = 128;
 
 /// y[b, i, o] = bias[o] + Σ_t Σ_c W[o, c, t] · x[b, i + t − left_padding, g(o)·in/groups + c] (zero
-/// outside the input). x [batch·length, in], taps from conv1d_taps(), bias [out] or nullptr,
+/// outside the input), overwritten. x [batch·length, in], taps from conv1d_taps(), bias [out] or nullptr,
 /// y [batch·out_length, out] (may be a column block of a wider matrix).
 template <class Scalar>
 void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length, const Conv1dShape& s,
             const RowMatrix<Scalar>& taps, const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
-  detail::check_conv1d(x, y, batch, length, s);
+  detail::check_conv1d("conv1d", x, y, batch, length, s);
+  detail::check_shape("conv1d", "taps", taps, s.kernel * s.out_channels, s.in_per_group());
   const Index out_len = s.out_length(length), cin = s.in_per_group(), cout = s.out_per_group();
   const Index chunks_per_batch = (out_len + kConv1dRowChunk - 1) / kConv1dRowChunk;
   c2f::detail::parallel_for(batch * chunks_per_batch, num_threads, [&](Index task, int) {
@@ -124,7 +106,7 @@ void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index len
 template <class Scalar>
 void conv1d_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length, const Conv1dShape& s,
                   const Scalar* torch_weight, const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y) {
-  detail::check_conv1d(x, y, batch, length, s);
+  detail::check_conv1d("conv1d_naive", x, y, batch, length, s);
   const Index out_len = s.out_length(length), cin = s.in_per_group(), cout = s.out_per_group();
   for (Index b = 0; b < batch; ++b) {
     for (Index i = 0; i < out_len; ++i) {

@@ -1,10 +1,13 @@
-// c2f kernels — the local and the log-spaced sparse attention levels of HMHA (seed 002).
+// c2f kernels — the attention levels of HMHA (hierarchical multi-head attention): local windows, the
+// causal window-summary level, and the log-spaced sparse level.
 //
 // q, k, v, out are [batch·length, heads·head_dim] row-major matrices (head h = columns
-// [h·head_dim, (h+1)·head_dim)); every kernel ADDS its result into `out`. Scores are q·k / sqrt(head_dim).
+// [h·head_dim, (h+1)·head_dim)); every kernel ACCUMULATES its result into `out` (out += …). Scores are
+// q·k · scale. Arguments are checked at entry (std::invalid_argument, every build type).
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/checks.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/kernels/chunk.hpp"
@@ -17,14 +20,15 @@ namespace c2f {
 namespace kernels {
 
 /// Level 1: token i of window c attends to the tokens of window c (with `causal`, to those ≤ i):
-/// out[i] += softmax_t(q_i·k_t / sqrt(dh)) v_t per head. Windows are the chunks of `grid`.
+/// out[i] += softmax_t(q_i·k_t · scale) v_t per head. Windows are the chunks of `grid`.
 /// Tasks are windows; scratch is one window × window score block per worker.
 template <class Scalar>
 void window_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
                       const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads, bool causal,
-                      Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
+                      Scalar scale, Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
+  detail::check_grid("window_attention", grid);
+  detail::check_qkv_out("window_attention", q, k, v, out, grid.batch * grid.length, heads, scale);
   const Index dh = q.cols() / heads;
-  const Scalar scale = static_cast<Scalar>(1.0 / std::sqrt(static_cast<double>(dh)));
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   std::vector<RowMatrix<Scalar>> scratch(
       static_cast<std::size_t>(detail::resolve_threads(num_threads, grid.chunks())));
@@ -46,15 +50,22 @@ void window_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen:
 
 /// Causal level 2 (NSA's compressed branch): token i of window c attends, with its own query and one
 /// softmax, to the summaries of the complete windows before its own:
-///   out[i] += softmax_j(q_i·k̄_j / sqrt(dh)) v̄_j per head, j = 0 … c − 1 (window 0 gets nothing).
+///   out[i] += softmax_j(q_i·k̄_j · scale) v̄_j per head, j = 0 … c − 1 (window 0 gets nothing).
 /// k̄, v̄ [chunks, heads·dh] hold the window means (chunk_mean over `grid`). Tasks are windows; each is
 /// one [count, c] score block per head, so a token's result never depends on a later token.
 template <class Scalar>
 void window_summary_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k_mean,
                               const Eigen::Ref<const RowMatrix<Scalar>>& v_mean, const ChunkGrid& grid, Index heads,
-                              Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
+                              Scalar scale, Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
+  const char* kernel = "window_summary_attention";
+  detail::check_grid(kernel, grid);
+  detail::check_heads(kernel, q.cols(), heads);
+  detail::check_shape(kernel, "q", q, grid.batch * grid.length, q.cols());
+  detail::check_shape(kernel, "out", out, grid.batch * grid.length, q.cols());
+  detail::check_shape(kernel, "k_mean", k_mean, grid.chunks(), q.cols());
+  detail::check_shape(kernel, "v_mean", v_mean, grid.chunks(), q.cols());
+  detail::check_scale(kernel, scale);
   const Index dh = q.cols() / heads, m = grid.chunks_per_batch();
-  const Scalar scale = static_cast<Scalar>(1.0 / std::sqrt(static_cast<double>(dh)));
   std::vector<RowMatrix<Scalar>> scratch(
       static_cast<std::size_t>(detail::resolve_threads(num_threads, grid.chunks())));
   detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int worker) {
@@ -86,7 +97,7 @@ inline std::vector<Index> sparse_offsets(Index length, bool causal) {
 constexpr Index kSparseRowBlock = 64;
 
 /// Level 3: token i attends to S(i) = {i} ∪ {i − 2^p, i + 2^p : p ≥ 0} ∩ [0, length) (with `causal`,
-/// {i} ∪ {i − 2^p}): out[i] += softmax_t(q_i·k_t / sqrt(dh)) v_t per head.
+/// {i} ∪ {i − 2^p}): out[i] += softmax_t(q_i·k_t · scale) v_t per head. v and out must be contiguous.
 ///
 /// The keys at one offset δ of a block of consecutive queries are a shifted block of consecutive key
 /// rows, so the kernel works offset by offset on contiguous rows (no gather): scores for all rows and
@@ -94,12 +105,13 @@ constexpr Index kSparseRowBlock = 64;
 template <class Scalar>
 void sparse_global_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
                              const Eigen::Ref<const RowMatrix<Scalar>>& v, Index batch, Index length, Index heads,
-                             bool causal, Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
+                             bool causal, Scalar scale, Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
+  if (batch < 0 || length < 0) detail::fail("sparse_global_attention: batch and length must be >= 0");
+  detail::check_qkv_out("sparse_global_attention", q, k, v, out, batch * length, heads, scale);
   const Index dim = q.cols(), dh = dim / heads;
   if (v.outerStride() != dim || out.outerStride() != dim) {
     detail::fail("sparse_global_attention: v and out must be contiguous [batch·length, ", dim, "] matrices");
   }
-  const Scalar scale = static_cast<Scalar>(1.0 / std::sqrt(static_cast<double>(dh)));
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const std::vector<Index> offsets = sparse_offsets(length, causal);
   const Index noff = static_cast<Index>(offsets.size());

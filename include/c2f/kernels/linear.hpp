@@ -2,27 +2,19 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/checks.hpp"
 #include "c2f/detail/parallel.hpp"
 
 namespace c2f {
-namespace detail {
-template <class X, class W, class Y>
-void check_linear_shapes(const X& x, const W& w, const Y& y) {
-  if (x.cols() != w.cols() || y.rows() != x.rows() || y.cols() != w.rows()) {
-    fail("linear: x ", shape_string({x.rows(), x.cols()}), ", weight ", shape_string({w.rows(), w.cols()}),
-         " and y ", shape_string({y.rows(), y.cols()}), " do not fit y = x weightᵀ");
-  }
-}
-}  // namespace detail
-
 namespace kernels {
 
 /// Rows per task of matmul_rows() and linear(). Fixed (not derived from the thread count) so that each
 /// row's arithmetic, and hence every output bit, is the same for any number of threads.
 constexpr Index kLinearRowChunk = 128;
 
-/// y = x · rhs (+ bias on every row), for x [n, k], rhs any [k, out] Eigen matrix expression (e.g. a
-/// transposed weight), bias [out] or nullptr, y [n, out]. Row chunks run on `num_threads` threads (0 = all).
+/// y = x · rhs (+ bias on every row), overwritten, for x [n, k], rhs any [k, out] Eigen matrix expression
+/// (e.g. a transposed weight), bias [out] or nullptr, y [n, out]. Row chunks run on `num_threads`
+/// threads (0 = all).
 template <class Scalar, class Rhs>
 void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, const Scalar* bias,
                  Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
@@ -44,12 +36,12 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
   });
 }
 
-/// y = x · wᵀ + bias for x [n, in], w [out, in] (PyTorch's Linear.weight layout), bias [out] or
-/// nullptr, y [n, out].
+/// y = x · wᵀ + bias (overwritten) for x [n, in], w [out, in] (PyTorch's Linear.weight layout), bias
+/// [out] or nullptr, y [n, out].
 template <class Scalar>
 void linear(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const RowMatrix<Scalar>>& w,
             const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
-  detail::check_linear_shapes(x, w, y);
+  detail::check_linear_shapes("linear", x, w, y);
   matmul_rows<Scalar>(x, w.transpose(), bias, y, num_threads);
 }
 
@@ -57,7 +49,7 @@ void linear(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const
 template <class Scalar>
 void linear_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const RowMatrix<Scalar>>& w,
                   const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y) {
-  detail::check_linear_shapes(x, w, y);
+  detail::check_linear_shapes("linear_naive", x, w, y);
   for (Index i = 0; i < x.rows(); ++i) {
     for (Index o = 0; o < w.rows(); ++o) {
       Scalar acc = bias != nullptr ? bias[o] : Scalar(0);

@@ -6,15 +6,18 @@
 //   sdpa_streaming  blocked over queries and keys with an online (running-max) softmax, Eigen GEMMs on
 //                   the blocks, and O(query_block · key_block) working memory per worker — never a
 //                   [queries, keys] buffer.
-// Both run (batch, head[, query block]) tasks on a caller-chosen number of threads; every task's
-// arithmetic depends only on its index, so the output bits do not depend on the thread count.
+// Both OVERWRITE `out`, run (batch, head[, query block]) tasks on a caller-chosen number of threads, and
+// check their arguments at entry (std::invalid_argument, in every build type). Every task's arithmetic
+// depends only on its index, so the output bits do not depend on the thread count.
 // A query row with no visible key outputs zeros (and zero weights).
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/mask_plan.hpp"
+#include "c2f/detail/checks.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
+#include "c2f/mask_view.hpp"
+#include "c2f/options.hpp"
 
 #include <cmath>
 #include <limits>
@@ -37,13 +40,21 @@ struct HeadsView {
   Index batch = 0, seq = 0, heads = 0, dim = 0;
   Index row_stride = 0, batch_stride = 0;
 
+  HeadsView() = default;
+  /// A view of mutable data is also a read-only view.
+  template <class U, class = std::enable_if_t<std::is_same<const U, T>::value && !std::is_const<U>::value>>
+  HeadsView(const HeadsView<U>& o)  // NOLINT(google-explicit-constructor)
+      : data(o.data), batch(o.batch), seq(o.seq), heads(o.heads), dim(o.dim), row_stride(o.row_stride),
+        batch_stride(o.batch_stride) {}
+
   /// Rows [i0, i0 + n) of head h of batch b, as an n × dim matrix.
   Block block(Index b, Index h, Index i0, Index n) const {
     return Block(data + b * batch_stride + i0 * row_stride + h * dim, n, dim, Eigen::OuterStride<>(row_stride));
   }
 };
 
-/// Views the [batch·seq, cols] row-major matrix `m` as heads of width `dim` starting at column `col0`.
+/// Views the [batch·seq, cols] row-major matrix at `data` as heads of width `dim` starting at column
+/// `col0` (so the q, k and v of a packed [.., 3·E] projection are three views of one matrix).
 template <class T>
 HeadsView<T> heads_view(T* data, Index batch, Index seq, Index cols, Index col0, Index heads, Index dim) {
   HeadsView<T> v;
@@ -57,53 +68,45 @@ HeadsView<T> heads_view(T* data, Index batch, Index seq, Index cols, Index col0,
   return v;
 }
 
-struct SdpaOptions {
-  /// Multiplies q kᵀ; 0 means 1 / sqrt(head dim).
-  double scale = 0.0;
+/// The [batch·seq, heads·dim] matrix `m` as `heads` heads (seq = rows / batch, dim = cols / heads).
+template <class Scalar>
+HeadsView<const Scalar> heads_view(const RowMatrix<Scalar>& m, Index batch, Index heads) {
+  const Index seq = batch > 0 ? m.rows() / batch : 0;
+  return heads_view<const Scalar>(m.data(), batch, seq, m.cols(), 0, heads, heads > 0 ? m.cols() / heads : 0);
+}
+template <class Scalar>
+HeadsView<Scalar> heads_view(RowMatrix<Scalar>& m, Index batch, Index heads) {
+  const Index seq = batch > 0 ? m.rows() / batch : 0;
+  return heads_view<Scalar>(m.data(), batch, seq, m.cols(), 0, heads, heads > 0 ? m.cols() / heads : 0);
+}
+
+/// The usual softmax scale 1 / sqrt(head_dim).
+template <class Scalar>
+Scalar default_scale(Index head_dim) {
+  return static_cast<Scalar>(1.0 / std::sqrt(static_cast<double>(std::max<Index>(head_dim, 1))));
+}
+
+/// Blocking and threads of the sdpa kernels.
+class SdpaOptions {
+  using Self = SdpaOptions;
   /// Query rows per task (streaming kernel).
-  Index query_block = 64;
+  C2F_ARG(Index, query_block) = 64;
   /// Keys per online-softmax step (streaming kernel).
-  Index key_block = 256;
-  /// Worker threads; 0 = all hardware threads.
-  int num_threads = 0;
+  C2F_ARG(Index, key_block) = 256;
+  /// Worker threads; 0 = all of the process's threads.
+  C2F_ARG(int, num_threads) = 0;
 };
 
-}  // namespace kernels
-
-namespace detail {
-
-template <class Scalar>
-void check_sdpa_views(const kernels::HeadsView<const Scalar>& q, const kernels::HeadsView<const Scalar>& k,
-                      const kernels::HeadsView<const Scalar>& v, const kernels::HeadsView<Scalar>& out) {
-  if (k.batch != q.batch || v.batch != q.batch || out.batch != q.batch || k.heads != q.heads ||
-      v.heads != q.heads || out.heads != q.heads || k.dim != q.dim || v.seq != k.seq || out.seq != q.seq ||
-      out.dim != v.dim) {
-    fail("sdpa: q ", shape_string({q.batch, q.seq, q.heads, q.dim}), ", k ",
-         shape_string({k.batch, k.seq, k.heads, k.dim}), ", v ", shape_string({v.batch, v.seq, v.heads, v.dim}),
-         " and out ", shape_string({out.batch, out.seq, out.heads, out.dim}),
-         " ([batch, seq, heads, dim]) do not fit");
-  }
-}
-
-template <class Scalar>
-Scalar resolve_scale(double scale, Index dim) {
-  return static_cast<Scalar>(scale != 0.0 ? scale : 1.0 / std::sqrt(static_cast<double>(std::max<Index>(dim, 1))));
-}
-
-}  // namespace detail
-
-namespace kernels {
-
-/// Reference kernel. `weights`, when not null, receives the softmax weights as a row-major
-/// [batch, heads, q.seq, k.seq] array. Tasks are (batch, head) pairs.
+/// Reference kernel: out = softmax(q kᵀ · scale + mask) v (overwritten). `weights`, when not null,
+/// receives the softmax weights as a row-major [batch, heads, q.seq, k.seq] array. Tasks are
+/// (batch, head) pairs.
 template <class Scalar>
 void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                const HeadsView<Scalar>& out, const c2f::detail::MaskPlan<Scalar>& mask, const SdpaOptions& options,
+                const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale, const SdpaOptions& options,
                 Scalar* weights = nullptr) {
-  detail::check_sdpa_views(q, k, v, out);
-  const Scalar scale = detail::resolve_scale<Scalar>(options.scale, q.dim);
+  c2f::detail::check_sdpa("sdpa_naive", q, k, v, out, mask, scale);
   const Index lq = q.seq, lk = k.seq;
-  c2f::detail::parallel_for(q.batch * q.heads, options.num_threads, [&](Index task, int) {
+  c2f::detail::parallel_for(q.batch * q.heads, options.num_threads(), [&](Index task, int) {
     const Index b = task / q.heads, h = task % q.heads;
     RowMatrix<Scalar> s(lq, lk);
     s.noalias() = (q.block(b, h, 0, lq) * scale) * k.block(b, h, 0, lk).transpose();
@@ -121,20 +124,19 @@ void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>&
 /// Bytes of scratch memory one worker of sdpa_streaming uses (independent of the sequence lengths).
 template <class Scalar>
 std::size_t sdpa_streaming_workspace_bytes(const SdpaOptions& options, Index qk_dim, Index v_dim) {
-  const Index bq = std::max<Index>(1, options.query_block), bk = std::max<Index>(1, options.key_block);
+  const Index bq = std::max<Index>(1, options.query_block()), bk = std::max<Index>(1, options.key_block());
   return sizeof(Scalar) * static_cast<std::size_t>(bq * qk_dim + bq * bk + bq * v_dim + 3 * bq);
 }
 
-/// Streaming kernel: tasks are (batch, head, query block); each walks the key blocks with an online
-/// softmax. Blocks the mask fully hides (causal, key lengths) are skipped without computing scores.
+/// Streaming kernel: out = softmax(q kᵀ · scale + mask) v (overwritten). Tasks are (batch, head, query
+/// block); each walks the key blocks with an online softmax. Blocks the mask fully hides (causal, key
+/// lengths) are skipped without computing scores.
 template <class Scalar>
 void sdpa_streaming(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                    const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
-                    const c2f::detail::MaskPlan<Scalar>& mask, const SdpaOptions& options) {
-  detail::check_sdpa_views(q, k, v, out);
-  using c2f::detail::BlockMask;
-  const Scalar scale = detail::resolve_scale<Scalar>(options.scale, q.dim);
-  const Index bq = std::max<Index>(1, options.query_block), bk = std::max<Index>(1, options.key_block);
+                    const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out, const MaskView<Scalar>& mask,
+                    Scalar scale, const SdpaOptions& options) {
+  c2f::detail::check_sdpa("sdpa_streaming", q, k, v, out, mask, scale);
+  const Index bq = std::max<Index>(1, options.query_block()), bk = std::max<Index>(1, options.key_block());
   const Index lq = q.seq, lk = k.seq, dk = q.dim, dv = v.dim;
   const Index query_blocks = (lq + bq - 1) / bq;
   const Index tasks = q.batch * q.heads * query_blocks;
@@ -144,9 +146,9 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const HeadsView<const Scal
     RowMatrix<Scalar> q, s, acc;
     Vector<Scalar> m, l, alpha;
   };
-  std::vector<Workspace> work(static_cast<std::size_t>(c2f::detail::resolve_threads(options.num_threads, tasks)));
+  std::vector<Workspace> work(static_cast<std::size_t>(c2f::detail::resolve_threads(options.num_threads(), tasks)));
 
-  c2f::detail::parallel_for(tasks, options.num_threads, [&](Index task, int worker) {
+  c2f::detail::parallel_for(tasks, options.num_threads(), [&](Index task, int worker) {
     Workspace& ws = work[static_cast<std::size_t>(worker)];
     if (ws.q.size() == 0) {
       ws.q.resize(bq, dk);

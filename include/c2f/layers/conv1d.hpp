@@ -1,9 +1,11 @@
-// c2f layers — Conv1d (torch.nn.Conv1d on [batch, length, channels]) and seed 002's C3K2Projection.
+// c2f layers — Conv1d (torch.nn.Conv1d on [batch, length, channels]) and the C3K2/HMHA article's
+// C3K2Projection.
 #pragma once
 
 #include "c2f/detail/module.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/conv1d.hpp"
+#include "c2f/options.hpp"
 
 #include <string>
 
@@ -15,33 +17,34 @@ namespace c2f {
 template <class Scalar>
 class Conv1d : public detail::Module<Conv1d<Scalar>> {
  public:
-  struct Options {
-    Index padding = 0;
-    Index groups = 1;
-    bool bias = true;
-    int num_threads = 0;  ///< 0 = all hardware threads; results are bitwise the same for any count
-    std::uint64_t seed = 0;  ///< init like PyTorch: weight and bias U(±1/sqrt(in/groups · kernel_size))
+  /// seed: init like PyTorch, weight and bias U(±1/sqrt(in/groups · kernel_size)).
+  class Options : public RuntimeOptions<Options> {
+    using Self = Options;
+    C2F_ARG(Index, padding) = 0;
+    C2F_ARG(Index, groups) = 1;
+    C2F_ARG(bool, bias) = true;
     /// Pad kernel_size − 1 zeros on the left only (output i reads x[i − kernel_size + 1 … i]); padding
     /// must be 0. PyTorch: conv(F.pad(x, (kernel_size − 1, 0))) on a Conv1d with padding 0.
-    bool causal = false;
+    C2F_ARG(bool, causal) = false;
   };
 
   Conv1d(Index in_channels, Index out_channels, Index kernel_size)
-      : Conv1d(in_channels, out_channels, kernel_size, Options{}) {}
+      : Conv1d(in_channels, out_channels, kernel_size, Options()) {}
   Conv1d(Index in_channels, Index out_channels, Index kernel_size, Options options)
-      : shape_{in_channels, out_channels, kernel_size, options.padding, options.groups, options.causal},
+      : shape_{in_channels, out_channels, kernel_size, options.padding(), options.groups(), options.causal()},
         options_(options) {
     detail::check_scalar<Scalar>();
     shape_.validate();
-    reset_parameters(options.seed);
+    reset_parameters(options.seed());
   }
 
   const kernels::Conv1dShape& shape() const { return shape_; }
-  bool has_bias() const { return options_.bias; }
-  void set_num_threads(int n) { options_.num_threads = n; }
+  const Options& options() const { return options_; }
+  bool causal() const { return options_.causal(); }
+  void set_num_threads(int n) { options_.num_threads(n); }
   /// Parameters: out·in/groups·kernel_size (+ out with bias).
   Index parameter_count() const {
-    return shape_.out_channels * shape_.in_per_group() * shape_.kernel + (options_.bias ? shape_.out_channels : 0);
+    return shape_.out_channels * shape_.in_per_group() * shape_.kernel + (options_.bias() ? shape_.out_channels : 0);
   }
 
   void reset_parameters(std::uint64_t seed) {
@@ -49,8 +52,8 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
     const double bound = 1.0 / std::sqrt(static_cast<double>(shape_.in_per_group() * shape_.kernel));
     taps_.resize(shape_.kernel * shape_.out_channels, shape_.in_per_group());
     detail::fill_uniform(taps_, rng, bound);
-    bias_ = Vector<Scalar>::Zero(options_.bias ? shape_.out_channels : 0);
-    if (options_.bias) {
+    bias_ = Vector<Scalar>::Zero(options_.bias() ? shape_.out_channels : 0);
+    if (options_.bias()) {
       Eigen::Map<RowMatrix<Scalar>> b(bias_.data(), 1, bias_.size());
       detail::fill_uniform(b, rng, bound);
     }
@@ -60,13 +63,13 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
     RowMatrix<Scalar> w;  // [out, in/groups · kernel]: PyTorch's [out, in/groups, kernel] row-major
     loader.read(name + "weight", {shape_.out_channels, shape_.in_per_group(), shape_.kernel}, w);
     taps_ = kernels::conv1d_taps(w.data(), shape_);
-    if (options_.bias) loader.read(name + "bias", {shape_.out_channels}, bias_);
+    if (options_.bias()) loader.read(name + "bias", {shape_.out_channels}, bias_);
   }
   void save(StateDict& sd, const std::string& name) const {
     const std::vector<Scalar> w = kernels::conv1d_torch_weight(taps_, shape_);
     sd.set(name + "weight",
            TensorData::from_values(w.data(), {shape_.out_channels, shape_.in_per_group(), shape_.kernel}));
-    if (options_.bias) detail::store(sd, name + "bias", bias_, {shape_.out_channels});
+    if (options_.bias()) detail::store(sd, name + "bias", bias_, {shape_.out_channels});
   }
 
   /// x [B, L, in] → [B, L + 2·padding − kernel_size + 1, out] ([B, L, out] when causal).
@@ -81,8 +84,8 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
   /// The same on rows: x [B·L, in] → y [B·L_out, out] (y may be a column block of a wider matrix).
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
                     Eigen::Ref<RowMatrix<Scalar>> y) const {
-    kernels::conv1d<Scalar>(x, batch, length, shape_, taps_, options_.bias ? bias_.data() : nullptr, y,
-                            options_.num_threads);
+    kernels::conv1d<Scalar>(x, batch, length, shape_, taps_, options_.bias() ? bias_.data() : nullptr, y,
+                            options_.num_threads());
   }
 
  private:
@@ -92,42 +95,46 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
   Vector<Scalar> bias_;
 };
 
-/// Seed 002's "C3K2" projection: conv3 = Conv1d(dim → dim/2, k=3, padding=1) and
-/// conv2 = Conv1d(dim → dim − dim/2, k=1), concatenated on channels: [B, L, dim] → [B, L, dim];
-/// head h is channels [h·dim/heads, (h+1)·dim/heads). State dict: `conv3.*`, `conv2.*`.
+/// The C3K2/HMHA article's "C3K2" projection: conv3 = Conv1d(E → E/2, k=3, padding=1) and
+/// conv2 = Conv1d(E → E − E/2, k=1), concatenated on channels: [B, L, E] → [B, L, E] (E = embed_dim);
+/// head h is channels [h·E/num_heads, (h+1)·E/num_heads). State dict: `conv3.*`, `conv2.*`.
 /// With `causal`, conv3 pads 2 on the left and 0 on the right (position i reads x[i−2], x[i−1], x[i];
 /// PyTorch: conv3(F.pad(x, (2, 0))) with the conv's padding 0); same weights.
 ///
-/// Parameters: 3·dim·(dim/2) + dim·(dim − dim/2) + dim ≈ 2·dim² — about twice a Linear(dim, dim)
-/// (dim² + dim), not the "40 % fewer" the seed claims (dim = 512: 524,800 vs 262,656).
+/// Parameters: 3·E·(E/2) + E·(E − E/2) + E ≈ 2·E² — about twice a Linear(E, E) (E² + E), not the
+/// "40 % fewer" the article claims (E = 512: 524,800 vs 262,656).
 template <class Scalar>
 class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
  public:
-  struct Options {
-    int num_threads = 0;
-    std::uint64_t seed = 0;  ///< PyTorch's Conv1d init for both convolutions
-    bool causal = false;     ///< conv3 reads x[i−2 … i] instead of x[i−1 … i+1]
+  /// seed: PyTorch's Conv1d init for both convolutions.
+  class Options : public RuntimeOptions<Options> {
+    using Self = Options;
+    /// conv3 reads x[i−2 … i] instead of x[i−1 … i+1].
+    C2F_ARG(bool, causal) = false;
   };
 
-  C3K2Projection(Index dim, Index heads) : C3K2Projection(dim, heads, Options{}) {}
-  C3K2Projection(Index dim, Index heads, Options options)
-      : dim_(dim),
-        heads_(heads),
-        conv3_(std::max<Index>(dim, 2), std::max<Index>(dim / 2, 1), 3, conv_options(options, /*padding=*/1, 0)),
-        conv2_(std::max<Index>(dim, 2), std::max<Index>(dim - dim / 2, 1), 1, conv_options(options, /*padding=*/0, 1)) {
-    if (dim < 2 || heads <= 0 || dim % heads != 0) {
-      detail::fail("C3K2Projection needs dim >= 2 divisible by heads > 0, got dim=", dim, ", heads=", heads);
-    }
+  C3K2Projection(Index embed_dim, Index num_heads) : C3K2Projection(embed_dim, num_heads, Options()) {}
+  C3K2Projection(Index embed_dim, Index num_heads, Options options)
+      : embed_dim_(embed_dim),
+        num_heads_(num_heads),
+        options_(options),
+        conv3_(std::max<Index>(embed_dim, 2), std::max<Index>(embed_dim / 2, 1), 3, conv_options(options, /*padding=*/1, 0)),
+        conv2_(std::max<Index>(embed_dim, 2), std::max<Index>(embed_dim - embed_dim / 2, 1), 1,
+               conv_options(options, /*padding=*/0, 1)) {
+    if (embed_dim < 2) detail::fail("C3K2Projection needs embed_dim >= 2, got ", embed_dim);
+    detail::check_embed_heads("C3K2Projection", embed_dim, num_heads);
   }
 
-  Index dim() const { return dim_; }
-  Index heads() const { return heads_; }
-  bool causal() const { return conv3_.shape().causal; }
+  Index embed_dim() const { return embed_dim_; }
+  Index num_heads() const { return num_heads_; }
+  const Options& options() const { return options_; }
+  bool causal() const { return options_.causal(); }
   void set_num_threads(int n) {
+    options_.num_threads(n);
     conv3_.set_num_threads(n);
     conv2_.set_num_threads(n);
   }
-  /// 3·dim·(dim/2) + dim/2 + dim·(dim − dim/2) + (dim − dim/2).
+  /// 3·E·(E/2) + E/2 + E·(E − E/2) + (E − E/2).
   Index parameter_count() const { return conv3_.parameter_count() + conv2_.parameter_count(); }
   void reset_parameters(std::uint64_t seed) {
     conv3_.reset_parameters(seed);
@@ -144,33 +151,31 @@ class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
   }
 
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x) const {
-    detail::check_features(x, dim_, "C3K2Projection", "x", "dim");
-    Tensor3<Scalar> y(x.batch(), x.seq(), dim_);
-    Eigen::Map<RowMatrix<Scalar>> out(y.data(), x.batch() * x.seq(), dim_);
+    detail::check_features(x, embed_dim_, "C3K2Projection", "x", "embed_dim");
+    Tensor3<Scalar> y(x.batch(), x.seq(), embed_dim_);
+    Eigen::Map<RowMatrix<Scalar>> out(y.data(), x.batch() * x.seq(), embed_dim_);
     forward_rows(x.rows(), x.batch(), x.seq(), out);
     return y;
   }
 
-  /// x [B·L, dim] → y [B·L, dim]: conv3 into channels [0, dim/2), conv2 into [dim/2, dim).
+  /// x [B·L, E] → y [B·L, E]: conv3 into channels [0, E/2), conv2 into [E/2, E).
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
                     Eigen::Ref<RowMatrix<Scalar>> y) const {
-    conv3_.forward_rows(x, batch, length, y.leftCols(dim_ / 2));
-    conv2_.forward_rows(x, batch, length, y.rightCols(dim_ - dim_ / 2));
+    conv3_.forward_rows(x, batch, length, y.leftCols(embed_dim_ / 2));
+    conv2_.forward_rows(x, batch, length, y.rightCols(embed_dim_ - embed_dim_ / 2));
   }
 
  private:
   /// Causal: every convolution pads kernel_size − 1 on the left only (a no-op for conv2's k = 1).
   static typename Conv1d<Scalar>::Options conv_options(const Options& o, Index padding, std::uint64_t seed_offset) {
     typename Conv1d<Scalar>::Options c;
-    c.padding = o.causal ? 0 : padding;
-    c.causal = o.causal;
-    c.num_threads = o.num_threads;
-    c.seed = o.seed + seed_offset;
-    return c;
+    c.padding(o.causal() ? 0 : padding).causal(o.causal());
+    return detail::copy_runtime_options(c, o).seed(o.seed() + seed_offset);
   }
 
-  Index dim_;
-  Index heads_;
+  Index embed_dim_;
+  Index num_heads_;
+  Options options_;
   Conv1d<Scalar> conv3_;
   Conv1d<Scalar> conv2_;
 };

@@ -1,14 +1,15 @@
-// c2f layers — HMHA, seed 002's hierarchical multi-head attention, with a precise definition.
+// c2f layers — HMHA, the hierarchical multi-head attention of the C3K2/HMHA article, with a precise
+// definition (the article's code does not run).
 //
-// q, k, v = three C3K2Projections (q_proj, k_proj, v_proj) of x [B, L, dim], split into H heads of
-// width dh = dim / H. Windows: m = ceil(L / W); window j holds positions [jW, min((j+1)W, L)). Per head,
+// q, k, v = three C3K2Projections (q_proj, k_proj, v_proj) of x [B, L, E], split into H heads of
+// width dh = E / H (E = embed_dim, H = num_heads). Windows: m = ceil(L / W); window j holds positions [jW, min((j+1)W, L)). Per head,
 // with scores q·k / sqrt(dh):
 //   level 1, local:   o1_i = softmax_t(q_i·k_t) v_t over t in the window of i;
 //   level 2, cross:   q̄_j, k̄_j, v̄_j = means over the real tokens of window j;
 //                     c_j = Σ_j' softmax_j'(q̄_j·k̄_j') v̄_j' over all m windows; o2_i = c_(window of i);
 //   level 3, global:  S(i) = {i} ∪ {i − 2^p, i + 2^p : p = 0, 1, 2, … inside [0, L)};
 //                     o3_i = softmax_t(q_i·k_t) v_t over t ∈ S(i);
-//   y = out_proj(concat_heads(o1 + o2 + o3)), out_proj = Linear(dim, dim).
+//   y = out_proj(concat_heads(o1 + o2 + o3)), out_proj = Linear(E, E).
 // Options: each level can be switched off (it then contributes 0). `causal` (a construction option)
 // makes every output depend only on x[0 … i]:
 //   projections: each C3K2 conv3 pads 2 on the left and 0 on the right (reads x[i−2], x[i−1], x[i]);
@@ -16,11 +17,10 @@
 //   level 2: token i attends with its own q_i to the summaries (k̄_j, v̄_j) of the complete windows
 //            j < window(i), one softmax (NSA's compressed branch); window 0 gets 0;
 //   level 3: S(i) = {i} ∪ {i − 2^p}.
-// Cost O(L·W·dim + (L/W)²·dim + L·log L·dim) (causal level 2: O(L·(L/W)·dim)); no L × L buffer anywhere.
+// Cost O(L·W·E + (L/W)²·E + L·log L·E) (causal level 2: O(L·(L/W)·E)); no L × L buffer anywhere.
 // State dict: q_proj.conv3.*, q_proj.conv2.*, k_proj.*, v_proj.*, out_proj.weight, out_proj.bias.
 #pragma once
 
-#include "c2f/detail/mask_plan.hpp"
 #include "c2f/detail/module.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/hierarchical.hpp"
@@ -28,6 +28,8 @@
 #include "c2f/layers/conv1d.hpp"
 #include "c2f/layers/linear.hpp"
 #include "c2f/mask.hpp"
+#include "c2f/mask_view.hpp"
+#include "c2f/options.hpp"
 
 #include <string>
 
@@ -43,37 +45,40 @@ struct HMHALevels {
 template <class Scalar>
 class HMHA : public detail::Module<HMHA<Scalar>> {
  public:
-  struct Options {
-    bool causal = false;
-    HMHALevels levels;
-    int num_threads = 0;     ///< 0 = all hardware threads; results are bitwise the same for any count
-    std::uint64_t seed = 0;  ///< PyTorch's Conv1d / Linear default init
+  /// seed: PyTorch's Conv1d / Linear default init.
+  class Options : public RuntimeOptions<Options> {
+    using Self = Options;
+    /// Every output depends only on x[0 … i] (see the file comment); fixed at construction.
+    C2F_ARG(bool, causal) = false;
+    C2F_ARG(HMHALevels, levels) = HMHALevels{};
   };
 
-  HMHA(Index dim, Index heads, Index window = 64) : HMHA(dim, heads, window, Options{}) {}
-  HMHA(Index dim, Index heads, Index window, Options options)
-      : dim_(dim),
-        heads_(heads),
+  HMHA(Index embed_dim, Index num_heads, Index window = 64) : HMHA(embed_dim, num_heads, window, Options()) {}
+  HMHA(Index embed_dim, Index num_heads, Index window, Options options)
+      : embed_dim_(embed_dim),
+        num_heads_(num_heads),
         window_(window),
         options_(options),
-        q_proj_(dim, heads, {options.num_threads, options.seed, options.causal}),
-        k_proj_(dim, heads, {options.num_threads, options.seed + 2, options.causal}),
-        v_proj_(dim, heads, {options.num_threads, options.seed + 4, options.causal}),
-        out_proj_(dim, dim, true, options.seed + 6) {
+        q_proj_(embed_dim, num_heads, projection_options(options, 0)),
+        k_proj_(embed_dim, num_heads, projection_options(options, 2)),
+        v_proj_(embed_dim, num_heads, projection_options(options, 4)),
+        out_proj_(embed_dim, embed_dim,
+                  typename Linear<Scalar>::Options().num_threads(options.num_threads()).seed(options.seed() + 6)) {
     detail::check_scalar<Scalar>();
     if (window < 1) detail::fail("HMHA: window must be >= 1, got ", window);
   }
 
-  Index dim() const { return dim_; }
-  Index heads() const { return heads_; }
-  Index head_dim() const { return dim_ / heads_; }
+  Index embed_dim() const { return embed_dim_; }
+  Index num_heads() const { return num_heads_; }
+  Index head_dim() const { return embed_dim_ / num_heads_; }
   Index window() const { return window_; }
   const Options& options() const { return options_; }
-  bool causal() const { return options_.causal; }
-  void set_levels(HMHALevels levels) { options_.levels = levels; }
+  bool causal() const { return options_.causal(); }
+  void set_levels(HMHALevels levels) { options_.levels(levels); }
   void set_num_threads(int n) {
-    options_.num_threads = n;
+    options_.num_threads(n);
     for (C3K2Projection<Scalar>* p : {&q_proj_, &k_proj_, &v_proj_}) p->set_num_threads(n);
+    out_proj_.set_num_threads(n);
   }
   const C3K2Projection<Scalar>& q_proj() const { return q_proj_; }
   const C3K2Projection<Scalar>& k_proj() const { return k_proj_; }
@@ -93,58 +98,63 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
     out_proj_.save(sd, name + "out_proj.");
   }
 
-  /// x [B, L, dim] → [B, L, dim].
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x) const {
-    detail::check_features(x, dim_, "HMHA", "x", "dim");
+  /// x [B, L, E] → [B, L, E]. HMHA takes no masks (a non-empty Masks throws).
+  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
+    detail::check_mask_fields(masks, "HMHA", false, false, false);
+    detail::check_features(x, embed_dim_, "HMHA", "x", "embed_dim");
     const Index batch = x.batch(), length = x.seq(), rows = batch * length;
-    const int threads = options_.num_threads;
-    RowMatrix<Scalar> q(rows, dim_), k(rows, dim_), v(rows, dim_);
+    RowMatrix<Scalar> q(rows, embed_dim_), k(rows, embed_dim_), v(rows, embed_dim_);
     q_proj_.forward_rows(x.rows(), batch, length, q);
     k_proj_.forward_rows(x.rows(), batch, length, k);
     v_proj_.forward_rows(x.rows(), batch, length, v);
-    RowMatrix<Scalar> o = RowMatrix<Scalar>::Zero(rows, dim_);
+    RowMatrix<Scalar> o = RowMatrix<Scalar>::Zero(rows, embed_dim_);
     attend(q, k, v, batch, length, o);
-    Tensor3<Scalar> y(batch, length, dim_);
-    Eigen::Map<RowMatrix<Scalar>> out(y.data(), rows, dim_);
-    out_proj_.forward_rows(o, out, threads);
+    Tensor3<Scalar> y(batch, length, embed_dim_);
+    Eigen::Map<RowMatrix<Scalar>> out(y.data(), rows, embed_dim_);
+    out_proj_.forward_rows(o, out);
     return y;
   }
 
-  /// The attention part alone on given projections q, k, v [B·L, dim]: o += o1 + o2 + o3.
+  /// The attention part alone on given projections q, k, v [B·L, E]: o += o1 + o2 + o3.
   void attend(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v, Index batch,
               Index length, RowMatrix<Scalar>& o) const {
     const kernels::ChunkGrid windows{batch, length, window_};
-    const int threads = options_.num_threads;
-    const bool causal = options_.causal;
-    if (options_.levels.local) kernels::window_attention<Scalar>(q, k, v, windows, heads_, causal, o, threads);
-    if (options_.levels.cross && windows.chunks() > 0) {
-      const Index m = windows.chunks_per_batch(), chunks = windows.chunks(), dh = head_dim();
-      RowMatrix<Scalar> km(chunks, dim_), vm(chunks, dim_);
+    const int threads = options_.num_threads();
+    const bool causal = options_.causal();
+    const HMHALevels& levels = options_.levels();
+    const Scalar scale = kernels::default_scale<Scalar>(head_dim());
+    if (levels.local) kernels::window_attention<Scalar>(q, k, v, windows, num_heads_, causal, scale, o, threads);
+    if (levels.cross && windows.chunks() > 0) {
+      const Index chunks = windows.chunks();
+      RowMatrix<Scalar> km(chunks, embed_dim_), vm(chunks, embed_dim_);
       kernels::chunk_mean<Scalar>(k, windows, km, threads);
       kernels::chunk_mean<Scalar>(v, windows, vm, threads);
       if (causal) {
-        kernels::window_summary_attention<Scalar>(q, km, vm, windows, heads_, o, threads);
+        kernels::window_summary_attention<Scalar>(q, km, vm, windows, num_heads_, scale, o, threads);
       } else {
-        RowMatrix<Scalar> qm(chunks, dim_), c(chunks, dim_);
+        RowMatrix<Scalar> qm(chunks, embed_dim_), c(chunks, embed_dim_);
         kernels::chunk_mean<Scalar>(q, windows, qm, threads);
         kernels::SdpaOptions sdpa;
-        sdpa.num_threads = threads;
-        kernels::sdpa_streaming<Scalar>(kernels::heads_view<const Scalar>(qm.data(), batch, m, dim_, 0, heads_, dh),
-                                        kernels::heads_view<const Scalar>(km.data(), batch, m, dim_, 0, heads_, dh),
-                                        kernels::heads_view<const Scalar>(vm.data(), batch, m, dim_, 0, heads_, dh),
-                                        kernels::heads_view<Scalar>(c.data(), batch, m, dim_, 0, heads_, dh),
-                                        detail::MaskPlan<Scalar>(), sdpa);
+        sdpa.num_threads(threads);
+        kernels::sdpa_streaming<Scalar>(kernels::heads_view(qm, batch, num_heads_), kernels::heads_view(km, batch, num_heads_),
+                                        kernels::heads_view(vm, batch, num_heads_), kernels::heads_view(c, batch, num_heads_),
+                                        MaskView<Scalar>(), scale, sdpa);
         kernels::broadcast_chunks<Scalar>(c, windows, o, threads, /*accumulate=*/true);
       }
     }
-    if (options_.levels.global) {
-      kernels::sparse_global_attention<Scalar>(q, k, v, batch, length, heads_, causal, o, threads);
+    if (levels.global) {
+      kernels::sparse_global_attention<Scalar>(q, k, v, batch, length, num_heads_, causal, scale, o, threads);
     }
   }
 
  private:
-  Index dim_;
-  Index heads_;
+  static typename C3K2Projection<Scalar>::Options projection_options(const Options& o, std::uint64_t seed_offset) {
+    typename C3K2Projection<Scalar>::Options p;
+    return detail::copy_runtime_options(p, o).seed(o.seed() + seed_offset).causal(o.causal());
+  }
+
+  Index embed_dim_;
+  Index num_heads_;
   Index window_;
   Options options_;
   C3K2Projection<Scalar> q_proj_;

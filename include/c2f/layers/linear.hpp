@@ -4,59 +4,77 @@
 #include "c2f/detail/module.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/linear.hpp"
+#include "c2f/options.hpp"
 
 #include <string>
 
 namespace c2f {
+namespace detail {
+/// Tag: construct a Linear without drawing its initial weights (its owner initialises them).
+struct NoInit {};
+}  // namespace detail
 
 template <class Scalar>
 class Linear : public detail::Module<Linear<Scalar>> {
  public:
+  class Options : public RuntimeOptions<Options> {
+    using Self = Options;
+    C2F_ARG(bool, bias) = true;
+  };
+
   /// weight [out, in] initialised like torch.nn.Linear (U(±1/sqrt(in)), here for the weight and the
   /// bias alike) from `seed`; call load_state_dict() to use trained weights.
   Linear(Index in_features, Index out_features, bool bias = true, std::uint64_t seed = 0)
-      : weight_(out_features, in_features), bias_(bias ? out_features : 0), has_bias_(bias) {
+      : Linear(in_features, out_features, Options().bias(bias).seed(seed)) {}
+  Linear(Index in_features, Index out_features, Options options)
+      : Linear(in_features, out_features, options, detail::NoInit{}) {
+    detail::Rng rng(options.seed());
+    detail::linear_default_uniform(weight_, rng);
+    if (options.bias()) {
+      Eigen::Map<RowMatrix<Scalar>> b(bias_.data(), 1, bias_.size());
+      detail::fill_uniform(b, rng, 1.0 / std::sqrt(static_cast<double>(in_features)));
+    }
+  }
+  /// Zero weights and bias, for a layer that initialises its Linear members itself.
+  Linear(Index in_features, Index out_features, Options options, detail::NoInit)
+      : options_(options),
+        weight_(RowMatrix<Scalar>::Zero(std::max<Index>(out_features, 0), std::max<Index>(in_features, 0))),
+        bias_(Vector<Scalar>::Zero(options.bias() ? std::max<Index>(out_features, 0) : 0)) {
     detail::check_scalar<Scalar>();
     if (in_features <= 0 || out_features <= 0) {
       detail::fail("Linear needs positive sizes, got in_features=", in_features, ", out_features=", out_features);
-    }
-    detail::Rng rng(seed);
-    detail::linear_default_uniform(weight_, rng);
-    if (has_bias_) {
-      Eigen::Map<RowMatrix<Scalar>> b(bias_.data(), 1, bias_.size());
-      detail::fill_uniform(b, rng, 1.0 / std::sqrt(static_cast<double>(in_features)));
     }
   }
 
   Index in_features() const { return weight_.cols(); }
   Index out_features() const { return weight_.rows(); }
-  bool has_bias() const { return has_bias_; }
+  const Options& options() const { return options_; }
+  void set_num_threads(int n) { options_.num_threads(n); }
   const RowMatrix<Scalar>& weight() const { return weight_; }
   RowMatrix<Scalar>& weight() { return weight_; }
   const Vector<Scalar>& bias() const { return bias_; }
   Vector<Scalar>& bias() { return bias_; }
-  const Scalar* bias_data() const { return has_bias_ ? bias_.data() : nullptr; }
+  const Scalar* bias_data() const { return options_.bias() ? bias_.data() : nullptr; }
 
   /// Reads `<prefix>weight` [out, in] and, with bias, `<prefix>bias` [out].
   void load(detail::StrictLoader& loader, const std::string& name) {
     loader.read(name + "weight", {out_features(), in_features()}, weight_);
-    if (has_bias_) loader.read(name + "bias", {out_features()}, bias_);
+    if (options_.bias()) loader.read(name + "bias", {out_features()}, bias_);
   }
   void save(StateDict& sd, const std::string& prefix) const {
     detail::store(sd, prefix + "weight", weight_, {out_features(), in_features()});
-    if (has_bias_) detail::store(sd, prefix + "bias", bias_, {out_features()});
+    if (options_.bias()) detail::store(sd, prefix + "bias", bias_, {out_features()});
   }
 
-  /// y [n, out] = x [n, in] Wᵀ + b.
-  void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Eigen::Ref<RowMatrix<Scalar>> y,
-                    int num_threads) const {
-    kernels::linear<Scalar>(x, weight_, bias_data(), y, num_threads);
+  /// y [n, out] = x [n, in] Wᵀ + b (overwritten), on options().num_threads() threads.
+  void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Eigen::Ref<RowMatrix<Scalar>> y) const {
+    kernels::linear<Scalar>(x, weight_, bias_data(), y, options_.num_threads());
   }
 
  private:
+  Options options_;
   RowMatrix<Scalar> weight_;
   Vector<Scalar> bias_;
-  bool has_bias_;
 };
 
 }  // namespace c2f

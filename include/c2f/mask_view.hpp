@@ -1,13 +1,18 @@
-// c2f — a mask pair (attention mask + key padding mask) checked against one problem's sizes, with
-// the two ways kernels read it: element by element (reference kernels) and block by block (fast ones).
+// c2f — MaskView: the masks of one attention problem, checked against its sizes, in the two forms
+// kernels read them: element by element (reference kernels) and block by block (fast kernels).
+//
+// A MaskView combines an attention mask, a key padding mask (see c2f/mask.hpp for both) and, optionally,
+// a causal rule (query i sees keys j <= i + diagonal): a key is masked when any of them masks it, and
+// additive values add. It is what every public attention kernel takes; it does not own the masks, which
+// must outlive it. An empty MaskView masks nothing.
 #pragma once
 
 #include "c2f/mask.hpp"
 
+#include <algorithm>
 #include <limits>
 
 namespace c2f {
-namespace detail {
 
 /// What a block of (query, key) pairs needs from the mask.
 enum class BlockMask {
@@ -17,56 +22,66 @@ enum class BlockMask {
 };
 
 template <class Scalar>
-class MaskPlan {
+class MaskView {
  public:
   static constexpr Scalar kMasked = -std::numeric_limits<Scalar>::infinity();
 
   /// No mask at all.
-  MaskPlan() = default;
+  MaskView() = default;
 
   /// Checks both masks against [batch, heads, queries, keys]; throws std::invalid_argument naming the
-  /// expected and the given shape. The masks must outlive the plan.
-  MaskPlan(const AttnMask<Scalar>& attn, const KeyPaddingMask<Scalar>& padding, Index batch, Index heads,
-           Index queries, Index keys)
-      : attn_(attn.is_none() ? nullptr : &attn),
+  /// expected and the given shape. With `causal`, query i also sees only keys j <= i (top-left aligned).
+  MaskView(const AttnMask<Scalar>& attn, const KeyPaddingMask<Scalar>& padding, Index batch, Index heads,
+           Index queries, Index keys, bool causal = false)
+      : attn_(attn.is_none() || attn.kind() == MaskKind::Causal ? nullptr : &attn),
         pad_(padding.is_none() ? nullptr : &padding),
         batch_(batch),
         heads_(heads),
         queries_(queries),
         keys_(keys) {
-    if (attn_ && attn.kind() != MaskKind::Causal) {
+    // A causal attention mask and the causal rule are one edge: the stricter diagonal wins.
+    if (attn.kind() == MaskKind::Causal) causal_edge(attn.diagonal());
+    if (causal) causal_edge(0);
+    if (attn_) {
       const std::array<Index, 3>& d = attn.dims();
       const bool n_ok = d[0] == 1 || d[0] == batch || d[0] == batch * heads;
       if (!n_ok || d[1] != queries || d[2] != keys) {
-        fail("attention mask must be [queries, keys] = ", shape_string({queries, keys}),
+        detail::fail("attention mask must be [queries, keys] = ", detail::shape_string({queries, keys}),
              " or [n, queries, keys] with n = 1, batch (", batch, ") or batch*heads (", batch * heads,
-             "), got ", d[0] == 1 ? shape_string({d[1], d[2]}) : shape_string({d[0], d[1], d[2]}));
+             "), got ", d[0] == 1 ? detail::shape_string({d[1], d[2]}) : detail::shape_string({d[0], d[1], d[2]}));
       }
     }
     if (pad_) {
       const std::array<Index, 2>& d = padding.dims();
       if (padding.kind() == MaskKind::Lengths) {
-        if (d[0] != batch) fail("key padding lengths must have one entry per batch (", batch, "), got ", d[0]);
+        if (d[0] != batch) detail::fail("key padding lengths must have one entry per batch (", batch, "), got ", d[0]);
         for (Index len : padding.valid_lengths()) {
-          if (len < 0 || len > keys) fail("key padding length ", len, " is outside [0, ", keys, "]");
+          if (len < 0 || len > keys) detail::fail("key padding length ", len, " is outside [0, ", keys, "]");
         }
       } else if (d[0] != batch || d[1] != keys) {
-        fail("key padding mask must be [batch, keys] = ", shape_string({batch, keys}), ", got ",
-             shape_string({d[0], d[1]}));
+        detail::fail("key padding mask must be [batch, keys] = ", detail::shape_string({batch, keys}), ", got ",
+             detail::shape_string({d[0], d[1]}));
       }
     }
   }
 
-  bool empty() const { return attn_ == nullptr && pad_ == nullptr; }
+  /// Masks of one call, in the library's one masks type: attn_mask and key_padding_mask.
+  MaskView(const Masks<Scalar>& masks, Index batch, Index heads, Index queries, Index keys, bool causal = false)
+      : MaskView(masks.attn_mask(), masks.key_padding_mask(), batch, heads, queries, keys, causal) {}
+
+  bool empty() const { return attn_ == nullptr && pad_ == nullptr && !causal_; }
+  /// The problem's sizes the masks were checked against.
+  Index batch() const { return batch_; }
+  Index heads() const { return heads_; }
+  Index queries() const { return queries_; }
+  Index keys() const { return keys_; }
 
   /// What is added to score (b, h, i, j): 0, an additive value, or -inf when masked.
   Scalar bias(Index b, Index h, Index i, Index j) const {
     Scalar out = Scalar(0);
+    if (causal_ && j > i + diagonal_) return kMasked;
     if (attn_) {
       switch (attn_->kind()) {
-        case MaskKind::Causal:
-          if (j > i + attn_->diagonal()) return kMasked;
-          break;
         case MaskKind::Additive: out += attn_->additive_values()[attn_index(b, h, i, j)]; break;
         default:
           if (!attn_->keep_flags()[attn_index(b, h, i, j)]) return kMasked;
@@ -88,15 +103,12 @@ class MaskPlan {
   /// Classifies the block of queries [i0, i0+ni) × keys [j0, j0+nj) of (b, h).
   BlockMask classify(Index b, Index i0, Index ni, Index j0, Index nj) const {
     BlockMask out = BlockMask::Clear;
-    if (attn_) {
-      if (attn_->kind() == MaskKind::Causal) {
-        const Index last_row_edge = i0 + ni - 1 + attn_->diagonal();  // last visible key of the last row
-        if (j0 > last_row_edge) return BlockMask::Skip;
-        if (j0 + nj - 1 > i0 + attn_->diagonal()) out = BlockMask::Partial;
-      } else {
-        out = BlockMask::Partial;
-      }
+    if (causal_) {
+      const Index last_row_edge = i0 + ni - 1 + diagonal_;  // last visible key of the last row
+      if (j0 > last_row_edge) return BlockMask::Skip;
+      if (j0 + nj - 1 > i0 + diagonal_) out = BlockMask::Partial;
     }
+    if (attn_) out = BlockMask::Partial;
     if (pad_) {
       if (pad_->kind() == MaskKind::Lengths) {
         const Index len = pad_->valid_lengths()[static_cast<std::size_t>(b)];
@@ -114,14 +126,14 @@ class MaskPlan {
   void apply(Index b, Index h, Index i0, Index j0, Eigen::MatrixBase<Derived>& S) const {
     const Index rows = S.rows();
     const Index cols = S.cols();
+    if (causal_) {
+      for (Index r = 0; r < rows; ++r) {
+        const Index first = std::min(cols, std::max<Index>(0, i0 + r + diagonal_ + 1 - j0));
+        for (Index c = first; c < cols; ++c) S(r, c) = kMasked;
+      }
+    }
     if (attn_) {
       switch (attn_->kind()) {
-        case MaskKind::Causal:
-          for (Index r = 0; r < rows; ++r) {
-            const Index first = std::min(cols, std::max<Index>(0, i0 + r + attn_->diagonal() + 1 - j0));
-            for (Index c = first; c < cols; ++c) S(r, c) = kMasked;
-          }
-          break;
         case MaskKind::Additive:
           for (Index r = 0; r < rows; ++r) {
             const Scalar* add = attn_->additive_values().data() + attn_index(b, h, i0 + r, j0);
@@ -166,6 +178,10 @@ class MaskPlan {
   }
 
  private:
+  void causal_edge(Index diagonal) {
+    diagonal_ = causal_ ? std::min(diagonal_, diagonal) : diagonal;
+    causal_ = true;
+  }
   std::size_t attn_index(Index b, Index h, Index i, Index j) const {
     const Index n = attn_->dims()[0];
     const Index slice = n == 1 ? 0 : (n == batch_ * heads_ ? b * heads_ + h : b);
@@ -173,13 +189,14 @@ class MaskPlan {
   }
   std::size_t pad_index(Index b, Index j) const { return static_cast<std::size_t>(b * keys_ + j); }
 
-  const AttnMask<Scalar>* attn_ = nullptr;
+  const AttnMask<Scalar>* attn_ = nullptr;  ///< a tensor mask (keep / ignore / additive), or none
   const KeyPaddingMask<Scalar>* pad_ = nullptr;
+  bool causal_ = false;  ///< key j masked for query i when j > i + diagonal_
+  Index diagonal_ = 0;
   Index batch_ = 0;
   Index heads_ = 0;
   Index queries_ = 0;
   Index keys_ = 0;
 };
 
-}  // namespace detail
 }  // namespace c2f
