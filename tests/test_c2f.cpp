@@ -103,22 +103,23 @@ void check_fixture(const nlohmann::json& c) {
   }
 }
 
-template <class T>
-class C2FFixtureTest : public ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(C2FFixtureTest, Scalars);
-
-TYPED_TEST(C2FFixtureTest, MatchesSeed004PyTorchModules) {
-  const std::vector<nlohmann::json> cases = c2f_test::manifest_cases("c2f");
-  ASSERT_GE(cases.size(), 20u);
-  for (const nlohmann::json& c : cases) {
-    SCOPED_TRACE(c.at("name").get<std::string>() + ": " + c.at("description").get<std::string>());
-    check_fixture<TypeParam>(c);
+// One gtest entry per fixture file: Fixtures/C2FFixture.MatchesPyTorchModules/<case>_<f32|f64>.
+class C2FFixture : public ::testing::TestWithParam<c2f_test::FixtureParam> {};
+TEST_P(C2FFixture, MatchesPyTorchModules) {
+  const c2f_test::FixtureParam& p = GetParam();
+  SCOPED_TRACE(p.trace());
+  if (p.is_f32()) {
+    check_fixture<float>(p.meta);
+  } else {
+    check_fixture<double>(p.meta);
   }
 }
+INSTANTIATE_TEST_SUITE_P(Fixtures, C2FFixture, ::testing::ValuesIn(c2f_test::fixture_params("c2f")),
+                         c2f_test::fixture_param_name);
 
-// The (L, chunk) pairs issue #3 asks for are all in the fixture set.
+// The required (L, chunk) pairs are all in the fixture set.
 TEST(C2FFixtureCoverage, CoversTheRequiredShapes) {
+  ASSERT_GE(c2f_test::manifest_cases("c2f").size(), 20u);
   bool divisible = false, l61_chunk8 = false, shorter = false, chunk1 = false, chunk_eq_l = false;
   bool coarse_mask = false, fine_mask = false;
   for (const nlohmann::json& c : c2f_test::manifest_cases("c2f")) {
@@ -140,6 +141,7 @@ TEST(C2FFixtureCoverage, CoversTheRequiredShapes) {
 
 template <class T>
 class C2FPathTest : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(C2FPathTest, Scalars);
 
 TYPED_TEST(C2FPathTest, FoldedPathEqualsGeneralPathOnRandomShapes) {

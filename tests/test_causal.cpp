@@ -131,6 +131,24 @@ TYPED_TEST(CausalTyped, MultiHeadAttentionWithCausalMask) {
   }
 }
 
+// The construction option gives the same numbers as the call-time causal mask, and is causal.
+TYPED_TEST(CausalTyped, MultiHeadAttentionCausalOption) {
+  using Scalar = TypeParam;
+  TestRng rng(304);
+  c2f::MultiHeadAttention<Scalar> causal(16, 4, typename c2f::MultiHeadAttention<Scalar>::Options().causal(true));
+  randomize(causal, rng);
+  c2f::MultiHeadAttention<Scalar> plain(16, 4);
+  plain.load_state_dict(causal.state_dict());
+  const Tensor3<Scalar> x = rng.tensor<Scalar>(2, 37, 16);
+  EXPECT_TRUE(c2f_test::same_bits(causal.forward(x),
+                                  plain.forward(x, c2f::Masks<Scalar>().attn_mask(c2f::AttnMask<Scalar>::causal()))));
+  expect_causal<Scalar>([&](const Tensor3<Scalar>& in) { return causal.forward(in); }, x, 8, rng, "MHA Options::causal");
+  // Combined with a key padding mask, both rules hold.
+  const c2f::Masks<Scalar> pad = c2f::Masks<Scalar>().key_padding_mask(c2f::KeyPaddingMask<Scalar>::lengths({30, 37}));
+  expect_causal<Scalar>([&](const Tensor3<Scalar>& in) { return causal.forward(in, pad); }, x, 8, rng,
+                        "MHA Options::causal with key padding");
+}
+
 TYPED_TEST(CausalTyped, Hmha) {
   using Scalar = TypeParam;
   TestRng rng(302);

@@ -274,6 +274,27 @@ TEST(EdgeMasks, FullyMaskedRowsAndFullyMaskedKeyBlocks) {
   EXPECT_TRUE(all_finite(y));
 }
 
+// One Masks type for every layer: a layer rejects the fields it has no use for, naming the field.
+TEST(EdgeMasks, LayersRejectMaskFieldsTheyDoNotUse) {
+  TestRng rng(64);
+  const Tensor3<float> x = rng.tensor<float>(1, 8, 8);
+  const c2f::Masks<float> attn = c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::causal());
+  const c2f::Masks<float> fine = c2f::Masks<float>().fine_attn_mask(c2f::AttnMask<float>::causal());
+  const c2f::Masks<float> pad = c2f::Masks<float>().key_padding_mask(c2f::KeyPaddingMask<float>::lengths({4}));
+  const c2f::HMHA<float> hmha(8, 2, 4);
+  EXPECT_NE(c2f_test::error_of([&] { hmha.forward(x, attn); }).find("HMHA takes no attn_mask"), std::string::npos);
+  const c2f::MultiHeadAttention<float> mha(8, 2);
+  EXPECT_NE(c2f_test::error_of([&] { mha.forward(x, fine); }).find("takes no fine_attn_mask"), std::string::npos);
+  const c2f::C2FAttention<float> c2f_attn(8, 2, 4);
+  EXPECT_NE(c2f_test::error_of([&] { c2f_attn.forward(x, pad); }).find("C2FAttention takes no key_padding_mask"),
+            std::string::npos);
+  const c2f::SparseC2FAttention<float> sparse(8, 2, 4, 2);
+  EXPECT_NE(c2f_test::error_of([&] { sparse.forward(x, fine); }).find("takes no fine_attn_mask"), std::string::npos);
+  // The fields a layer uses are accepted.
+  EXPECT_EQ(mha.forward(x, pad).size(), x.size());
+  EXPECT_EQ(c2f_attn.forward(x, fine).size(), x.size());
+}
+
 // -inf and lowest() (torch.finfo(float32).min, Hugging Face's "-inf") give the same result, including
 // for rows that they mask completely.
 TEST(EdgeMasks, MinusInfinityAndLowestMasksAgree) {

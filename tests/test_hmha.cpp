@@ -34,80 +34,99 @@ TYPED_TEST_SUITE(HmhaTyped, Scalars);
 // ------------------------------------------------------------------------------------------------
 // PyTorch fixtures
 
-TYPED_TEST(HmhaTyped, Conv1dAndC3K2MatchTorch) {
-  using Scalar = TypeParam;
-  const std::vector<nlohmann::json> cases = c2f_test::manifest_cases("conv1d");
-  ASSERT_GE(cases.size(), 10u);
-  for (const nlohmann::json& c : cases) {
-    const std::string name = c.at("name");
-    SCOPED_TRACE(name);
-    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
-    const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
-    const std::vector<Scalar> want = c2f_test::values<Scalar>(sd, "output");
-    Tensor3<Scalar> y;
-    for (int threads : {1, 2}) {
-      if (sd.metadata().at("module") == "conv1d") {
-        typename c2f::Conv1d<Scalar>::Options o;
-        o.padding(meta_index(sd, "padding"));
-        o.groups(meta_index(sd, "groups"));
-        o.bias(sd.metadata().at("bias") == "true");
-        o.num_threads(threads);
-        c2f::Conv1d<Scalar> conv(meta_index(sd, "in_channels"), meta_index(sd, "out_channels"),
-                                 meta_index(sd, "kernel_size"), o);
-        conv.load_state_dict(sd, "conv");
-        y = conv.forward(x);
-      } else {
-        ASSERT_EQ(sd.metadata().at("module"), "c3k2");
-        typename c2f::C3K2Projection<Scalar>::Options o;
-        o.num_threads(threads);
-        o.causal(sd.metadata().at("causal") == "true");
-        c2f::C3K2Projection<Scalar> proj(meta_index(sd, "dim"), meta_index(sd, "heads"), o);
-        proj.load_state_dict(sd, "c3k2");
-        y = proj.forward(x);
-      }
-      ASSERT_EQ(static_cast<std::size_t>(y.size()), want.size());
-      expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
-                   name + " " + std::to_string(threads) + " threads");
+template <class Scalar>
+void check_conv_case(const nlohmann::json& c) {
+  const std::string name = c.at("name");
+  const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
+  const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
+  const std::vector<Scalar> want = c2f_test::values<Scalar>(sd, "output");
+  Tensor3<Scalar> y;
+  for (int threads : {1, 2}) {
+    if (sd.metadata().at("module") == "conv1d") {
+      typename c2f::Conv1d<Scalar>::Options o;
+      o.padding(meta_index(sd, "padding"));
+      o.groups(meta_index(sd, "groups"));
+      o.bias(sd.metadata().at("bias") == "true");
+      o.num_threads(threads);
+      c2f::Conv1d<Scalar> conv(meta_index(sd, "in_channels"), meta_index(sd, "out_channels"),
+                               meta_index(sd, "kernel_size"), o);
+      conv.load_state_dict(sd, "conv");
+      y = conv.forward(x);
+    } else {
+      ASSERT_EQ(sd.metadata().at("module"), "c3k2");
+      typename c2f::C3K2Projection<Scalar>::Options o;
+      o.num_threads(threads);
+      o.causal(sd.metadata().at("causal") == "true");
+      c2f::C3K2Projection<Scalar> proj(meta_index(sd, "dim"), meta_index(sd, "heads"), o);
+      proj.load_state_dict(sd, "c3k2");
+      y = proj.forward(x);
     }
+    ASSERT_EQ(static_cast<std::size_t>(y.size()), want.size());
+    expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
+                 name + " " + std::to_string(threads) + " threads");
   }
 }
 
-TYPED_TEST(HmhaTyped, HmhaMatchesDenseTorchFormulation) {
-  using Scalar = TypeParam;
-  const std::vector<nlohmann::json> cases = c2f_test::manifest_cases("hmha");
-  ASSERT_GE(cases.size(), 30u);
+template <class Scalar>
+void check_hmha_case(const nlohmann::json& c) {
   const std::vector<std::pair<std::string, c2f::HMHALevels>> configs = {
       {"output_l1", {true, false, false}},
       {"output_l2", {false, true, false}},
       {"output_l3", {false, false, true}},
       {"output_all", {true, true, true}}};
-  for (const nlohmann::json& c : cases) {
-    const std::string name = c.at("name");
-    SCOPED_TRACE(name);
-    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
-    typename HMHA<Scalar>::Options o;
-    o.causal(sd.metadata().at("causal") == "true");
-    HMHA<Scalar> hmha(meta_index(sd, "dim"), meta_index(sd, "heads"), meta_index(sd, "window"), o);
-    hmha.load_state_dict(sd, "hmha.");
-    const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
-    const Tensor3<Scalar> q = hmha.q_proj().forward(x);
-    const std::vector<Scalar> want_q = c2f_test::values<Scalar>(sd, "q");
-    expect_close(q.data(), want_q.data(), q.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " q");
-    for (int threads : {1, 2}) {
-      hmha.set_num_threads(threads);
-      for (const auto& [key, levels] : configs) {
-        hmha.set_levels(levels);
-        const Tensor3<Scalar> y = hmha.forward(x);
-        const std::vector<Scalar> want = c2f_test::values<Scalar>(sd, key);
-        ASSERT_EQ(static_cast<std::size_t>(y.size()), want.size());
-        expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
-                     name + " " + key + " " + std::to_string(threads) + " threads");
-      }
+  const std::string name = c.at("name");
+  const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
+  typename HMHA<Scalar>::Options o;
+  o.causal(sd.metadata().at("causal") == "true");
+  HMHA<Scalar> hmha(meta_index(sd, "dim"), meta_index(sd, "heads"), meta_index(sd, "window"), o);
+  hmha.load_state_dict(sd, "hmha.");
+  const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
+  const Tensor3<Scalar> q = hmha.q_proj().forward(x);
+  const std::vector<Scalar> want_q = c2f_test::values<Scalar>(sd, "q");
+  expect_close(q.data(), want_q.data(), q.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " q");
+  for (int threads : {1, 2}) {
+    hmha.set_num_threads(threads);
+    for (const auto& [key, levels] : configs) {
+      hmha.set_levels(levels);
+      const Tensor3<Scalar> y = hmha.forward(x);
+      const std::vector<Scalar> want = c2f_test::values<Scalar>(sd, key);
+      ASSERT_EQ(static_cast<std::size_t>(y.size()), want.size());
+      expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
+                   name + " " + key + " " + std::to_string(threads) + " threads");
     }
   }
 }
 
+// One gtest entry per fixture file: Fixtures/<Family>Fixture.<test>/<case>_<f32|f64>.
+class ConvFixture : public ::testing::TestWithParam<c2f_test::FixtureParam> {};
+TEST_P(ConvFixture, Conv1dAndC3K2MatchTorch) {
+  const c2f_test::FixtureParam& p = GetParam();
+  SCOPED_TRACE(p.trace());
+  if (p.is_f32()) {
+    check_conv_case<float>(p.meta);
+  } else {
+    check_conv_case<double>(p.meta);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Fixtures, ConvFixture, ::testing::ValuesIn(c2f_test::fixture_params("conv1d")),
+                         c2f_test::fixture_param_name);
+
+class HmhaFixture : public ::testing::TestWithParam<c2f_test::FixtureParam> {};
+TEST_P(HmhaFixture, MatchesDenseTorchFormulation) {
+  const c2f_test::FixtureParam& p = GetParam();
+  SCOPED_TRACE(p.trace());
+  if (p.is_f32()) {
+    check_hmha_case<float>(p.meta);
+  } else {
+    check_hmha_case<double>(p.meta);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Fixtures, HmhaFixture, ::testing::ValuesIn(c2f_test::fixture_params("hmha")),
+                         c2f_test::fixture_param_name);
+
 TEST(HmhaFixtureCoverage, CoversTheRequiredGrid) {
+  ASSERT_GE(c2f_test::manifest_cases("conv1d").size(), 10u);
+  ASSERT_GE(c2f_test::manifest_cases("hmha").size(), 30u);
   std::set<std::tuple<std::string, std::string, std::string>> seen;
   for (const nlohmann::json& c : c2f_test::manifest_cases("hmha")) {
     seen.insert({c.at("seq_len").get<std::string>(), c.at("window").get<std::string>(), c.at("causal").get<std::string>()});

@@ -163,23 +163,24 @@ void check_case(const nlohmann::json& c) {
   }
 }
 
-template <class T>
-class MhaFixtureTest : public ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(MhaFixtureTest, Scalars);
-
-TYPED_TEST(MhaFixtureTest, MatchesTorchMultiheadAttention) {
-  const std::vector<nlohmann::json> cases = c2f_test::manifest_cases("mha");
-  ASSERT_GE(cases.size(), 15u);
-  for (const nlohmann::json& c : cases) {
-    SCOPED_TRACE(c.at("name").get<std::string>() + ": " + c.at("description").get<std::string>());
-    check_case<TypeParam>(c);
+// One gtest entry per fixture file: Fixtures/MhaFixture.MatchesTorchMultiheadAttention/<case>_<f32|f64>.
+class MhaFixture : public ::testing::TestWithParam<c2f_test::FixtureParam> {};
+TEST_P(MhaFixture, MatchesTorchMultiheadAttention) {
+  const c2f_test::FixtureParam& p = GetParam();
+  SCOPED_TRACE(p.trace());
+  if (p.is_f32()) {
+    check_case<float>(p.meta);
+  } else {
+    check_case<double>(p.meta);
   }
 }
+INSTANTIATE_TEST_SUITE_P(Fixtures, MhaFixture, ::testing::ValuesIn(c2f_test::fixture_params("mha")),
+                         c2f_test::fixture_param_name);
 
-// The fixture set covers what issue #2 asks for; a test so that a trimmed generator cannot pass silently.
+// The fixture set covers the required cases; a test so that a trimmed generator cannot pass silently.
 TEST(MhaFixtureCoverage, CoversTheRequiredCases) {
   const std::vector<nlohmann::json> cases = c2f_test::manifest_cases("mha");
+  ASSERT_GE(cases.size(), 15u);
   std::set<std::string> lengths, attn_masks, pads, weights;
   bool cross_kv_dims = false, cross_len = false, no_bias = false, causal = false, fully_masked = false;
   for (const nlohmann::json& c : cases) {

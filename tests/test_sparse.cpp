@@ -30,54 +30,64 @@ class SparseTyped : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(SparseTyped, Scalars);
 
-TYPED_TEST(SparseTyped, MatchesTorchSelectionSemantics) {
-  using Scalar = TypeParam;
-  const std::vector<nlohmann::json> cases = c2f_test::manifest_cases("sparse");
-  ASSERT_GE(cases.size(), 24u);
-  for (const nlohmann::json& c : cases) {
-    const std::string name = c.at("name");
-    SCOPED_TRACE(name);
-    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
-    const bool causal = sd.metadata().at("causal") == "true";
-    typename SparseC2FAttention<Scalar>::Options o;
-    o.gating(sd.metadata().at("gating") == "token" ? c2f::Gating::PerToken : c2f::Gating::PerChunk);
-    SparseC2FAttention<Scalar> sparse(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"),
-                                      meta_index(sd, "chunk_size"), meta_index(sd, "top_k"), causal, o);
-    sparse.load_state_dict(sd, "mha.");
-    const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
-    c2f::Masks<Scalar> masks;
-    if (sd.metadata().at("key_padding_mask") == "bool") {
-      masks.key_padding_mask(c2f::KeyPaddingMask<Scalar>::from_tensor(c2f::MaskKind::Ignore, sd.at("key_padding_mask")));
+template <class Scalar>
+void check_case(const nlohmann::json& c) {
+  const std::string name = c.at("name");
+  const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
+  const bool causal = sd.metadata().at("causal") == "true";
+  typename SparseC2FAttention<Scalar>::Options o;
+  o.gating(sd.metadata().at("gating") == "token" ? c2f::Gating::PerToken : c2f::Gating::PerChunk);
+  SparseC2FAttention<Scalar> sparse(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"),
+                                    meta_index(sd, "chunk_size"), meta_index(sd, "top_k"), causal, o);
+  sparse.load_state_dict(sd, "mha.");
+  const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
+  c2f::Masks<Scalar> masks;
+  if (sd.metadata().at("key_padding_mask") == "bool") {
+    masks.key_padding_mask(c2f::KeyPaddingMask<Scalar>::from_tensor(c2f::MaskKind::Ignore, sd.at("key_padding_mask")));
+  }
+  const std::vector<std::int64_t> want_sel = c2f_test::int64_values(sd, "selected");
+  const std::vector<Scalar> want = c2f_test::values<Scalar>(sd, "output");
+  for (int threads : {1, 2}) {
+    sparse.set_num_threads(threads);
+    const c2f::SparseAttnOutput<Scalar> r = sparse.forward_with_selection(x, masks);
+    ASSERT_EQ(r.selection.index.size(), want_sel.size());
+    for (std::size_t i = 0; i < want_sel.size(); ++i) {
+      ASSERT_EQ(r.selection.index[i], want_sel[i]) << "selection entry " << i;
     }
-    const std::vector<std::int64_t> want_sel = c2f_test::int64_values(sd, "selected");
-    const std::vector<Scalar> want = c2f_test::values<Scalar>(sd, "output");
-    for (int threads : {1, 2}) {
-      sparse.set_num_threads(threads);
-      const c2f::SparseAttnOutput<Scalar> r = sparse.forward_with_selection(x, masks);
-      ASSERT_EQ(r.selection.index.size(), want_sel.size());
-      for (std::size_t i = 0; i < want_sel.size(); ++i) {
-        ASSERT_EQ(r.selection.index[i], want_sel[i]) << "selection entry " << i;
-      }
-      ASSERT_EQ(static_cast<std::size_t>(r.output.size()), want.size());
-      expect_close(r.output.data(), want.data(), r.output.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
-                   name + " " + std::to_string(threads) + " threads");
-    }
-    if (sd.metadata().at("covers_all") == "true") {
-      // nn.MultiheadAttention's own output, and c2f's MultiHeadAttention on the same weights.
-      const std::vector<Scalar> torch_mha = c2f_test::values<Scalar>(sd, "mha_output");
-      const Tensor3<Scalar> y = sparse.forward(x, masks);
-      expect_close(y.data(), torch_mha.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " vs torch MHA");
-      c2f::Masks<Scalar> dense_masks = masks;
-      if (causal) dense_masks.attn_mask(c2f::AttnMask<Scalar>::causal());
-      const Tensor3<Scalar> ours = sparse.as_multihead_attention().forward(x, dense_masks);
-      expect_close(y.data(), ours.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " vs c2f MHA");
-    }
+    ASSERT_EQ(static_cast<std::size_t>(r.output.size()), want.size());
+    expect_close(r.output.data(), want.data(), r.output.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
+                 name + " " + std::to_string(threads) + " threads");
+  }
+  if (sd.metadata().at("covers_all") == "true") {
+    // nn.MultiheadAttention's own output, and c2f's MultiHeadAttention on the same weights.
+    const std::vector<Scalar> torch_mha = c2f_test::values<Scalar>(sd, "mha_output");
+    const Tensor3<Scalar> y = sparse.forward(x, masks);
+    expect_close(y.data(), torch_mha.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " vs torch MHA");
+    c2f::Masks<Scalar> dense_masks = masks;
+    if (causal) dense_masks.attn_mask(c2f::AttnMask<Scalar>::causal());
+    const Tensor3<Scalar> ours = sparse.as_multihead_attention().forward(x, dense_masks);
+    expect_close(y.data(), ours.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " vs c2f MHA");
   }
 }
+
+// One gtest entry per fixture file: Fixtures/SparseFixture.MatchesTorchSelectionSemantics/<case>_<f32|f64>.
+class SparseFixture : public ::testing::TestWithParam<c2f_test::FixtureParam> {};
+TEST_P(SparseFixture, MatchesTorchSelectionSemantics) {
+  const c2f_test::FixtureParam& p = GetParam();
+  SCOPED_TRACE(p.trace());
+  if (p.is_f32()) {
+    check_case<float>(p.meta);
+  } else {
+    check_case<double>(p.meta);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Fixtures, SparseFixture, ::testing::ValuesIn(c2f_test::fixture_params("sparse")),
+                         c2f_test::fixture_param_name);
 
 // Per-chunk gating (non-causal), per-token gating non-causal and causal, each over
 // top_k ∈ {1, 2, 4} × chunk ∈ {8, 16} × L ∈ {37, 128}; and top_k covering everything for each.
 TEST(SparseFixtureCoverage, CoversTheRequiredGrid) {
+  ASSERT_GE(c2f_test::manifest_cases("sparse").size(), 36u);
   std::set<std::string> seen, covers_all;
   for (const nlohmann::json& c : c2f_test::manifest_cases("sparse")) {
     const std::string mode = c.at("gating").get<std::string>() + "/" + c.at("causal").get<std::string>();

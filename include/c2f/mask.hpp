@@ -268,7 +268,6 @@ class KeyPaddingMask {
 ///   mha.forward(x, c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::causal()).key_padding_mask(pad));
 template <class Scalar>
 class Masks {
-  using Self = Masks;
   /// Over (query, key) pairs.
   C2F_ARG(AttnMask<Scalar>, attn_mask);
   /// Over keys, per batch item.

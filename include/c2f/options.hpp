@@ -15,17 +15,30 @@
 #include <cstdint>
 
 /// Declares option `name` of type `T`: a getter `name()`, a chainable setter `name(value)` returning
-/// `Self&` (the enclosing options type), and the private field `name_`, whose default follows:
+/// the options object, and the private field `name_`, whose default follows:
 ///   C2F_ARG(bool, causal) = false;
-#define C2F_ARG(T, name)                                    \
- public:                                                    \
-  Self& name(const T& new_##name) {                         \
-    this->name##_ = new_##name;                             \
-    return static_cast<Self&>(*this);                       \
-  }                                                         \
-  const T& name() const noexcept { return this->name##_; } \
-                                                            \
- private:                                                   \
+#define C2F_ARG(T, name)                                      \
+ public:                                                      \
+  auto name(const T& new_##name)->decltype(*this) {           \
+    this->name##_ = new_##name;                               \
+    return *this;                                             \
+  }                                                           \
+  const T& name() const noexcept { return this->name##_; }   \
+                                                              \
+ private:                                                     \
+  T name##_
+
+/// C2F_ARG for an option group shared by several options types (a base class template over the
+/// options type `Derived`): the setter returns `Derived&`, so chains go on with Derived's setters.
+#define C2F_SHARED_ARG(T, name)                               \
+ public:                                                      \
+  Derived& name(const T& new_##name) {                        \
+    this->name##_ = new_##name;                               \
+    return static_cast<Derived&>(*this);                      \
+  }                                                           \
+  const T& name() const noexcept { return this->name##_; }   \
+                                                              \
+ private:                                                     \
   T name##_
 
 namespace c2f {
@@ -39,25 +52,21 @@ enum class AttnKernel {
 /// Options every layer has. `Derived` is the layer's options type (its setters return it).
 template <class Derived>
 class RuntimeOptions {
- protected:
-  using Self = Derived;
   /// Worker threads of one call: 0 = all of the process's threads; results are bitwise the same for
   /// any count.
-  C2F_ARG(int, num_threads) = 0;
+  C2F_SHARED_ARG(int, num_threads) = 0;
   /// Seed of the deterministic initialisation of a fresh layer (PyTorch's init distributions).
-  C2F_ARG(std::uint64_t, seed) = 0;
+  C2F_SHARED_ARG(std::uint64_t, seed) = 0;
 };
 
 /// Options of the dense softmax-attention kernel, on every layer built on MultiHeadAttention.
 template <class Derived>
 class AttnKernelOptions {
- protected:
-  using Self = Derived;
-  C2F_ARG(AttnKernel, kernel) = AttnKernel::Streaming;
+  C2F_SHARED_ARG(AttnKernel, kernel) = AttnKernel::Streaming;
   /// Streaming kernel: query rows per task.
-  C2F_ARG(Index, query_block) = 64;
+  C2F_SHARED_ARG(Index, query_block) = 64;
   /// Streaming kernel: keys per online-softmax step.
-  C2F_ARG(Index, key_block) = 256;
+  C2F_SHARED_ARG(Index, key_block) = 256;
 };
 
 namespace detail {

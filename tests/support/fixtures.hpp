@@ -4,6 +4,7 @@
 #include "c2f/io/safetensors.hpp"
 #include "c2f/mask.hpp"
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include <cstring>
@@ -21,6 +22,36 @@ inline std::vector<nlohmann::json> manifest_cases(const std::string& family) {
   if (!in) throw std::runtime_error("cannot open " + data_path(family + "/manifest.json"));
   const nlohmann::json manifest = nlohmann::json::parse(in);
   return manifest.at("cases").get<std::vector<nlohmann::json>>();
+}
+
+/// One fixture file — a case of a family in one precision: the parameter of the fixture TEST_Ps, so
+/// that every case is its own gtest entry, named after it, and can run alone.
+struct FixtureParam {
+  nlohmann::json meta;  ///< the case's manifest entry
+  std::string dtype;    ///< "f32" or "f64"
+  std::string name() const { return meta.at("name").get<std::string>() + "_" + dtype; }
+  bool is_f32() const { return dtype == "f32"; }
+  /// "<case> (<dtype>): <description>", for SCOPED_TRACE.
+  std::string trace() const { return name() + ": " + meta.value("description", std::string()); }
+};
+
+/// Every case of `family` in both precisions (no entries when the manifest cannot be read: the
+/// families' coverage tests fail then).
+inline std::vector<FixtureParam> fixture_params(const std::string& family) {
+  std::vector<FixtureParam> out;
+  try {
+    for (const nlohmann::json& c : manifest_cases(family)) {
+      for (const char* dtype : {"f32", "f64"}) out.push_back({c, dtype});
+    }
+  } catch (const std::exception&) {
+    out.clear();
+  }
+  return out;
+}
+
+/// gtest's name for a fixture parameter: the case name and the precision.
+inline std::string fixture_param_name(const ::testing::TestParamInfo<FixtureParam>& info) {
+  return info.param.name();
 }
 
 inline c2f::Index meta_index(const c2f::StateDict& sd, const std::string& key) {

@@ -4,17 +4,38 @@
 
 #include "c2f/detail/state_loader.hpp"
 
+#include <cstdint>
+#include <string>
 #include <string_view>
 
 namespace c2f {
 namespace detail {
 
-/// CRTP base: Derived provides
+/// CRTP base: Derived provides either
 ///   void load(StrictLoader&, const std::string& name)      (name relative to the loader's prefix)
 ///   void save(StateDict&, const std::string& name) const  (name is the full prefix of its keys)
+/// or, for a layer made of named submodules (PyTorch's named_children), only
+///   template <class Self, class Fn> static void children(Self& self, Fn&& fn)
+/// calling fn("child_name.", self.child_) for each child, which serves both load and save.
 template <class Derived>
 class Module {
  public:
+  /// Loads every child under name + its child name.
+  void load(StrictLoader& loader, const std::string& name) {
+    Derived::children(static_cast<Derived&>(*this),
+                      [&](const char* child, auto& module) { module.load(loader, name + child); });
+  }
+  /// Saves every child under name + its child name.
+  void save(StateDict& sd, const std::string& name) const {
+    Derived::children(static_cast<const Derived&>(*this),
+                      [&](const char* child, const auto& module) { module.save(sd, name + child); });
+  }
+  /// Initialises child i (in the order children() names them) afresh from seed + i.
+  void reset_parameters(std::uint64_t seed) {
+    std::uint64_t i = 0;
+    Derived::children(static_cast<Derived&>(*this), [&](const char*, auto& module) { module.reset_parameters(seed + i++); });
+  }
+
   /// Strict load (PyTorch's strict=True): a missing key, a wrong shape, a dtype that is not floating
   /// point, or an unexpected key under `prefix` throws std::invalid_argument naming the key.
   /// "name" and "name." are the same prefix.

@@ -88,7 +88,6 @@ Scalar default_scale(Index head_dim) {
 
 /// Blocking and threads of the sdpa kernels.
 class SdpaOptions {
-  using Self = SdpaOptions;
   /// Query rows per task (streaming kernel).
   C2F_ARG(Index, query_block) = 64;
   /// Keys per online-softmax step (streaming kernel).

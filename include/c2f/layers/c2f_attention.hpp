@@ -58,7 +58,6 @@ class CoarseAttention : public detail::Module<CoarseAttention<Scalar>> {
  public:
   /// seed: Xavier-uniform qkv_proj.weight, nn.Linear's default out_proj.weight, zero biases.
   class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
-    using Self = Options;
   };
 
   CoarseAttention(Index embed_dim, Index num_heads) : CoarseAttention(embed_dim, num_heads, Options()) {}
@@ -119,9 +118,8 @@ template <class Scalar>
 class FineAttention : public detail::Module<FineAttention<Scalar>> {
  public:
   /// seed: kaiming_normal_(q_proj.weight, mode='fan_out'), nn.Linear's default for the other weights,
-  /// zero biases. The kernel options serve FinePath::General.
+  /// zero biases. The kernel options serve FinePath::General (and, in C2FAttention, the coarse stage).
   class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
-    using Self = Options;
     C2F_ARG(FinePath, fine_path) = FinePath::Auto;
   };
 
@@ -162,15 +160,12 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     out_proj_.bias().setZero();
   }
 
-  void load(detail::StrictLoader& loader, const std::string& name) {
-    q_proj_.load(loader, name + "q_proj.");
-    kv_proj_.load(loader, name + "kv_proj.");
-    out_proj_.load(loader, name + "out_proj.");
-  }
-  void save(StateDict& sd, const std::string& name) const {
-    q_proj_.save(sd, name + "q_proj.");
-    kv_proj_.save(sd, name + "kv_proj.");
-    out_proj_.save(sd, name + "out_proj.");
+  /// State dict: `q_proj.*`, `kv_proj.*`, `out_proj.*`.
+  template <class Self, class Fn>
+  static void children(Self& self, Fn&& fn) {
+    fn("q_proj.", self.q_proj_);
+    fn("kv_proj.", self.kv_proj_);
+    fn("out_proj.", self.out_proj_);
   }
 
   /// The module's interface: x [B, m, k, d], coarse_context [B, m, d] → [B, m, k, d].
@@ -341,12 +336,9 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 template <class Scalar>
 class C2FAttention : public detail::Module<C2FAttention<Scalar>> {
  public:
-  /// seed: init as the article advises (see reset_parameters). The kernel options serve the coarse
-  /// stage and the fine stage's general path.
-  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
-    using Self = Options;
-    C2F_ARG(FinePath, fine_path) = FinePath::Auto;
-  };
+  /// FineAttention's options: num_threads, seed (init as the article advises, see reset_parameters),
+  /// kernel, query_block and key_block (the coarse stage and the fine stage's general path), fine_path.
+  using Options = typename FineAttention<Scalar>::Options;
 
   C2FAttention(Index embed_dim, Index num_heads, Index chunk_size = 32)
       : C2FAttention(embed_dim, num_heads, chunk_size, Options()) {}
@@ -375,20 +367,13 @@ class C2FAttention : public detail::Module<C2FAttention<Scalar>> {
     fine_.set_fine_path(path);
   }
 
-  /// The article's advice: Xavier-uniform coarse qkv_proj.weight, Kaiming-normal (fan_out) fine
-  /// q_proj.weight, nn.Linear's default for the other weights, zero biases; deterministic in `seed`.
-  void reset_parameters(std::uint64_t seed) {
-    coarse_.reset_parameters(seed);
-    fine_.reset_parameters(seed + 1);
-  }
-
-  void load(detail::StrictLoader& loader, const std::string& name) {
-    coarse_.load(loader, name + "coarse_attn.");
-    fine_.load(loader, name + "fine_attn.");
-  }
-  void save(StateDict& sd, const std::string& name) const {
-    coarse_.save(sd, name + "coarse_attn.");
-    fine_.save(sd, name + "fine_attn.");
+  /// reset_parameters(seed) (from detail::Module) follows the article's advice: Xavier-uniform coarse
+  /// qkv_proj.weight (seed), Kaiming-normal (fan_out) fine q_proj.weight (seed + 1), nn.Linear's default
+  /// for the other weights, zero biases.
+  template <class Self, class Fn>
+  static void children(Self& self, Fn&& fn) {
+    fn("coarse_attn.", self.coarse_);
+    fn("fine_attn.", self.fine_);
   }
 
   /// x [B, L, d] → [B, L, d]; any L ≥ 0 (see the file comment for partial chunks).

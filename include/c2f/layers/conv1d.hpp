@@ -19,7 +19,6 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
  public:
   /// seed: init like PyTorch, weight and bias U(±1/sqrt(in/groups · kernel_size)).
   class Options : public RuntimeOptions<Options> {
-    using Self = Options;
     C2F_ARG(Index, padding) = 0;
     C2F_ARG(Index, groups) = 1;
     C2F_ARG(bool, bias) = true;
@@ -108,7 +107,6 @@ class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
  public:
   /// seed: PyTorch's Conv1d init for both convolutions.
   class Options : public RuntimeOptions<Options> {
-    using Self = Options;
     /// conv3 reads x[i−2 … i] instead of x[i−1 … i+1].
     C2F_ARG(bool, causal) = false;
   };
@@ -136,18 +134,13 @@ class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
   }
   /// 3·E·(E/2) + E/2 + E·(E − E/2) + (E − E/2).
   Index parameter_count() const { return conv3_.parameter_count() + conv2_.parameter_count(); }
-  void reset_parameters(std::uint64_t seed) {
-    conv3_.reset_parameters(seed);
-    conv2_.reset_parameters(seed + 1);
-  }
 
-  void load(detail::StrictLoader& loader, const std::string& name) {
-    conv3_.load(loader, name + "conv3.");
-    conv2_.load(loader, name + "conv2.");
-  }
-  void save(StateDict& sd, const std::string& name) const {
-    conv3_.save(sd, name + "conv3.");
-    conv2_.save(sd, name + "conv2.");
+  /// conv3 then conv2: reset_parameters(seed) (from detail::Module) draws conv3 from seed, conv2 from
+  /// seed + 1.
+  template <class Self, class Fn>
+  static void children(Self& self, Fn&& fn) {
+    fn("conv3.", self.conv3_);
+    fn("conv2.", self.conv2_);
   }
 
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x) const {

@@ -47,7 +47,6 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
  public:
   /// seed: PyTorch's Conv1d / Linear default init.
   class Options : public RuntimeOptions<Options> {
-    using Self = Options;
     /// Every output depends only on x[0 … i] (see the file comment); fixed at construction.
     C2F_ARG(bool, causal) = false;
     C2F_ARG(HMHALevels, levels) = HMHALevels{};
@@ -85,17 +84,12 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
   const C3K2Projection<Scalar>& v_proj() const { return v_proj_; }
   const Linear<Scalar>& out_proj() const { return out_proj_; }
 
-  void load(detail::StrictLoader& loader, const std::string& name) {
-    q_proj_.load(loader, name + "q_proj.");
-    k_proj_.load(loader, name + "k_proj.");
-    v_proj_.load(loader, name + "v_proj.");
-    out_proj_.load(loader, name + "out_proj.");
-  }
-  void save(StateDict& sd, const std::string& name) const {
-    q_proj_.save(sd, name + "q_proj.");
-    k_proj_.save(sd, name + "k_proj.");
-    v_proj_.save(sd, name + "v_proj.");
-    out_proj_.save(sd, name + "out_proj.");
+  template <class Self, class Fn>
+  static void children(Self& self, Fn&& fn) {
+    fn("q_proj.", self.q_proj_);
+    fn("k_proj.", self.k_proj_);
+    fn("v_proj.", self.v_proj_);
+    fn("out_proj.", self.out_proj_);
   }
 
   /// x [B, L, E] → [B, L, E]. HMHA takes no masks (a non-empty Masks throws).

@@ -18,7 +18,6 @@ template <class Scalar>
 class Linear : public detail::Module<Linear<Scalar>> {
  public:
   class Options : public RuntimeOptions<Options> {
-    using Self = Options;
     C2F_ARG(bool, bias) = true;
   };
 
@@ -28,12 +27,7 @@ class Linear : public detail::Module<Linear<Scalar>> {
       : Linear(in_features, out_features, Options().bias(bias).seed(seed)) {}
   Linear(Index in_features, Index out_features, Options options)
       : Linear(in_features, out_features, options, detail::NoInit{}) {
-    detail::Rng rng(options.seed());
-    detail::linear_default_uniform(weight_, rng);
-    if (options.bias()) {
-      Eigen::Map<RowMatrix<Scalar>> b(bias_.data(), 1, bias_.size());
-      detail::fill_uniform(b, rng, 1.0 / std::sqrt(static_cast<double>(in_features)));
-    }
+    reset_parameters(options.seed());
   }
   /// Zero weights and bias, for a layer that initialises its Linear members itself.
   Linear(Index in_features, Index out_features, Options options, detail::NoInit)
@@ -55,6 +49,16 @@ class Linear : public detail::Module<Linear<Scalar>> {
   const Vector<Scalar>& bias() const { return bias_; }
   Vector<Scalar>& bias() { return bias_; }
   const Scalar* bias_data() const { return options_.bias() ? bias_.data() : nullptr; }
+
+  /// torch.nn.Linear's init: weight and bias U(±1/sqrt(in_features)), drawn from `seed`.
+  void reset_parameters(std::uint64_t seed) {
+    detail::Rng rng(seed);
+    detail::linear_default_uniform(weight_, rng);
+    if (options_.bias()) {
+      Eigen::Map<RowMatrix<Scalar>> b(bias_.data(), 1, bias_.size());
+      detail::fill_uniform(b, rng, 1.0 / std::sqrt(static_cast<double>(in_features())));
+    }
+  }
 
   /// Reads `<prefix>weight` [out, in] and, with bias, `<prefix>bias` [out].
   void load(detail::StrictLoader& loader, const std::string& name) {

@@ -43,7 +43,6 @@ template <class Scalar>
 class MultiHeadAttention : public detail::Module<MultiHeadAttention<Scalar>> {
  public:
   class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
-    using Self = Options;
     C2F_ARG(bool, bias) = true;
     /// Key features; 0 = embed_dim.
     C2F_ARG(Index, kdim) = 0;

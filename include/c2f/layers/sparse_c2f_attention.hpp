@@ -52,7 +52,6 @@ class SparseC2FAttention : public detail::Module<SparseC2FAttention<Scalar>> {
  public:
   /// seed: PyTorch's MultiheadAttention init. The kernel options serve as_multihead_attention().
   class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
-    using Self = Options;
     C2F_ARG(bool, bias) = true;
     /// Token t attends only to keys <= t, chosen from the chunks before its own (per-token gating).
     C2F_ARG(bool, causal) = false;
@@ -103,8 +102,11 @@ class SparseC2FAttention : public detail::Module<SparseC2FAttention<Scalar>> {
   /// a causal layer).
   const MultiHeadAttention<Scalar>& as_multihead_attention() const { return mha_; }
 
-  void load(detail::StrictLoader& loader, const std::string& name) { mha_.load(loader, name); }
-  void save(StateDict& sd, const std::string& name) const { mha_.save(sd, name); }
+  /// The state dict is the MultiHeadAttention's, under the same names.
+  template <class Self, class Fn>
+  static void children(Self& self, Fn&& fn) {
+    fn("", self.mha_);
+  }
 
   /// x [B, L, E] → [B, L, E]. Masks: attn_mask [L, L] or [n, L, L] (n = 1, B or B·H), key_padding_mask
   /// [B, L].

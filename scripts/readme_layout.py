@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Writes (or checks) the Layout section of README.md from the tree, so that it cannot drift.
+
+    python3 scripts/readme_layout.py            print the layout
+    python3 scripts/readme_layout.py --write    replace the block between the layout markers in README.md
+    python3 scripts/readme_layout.py --check    exit 1 when README.md's block differs (a ctest entry)
+
+Headers under include/ are described by the first line of their leading comment; every other folder
+and top-level file needs a line in DESCRIPTIONS below (a new one without a description is an error).
+Files are the ones git tracks (all files when git is unavailable), except the fixture data.
+"""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- layout:begin (scripts/readme_layout.py --write) -->", "<!-- layout:end -->"
+
+DESCRIPTIONS = {
+    ".ci/": "CI entry point: runs scripts/test.sh",
+    "benchmarks/": "Google Benchmark binaries and the main job's sweep (sweep.py: tables, plots)",
+    "cmake/": "package config template (find_package(c2f [COMPONENTS safetensors]))",
+    "docs/": "plots and tables of a measured run",
+    "examples/": "programs that load PyTorch weights and compare with PyTorch; their export scripts",
+    "scripts/": "install-deps.sh (the one package list), run.sh (main job), test.sh (README test command)",
+    "tests/": "GoogleTest suites (one executable per area)",
+    "tests/consumers/": "downstream CMake projects: find_package (core and safetensors), add_subdirectory",
+    "tests/data/": "committed PyTorch fixtures, one folder per family, with manifest.json",
+    "tests/fuzz/": "libFuzzer targets for the safetensors reader, seed corpus, regressions",
+    "tests/odr/": "two translation units that include every header (one-definition rule)",
+    "tests/reference/": "PyTorch reference modules, fixture generator and checker (generate.py, check_fixtures.py)",
+    "tests/support/": "test helpers: fixtures, comparisons, random inputs, dense twins",
+    "tools/": "malloc_counter.hpp: heap counting for tests and benchmarks",
+    "CMakeLists.txt": "targets c2f::c2f (Eigen, Threads) and c2f::safetensors (+ nlohmann_json); install rules",
+    "CMakePresets.json": "presets dev, release, release-native, asan (workflows: configure, build, test)",
+}
+MAX_SUMMARY = 90  # characters of a header's summary
+SKIP_FILES = {".gitignore", ".clang-format", "LICENSE", "README.md"}
+
+
+def tracked_files():
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=REPO, check=True, capture_output=True, text=True).stdout
+        return [Path(line) for line in out.splitlines() if line]
+    except (OSError, subprocess.CalledProcessError):
+        return [p.relative_to(REPO) for p in REPO.rglob("*") if p.is_file() and ".git" not in p.parts]
+
+
+def header_summary(path: Path) -> str:
+    """The first sentence of the header's leading comment, without its "c2f … —" lead."""
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("//") or line.strip() == "//":
+            break
+        lines.append(line[2:].strip())
+    text = " ".join(lines)
+    if " — " in text:
+        text = text.split(" — ", 1)[1]
+    text = text.split(". ", 1)[0].rstrip(".")
+    if len(text) > MAX_SUMMARY:
+        text = text[:MAX_SUMMARY].rsplit(" ", 1)[0].rstrip(",;:") + " …"
+    return text
+
+
+def layout():
+    files = tracked_files()
+    rows, missing = [], []
+    headers = sorted(f for f in files if f.parts[0] == "include" and f.suffix == ".hpp")
+    for h in headers:
+        rows.append((str(h), header_summary(REPO / h)))
+    folders = set()
+    for f in files:
+        if f.parts[0] == "include" or len(f.parts) == 1:
+            continue
+        folders.add(f.parts[0] + "/")
+        if f.parts[0] == "tests" and len(f.parts) > 2:
+            folders.add("/".join(f.parts[:2]) + "/")
+    for d in sorted(folders):
+        if d not in DESCRIPTIONS:
+            missing.append(d)
+        else:
+            rows.append((d, DESCRIPTIONS[d]))
+    for f in sorted(f for f in files if len(f.parts) == 1 and f.name not in SKIP_FILES):
+        if f.name not in DESCRIPTIONS:
+            missing.append(f.name)
+        else:
+            rows.append((f.name, DESCRIPTIONS[f.name]))
+    if missing:
+        sys.exit("readme_layout.py: no description for " + ", ".join(missing) + " (add it to DESCRIPTIONS)")
+    width = max(len(r[0]) for r in rows) + 2
+    return "```\n" + "".join(f"{name.ljust(width)}{text}\n" for name, text in rows) + "```"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args(argv)
+    block = layout()
+    if not (args.write or args.check):
+        print(block)
+        return 0
+    readme = REPO / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    if BEGIN not in text or END not in text:
+        sys.exit(f"README.md has no layout markers ({BEGIN} … {END})")
+    head, rest = text.split(BEGIN, 1)
+    current, tail = rest.split(END, 1)
+    wanted = f"\n{block}\n"
+    if args.check:
+        if current != wanted:
+            print("README.md's Layout differs from the tree; run python3 scripts/readme_layout.py --write")
+            return 1
+        print("README.md's Layout matches the tree")
+        return 0
+    readme.write_text(head + BEGIN + wanted + END + tail, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
