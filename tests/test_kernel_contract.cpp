@@ -107,9 +107,10 @@ TEST(KernelContract, ChunkSparse) {
   RowMatrix<float> out = ones(20, 8);
   expect_rejected("select_chunks", [&] { kernels::select_chunks<float>(q, short_k, grid, 2, 2, 1); });
   expect_rejected("select_chunks", [&] { kernels::select_chunks<float>(q, q, grid, 2, 0, 1); });
-  expect_rejected("select_chunks_per_token", [&] { kernels::select_chunks_per_token<float>(q, short_k, grid, 2, 2, true, 1); });
+  expect_rejected("select_chunks_per_token", [&] { kernels::select_chunks_per_token<float>(q, ones(3, 8), grid, 2, 2, true, 1); });
+  expect_rejected("select_chunks_per_token", [&] { kernels::select_chunks_per_token<float>(ones(21, 8), ones(5, 8), grid, 2, 2, true, 1); });
   const kernels::ChunkSelection per_chunk = kernels::select_chunks<float>(q, q, grid, 2, 2, 1);
-  const kernels::ChunkSelection per_token = kernels::select_chunks_per_token<float>(q, q, grid, 2, 2, true, 1);
+  const kernels::ChunkSelection per_token = kernels::select_chunks_per_token<float>(q, ones(5, 8), grid, 2, 2, true, 1);
   expect_rejected("chunk_sparse_attention",
                   [&] { kernels::chunk_sparse_attention<float>(q, short_k, q, grid, 2, per_chunk, {}, 0.5f, out, 1); });
   expect_rejected("chunk_sparse_attention",

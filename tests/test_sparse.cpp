@@ -180,6 +180,13 @@ RowMatrix<Scalar> dense_fine_stage(const RowMatrix<Scalar>& q, const RowMatrix<S
   return out;
 }
 
+template <class Scalar>
+RowMatrix<Scalar> chunk_means(const RowMatrix<Scalar>& k, const c2f::kernels::ChunkGrid& grid) {
+  RowMatrix<Scalar> means(grid.chunks(), k.cols());
+  c2f::kernels::chunk_mean<Scalar>(k, grid, means, 1);
+  return means;
+}
+
 // Both gatings' selection and fine kernels against the brute-force selection and the dense fine stage.
 TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
   using Scalar = TypeParam;
@@ -205,7 +212,7 @@ TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
          << " len0=" << lengths[0];
     SCOPED_TRACE(what.str());
     const c2f::kernels::ChunkSelection sel =
-        per_token ? c2f::kernels::select_chunks_per_token<Scalar>(q, k, grid, heads, top_k, causal, threads)
+        per_token ? c2f::kernels::select_chunks_per_token<Scalar>(q, chunk_means(k, grid), grid, heads, top_k, causal, threads)
                   : c2f::kernels::select_chunks<Scalar>(q, k, grid, heads, top_k, threads);
     EXPECT_EQ(sel.index, brute_force_selection(q, k, batch, length, heads, chunk, top_k, per_token, causal));
     RowMatrix<Scalar> fast(batch * length, heads * dh);

@@ -65,6 +65,27 @@ void check_qkv_out(const char* kernel, const Q& q, const K& k, const V& v, const
   check_scale(kernel, scale);
 }
 
+/// Kernels whose queries are the last n positions of T: q and out [batch·n, cols] (cols split into
+/// heads), k and v [batch·T, cols] (when keys_are_tokens), n ≤ T. Returns n.
+template <class Q, class O, class K, class V, class Grid, class Scalar>
+Index check_last_queries(const char* kernel, const Q& q, const O& out, const K& k, const V& v, const Grid& grid,
+                         Index heads, Scalar scale, bool keys_are_tokens = true) {
+  check_grid(kernel, grid);
+  check_heads(kernel, q.cols(), heads);
+  check_scale(kernel, scale);
+  const Index n = grid.batch > 0 ? q.rows() / grid.batch : 0;
+  if (q.rows() != grid.batch * n || n > grid.length) {
+    fail(kernel, ": q ", shape_string({q.rows(), q.cols()}), " must be [batch·n, cols] with n <= length (batch ",
+         grid.batch, ", length ", grid.length, ")");
+  }
+  check_shape(kernel, "out", out, q.rows(), q.cols());
+  if (keys_are_tokens) {
+    check_shape(kernel, "k", k, grid.batch * grid.length, q.cols());
+    check_shape(kernel, "v", v, grid.batch * grid.length, q.cols());
+  }
+  return n;
+}
+
 /// Chunk selection: q, k [batch·length, cols] with cols split into heads, and top_k >= 1.
 template <class Q, class K, class Grid>
 void check_selection_inputs(const char* kernel, const Q& q, const K& k, const Grid& grid, Index heads, Index top_k) {
@@ -75,16 +96,18 @@ void check_selection_inputs(const char* kernel, const Q& q, const K& k, const Gr
   if (top_k < 1) fail(kernel, ": top_k must be >= 1, got ", top_k);
 }
 
-/// Chunk-sparse fine stage: q, k, v, out [batch·length, cols] split into heads; the selection (per chunk
-/// or per token) and the mask view fit the problem.
-template <class Q, class O, class Grid, class Selection, class MaskView, class Scalar>
-void check_sparse_fine_inputs(const char* kernel, const Q& q, const Q& k, const Q& v, const O& out, const Grid& grid,
-                              Index heads, const Selection& selection, bool per_token, const MaskView& mask,
-                              Scalar scale) {
-  check_grid(kernel, grid);
-  check_qkv_out(kernel, q, k, v, out, grid.batch * grid.length, heads, scale);
-  selection.check(kernel, grid, heads, per_token);
-  check_mask_view(kernel, mask, grid.batch, heads, grid.length, grid.length);
+/// Chunk-sparse fine stage: q and out [batch·n, cols] (the last n positions; n = length for per-chunk
+/// gating), k and v [batch·length, cols] split into heads; the selection (per chunk or per token) and
+/// the mask view ([batch, heads, n, length]) fit the problem. Returns n.
+template <class Q, class K, class O, class Grid, class Selection, class MaskView, class Scalar>
+Index check_sparse_fine_inputs(const char* kernel, const Q& q, const K& k, const K& v, const O& out,
+                               const Grid& grid, Index heads, const Selection& selection, bool per_token,
+                               const MaskView& mask, Scalar scale) {
+  const Index n = check_last_queries(kernel, q, out, k, v, grid, heads, scale);
+  if (!per_token && n != grid.length) fail(kernel, ": per-chunk gating needs a query for every key position");
+  selection.check(kernel, grid, heads, per_token, per_token ? n : grid.chunks_per_batch());
+  check_mask_view(kernel, mask, grid.batch, heads, n, grid.length);
+  return n;
 }
 
 /// y = x · wᵀ: x [n, in], w [out, in], y [n, out].
@@ -116,8 +139,8 @@ void check_conv1d(const char* kernel, const X& x, const Y& y, Index batch, Index
 
 /// The q, k, v and out heads views of an sdpa kernel ([batch, seq, heads, dim] each) fit one problem,
 /// the mask view was checked for it, and the scale is positive and finite.
-template <class InView, class OutView, class MaskView, class Scalar>
-void check_sdpa(const char* kernel, const InView& q, const InView& k, const InView& v, const OutView& out,
+template <class QView, class KVView, class OutView, class MaskView, class Scalar>
+void check_sdpa(const char* kernel, const QView& q, const KVView& k, const KVView& v, const OutView& out,
                 const MaskView& mask, Scalar scale) {
   if (k.batch != q.batch || v.batch != q.batch || out.batch != q.batch || k.heads != q.heads ||
       v.heads != q.heads || out.heads != q.heads || k.dim != q.dim || v.seq != k.seq || out.seq != q.seq ||
@@ -128,6 +151,16 @@ void check_sdpa(const char* kernel, const InView& q, const InView& k, const InVi
   }
   check_mask_view(kernel, mask, q.batch, q.heads, q.seq, k.seq);
   check_scale(kernel, scale);
+}
+
+/// decode(): a causal layer, x [state batch, n >= 1, width].
+template <class X>
+void check_decode(const char* layer, bool causal, const X& x, Index state_batch, Index width) {
+  if (!causal) fail(layer, "::decode needs a causal layer (Options().causal(true)): a non-causal one reads later tokens");
+  if (x.batch() != state_batch || x.seq() < 1 || x.features() != width) {
+    fail(layer, "::decode: x_new must be [batch, n >= 1, embed_dim] = [", state_batch, ", n, ", width, "] for this state, got ",
+         shape_string({x.batch(), x.seq(), x.features()}));
+  }
 }
 
 }  // namespace detail

@@ -26,6 +26,19 @@ struct ChunkGrid {
   Index row(Index c) const { return (c / chunks_per_batch()) * length + first(c); }
 };
 
+/// The chunks of `grid` that hold the last n positions (the queries of a kernel whose queries are the
+/// last n of the grid's T positions): [first, first + count) in every batch item, and the first query
+/// position T − n.
+struct QueryChunks {
+  Index first = 0, count = 0, first_position = 0;
+  QueryChunks(const ChunkGrid& grid, Index n) : first_position(grid.length - n) {
+    if (n > 0) {
+      first = first_position / grid.chunk;
+      count = (grid.length - 1) / grid.chunk - first + 1;
+    }
+  }
+};
+
 /// out[c] = mean of the real tokens of chunk c (overwritten). x [batch·length, d], out [chunks, d].
 template <class Scalar>
 void chunk_mean(const Eigen::Ref<const RowMatrix<Scalar>>& x, const ChunkGrid& grid, Eigen::Ref<RowMatrix<Scalar>> out,

@@ -14,6 +14,7 @@
 
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
+#include "c2f/detail/convert.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/detail/top_picks.hpp"
@@ -41,10 +42,9 @@ struct ChunkSelection {
   Index* row(Index b, Index h, Index i) { return index.data() + ((b * heads + h) * queries + i) * top_k; }
   const Index* row(Index b, Index h, Index i) const { return index.data() + ((b * heads + h) * queries + i) * top_k; }
 
-  /// Throws unless this is a per-chunk (or per-token) selection over `grid` and `heads` whose indices
-  /// are valid chunks (or −1 padding).
-  void check(const char* kernel, const ChunkGrid& grid, Index num_heads, bool per_token_rows) const {
-    const Index want = per_token_rows ? grid.length : grid.chunks_per_batch();
+  /// Throws unless this is a per-chunk (or per-token) selection with `want` query rows per batch item
+  /// over `grid` and `heads`, whose indices are valid chunks (or −1 padding).
+  void check(const char* kernel, const ChunkGrid& grid, Index num_heads, bool per_token_rows, Index want) const {
     if (per_token != per_token_rows || batch != grid.batch || heads != num_heads || queries != want || top_k < 1 ||
         static_cast<Index>(index.size()) != batch * heads * queries * top_k) {
       detail::fail(kernel, ": the selection must be ", per_token_rows ? "per token" : "per chunk",
@@ -88,47 +88,58 @@ ChunkSelection select_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& q, const
   return sel;
 }
 
-/// Per-token gating (MoBA's): token t of chunk c scores the eligible chunks j ≠ c by q_t·k̄_j (k̄_j the
-/// mean of the projected keys of chunk j) and keeps c plus the (top_k − 1) highest (ties to the lower
-/// index; all of them when fewer exist). Eligible: every chunk, or with `causal` the chunks j < c (all
-/// complete), so the choice of token t reads nothing after t. Tasks are (batch, query chunk); each is
-/// one [chunk, eligible] score GEMM per head.
+/// Per-token gating (MoBA's): the query at position t of chunk c scores the eligible chunks j ≠ c by
+/// q_t·k̄_j (k̄_j the mean of the projected keys of chunk j) and keeps c plus the (top_k − 1) highest
+/// (ties to the lower index; all of them when fewer exist). Eligible: every chunk, or with `causal` the
+/// chunks j < c (all complete), so the choice of token t reads nothing after t.
+///
+/// q [batch·n, cols] holds the queries of the last n positions T − n … T − 1 of every batch item (n = T
+/// in a forward pass, the new tokens when decoding); `grid` covers the T keys; k_means [batch·mk, cols]
+/// holds the chunk means of every batch item (chunk_mean over the grid), mk ≥ every eligible chunk.
+/// The selection has one row per query (queries = n). Tasks are (batch, query chunk); each is one
+/// [queries in the chunk, eligible] score GEMM per head.
 template <class Scalar>
 ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                                       const Eigen::Ref<const RowMatrix<Scalar>>& k, const ChunkGrid& grid,
+                                       const Eigen::Ref<const RowMatrix<Scalar>>& k_means, const ChunkGrid& grid,
                                        Index heads, Index top_k, bool causal, int num_threads) {
-  detail::check_selection_inputs("select_chunks_per_token", q, k, grid, heads, top_k);
-  const Index m = grid.chunks_per_batch(), dim = q.cols(), dh = dim / heads, length = grid.length;
-  ChunkSelection sel{grid.batch, heads, length, top_k, true,
-                     std::vector<Index>(static_cast<std::size_t>(grid.batch * heads * length * top_k), -1)};
-  RowMatrix<Scalar> km(grid.chunks(), dim);
-  chunk_mean<Scalar>(k, grid, km, num_threads);
-  struct Workspace {
-    RowMatrix<Scalar> s;
-  };
-  std::vector<Workspace> work(static_cast<std::size_t>(detail::resolve_threads(num_threads, grid.chunks())));
-  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int worker) {
-    const Index b = c / m, i = c % m, rows = grid.count(c), t0 = grid.first(c);
-    const Index eligible = causal ? i : m;  // chunks [0, eligible) are scored; the own chunk is skipped
-    RowMatrix<Scalar>& s = work[static_cast<std::size_t>(worker)].s;
-    detail::TopPicks<Scalar> picks(std::min<Index>(top_k - 1, causal ? i : m - 1));
+  const char* kernel = "select_chunks_per_token";
+  const Index n = detail::check_last_queries(kernel, q, q, q, q, grid, heads, Scalar(1), /*keys_are_tokens=*/false);
+  if (top_k < 1) detail::fail(kernel, ": top_k must be >= 1, got ", top_k);
+  const Index m = grid.chunks_per_batch(), dim = q.cols(), dh = dim / heads;
+  const QueryChunks chunks(grid, n);
+  const Index mk = grid.batch > 0 ? k_means.rows() / grid.batch : 0;
+  const Index needed = n == 0 ? 0 : (causal ? (grid.length - 1) / grid.chunk : m);
+  if (k_means.cols() != dim || k_means.rows() != grid.batch * mk || mk < needed) {
+    detail::fail(kernel, ": k_means ", detail::shape_string({k_means.rows(), k_means.cols()}),
+                 " must be [batch·m, ", dim, "] with m >= ", needed, " chunk means per batch item");
+  }
+  ChunkSelection sel{grid.batch, heads, n, top_k, true,
+                     std::vector<Index>(static_cast<std::size_t>(grid.batch * heads * n * top_k), -1)};
+  const Index tasks = grid.batch * chunks.count;
+  std::vector<RowMatrix<Scalar>> work(static_cast<std::size_t>(detail::resolve_threads(num_threads, tasks)));
+  detail::parallel_for(tasks, num_threads, [&](Index task, int worker) {
+    const Index b = task / chunks.count, c = chunks.first + task % chunks.count;
+    const Index p0 = std::max(c * grid.chunk, chunks.first_position), p1 = std::min((c + 1) * grid.chunk, grid.length);
+    const Index rows = p1 - p0, q_row = b * n + p0 - chunks.first_position;
+    const Index eligible = causal ? c : m;  // chunks [0, eligible) are scored; the own chunk is skipped
+    RowMatrix<Scalar>& s = work[static_cast<std::size_t>(worker)];
+    detail::TopPicks<Scalar> picks(std::min<Index>(top_k - 1, causal ? c : m - 1));
     for (Index h = 0; h < heads; ++h) {
       s.resize(rows, eligible);
       if (eligible > 0) {
-        s.noalias() = q.block(grid.row(c), h * dh, rows, dh) * km.block(b * m, h * dh, eligible, dh).transpose();
+        s.noalias() = q.block(q_row, h * dh, rows, dh) * k_means.block(b * mk, h * dh, eligible, dh).transpose();
       }
       for (Index r = 0; r < rows; ++r) {
         picks.clear();
         for (Index j = 0; j < eligible; ++j) {
-          if (j != i) picks.offer(s(r, j), j);
+          if (j != c) picks.offer(s(r, j), j);
         }
-        picks.write(i, sel.row(b, h, t0 + r));
+        picks.write(c, sel.row(b, h, q_row - b * n + r));
       }
     }
   });
   return sel;
 }
-
 
 /// Fine stage of per-chunk gating: every query of chunk i attends, with one softmax, to the keys of its
 /// selected chunks; `mask` (the library's masks, absolute positions) combines.
@@ -184,95 +195,100 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
 /// thread count, and never on a later token (the causal guarantee holds bit for bit).
 constexpr Index kTokenGroupRows = 32;
 
-/// Fine stage of per-token gating: token t attends, with one softmax (scores q·k · scale), to the keys of
-/// the chunks it selected; with `causal`, in its own chunk only to keys ≤ t (the other selected chunks
-/// lie before it); `mask` (absolute positions) combines. out[t, head h] is overwritten.
+/// Fine stage of per-token gating: the query at position t attends, with one softmax (scores q·k ·
+/// scale), to the keys of the chunks it selected; with `causal`, in its own chunk only to keys ≤ t (the
+/// other selected chunks lie before it); `mask` ([batch, heads, n, T]) combines. out is overwritten.
+/// q and out [batch·n, cols] are the last n positions of T; k, v [batch·T, cols] may be stored in a
+/// narrower `KV` (converted chunk by chunk); the selection comes from select_chunks_per_token.
 ///
-/// GEMM-shaped although every token chooses differently: per (batch, head), the tokens are grouped by
+/// GEMM-shaped although every token chooses differently: per (batch, head), the queries are grouped by
 /// the key chunk they selected; each key chunk j runs [group, dh] × [dh, chunk] and back over its
-/// gathered queries (in groups of kTokenGroupRows, ascending token order), and every token merges the
+/// gathered queries (in groups of kTokenGroupRows, ascending position), and every query merges the
 /// partial softmaxes of its chunks with a running max and sum (the log-sum-exp merge of split-K flash
-/// decoding) in ascending key-chunk order. Working memory per worker: [length, dh] accumulators.
-template <class Scalar>
-void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                            const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads,
-                            const ChunkSelection& selection, bool causal, const MaskView<Scalar>& mask, Scalar scale,
-                            Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
-  detail::check_sparse_fine_inputs("token_sparse_attention", q, k, v, out, grid, heads, selection, true, mask, scale);
-  const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k, length = grid.length;
+/// decoding) in ascending key-chunk order. Working memory per worker: [n, dh] accumulators.
+template <class Scalar, class KV = Scalar>
+void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                            const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& k,
+                            const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& v, const ChunkGrid& grid,
+                            Index heads, const ChunkSelection& selection, bool causal, const MaskView<Scalar>& mask,
+                            Scalar scale, Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
+  const Index n = detail::check_sparse_fine_inputs("token_sparse_attention", q, k, v, out, grid, heads, selection,
+                                                   true, mask, scale);
+  const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k, T = grid.length;
+  const Index p0 = T - n;  // position of query 0
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   constexpr Index G = kTokenGroupRows;
   struct Workspace {
-    std::vector<Index> start, members, fill;  // tokens per key chunk: members[start[j] .. start[j+1])
-    RowMatrix<Scalar> acc, qg, s, pv;
+    std::vector<Index> start, members, fill;  // queries per key chunk: members[start[j] .. start[j+1])
+    RowMatrix<Scalar> acc, qg, s, pv, kv;
     Vector<Scalar> run_max, run_sum, alpha;
   };
   const Index tasks = grid.batch * heads;
   std::vector<Workspace> work(static_cast<std::size_t>(detail::resolve_threads(num_threads, tasks)));
   detail::parallel_for(tasks, num_threads, [&](Index task, int worker) {
-    const Index b = task / heads, h = task % heads, base = b * length;
+    const Index b = task / heads, h = task % heads, q_base = b * n;
     Workspace& ws = work[static_cast<std::size_t>(worker)];
-    // Bucket the tokens by selected key chunk (counting sort: each bucket is in ascending token order).
+    // Bucket the queries by selected key chunk (counting sort: each bucket is in ascending order).
     ws.start.assign(static_cast<std::size_t>(m + 1), 0);
-    for (Index t = 0; t < length; ++t) {
-      const Index* chosen = selection.row(b, h, t);
-      for (Index r = 0; r < top_k && chosen[r] >= 0; ++r) ++ws.start[static_cast<std::size_t>(chosen[r] + 1)];
+    for (Index r = 0; r < n; ++r) {
+      const Index* chosen = selection.row(b, h, r);
+      for (Index i = 0; i < top_k && chosen[i] >= 0; ++i) ++ws.start[static_cast<std::size_t>(chosen[i] + 1)];
     }
     for (Index j = 0; j < m; ++j) ws.start[static_cast<std::size_t>(j + 1)] += ws.start[static_cast<std::size_t>(j)];
     ws.members.resize(static_cast<std::size_t>(ws.start[static_cast<std::size_t>(m)]));
     ws.fill.assign(ws.start.begin(), ws.start.end() - 1);
-    for (Index t = 0; t < length; ++t) {
-      const Index* chosen = selection.row(b, h, t);
-      for (Index r = 0; r < top_k && chosen[r] >= 0; ++r) {
-        ws.members[static_cast<std::size_t>(ws.fill[static_cast<std::size_t>(chosen[r])]++)] = t;
+    for (Index r = 0; r < n; ++r) {
+      const Index* chosen = selection.row(b, h, r);
+      for (Index i = 0; i < top_k && chosen[i] >= 0; ++i) {
+        ws.members[static_cast<std::size_t>(ws.fill[static_cast<std::size_t>(chosen[i])]++)] = r;
       }
     }
-    ws.acc.setZero(length, dh);
-    ws.run_max.setConstant(length, kNegInf);
-    ws.run_sum.setZero(length);
+    ws.acc.setZero(n, dh);
+    ws.run_max.setConstant(n, kNegInf);
+    ws.run_sum.setZero(n);
     ws.qg.resize(G, dh);
     ws.alpha.resize(G);
     for (Index j = 0; j < m; ++j) {
-      const Index kc = b * m + j, count = grid.count(kc), j0 = grid.first(kc), key_row = grid.row(kc);
-      const Eigen::Block<const Eigen::Ref<const RowMatrix<Scalar>>> kj = k.block(key_row, h * dh, count, dh);
-      const Eigen::Block<const Eigen::Ref<const RowMatrix<Scalar>>> vj = v.block(key_row, h * dh, count, dh);
       const Index first = ws.start[static_cast<std::size_t>(j)], last = ws.start[static_cast<std::size_t>(j + 1)];
+      if (first == last) continue;
+      const Index kc = b * m + j, count = grid.count(kc), j0 = grid.first(kc), key_row = grid.row(kc);
       for (Index g0 = first; g0 < last; g0 += G) {
-        const Index n = std::min(G, last - g0);
-        const Index* tokens = ws.members.data() + g0;
-        for (Index r = 0; r < n; ++r) ws.qg.row(r) = q.block(base + tokens[r], h * dh, 1, dh) * scale;
-        if (n < G) ws.qg.bottomRows(G - n).setZero();  // fixed GEMM shape; these rows are discarded
+        const Index rows = std::min(G, last - g0);
+        const Index* queries = ws.members.data() + g0;
+        for (Index r = 0; r < rows; ++r) ws.qg.row(r) = q.block(q_base + queries[r], h * dh, 1, dh) * scale;
+        if (rows < G) ws.qg.bottomRows(G - rows).setZero();  // fixed GEMM shape; these rows are discarded
         ws.s.resize(G, count);
-        ws.s.noalias() = ws.qg * kj.transpose();
-        for (Index r = 0; r < n; ++r) {
-          const Index t = tokens[r];
+        detail::as_scalar(k.block(key_row, h * dh, count, dh), ws.kv,
+                          [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
+        for (Index r = 0; r < rows; ++r) {
+          const Index qi = queries[r], t = p0 + qi;
           typename RowMatrix<Scalar>::RowXpr row = ws.s.row(r);
           if (causal && t - j0 < count - 1) row.tail(count - 1 - std::max<Index>(t - j0, -1)).setConstant(kNegInf);
           if (!mask.empty()) {
             Eigen::Block<RowMatrix<Scalar>> one = ws.s.block(r, 0, 1, count);
-            mask.apply(b, h, t, j0, one);
+            mask.apply(b, h, qi, j0, one);
           }
-          const Scalar m_old = ws.run_max[t], m_new = std::max(m_old, row.maxCoeff());
+          const Scalar m_old = ws.run_max[qi], m_new = std::max(m_old, row.maxCoeff());
           const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;  // all hidden so far: no −inf − −inf
           ws.alpha[r] = std::exp(m_old - shift);
           detail::exp_shifted(row, shift);
-          ws.run_sum[t] = ws.alpha[r] * ws.run_sum[t] + row.sum();
-          ws.run_max[t] = m_new;
+          ws.run_sum[qi] = ws.alpha[r] * ws.run_sum[qi] + row.sum();
+          ws.run_max[qi] = m_new;
         }
-        if (n < G) ws.s.bottomRows(G - n).setZero();
-        ws.pv.noalias() = ws.s * vj;
-        for (Index r = 0; r < n; ++r) {
-          const Index t = tokens[r];
-          ws.acc.row(t) = ws.alpha[r] * ws.acc.row(t) + ws.pv.row(r);
+        if (rows < G) ws.s.bottomRows(G - rows).setZero();
+        detail::as_scalar(v.block(key_row, h * dh, count, dh), ws.kv, [&](const auto& vb) { ws.pv.noalias() = ws.s * vb; });
+        for (Index r = 0; r < rows; ++r) {
+          const Index qi = queries[r];
+          ws.acc.row(qi) = ws.alpha[r] * ws.acc.row(qi) + ws.pv.row(r);
         }
       }
     }
-    for (Index t = 0; t < length; ++t) {
+    for (Index r = 0; r < n; ++r) {
       // The sum is 0 only when every key was masked (a visible key contributes exp(0) = 1 at the max).
-      if (ws.run_sum[t] == Scalar(0)) {
-        out.block(base + t, h * dh, 1, dh).setZero();
+      if (ws.run_sum[r] == Scalar(0)) {
+        out.block(q_base + r, h * dh, 1, dh).setZero();
       } else {
-        out.block(base + t, h * dh, 1, dh) = ws.acc.row(t) / ws.run_sum[t];
+        out.block(q_base + r, h * dh, 1, dh) = ws.acc.row(r) / ws.run_sum[r];
       }
     }
   });

@@ -1,13 +1,18 @@
 // c2f kernels — the attention levels of HMHA (hierarchical multi-head attention): local windows, the
 // causal window-summary level, and the log-spaced sparse level.
 //
-// q, k, v, out are [batch·length, heads·head_dim] row-major matrices (head h = columns
-// [h·head_dim, (h+1)·head_dim)); every kernel ACCUMULATES its result into `out` (out += …). Scores are
-// q·k · scale. Arguments are checked at entry (std::invalid_argument, every build type).
+// k, v are [batch·T, heads·head_dim] row-major matrices: the keys and values of positions 0 … T − 1 of
+// every batch item (head h = columns [h·head_dim, (h+1)·head_dim)); q and out are [batch·n, …]: the
+// queries of the LAST n positions, T − n … T − 1 (a forward pass has n = T; incremental decoding
+// passes the new tokens' queries and the cached keys). Keys and values may be stored in another type
+// `KV` (a KVCache's Eigen::half / bfloat16), converted block by block. Every kernel ACCUMULATES its
+// result into `out` (out += …). Scores are q·k · scale. Arguments are checked at entry
+// (std::invalid_argument, every build type).
 #pragma once
 
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
+#include "c2f/detail/convert.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/kernels/chunk.hpp"
@@ -19,65 +24,81 @@
 namespace c2f {
 namespace kernels {
 
-/// Level 1: token i of window c attends to the tokens of window c (with `causal`, to those ≤ i):
-/// out[i] += softmax_t(q_i·k_t · scale) v_t per head. Windows are the chunks of `grid`.
-/// Tasks are windows; scratch is one window × window score block per worker.
-template <class Scalar>
-void window_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                      const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads, bool causal,
+/// Level 1: the query at position p of window c attends to the tokens of window c (with `causal`, to
+/// those ≤ p): out[p] += softmax_t(q_p·k_t · scale) v_t per head. Windows are the chunks of `grid`.
+/// Tasks are (batch item, window holding queries); each is one score block per head.
+template <class Scalar, class KV = Scalar>
+void window_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& k,
+                      const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& v, const ChunkGrid& grid, Index heads, bool causal,
                       Scalar scale, Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
-  detail::check_grid("window_attention", grid);
-  detail::check_qkv_out("window_attention", q, k, v, out, grid.batch * grid.length, heads, scale);
-  const Index dh = q.cols() / heads;
+  const char* kernel = "window_attention";
+  const Index n = detail::check_last_queries(kernel, q, out, k, v, grid, heads, scale);
+  const Index dh = q.cols() / heads, T = grid.length;
+  const QueryChunks windows(grid, n);
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  std::vector<RowMatrix<Scalar>> scratch(
-      static_cast<std::size_t>(detail::resolve_threads(num_threads, grid.chunks())));
-  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int worker) {
-    const Index r = grid.row(c), n = grid.count(c);
-    RowMatrix<Scalar>& buffer = scratch[static_cast<std::size_t>(worker)];
-    if (buffer.rows() < n) buffer.resize(grid.chunk, grid.chunk);
-    Eigen::Block<RowMatrix<Scalar>> s = buffer.topLeftCorner(n, n);
+  struct Workspace {
+    RowMatrix<Scalar> s, kv;
+  };
+  const Index tasks = grid.batch * windows.count;
+  std::vector<Workspace> work(static_cast<std::size_t>(detail::resolve_threads(num_threads, tasks)));
+  detail::parallel_for(tasks, num_threads, [&](Index task, int worker) {
+    const Index b = task / windows.count, c = windows.first + task % windows.count;
+    const Index w0 = c * grid.chunk, w1 = std::min(w0 + grid.chunk, T);  // keys [w0, w1)
+    const Index p0 = std::max(w0, windows.first_position);                 // queries [p0, w1)
+    const Index nq = w1 - p0, nk = w1 - w0;
+    const Index q_row = b * n + p0 - windows.first_position, k_row = b * T + w0;
+    Workspace& ws = work[static_cast<std::size_t>(worker)];
+    ws.s.resize(nq, nk);
     for (Index h = 0; h < heads; ++h) {
-      s.noalias() = (q.block(r, h * dh, n, dh) * scale) * k.block(r, h * dh, n, dh).transpose();
-      for (Index i = 0; i < n; ++i) {
-        if (causal) s.row(i).tail(n - i - 1).setConstant(kNegInf);
-        detail::softmax_row(s.row(i));
+      detail::as_scalar(k.block(k_row, h * dh, nk, dh), ws.kv,
+                        [&](const auto& kb) { ws.s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * kb.transpose(); });
+      for (Index i = 0; i < nq; ++i) {
+        const Index visible = p0 - w0 + i + 1;  // keys w0 … p0 + i
+        if (causal && visible < nk) ws.s.row(i).tail(nk - visible).setConstant(kNegInf);
+        detail::softmax_row(ws.s.row(i));
       }
-      out.block(r, h * dh, n, dh).noalias() += s * v.block(r, h * dh, n, dh);
+      detail::as_scalar(v.block(k_row, h * dh, nk, dh), ws.kv,
+                        [&](const auto& vb) { out.block(q_row, h * dh, nq, dh).noalias() += ws.s * vb; });
     }
   });
 }
 
-/// Causal level 2 (NSA's compressed branch): token i of window c attends, with its own query and one
+/// Causal level 2 (NSA's compressed branch): the query at position p of window c attends, with one
 /// softmax, to the summaries of the complete windows before its own:
-///   out[i] += softmax_j(q_i·k̄_j · scale) v̄_j per head, j = 0 … c − 1 (window 0 gets nothing).
-/// k̄, v̄ [chunks, heads·dh] hold the window means (chunk_mean over `grid`). Tasks are windows; each is
-/// one [count, c] score block per head, so a token's result never depends on a later token.
+///   out[p] += softmax_j(q_p·k̄_j · scale) v̄_j per head, j = 0 … c − 1 (window 0 gets nothing).
+/// k̄, v̄ [batch·m, heads·dh] hold the window means of each batch item (m ≥ the window of position
+/// T − 1; a forward pass gives all windows, decoding the complete ones). Tasks are (batch item, window
+/// holding queries); each is one [queries, c] score block per head, so a query's result never depends
+/// on a later token.
 template <class Scalar>
 void window_summary_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k_mean,
                               const Eigen::Ref<const RowMatrix<Scalar>>& v_mean, const ChunkGrid& grid, Index heads,
                               Scalar scale, Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
   const char* kernel = "window_summary_attention";
-  detail::check_grid(kernel, grid);
-  detail::check_heads(kernel, q.cols(), heads);
-  detail::check_shape(kernel, "q", q, grid.batch * grid.length, q.cols());
-  detail::check_shape(kernel, "out", out, grid.batch * grid.length, q.cols());
-  detail::check_shape(kernel, "k_mean", k_mean, grid.chunks(), q.cols());
-  detail::check_shape(kernel, "v_mean", v_mean, grid.chunks(), q.cols());
-  detail::check_scale(kernel, scale);
-  const Index dh = q.cols() / heads, m = grid.chunks_per_batch();
-  std::vector<RowMatrix<Scalar>> scratch(
-      static_cast<std::size_t>(detail::resolve_threads(num_threads, grid.chunks())));
-  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int worker) {
-    const Index before = c % m;  // complete windows before this one, in the same batch item
-    if (before == 0) return;
-    const Index r = grid.row(c), n = grid.count(c), first = c - before;
+  const Index n = detail::check_last_queries(kernel, q, out, q, q, grid, heads, scale, /*keys_are_tokens=*/false);
+  const Index dh = q.cols() / heads, T = grid.length;
+  const QueryChunks windows(grid, n);
+  const Index m = grid.batch > 0 ? k_mean.rows() / grid.batch : 0;
+  if (k_mean.cols() != q.cols() || v_mean.cols() != q.cols() || k_mean.rows() != grid.batch * m ||
+      v_mean.rows() != k_mean.rows() || (n > 0 && m < (T - 1) / grid.chunk)) {
+    detail::fail(kernel, ": k_mean ", detail::shape_string({k_mean.rows(), k_mean.cols()}), " and v_mean ",
+                 detail::shape_string({v_mean.rows(), v_mean.cols()}), " must be [batch·m, ", q.cols(),
+                 "] with m >= ", (T - 1) / std::max<Index>(grid.chunk, 1), " windows per batch item");
+  }
+  const Index tasks = grid.batch * windows.count;
+  std::vector<RowMatrix<Scalar>> scratch(static_cast<std::size_t>(detail::resolve_threads(num_threads, tasks)));
+  detail::parallel_for(tasks, num_threads, [&](Index task, int worker) {
+    const Index b = task / windows.count, c = windows.first + task % windows.count;
+    if (c == 0) return;  // no window before the first
+    const Index w0 = c * grid.chunk, w1 = std::min(w0 + grid.chunk, T);
+    const Index p0 = std::max(w0, windows.first_position), nq = w1 - p0;
+    const Index q_row = b * n + p0 - windows.first_position, first = b * m;
     RowMatrix<Scalar>& s = scratch[static_cast<std::size_t>(worker)];
-    s.resize(n, before);
+    s.resize(nq, c);
     for (Index h = 0; h < heads; ++h) {
-      s.noalias() = (q.block(r, h * dh, n, dh) * scale) * k_mean.block(first, h * dh, before, dh).transpose();
-      for (Index i = 0; i < n; ++i) detail::softmax_row(s.row(i));
-      out.block(r, h * dh, n, dh).noalias() += s * v_mean.block(first, h * dh, before, dh);
+      s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * k_mean.block(first, h * dh, c, dh).transpose();
+      for (Index i = 0; i < nq; ++i) detail::softmax_row(s.row(i));
+      out.block(q_row, h * dh, nq, dh).noalias() += s * v_mean.block(first, h * dh, c, dh);
     }
   });
 }
@@ -93,55 +114,67 @@ inline std::vector<Index> sparse_offsets(Index length, bool causal) {
   return offsets;
 }
 
-/// Rows per task of sparse_global_attention(); fixed, so the bits do not depend on the thread count.
+/// Query rows per task of sparse_global_attention(); fixed, so the bits do not depend on the thread count.
 constexpr Index kSparseRowBlock = 64;
 
-/// Level 3: token i attends to S(i) = {i} ∪ {i − 2^p, i + 2^p : p ≥ 0} ∩ [0, length) (with `causal`,
-/// {i} ∪ {i − 2^p}): out[i] += softmax_t(q_i·k_t · scale) v_t per head. v and out must be contiguous.
+/// Level 3: the query at position p attends to S(p) = {p} ∪ {p − 2^i, p + 2^i : i ≥ 0} ∩ [0, T) (with
+/// `causal`, {p} ∪ {p − 2^i}): out[p] += softmax_t(q_p·k_t · scale) v_t per head. out must be
+/// contiguous, and v too when it holds Scalar.
 ///
 /// The keys at one offset δ of a block of consecutive queries are a shifted block of consecutive key
 /// rows, so the kernel works offset by offset on contiguous rows (no gather): scores for all rows and
 /// heads at once, one softmax across offsets, then the weighted value rows.
-template <class Scalar>
-void sparse_global_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                             const Eigen::Ref<const RowMatrix<Scalar>>& v, Index batch, Index length, Index heads,
+template <class Scalar, class KV = Scalar>
+void sparse_global_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                             const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& k,
+                             const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& v, Index batch, Index length, Index heads,
                              bool causal, Scalar scale, Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
-  if (batch < 0 || length < 0) detail::fail("sparse_global_attention: batch and length must be >= 0");
-  detail::check_qkv_out("sparse_global_attention", q, k, v, out, batch * length, heads, scale);
-  const Index dim = q.cols(), dh = dim / heads;
-  if (v.outerStride() != dim || out.outerStride() != dim) {
-    detail::fail("sparse_global_attention: v and out must be contiguous [batch·length, ", dim, "] matrices");
+  const char* kernel = "sparse_global_attention";
+  if (batch < 0 || length < 0) detail::fail(kernel, ": batch and length must be >= 0");
+  const Index n = detail::check_last_queries(kernel, q, out, k, v, ChunkGrid{batch, length, 1}, heads, scale);
+  const Index dim = q.cols(), dh = dim / heads, T = length, p0 = T - n;
+  if ((std::is_same<KV, Scalar>::value && v.outerStride() != dim) || out.outerStride() != dim) {
+    detail::fail(kernel, ": v and out must be contiguous [rows, ", dim, "] matrices");
   }
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  const std::vector<Index> offsets = sparse_offsets(length, causal);
+  const std::vector<Index> offsets = sparse_offsets(T, causal);
   const Index noff = static_cast<Index>(offsets.size());
-  const Index blocks_per_batch = (length + kSparseRowBlock - 1) / kSparseRowBlock;
+  const Index blocks_per_batch = (n + kSparseRowBlock - 1) / kSparseRowBlock;
   detail::parallel_for(batch * blocks_per_batch, num_threads, [&](Index task, int) {
     const Index b = task / blocks_per_batch;
-    const Index a = (task % blocks_per_batch) * kSparseRowBlock, n = std::min(kSparseRowBlock, length - a);
-    const Index base = b * length;
-    // scores(r·heads + h, o): query a + r, head h, key a + r + offsets[o].
-    RowMatrix<Scalar> scores = RowMatrix<Scalar>::Constant(n * heads, noff, kNegInf);
-    RowMatrix<Scalar> prod(n, dim);
+    const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, n - a);
+    const Index q_base = b * n + a, k_base = b * T + p0 + a;  // query a ↔ key row k_base
+    // The queries of this block with a key at offset δ: i ∈ [i0, i1).
+    const auto rows_with_key = [&](Index delta, Index& i0, Index& i1) {
+      i0 = std::max<Index>(0, -delta - p0 - a);
+      i1 = std::min(nb, T - delta - p0 - a);
+      return i1 > i0;
+    };
+    // scores(r·heads + h, o): query a + r, head h, key at offset offsets[o].
+    RowMatrix<Scalar> scores = RowMatrix<Scalar>::Constant(nb * heads, noff, kNegInf);
+    RowMatrix<Scalar> prod(nb, dim), kv;
+    Index i0 = 0, i1 = 0;
     for (Index o = 0; o < noff; ++o) {
       const Index delta = offsets[static_cast<std::size_t>(o)];
-      const Index i0 = std::max<Index>(0, -delta - a), i1 = std::min(n, length - delta - a);  // rows with a key
-      if (i1 <= i0) continue;
+      if (!rows_with_key(delta, i0, i1)) continue;
       const Index rows = i1 - i0;
-      prod.topRows(rows) = q.middleRows(base + a + i0, rows).cwiseProduct(k.middleRows(base + a + i0 + delta, rows));
+      detail::as_scalar(k.middleRows(k_base + i0 + delta, rows), kv, [&](const auto& kb) {
+        prod.topRows(rows) = q.middleRows(q_base + i0, rows).cwiseProduct(kb);
+      });
       scores.col(o).segment(i0 * heads, rows * heads) =
           Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum() * scale;
     }
-    for (Index r = 0; r < n * heads; ++r) detail::softmax_row(scores.row(r));
+    for (Index r = 0; r < nb * heads; ++r) detail::softmax_row(scores.row(r));
     for (Index o = 0; o < noff; ++o) {
       const Index delta = offsets[static_cast<std::size_t>(o)];
-      const Index i0 = std::max<Index>(0, -delta - a), i1 = std::min(n, length - delta - a);
-      if (i1 <= i0) continue;
+      if (!rows_with_key(delta, i0, i1)) continue;
       const Index rows = i1 - i0;
       // out rows as [rows·heads, dh]: each (query, head) row gains weight · its value row.
-      Eigen::Map<RowMatrix<Scalar>> dst(out.row(base + a + i0).data(), rows * heads, dh);
-      const Eigen::Map<const RowMatrix<Scalar>> src(v.row(base + a + i0 + delta).data(), rows * heads, dh);
-      dst.noalias() += scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src;
+      Eigen::Map<RowMatrix<Scalar>> dst(out.row(q_base + i0).data(), rows * heads, dh);
+      detail::as_scalar(v.middleRows(k_base + i0 + delta, rows), kv, [&](const auto& vb) {
+        const Eigen::Map<const RowMatrix<Scalar>> src(vb.data(), rows * heads, dh);
+        dst.noalias() += scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src;
+      });
     }
   });
 }

@@ -14,6 +14,7 @@
 
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
+#include "c2f/detail/convert.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/mask_view.hpp"
@@ -129,11 +130,13 @@ std::size_t sdpa_streaming_workspace_bytes(const SdpaOptions& options, Index qk_
 
 /// Streaming kernel: out = softmax(q kᵀ · scale + mask) v (overwritten). Tasks are (batch, head, query
 /// block); each walks the key blocks with an online softmax. Blocks the mask fully hides (causal, key
-/// lengths) are skipped without computing scores.
-template <class Scalar>
-void sdpa_streaming(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                    const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out, const MaskView<Scalar>& mask,
-                    Scalar scale, const SdpaOptions& options) {
+/// lengths) are skipped without computing scores. Keys and values may be stored in another type `KV`
+/// (Eigen::half, Eigen::bfloat16: a KVCache's): each key block is then converted to Scalar first.
+template <class Scalar, class KV = Scalar>
+void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduce<HeadsView<const KV>>& k,
+                    const c2f::detail::NoDeduce<HeadsView<const KV>>& v,
+                    const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale,
+                    const SdpaOptions& options) {
   c2f::detail::check_sdpa("sdpa_streaming", q, k, v, out, mask, scale);
   const Index bq = std::max<Index>(1, options.query_block()), bk = std::max<Index>(1, options.key_block());
   const Index lq = q.seq, lk = k.seq, dk = q.dim, dv = v.dim;
@@ -142,7 +145,7 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const HeadsView<const Scal
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
 
   struct Workspace {
-    RowMatrix<Scalar> q, s, acc;
+    RowMatrix<Scalar> q, s, acc, kv;  // kv: a converted key or value block (KV ≠ Scalar)
     Vector<Scalar> m, l, alpha;
   };
   std::vector<Workspace> work(static_cast<std::size_t>(c2f::detail::resolve_threads(options.num_threads(), tasks)));
@@ -174,7 +177,7 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const HeadsView<const Scal
       const BlockMask status = mask.classify(b, i0, ni, j0, nj);
       if (status == BlockMask::Skip) continue;
       Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
-      s.noalias() = qs * k.block(b, h, j0, nj).transpose();
+      c2f::detail::as_scalar(k.block(b, h, j0, nj), ws.kv, [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
       if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
       bool rescale = false;
       for (Index r = 0; r < ni; ++r) {
@@ -189,7 +192,7 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const HeadsView<const Scal
         l[r] = alpha[r] * l[r] + s.row(r).sum();
       }
       if (rescale) acc = alpha.asDiagonal() * acc;
-      acc.noalias() += s * v.block(b, h, j0, nj);
+      c2f::detail::as_scalar(v.block(b, h, j0, nj), ws.kv, [&](const auto& vb) { acc.noalias() += s * vb; });
     }
     typename HeadsView<Scalar>::Block dst = out.block(b, h, i0, ni);
     for (Index r = 0; r < ni; ++r) {

@@ -25,6 +25,7 @@
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/hierarchical.hpp"
 #include "c2f/kernels/sdpa.hpp"
+#include "c2f/kv_cache.hpp"
 #include "c2f/layers/conv1d.hpp"
 #include "c2f/layers/linear.hpp"
 #include "c2f/mask.hpp"
@@ -92,6 +93,54 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
     fn("out_proj.", self.out_proj_);
   }
 
+  /// Incremental decoding state of a causal HMHA: the last two inputs (for the causal C3K2 convolution),
+  /// the keys and values of every token (stored as `Cache`: Scalar, Eigen::half or Eigen::bfloat16) —
+  /// level 1 reads the current window's, level 3 the log-spaced ones, and a position stays reachable at
+  /// every later power-of-two distance — and the key and value means of every complete window (level 2).
+  template <class Cache = Scalar>
+  class DecodeStateOf {
+   public:
+    Index batch() const { return cache_.batch(); }
+    Index length() const { return cache_.length(); }
+    std::size_t memory_bytes() const {
+      return cache_.memory_bytes() + windows_.memory_bytes() + sizeof(Scalar) * static_cast<std::size_t>(tail_.size());
+    }
+    const KVCache<Cache>& cache() const { return cache_; }
+
+   private:
+    friend class HMHA;
+    DecodeStateOf(Index batch, Index embed_dim, Index window)
+        : cache_(batch, embed_dim),
+          windows_(batch, embed_dim, window, /*values=*/true),
+          tail_(RowMatrix<Scalar>::Zero(2 * batch, embed_dim)) {}
+    KVCache<Cache> cache_;
+    ChunkSummaries<Scalar> windows_;
+    RowMatrix<Scalar> tail_;  ///< inputs T − 2, T − 1 of batch item b at rows 2b, 2b + 1 (zeros before the start)
+  };
+  using DecodeState = DecodeStateOf<Scalar>;
+
+  /// An empty state for `batch` sequences, with room for `reserve` tokens each.
+  template <class Cache = Scalar>
+  DecodeStateOf<Cache> new_decode_state(Index batch, Index reserve = 0) const {
+    if (batch < 0 || reserve < 0) detail::fail("HMHA: batch and reserve must be >= 0");
+    DecodeStateOf<Cache> state(batch, embed_dim_, window_);
+    state.cache_.reserve(reserve);
+    return state;
+  }
+
+  /// Appends x_new [B, n, E] and returns their outputs [B, n, E]: the rows the causal forward() over every
+  /// token so far gives them, however the tokens were split into calls. The layer must be causal.
+  template <class Cache>
+  Tensor3<Scalar> decode(ConstTensor3Ref<Scalar> x_new, DecodeStateOf<Cache>& state) const {
+    return run_decode(x_new, state, x_new.seq());
+  }
+
+  /// Appends x [B, n, E] and returns only the last token's output [B, 1, E].
+  template <class Cache>
+  Tensor3<Scalar> prefill(ConstTensor3Ref<Scalar> x, DecodeStateOf<Cache>& state) const {
+    return run_decode(x, state, std::min<Index>(1, x.seq()));
+  }
+
   /// x [B, L, E] → [B, L, E]. HMHA takes no masks (a non-empty Masks throws).
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
     detail::check_mask_fields(masks, "HMHA", false, false, false);
@@ -142,6 +191,55 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
   }
 
  private:
+  template <class Cache>
+  Tensor3<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
+    detail::check_decode("HMHA", options_.causal(), x, state.batch(), embed_dim_);
+    const Index batch = x.batch(), n = x.seq(), e = embed_dim_, span = n + 2;
+    // Each sequence's new inputs behind its last two: the causal convolutions read x[t − 2 … t].
+    RowMatrix<Scalar> in(batch * span, e), in_q(batch * (outputs + 2), e);
+    for (Index b = 0; b < batch; ++b) {
+      in.middleRows(b * span, 2) = state.tail_.middleRows(2 * b, 2);
+      in.middleRows(b * span + 2, n) = x.rows().middleRows(b * n, n);
+      in_q.middleRows(b * (outputs + 2), outputs + 2) = in.middleRows(b * span + n - outputs, outputs + 2);
+      state.tail_.middleRows(2 * b, 2) = in.middleRows(b * span + n, 2);
+    }
+    RowMatrix<Scalar> kp(batch * span, e), vp(batch * span, e), qp(batch * (outputs + 2), e);
+    k_proj_.forward_rows(in, batch, span, kp);
+    v_proj_.forward_rows(in, batch, span, vp);
+    q_proj_.forward_rows(in_q, batch, outputs + 2, qp);
+    RowMatrix<Scalar> k(batch * n, e), v(batch * n, e), q(batch * outputs, e);
+    for (Index b = 0; b < batch; ++b) {  // drop the two context rows
+      k.middleRows(b * n, n) = kp.middleRows(b * span + 2, n);
+      v.middleRows(b * n, n) = vp.middleRows(b * span + 2, n);
+      q.middleRows(b * outputs, outputs) = qp.middleRows(b * (outputs + 2) + 2, outputs);
+    }
+    state.cache_.append(Eigen::Ref<const RowMatrix<Scalar>>(k), Eigen::Ref<const RowMatrix<Scalar>>(v), n);
+    state.windows_.update(state.cache_);
+    const Index total = state.length();
+    const kernels::ChunkGrid grid{1, total, window_};
+    const int threads = options_.num_threads();
+    const HMHALevels& levels = options_.levels();
+    const Scalar scale = kernels::default_scale<Scalar>(head_dim());
+    RowMatrix<Scalar> o = RowMatrix<Scalar>::Zero(batch * outputs, e);
+    for (Index b = 0; b < batch; ++b) {
+      const Eigen::Ref<const RowMatrix<Scalar>> qb = q.middleRows(b * outputs, outputs);
+      const Eigen::Ref<const RowMatrix<Cache>> kb = state.cache_.keys(b, 0, total), vb = state.cache_.values(b, 0, total);
+      Eigen::Ref<RowMatrix<Scalar>> ob = o.middleRows(b * outputs, outputs);
+      if (levels.local) kernels::window_attention<Scalar, Cache>(qb, kb, vb, grid, num_heads_, true, scale, ob, threads);
+      if (levels.cross) {
+        kernels::window_summary_attention<Scalar>(qb, state.windows_.keys(b), state.windows_.values(b), grid, num_heads_,
+                                                  scale, ob, threads);
+      }
+      if (levels.global) {
+        kernels::sparse_global_attention<Scalar, Cache>(qb, kb, vb, 1, total, num_heads_, true, scale, ob, threads);
+      }
+    }
+    Tensor3<Scalar> y(batch, outputs, e);
+    Eigen::Map<RowMatrix<Scalar>> out(y.data(), batch * outputs, e);
+    out_proj_.forward_rows(o, out);
+    return y;
+  }
+
   static typename C3K2Projection<Scalar>::Options projection_options(const Options& o, std::uint64_t seed_offset) {
     typename C3K2Projection<Scalar>::Options p;
     return detail::copy_runtime_options(p, o).seed(o.seed() + seed_offset).causal(o.causal());

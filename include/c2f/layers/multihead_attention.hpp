@@ -5,6 +5,7 @@
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
+#include "c2f/kv_cache.hpp"
 #include "c2f/layers/linear.hpp"
 #include "c2f/mask.hpp"
 #include "c2f/mask_view.hpp"
@@ -12,6 +13,7 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace c2f {
 
@@ -189,6 +191,69 @@ class MultiHeadAttention : public detail::Module<MultiHeadAttention<Scalar>> {
     kernels::linear<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads);
   }
 
+  /// Incremental decoding state of a causal layer: the projected keys and values of every token so far,
+  /// stored as `Cache` (Scalar, or Eigen::half / Eigen::bfloat16 to halve the memory; the arithmetic
+  /// stays in Scalar). One state per sequence batch; the layer itself is shared.
+  template <class Cache = Scalar>
+  class DecodeStateOf {
+   public:
+    Index batch() const { return cache_.batch(); }
+    /// Tokens decoded so far (per batch item).
+    Index length() const { return cache_.length(); }
+    /// Bytes the state holds.
+    std::size_t memory_bytes() const { return cache_.memory_bytes(); }
+    const KVCache<Cache>& cache() const { return cache_; }
+
+   private:
+    friend class MultiHeadAttention;
+    DecodeStateOf(Index batch, Index embed_dim) : cache_(batch, embed_dim) {}
+    KVCache<Cache> cache_;
+  };
+  using DecodeState = DecodeStateOf<Scalar>;
+
+  /// An empty state for `batch` sequences, with room for `reserve` tokens each.
+  template <class Cache = Scalar>
+  DecodeStateOf<Cache> new_decode_state(Index batch, Index reserve = 0) const {
+    if (batch < 0 || reserve < 0) detail::fail("MultiHeadAttention: batch and reserve must be >= 0");
+    DecodeStateOf<Cache> state(batch, embed_dim_);
+    state.cache_.reserve(reserve);
+    return state;
+  }
+
+  /// Appends x_new [B, n, E] (n ≥ 1 tokens of each of the state's B sequences) and returns their
+  /// outputs [B, n, E]: the rows the causal forward() over every token so far gives them, however the
+  /// tokens were split into calls. The layer must be causal (Options::causal).
+  template <class Cache>
+  Tensor3<Scalar> decode(ConstTensor3Ref<Scalar> x_new, DecodeStateOf<Cache>& state) const {
+    return run_decode(x_new, state, x_new.seq());
+  }
+
+  /// Appends x [B, n, E] like decode() but returns only the last token's output [B, 1, E] (a prompt
+  /// whose other outputs are not needed): the attention of the other n − 1 tokens is not computed.
+  template <class Cache>
+  Tensor3<Scalar> prefill(ConstTensor3Ref<Scalar> x, DecodeStateOf<Cache>& state) const {
+    return run_decode(x, state, std::min<Index>(1, x.seq()));
+  }
+
+  /// The self-attention in-projection for decoding: kp, vp [B·n, E] of every token of x [B, n, E], and
+  /// qp [B·outputs, E] of the last `outputs` tokens of each sequence.
+  void project_last(const ConstTensor3Ref<Scalar>& x, Index outputs, RowMatrix<Scalar>& qp, RowMatrix<Scalar>& kp,
+                    RowMatrix<Scalar>& vp) const {
+    check_inputs(x, x, x);
+    const Index batch = x.batch(), n = x.seq(), e = embed_dim_;
+    if (outputs < 0 || outputs > n) detail::fail("MultiHeadAttention: outputs must lie in [0, ", n, "], got ", outputs);
+    const Scalar* bias = options_.bias() ? b_.data() : nullptr;
+    qp.resize(batch * outputs, e);
+    kp.resize(batch * n, e);
+    vp.resize(batch * n, e);
+    kernels::linear<Scalar>(x.rows(), w_[1], bias ? bias + e : nullptr, kp, options_.num_threads());
+    kernels::linear<Scalar>(x.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, options_.num_threads());
+    for (Index b = 0; b < batch; ++b) {
+      kernels::linear<Scalar>(x.rows().middleRows(b * n + n - outputs, outputs), w_[0], bias,
+                              qp.middleRows(b * outputs, outputs), options_.num_threads());
+    }
+  }
+
   /// Bytes of temporary memory one forward() without weights holds at its peak, besides the returned
   /// [batch, lq, embed_dim] output: the projected q, k, v, the heads' output and every worker's kernel
   /// scratch — linear in the sequence lengths.
@@ -214,6 +279,33 @@ class MultiHeadAttention : public detail::Module<MultiHeadAttention<Scalar>> {
     return o;
   }
   int threads_for(Index tasks) const { return detail::resolve_threads(options_.num_threads(), tasks); }
+
+  /// decode()/prefill(): appends the n tokens of x to the state and returns the outputs of the last
+  /// `outputs` of them.
+  template <class Cache>
+  Tensor3<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
+    detail::check_decode("MultiHeadAttention", options_.causal(), x, state.batch(), embed_dim_);
+    if (kdim_ != embed_dim_ || vdim_ != embed_dim_) {
+      detail::fail("MultiHeadAttention::decode is self-attention: kdim and vdim must equal embed_dim");
+    }
+    const Index batch = x.batch(), n = x.seq(), e = embed_dim_, h = num_heads_;
+    RowMatrix<Scalar> q, k, v;
+    project_last(x, outputs, q, k, v);
+    state.cache_.append(Eigen::Ref<const RowMatrix<Scalar>>(k), Eigen::Ref<const RowMatrix<Scalar>>(v), n);
+    const Index total = state.length();
+    // Query i sits at position total − outputs + i and sees keys j ≤ that position.
+    const AttnMask<Scalar> causal = AttnMask<Scalar>::causal(total - outputs);
+    const MaskView<Scalar> mask(causal, KeyPaddingMask<Scalar>(), batch, h, outputs, total);
+    RowMatrix<Scalar> attn(batch * outputs, e);
+    kernels::sdpa_streaming<Scalar, Cache>(kernels::heads_view(std::as_const(q), batch, h),
+                                           state.cache_.key_heads(h), state.cache_.value_heads(h),
+                                           kernels::heads_view(attn, batch, h), mask,
+                                           kernels::default_scale<Scalar>(head_dim()), sdpa_options());
+    Tensor3<Scalar> y(batch, outputs, e);
+    Eigen::Map<RowMatrix<Scalar>> out(y.data(), batch * outputs, e);
+    out_proj_.forward_rows(attn, out);
+    return y;
+  }
 
   void check_inputs(const ConstTensor3Ref<Scalar>& q, const ConstTensor3Ref<Scalar>& k,
                     const ConstTensor3Ref<Scalar>& v) const {

@@ -26,6 +26,7 @@
 
 #include "c2f/detail/module.hpp"
 #include "c2f/kernels/chunk_sparse.hpp"
+#include "c2f/kv_cache.hpp"
 #include "c2f/layers/multihead_attention.hpp"
 #include "c2f/options.hpp"
 
@@ -108,6 +109,48 @@ class SparseC2FAttention : public detail::Module<SparseC2FAttention<Scalar>> {
     fn("", self.mha_);
   }
 
+  /// Incremental decoding state of a causal layer: the keys and values of every token so far (stored
+  /// as `Cache`: Scalar, Eigen::half or Eigen::bfloat16) and the mean key of every complete chunk, so a
+  /// step scores the complete chunks without re-reading their keys.
+  template <class Cache = Scalar>
+  class DecodeStateOf {
+   public:
+    Index batch() const { return cache_.batch(); }
+    Index length() const { return cache_.length(); }
+    std::size_t memory_bytes() const { return cache_.memory_bytes() + means_.memory_bytes(); }
+    const KVCache<Cache>& cache() const { return cache_; }
+
+   private:
+    friend class SparseC2FAttention;
+    DecodeStateOf(Index batch, Index embed_dim, Index chunk)
+        : cache_(batch, embed_dim), means_(batch, embed_dim, chunk, /*values=*/false) {}
+    KVCache<Cache> cache_;
+    ChunkSummaries<Scalar> means_;
+  };
+  using DecodeState = DecodeStateOf<Scalar>;
+
+  /// An empty state for `batch` sequences, with room for `reserve` tokens each.
+  template <class Cache = Scalar>
+  DecodeStateOf<Cache> new_decode_state(Index batch, Index reserve = 0) const {
+    if (batch < 0 || reserve < 0) detail::fail("SparseC2FAttention: batch and reserve must be >= 0");
+    DecodeStateOf<Cache> state(batch, embed_dim(), chunk_);
+    state.cache_.reserve(reserve);
+    return state;
+  }
+
+  /// Appends x_new [B, n, E] and returns their outputs [B, n, E]: the rows the causal forward() over every
+  /// token so far gives them (per-token gating), however the tokens were split into calls.
+  template <class Cache>
+  Tensor3<Scalar> decode(ConstTensor3Ref<Scalar> x_new, DecodeStateOf<Cache>& state) const {
+    return run_decode(x_new, state, x_new.seq());
+  }
+
+  /// Appends x [B, n, E] and returns only the last token's output [B, 1, E].
+  template <class Cache>
+  Tensor3<Scalar> prefill(ConstTensor3Ref<Scalar> x, DecodeStateOf<Cache>& state) const {
+    return run_decode(x, state, std::min<Index>(1, x.seq()));
+  }
+
   /// x [B, L, E] → [B, L, E]. Masks: attn_mask [L, L] or [n, L, L] (n = 1, B or B·H), key_padding_mask
   /// [B, L].
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
@@ -129,7 +172,9 @@ class SparseC2FAttention : public detail::Module<SparseC2FAttention<Scalar>> {
     SparseAttnOutput<Scalar> result;
     RowMatrix<Scalar> attn(batch * length, e);
     if (gating_ == Gating::PerToken) {
-      result.selection = kernels::select_chunks_per_token<Scalar>(q, k, grid, heads, top_k_, causal, threads);
+      RowMatrix<Scalar> k_means(grid.chunks(), e);
+      kernels::chunk_mean<Scalar>(k, grid, k_means, threads);
+      result.selection = kernels::select_chunks_per_token<Scalar>(q, k_means, grid, heads, top_k_, causal, threads);
       kernels::token_sparse_attention<Scalar>(q, k, v, grid, heads, result.selection, causal, mask, scale, attn, threads);
     } else {
       result.selection = kernels::select_chunks<Scalar>(q, k, grid, heads, top_k_, threads);
@@ -142,6 +187,33 @@ class SparseC2FAttention : public detail::Module<SparseC2FAttention<Scalar>> {
   }
 
  private:
+  template <class Cache>
+  Tensor3<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
+    detail::check_decode("SparseC2FAttention", options_.causal(), x, state.batch(), embed_dim());
+    const Index batch = x.batch(), n = x.seq(), e = embed_dim(), heads = num_heads();
+    const int threads = options_.num_threads();
+    RowMatrix<Scalar> q, k, v;
+    mha_.project_last(x, outputs, q, k, v);
+    state.cache_.append(Eigen::Ref<const RowMatrix<Scalar>>(k), Eigen::Ref<const RowMatrix<Scalar>>(v), n);
+    state.means_.update(state.cache_);
+    const Index total = state.length();
+    const kernels::ChunkGrid grid{1, total, chunk_};
+    const Scalar scale = kernels::default_scale<Scalar>(head_dim());
+    RowMatrix<Scalar> attn(batch * outputs, e);
+    for (Index b = 0; b < batch; ++b) {
+      const Eigen::Ref<const RowMatrix<Scalar>> qb = q.middleRows(b * outputs, outputs);
+      const kernels::ChunkSelection selection = kernels::select_chunks_per_token<Scalar>(
+          qb, state.means_.keys(b), grid, heads, top_k_, /*causal=*/true, threads);
+      kernels::token_sparse_attention<Scalar, Cache>(qb, state.cache_.keys(b, 0, total), state.cache_.values(b, 0, total),
+                                                     grid, heads, selection, /*causal=*/true, MaskView<Scalar>(), scale,
+                                                     attn.middleRows(b * outputs, outputs), threads);
+    }
+    Tensor3<Scalar> y(batch, outputs, e);
+    Eigen::Map<RowMatrix<Scalar>> out(y.data(), batch * outputs, e);
+    mha_.out_proj().forward_rows(attn, out);
+    return y;
+  }
+
   static typename MultiHeadAttention<Scalar>::Options mha_options(const Options& o) {
     typename MultiHeadAttention<Scalar>::Options m;
     detail::copy_runtime_options(m, o).bias(o.bias());
