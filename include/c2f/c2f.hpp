@@ -16,4 +16,5 @@
 #include "c2f/layers/multihead_attention.hpp"
 #include "c2f/layers/sparse_c2f_attention.hpp"
 #include "c2f/mask.hpp"
+#include "c2f/runtime.hpp"
 #include "c2f/state_dict.hpp"

@@ -30,7 +30,8 @@ struct ChunkGrid {
 template <class Scalar>
 void chunk_mean(const Eigen::Ref<const RowMatrix<Scalar>>& x, const ChunkGrid& grid, Eigen::Ref<RowMatrix<Scalar>> out,
                 int num_threads) {
-  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
+  const double work = detail::kElementWork * static_cast<double>(grid.batch * grid.length * x.cols());
+  detail::parallel_for(grid.chunks(), num_threads, work, [&](Index c, int) {
     out.row(c) = x.middleRows(grid.row(c), grid.count(c)).colwise().sum() / static_cast<Scalar>(grid.count(c));
   });
 }
@@ -40,7 +41,8 @@ void chunk_mean(const Eigen::Ref<const RowMatrix<Scalar>>& x, const ChunkGrid& g
 template <class Scalar>
 void broadcast_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, const ChunkGrid& grid,
                       Eigen::Ref<RowMatrix<Scalar>> y, int num_threads, bool accumulate = false) {
-  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
+  const double work = detail::kElementWork * static_cast<double>(grid.batch * grid.length * y.cols());
+  detail::parallel_for(grid.chunks(), num_threads, work, [&](Index c, int) {
     if (accumulate) {
       y.middleRows(grid.row(c), grid.count(c)).rowwise() += chunk_rows.row(c);
     } else {
@@ -60,7 +62,8 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const C
                            const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads, Bias&& bias,
                            Eigen::Ref<RowMatrix<Scalar>> pooled, Eigen::Ref<RowMatrix<Scalar>> mass, int num_threads) {
   const Index d = x.cols();
-  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
+  const double work = static_cast<double>(grid.batch * grid.length * heads) * (4.0 * static_cast<double>(d) + detail::kElementWork);
+  detail::parallel_for(grid.chunks(), num_threads, work, [&](Index c, int) {
     const Index n = grid.count(c);
     const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstRowsBlockXpr xc = x.middleRows(grid.row(c), n);
     const Eigen::Map<const RowMatrix<Scalar>> q(qk.row(c).data(), heads, d);

@@ -85,6 +85,13 @@ void check_sdpa_views(const kernels::HeadsView<const Scalar>& q, const kernels::
   }
 }
 
+/// Work (FLOP) of attention over `pairs` (batch, head) pairs: q kᵀ and p v, plus the softmax's exp,
+/// counted as kElementWork per score.
+inline double attention_work(Index pairs, Index lq, Index lk, Index dk, Index dv) {
+  return static_cast<double>(pairs) * static_cast<double>(lq) * static_cast<double>(lk) *
+         (2.0 * static_cast<double>(dk + dv) + kElementWork);
+}
+
 template <class Scalar>
 Scalar resolve_scale(double scale, Index dim) {
   return static_cast<Scalar>(scale != 0.0 ? scale : 1.0 / std::sqrt(static_cast<double>(std::max<Index>(dim, 1))));
@@ -103,7 +110,8 @@ void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>&
   detail::check_sdpa_views(q, k, v, out);
   const Scalar scale = detail::resolve_scale<Scalar>(options.scale, q.dim);
   const Index lq = q.seq, lk = k.seq;
-  c2f::detail::parallel_for(q.batch * q.heads, options.num_threads, [&](Index task, int) {
+  const double work = detail::attention_work(q.batch * q.heads, lq, lk, q.dim, v.dim);
+  c2f::detail::parallel_for(q.batch * q.heads, options.num_threads, work, [&](Index task, int) {
     const Index b = task / q.heads, h = task % q.heads;
     RowMatrix<Scalar> s(lq, lk);
     s.noalias() = (q.block(b, h, 0, lq) * scale) * k.block(b, h, 0, lk).transpose();
@@ -146,7 +154,10 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const HeadsView<const Scal
   };
   std::vector<Workspace> work(static_cast<std::size_t>(c2f::detail::resolve_threads(options.num_threads, tasks)));
 
-  c2f::detail::parallel_for(tasks, options.num_threads, [&](Index task, int worker) {
+  // The scratch count is passed as the cap, so workers stay below it even if c2f::set_num_threads
+  // changes the thread count meanwhile.
+  c2f::detail::parallel_for(tasks, static_cast<int>(work.size()),
+                            detail::attention_work(q.batch * q.heads, lq, lk, dk, dv), [&](Index task, int worker) {
     Workspace& ws = work[static_cast<std::size_t>(worker)];
     if (ws.q.size() == 0) {
       ws.q.resize(bq, dk);
