@@ -64,7 +64,7 @@ struct SdpaOptions {
   Index query_block = 64;
   /// Keys per online-softmax step (streaming kernel).
   Index key_block = 256;
-  /// Worker threads; 0 = all hardware threads.
+  /// Worker threads; 0 = c2f::get_num_threads(), else a cap on it.
   int num_threads = 0;
 };
 

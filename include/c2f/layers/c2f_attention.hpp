@@ -54,7 +54,7 @@ template <class Scalar>
 class CoarseAttention : public detail::Module<CoarseAttention<Scalar>> {
  public:
   struct Options {
-    int num_threads = 0;     ///< 0 = all hardware threads; results are bitwise the same for any count
+    int num_threads = 0;     ///< 0 = c2f::get_num_threads(); results are bitwise the same for any count
     std::uint64_t seed = 0;  ///< initialisation: Xavier-uniform qkv_proj.weight, zero biases
   };
 
@@ -107,7 +107,7 @@ template <class Scalar>
 class FineAttention : public detail::Module<FineAttention<Scalar>> {
  public:
   struct Options {
-    int num_threads = 0;  ///< 0 = all hardware threads; results are bitwise the same for any count
+    int num_threads = 0;  ///< 0 = c2f::get_num_threads(); results are bitwise the same for any count
     FinePath path = FinePath::Auto;
     std::uint64_t seed = 0;  ///< init: kaiming_normal_(q_proj.weight, mode='fan_out'), zero biases
   };
@@ -327,7 +327,7 @@ template <class Scalar>
 class C2FAttention : public detail::Module<C2FAttention<Scalar>> {
  public:
   struct Options {
-    int num_threads = 0;  ///< 0 = all hardware threads; results are bitwise the same for any count
+    int num_threads = 0;  ///< 0 = c2f::get_num_threads(); results are bitwise the same for any count
     FinePath fine_path = FinePath::Auto;
     std::uint64_t seed = 0;  ///< init as the seed advises (see reset_parameters)
   };

@@ -19,7 +19,7 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
     Index padding = 0;
     Index groups = 1;
     bool bias = true;
-    int num_threads = 0;  ///< 0 = all hardware threads; results are bitwise the same for any count
+    int num_threads = 0;  ///< 0 = c2f::get_num_threads(); results are bitwise the same for any count
     std::uint64_t seed = 0;  ///< init like PyTorch: weight and bias U(±1/sqrt(in/groups · kernel_size))
   };
 

@@ -55,7 +55,7 @@ class MultiHeadAttention : public detail::Module<MultiHeadAttention<Scalar>> {
     bool bias = true;
     Index kdim = 0;  ///< key features; 0 = embed_dim
     Index vdim = 0;  ///< value features; 0 = embed_dim
-    int num_threads = 0;  ///< 0 = all hardware threads; results are bitwise the same for any count
+    int num_threads = 0;  ///< 0 = c2f::get_num_threads(); results are bitwise the same for any count
     AttentionKernel kernel = AttentionKernel::Streaming;
     Index query_block = 64;  ///< streaming kernel: query rows per task
     Index key_block = 256;   ///< streaming kernel: keys per online-softmax step
