@@ -3,8 +3,8 @@
 //
 //   bench_runtime [--c2f_set=all|openmp|latency|concurrency|overhead|simd] [Google Benchmark flags]
 //
-// The same source is built four ways (benchmarks/CMakeLists.txt), and benchmarks/sweep.py puts the
-// four side by side:
+// The same source is built four ways (benchmarks/CMakeLists.txt; the last two in Release builds only),
+// and benchmarks/sweep.py puts them side by side:
 //   bench_runtime            the build's own flags (-march=native with C2F_NATIVE, the main job's default)
 //   bench_runtime_omp        + -fopenmp: c2f's pool, Eigen kept single-threaded inside c2f's tasks
 //   bench_runtime_omploops   + -fopenmp -DC2F_PARALLEL_OPENMP: c2f's loops on OpenMP teams
