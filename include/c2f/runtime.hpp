@@ -37,10 +37,10 @@ namespace detail {
 
 /// Work announced by a loop below which it runs on the calling thread; the unit is a floating-point
 /// operation (a multiply-add counts 2). Measured on this project's machine (2-vCPU VM, AVX-512) with
-/// bench_runtime's `loop` entries (README, section "Threads"): a second thread pays from about 0.13 M
-/// FLOP when the pool worker is awake, but only from 17–34 M FLOP when it has been idle and must be
-/// woken (tens to hundreds of µs on a VM). A call cannot know which it will get, so the threshold is
-/// the idle break-even: a loop is split only when it costs about 200 µs or more on one thread.
+/// bench_runtime's `loop` entries (README, section "Threads"; two runs on a shared machine): a second
+/// thread pays from 0.13–2 M FLOP when the pool worker is awake, but only from 8–34 M FLOP when it has
+/// been idle and must be woken (tens to hundreds of µs on a VM). A call cannot know which it will get,
+/// so the threshold is the idle break-even: a loop is split only when it costs about 200 µs on one thread.
 constexpr double kDefaultMinParallelWork = 1.6e7;
 
 /// CPUs this process may run on: its affinity mask on Linux (so `taskset` and container CPU sets
