@@ -228,6 +228,170 @@ def seed004_table(e):
             table(["", "MultiHeadAttention", "C2FAttention (chunk 32)"], rows))
 
 
+RUNTIME_VARIANTS = [  # (binary, column title); benchmarks/bench_runtime.cpp explains the four builds
+    ("bench_runtime", "plain"),
+    ("bench_runtime_omp", "-fopenmp (c2f pool)"),
+    ("bench_runtime_omploops", "-fopenmp (OpenMP loops)"),
+    ("bench_runtime_portable", "portable (no -march)"),
+]
+
+
+def us(b):
+    """Real time of an entry in microseconds."""
+    scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[b["time_unit"]]
+    return b["real_time"] * scale
+
+
+def ratio_cell(value, base, fmt="{:.2f}"):
+    return fmt.format(value / base) if value and base else "—"
+
+
+def runtime_summary(results):
+    """Tables of the runtime sweeps (bench_runtime*): OpenMP vs plain, latency, concurrency, loop cost,
+    SIMD flags. `results` maps a binary name to its Google Benchmark JSON. Returns (markdown, checks)."""
+    e = {name: entries(r) for name, r in results.items()}
+    plain = e.get("bench_runtime", {})
+    out, checks = [], []
+    ctx = results["bench_runtime"]["context"]
+    out.append(f"Runtime sweeps: {ctx.get('num_cpus')} CPUs, c2f threads {ctx.get('c2f_threads')}, "
+               f"small-work threshold {float(ctx.get('c2f_min_parallel_work', 0)):.3g} FLOP, "
+               f"Eigen SIMD {ctx.get('c2f_isa')}; medians of {max(1, results['bench_runtime']['benchmarks'][0].get('repetitions', 1))} "
+               f"repetitions. d = 512, 8 heads, float, batch 1 unless stated.")
+    out.append("")
+
+    # (a) OpenMP vs plain.
+    rows = []
+    for key, label in [(("rt_mha", 256), "MHA L = 256"), (("rt_mha", 2048), "MHA L = 2048"),
+                       (("rt_c2f", 16384, 32), "C2F (chunk 32) L = 16384")]:
+        base = plain.get(key)
+        if base is None:
+            continue
+        row = [label, f"{us(base) / 1e3:.2f}"]
+        for variant in ("bench_runtime_omp", "bench_runtime_omploops"):
+            b = e.get(variant, {}).get(key)
+            row.append(f"{us(b) / 1e3:.2f} ({us(b) / us(base):.2f}×)" if b else "—")
+            if b and variant == "bench_runtime_omp":
+                checks.append((f"-fopenmp build within 10 % of the plain build: {label}", f"{us(b) / us(base):.2f}×",
+                               us(b) / us(base) <= 1.10))
+        rows.append(row)
+    if rows:
+        out.append("### (a) -fopenmp against the plain build (ms per forward, all threads; ratio to plain)")
+        out.append("")
+        out.append(table(["", "plain", "-fopenmp, c2f pool (default)", "-fopenmp, C2F_PARALLEL_OPENMP"], rows))
+        out.append("")
+
+    # (b) latency, per build.
+    for variant, title in RUNTIME_VARIANTS[:3]:
+        v = e.get(variant, {})
+        if not any(k[0] == "lat_mha" for k in v):
+            continue
+        rows = []
+        worst = {}
+        for model in ("mha", "c2f"):
+            for B in (1, 8):
+                for L in (1, 8, 64, 256):
+                    one, two, free = (v.get((f"lat_{model}", B, L, 1, 1)), v.get((f"lat_{model}", B, L, 2, 1)),
+                                      v.get((f"lat_{model}", B, L, 2, 0)))
+                    if not (one and two):
+                        continue
+                    r = us(two) / us(one)
+                    worst[model] = max(worst.get(model, 0), r)
+                    over = "—"
+                    gemm = v.get((f"lat_gemm_{model}", B))
+                    if L == 1 and gemm:
+                        over = f"{100 * (us(one) / us(gemm) - 1):.0f} % (GEMMs {us(gemm):.0f} µs)"
+                        if variant == "bench_runtime":
+                            checks.append((f"L = 1 single-thread overhead over the GEMM work < 20 %: {model.upper()} B = {B}",
+                                           f"{100 * (us(one) / us(gemm) - 1):.0f} %", us(one) / us(gemm) < 1.20))
+                    rows.append([model.upper(), B, L, f"{us(one):.0f}", f"{us(two):.0f}", f"{r:.2f}",
+                                 f"{us(free):.0f} ({us(free) / us(one):.2f})" if free else "—", over])
+        out.append(f"### (b) Latency of small calls, {title} build (µs per forward)")
+        out.append("")
+        out.append(table(["layer", "B", "L", "1 thread", "2 threads", "2 / 1", "2 threads, no threshold (/ 1)",
+                          "1-thread overhead over its GEMMs"], rows))
+        out.append("")
+        for model, r in worst.items():
+            checks.append((f"{title}: {model.upper()} latency, 2 threads never > 5 % slower than 1", f"worst {r:.2f}×",
+                           r <= 1.05))
+
+    # (c) concurrency.
+    rows, through = [], {}
+    for callers in (1, 2, 4):
+        for threads in (1, 2):
+            row = [callers, threads]
+            for variant, _ in RUNTIME_VARIANTS[:3]:
+                b = e.get(variant, {}).get(("conc_mha", callers, threads))
+                if b:
+                    fps = callers / (us(b) * 1e-6)
+                    through[(variant, callers, threads)] = fps
+                    row.append(f"{fps:.1f}")
+                else:
+                    row.append("—")
+            rows.append(row)
+    if through:
+        out.append("### (c) Concurrent callers on one shared MultiHeadAttention, L = 1024 (total forwards/s)")
+        out.append("")
+        out.append(table(["callers", "threads per call"] + [t for _, t in RUNTIME_VARIANTS[:3]], rows))
+        out.append("")
+        for variant, title in RUNTIME_VARIANTS[:3]:
+            t = {k[1:]: f for k, f in through.items() if k[0] == variant}
+            if len(t) < 6:
+                continue
+            r1 = t[(2, 1)] / t[(1, 2)]
+            r2 = t[(4, 2)] / max(t.values())
+            checks.append((f"{title}: 2 callers × 1 thread ≥ 0.9 × 1 caller × 2 threads", f"{r1:.2f}", r1 >= 0.9))
+            checks.append((f"{title}: 4 callers × 2 threads ≥ 0.8 × the best", f"{r2:.2f}", r2 >= 0.8))
+
+    # The cost of one loop, which sets the small-work threshold.
+    loops = sorted({k[1] for k in plain if k[0] == "loop"})
+    if loops:
+        rows = []
+        for r in loops:
+            w = 65536 * r
+            cells = [f"{w / 1e6:.3g} M"]
+            for cold in (0, 1):
+                one, two = plain.get(("loop", r, 1, cold)), plain.get(("loop", r, 2, cold))
+                cells += [f"{us(one):.1f}", f"{us(two):.1f}", f"{us(two) / us(one):.2f}"]
+            rows.append(cells)
+        out.append("### One parallel loop of 8 tasks (µs), threshold off: where a second thread starts to pay")
+        out.append("")
+        out.append(table(["work (FLOP)", "1 thread", "2 threads", "2 / 1", "1 thread, pool idle",
+                          "2 threads, pool idle", "2 / 1"], rows))
+        out.append("")
+
+    # SIMD flags.
+    port = e.get("bench_runtime_portable", {})
+    rows = []
+    for key, label in [(("rt_gemm", 2048), "GEMM [2048, 512] × [512, 512]"), (("rt_mha", 256), "MHA L = 256"),
+                       (("rt_mha", 2048), "MHA L = 2048"), (("rt_c2f", 16384, 32), "C2F (chunk 32) L = 16384")]:
+        a, b = port.get(key), plain.get(key)
+        if a and b:
+            rows.append([label, f"{us(a) / 1e3:.2f}", f"{us(b) / 1e3:.2f}", f"{us(a) / us(b):.2f}×"])
+    if rows:
+        out.append(f"### SIMD flags: portable ({results['bench_runtime_portable']['context'].get('c2f_isa')}) against "
+                   f"this build ({ctx.get('c2f_isa')}), ms, all threads")
+        out.append("")
+        out.append(table(["", "portable", "this build", "speedup"], rows))
+        out.append("")
+    return "\n".join(out), checks
+
+
+def run_runtime(build, out_dir, repetitions, set_name):
+    """Runs every bench_runtime build present; returns {binary: JSON}."""
+    results = {}
+    for binary, _ in RUNTIME_VARIANTS:
+        path = build / "benchmarks" / binary
+        if not path.exists():
+            print(f"{binary} was not built: skipping it")
+            continue
+        which = set_name
+        if binary == "bench_runtime_portable":
+            which = "simd"
+        args = [f"--c2f_set={which}", f"--benchmark_repetitions={repetitions}", "--benchmark_enable_random_interleaving=true"]
+        results[binary] = run_benchmark(path, out_dir / f"{binary}.json", args)
+    return results
+
+
 def finish(plt, fig, ax, path, legend_size):
     """Grid, legend, layout; saves `fig` as a small PNG at `path` and returns the path."""
     ax.grid(True, which="both", alpha=0.3)
@@ -310,9 +474,23 @@ def main(argv=None):
     p.add_argument("--build", default=str(REPO / "build" / "release"), help="build folder with benchmarks/")
     p.add_argument("--out", default=str(REPO / "results" / "latest"), help="output folder")
     p.add_argument("--repetitions", type=int, default=1, help="Google Benchmark repetitions (median reported)")
+    p.add_argument("--runtime-repetitions", type=int, default=3,
+                   help="repetitions of the runtime sweeps (bench_runtime*; median reported)")
+    p.add_argument("--runtime-only", action="store_true", help="only the runtime sweeps (bench_runtime*)")
+    p.add_argument("--no-runtime", action="store_true", help="skip the runtime sweeps")
     args = p.parse_args(argv)
     build, out_dir = Path(args.build), Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.runtime_only:
+        results = run_runtime(build, out_dir, args.runtime_repetitions, "all")
+        text, checks = runtime_summary(results)
+        text += "\n### Targets\n\n" + table(["target", "measured", "met"],
+                                              [[c, m, "yes" if ok else "**no**"] for c, m, ok in checks])
+        (out_dir / "summary_runtime.md").write_text(text + "\n")
+        print()
+        print(text)
+        print(f"\nwrote {out_dir}/: " + ", ".join(f"{b}.json" for b in results) + ", summary_runtime.md")
+        return 0
     extra = ["--c2f_sweep=long"] if args.long else []
     if args.repetitions > 1:
         extra += [f"--benchmark_repetitions={args.repetitions}"]
@@ -324,6 +502,13 @@ def main(argv=None):
     else:
         print("bench_libtorch was not built (libtorch-dev not installed): skipping the libtorch peer")
     text, e, lengths = summarize(attn, torch_result)
+    if not args.no_runtime:
+        results = run_runtime(build, out_dir, args.runtime_repetitions, "all")
+        if "bench_runtime" in results:
+            runtime_text, checks = runtime_summary(results)
+            text += "\n\n## Threads: runtime sweeps\n\n" + runtime_text
+            text += "\n### Runtime targets\n\n" + table(["target", "measured", "met"],
+                                                         [[c, m, "yes" if ok else "**no**"] for c, m, ok in checks])
     (out_dir / "summary.md").write_text(text + "\n")
     print()
     print(text)

@@ -30,11 +30,12 @@ DESCRIPTIONS = {
     "tests/data/": "committed PyTorch fixtures, one folder per family, with manifest.json",
     "tests/fuzz/": "libFuzzer targets for the safetensors reader, seed corpus, regressions",
     "tests/odr/": "two translation units that include every header (one-definition rule)",
+    "tests/openmp/": "the reference outputs of a build without OpenMP, for test_openmp",
     "tests/reference/": "PyTorch reference modules, fixture generator and checker (generate.py, check_fixtures.py)",
     "tests/support/": "test helpers: fixtures, comparisons, random inputs, dense twins",
     "tools/": "malloc_counter.hpp: heap counting for tests and benchmarks",
     "CMakeLists.txt": "targets c2f::c2f (Eigen, Threads) and c2f::safetensors (+ nlohmann_json); install rules",
-    "CMakePresets.json": "presets dev, release, release-native, asan (workflows: configure, build, test)",
+    "CMakePresets.json": "presets dev, release, release-native, asan, tsan (workflows: configure, build, test)",
 }
 MAX_SUMMARY = 90  # characters of a header's summary
 SKIP_FILES = {".gitignore", ".clang-format", "LICENSE", "README.md"}

@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
-# The main job: install what is missing, build Release, run the examples, then the benchmark sweep
-# (table on stdout; Google Benchmark JSON, summary.md and PNG plots in the output folder).
+# The main job: install what is missing, build Release for this machine, run the examples, then the
+# benchmark sweep (tables on stdout; Google Benchmark JSON, summary.md and PNG plots in the output
+# folder), including the runtime sweeps (OpenMP, latency, concurrency, SIMD flags).
 #
-#   scripts/run.sh [--long] [--native] [--out DIR]
-#     --long    the long sweep (L = 256 … 16384 in powers of two, HMHA to 32768; about 3 minutes)
-#     --native  build with -march=native (binaries then only run on this CPU family)
-#     --out     output folder (default results/latest)
+#   scripts/run.sh [--long] [--portable] [--out DIR]
+#     --long      the long sweep (L = 256 … 16384 in powers of two, HMHA to 32768)
+#     --portable  build without -march=native (preset `release`: SSE2 on x86-64). The default is
+#                 -march=native (preset `release-native`): the sweep measures the machine it runs on.
+#     --out       output folder (default results/latest)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-preset=release
+preset=release-native
 sweep_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --long) sweep_args+=(--long) ;;
-    --native) preset=release-native ;;
+    --portable) preset=release ;;
+    --native) preset=release-native ;;  # the default; kept for old command lines
     --out) sweep_args+=(--out "$2"); shift ;;
-    *) echo "usage: scripts/run.sh [--long] [--native] [--out DIR]" >&2; exit 2 ;;
+    *) echo "usage: scripts/run.sh [--long] [--portable] [--out DIR]" >&2; exit 2 ;;
   esac
   shift
 done

@@ -2,7 +2,9 @@
 # The whole test suite on a fresh Debian machine: install what is missing, then
 #   1. the dev preset: configure, build (warnings as errors), run every test;
 #   2. the asan preset: the unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
-#   3. libFuzzer on the safetensors reader, each target for C2F_FUZZ_SECONDS seconds (default 60).
+#   3. the tsan preset (clang): the thread runtime and concurrent-callers tests under
+#      ThreadSanitizer;
+#   4. libFuzzer on the safetensors reader, each target for C2F_FUZZ_SECONDS seconds (default 60).
 #
 #   scripts/test.sh [--quick]     --quick runs step 1 only (for local iteration; CI runs everything)
 set -euo pipefail
@@ -14,5 +16,6 @@ scripts/install-deps.sh
 cmake --workflow --preset dev
 if [ "$quick" = 0 ]; then
   cmake --workflow --preset asan
+  cmake --workflow --preset tsan
   C2F_FUZZ_SECONDS="${C2F_FUZZ_SECONDS:-60}" tests/fuzz/run.sh
 fi

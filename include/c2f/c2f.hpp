@@ -19,4 +19,5 @@
 #include "c2f/mask.hpp"
 #include "c2f/mask_view.hpp"
 #include "c2f/options.hpp"
+#include "c2f/runtime.hpp"
 #include "c2f/state_dict.hpp"

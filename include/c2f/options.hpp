@@ -52,8 +52,8 @@ enum class AttnKernel {
 /// Options every layer has. `Derived` is the layer's options type (its setters return it).
 template <class Derived>
 class RuntimeOptions {
-  /// Worker threads of one call: 0 = all of the process's threads; results are bitwise the same for
-  /// any count.
+  /// Worker threads of one call: 0 = c2f::get_num_threads() (c2f/runtime.hpp), else a cap on it;
+  /// results are bitwise the same for any count.
   C2F_SHARED_ARG(int, num_threads) = 0;
   /// Seed of the deterministic initialisation of a fresh layer (PyTorch's init distributions).
   C2F_SHARED_ARG(std::uint64_t, seed) = 0;

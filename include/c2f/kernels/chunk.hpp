@@ -46,7 +46,8 @@ void chunk_mean(const Eigen::Ref<const RowMatrix<Scalar>>& x, const ChunkGrid& g
   detail::check_grid("chunk_mean", grid);
   detail::check_shape("chunk_mean", "x", x, grid.batch * grid.length, x.cols());
   detail::check_shape("chunk_mean", "out", out, grid.chunks(), x.cols());
-  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
+  const double work = detail::kElementWork * static_cast<double>(grid.batch * grid.length * x.cols());
+  detail::parallel_for(grid.chunks(), num_threads, work, [&](Index c, int) {
     out.row(c) = x.middleRows(grid.row(c), grid.count(c)).colwise().sum() / static_cast<Scalar>(grid.count(c));
   });
 }
@@ -59,7 +60,8 @@ void broadcast_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, con
   detail::check_grid("broadcast_chunks", grid);
   detail::check_shape("broadcast_chunks", "chunk_rows", chunk_rows, grid.chunks(), y.cols());
   detail::check_shape("broadcast_chunks", "y", y, grid.batch * grid.length, chunk_rows.cols());
-  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
+  const double work = detail::kElementWork * static_cast<double>(grid.batch * grid.length * y.cols());
+  detail::parallel_for(grid.chunks(), num_threads, work, [&](Index c, int) {
     if (accumulate) {
       y.middleRows(grid.row(c), grid.count(c)).rowwise() += chunk_rows.row(c);
     } else {
@@ -86,7 +88,9 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const C
   detail::check_shape("fine_attention_folded", "qk", qk, grid.chunks(), heads * d);
   detail::check_shape("fine_attention_folded", "pooled", pooled, grid.chunks(), heads * d);
   detail::check_shape("fine_attention_folded", "mass", mass, grid.chunks(), heads);
-  detail::parallel_for(grid.chunks(), num_threads, [&](Index c, int) {
+  const double work =
+      static_cast<double>(grid.batch * grid.length * heads) * (4.0 * static_cast<double>(d) + detail::kElementWork);
+  detail::parallel_for(grid.chunks(), num_threads, work, [&](Index c, int) {
     const Index n = grid.count(c);
     const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstRowsBlockXpr xc = x.middleRows(grid.row(c), n);
     const Eigen::Map<const RowMatrix<Scalar>> q(qk.row(c).data(), heads, d);

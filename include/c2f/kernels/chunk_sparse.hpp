@@ -73,7 +73,8 @@ ChunkSelection select_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& q, const
   RowMatrix<Scalar> qm(grid.chunks(), dim), km(grid.chunks(), dim);
   chunk_mean<Scalar>(q, grid, qm, num_threads);
   chunk_mean<Scalar>(k, grid, km, num_threads);
-  detail::parallel_for(grid.batch * heads, num_threads, [&](Index task, int) {
+  const double work = 2.0 * static_cast<double>(grid.batch * m * m * dim);
+  detail::parallel_for(grid.batch * heads, num_threads, work, [&](Index task, int) {
     const Index b = task / heads, h = task % heads;
     const RowMatrix<Scalar> s = qm.block(b * m, h * dh, m, dh) * km.block(b * m, h * dh, m, dh).transpose();
     detail::TopPicks<Scalar> picks(std::min<Index>(top_k - 1, m - 1));
@@ -116,13 +117,12 @@ ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>
   ChunkSelection sel{grid.batch, heads, n, top_k, true,
                      std::vector<Index>(static_cast<std::size_t>(grid.batch * heads * n * top_k), -1)};
   const Index tasks = grid.batch * chunks.count;
-  std::vector<RowMatrix<Scalar>> work(static_cast<std::size_t>(detail::resolve_threads(num_threads, tasks)));
-  detail::parallel_for(tasks, num_threads, [&](Index task, int worker) {
+  const double work = 2.0 * static_cast<double>(grid.batch * n * m * dim);
+  detail::parallel_for_each_worker<RowMatrix<Scalar>>(tasks, num_threads, work, [&](Index task, RowMatrix<Scalar>& s) {
     const Index b = task / chunks.count, c = chunks.first + task % chunks.count;
     const Index p0 = std::max(c * grid.chunk, chunks.first_position), p1 = std::min((c + 1) * grid.chunk, grid.length);
     const Index rows = p1 - p0, q_row = b * n + p0 - chunks.first_position;
     const Index eligible = causal ? c : m;  // chunks [0, eligible) are scored; the own chunk is skipped
-    RowMatrix<Scalar>& s = work[static_cast<std::size_t>(worker)];
     detail::TopPicks<Scalar> picks(std::min<Index>(top_k - 1, causal ? c : m - 1));
     for (Index h = 0; h < heads; ++h) {
       s.resize(rows, eligible);
@@ -157,14 +157,13 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
     RowMatrix<Scalar> kg, vg, s;
   };
   const Index tasks = grid.batch * heads * m;
-  std::vector<Workspace> work(static_cast<std::size_t>(detail::resolve_threads(num_threads, tasks)));
-  detail::parallel_for(tasks, num_threads, [&](Index task, int worker) {
+  const double work = detail::attention_work(grid.batch * heads, grid.length, std::min(top_k, m) * grid.chunk, dh, dh);
+  detail::parallel_for_each_worker<Workspace>(tasks, num_threads, work, [&](Index task, Workspace& ws) {
     const Index i = task % m, bh = task / m, b = bh / heads, h = bh % heads;
     const Index c = b * m + i, rows = grid.count(c), q_row = grid.row(c), i0 = grid.first(c);
     const Index* chosen = selection.row(b, h, i);
     Index n = 0;
     for (Index t = 0; t < top_k && chosen[t] >= 0; ++t) n += grid.count(b * m + chosen[t]);
-    Workspace& ws = work[static_cast<std::size_t>(worker)];
     ws.kg.resize(n, dh);
     ws.vg.resize(n, dh);
     Index filled = 0;
@@ -224,10 +223,9 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
     Vector<Scalar> run_max, run_sum, alpha;
   };
   const Index tasks = grid.batch * heads;
-  std::vector<Workspace> work(static_cast<std::size_t>(detail::resolve_threads(num_threads, tasks)));
-  detail::parallel_for(tasks, num_threads, [&](Index task, int worker) {
+  const double work = detail::attention_work(grid.batch * heads, n, std::min(top_k, m) * grid.chunk, dh, dh);
+  detail::parallel_for_each_worker<Workspace>(tasks, num_threads, work, [&](Index task, Workspace& ws) {
     const Index b = task / heads, h = task % heads, q_base = b * n;
-    Workspace& ws = work[static_cast<std::size_t>(worker)];
     // Bucket the queries by selected key chunk (counting sort: each bucket is in ascending order).
     ws.start.assign(static_cast<std::size_t>(m + 1), 0);
     for (Index r = 0; r < n; ++r) {

@@ -79,7 +79,8 @@ void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index len
   detail::check_shape("conv1d", "taps", taps, s.kernel * s.out_channels, s.in_per_group());
   const Index out_len = s.out_length(length), cin = s.in_per_group(), cout = s.out_per_group();
   const Index chunks_per_batch = (out_len + kConv1dRowChunk - 1) / kConv1dRowChunk;
-  c2f::detail::parallel_for(batch * chunks_per_batch, num_threads, [&](Index task, int) {
+  const double work = 2.0 * static_cast<double>(batch * out_len) * static_cast<double>(s.kernel * cin * s.out_channels);
+  c2f::detail::parallel_for(batch * chunks_per_batch, num_threads, work, [&](Index task, int) {
     const Index b = task / chunks_per_batch;
     const Index r0 = (task % chunks_per_batch) * kConv1dRowChunk, r1 = std::min(out_len, r0 + kConv1dRowChunk);
     typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr out = y.middleRows(b * out_len + r0, r1 - r0);

@@ -40,14 +40,13 @@ void window_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const detail
     RowMatrix<Scalar> s, kv;
   };
   const Index tasks = grid.batch * windows.count;
-  std::vector<Workspace> work(static_cast<std::size_t>(detail::resolve_threads(num_threads, tasks)));
-  detail::parallel_for(tasks, num_threads, [&](Index task, int worker) {
+  const double work = detail::attention_work(grid.batch * heads, n, std::min(grid.chunk, T), dh, dh);
+  detail::parallel_for_each_worker<Workspace>(tasks, num_threads, work, [&](Index task, Workspace& ws) {
     const Index b = task / windows.count, c = windows.first + task % windows.count;
     const Index w0 = c * grid.chunk, w1 = std::min(w0 + grid.chunk, T);  // keys [w0, w1)
     const Index p0 = std::max(w0, windows.first_position);                 // queries [p0, w1)
     const Index nq = w1 - p0, nk = w1 - w0;
     const Index q_row = b * n + p0 - windows.first_position, k_row = b * T + w0;
-    Workspace& ws = work[static_cast<std::size_t>(worker)];
     ws.s.resize(nq, nk);
     for (Index h = 0; h < heads; ++h) {
       detail::as_scalar(k.block(k_row, h * dh, nk, dh), ws.kv,
@@ -86,14 +85,13 @@ void window_summary_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, cons
                  "] with m >= ", (T - 1) / std::max<Index>(grid.chunk, 1), " windows per batch item");
   }
   const Index tasks = grid.batch * windows.count;
-  std::vector<RowMatrix<Scalar>> scratch(static_cast<std::size_t>(detail::resolve_threads(num_threads, tasks)));
-  detail::parallel_for(tasks, num_threads, [&](Index task, int worker) {
+  const double work = detail::attention_work(grid.batch * heads, n, m, dh, dh);
+  detail::parallel_for_each_worker<RowMatrix<Scalar>>(tasks, num_threads, work, [&](Index task, RowMatrix<Scalar>& s) {
     const Index b = task / windows.count, c = windows.first + task % windows.count;
     if (c == 0) return;  // no window before the first
     const Index w0 = c * grid.chunk, w1 = std::min(w0 + grid.chunk, T);
     const Index p0 = std::max(w0, windows.first_position), nq = w1 - p0;
     const Index q_row = b * n + p0 - windows.first_position, first = b * m;
-    RowMatrix<Scalar>& s = scratch[static_cast<std::size_t>(worker)];
     s.resize(nq, c);
     for (Index h = 0; h < heads; ++h) {
       s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * k_mean.block(first, h * dh, c, dh).transpose();
@@ -140,7 +138,8 @@ void sparse_global_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   const std::vector<Index> offsets = sparse_offsets(T, causal);
   const Index noff = static_cast<Index>(offsets.size());
   const Index blocks_per_batch = (n + kSparseRowBlock - 1) / kSparseRowBlock;
-  detail::parallel_for(batch * blocks_per_batch, num_threads, [&](Index task, int) {
+  const double work = detail::attention_work(batch * heads, n, noff, dh, dh);
+  detail::parallel_for(batch * blocks_per_batch, num_threads, work, [&](Index task, int) {
     const Index b = task / blocks_per_batch;
     const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, n - a);
     const Index q_base = b * n + a, k_base = b * T + p0 + a;  // query a ↔ key row k_base

@@ -25,7 +25,8 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
   }
   const Index n = x.rows();
   const Index chunks = (n + kLinearRowChunk - 1) / kLinearRowChunk;
-  detail::parallel_for(chunks, num_threads, [&](Index c, int) {
+  const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(rhs.cols());
+  detail::parallel_for(chunks, num_threads, work, [&](Index c, int) {
     const Index r0 = c * kLinearRowChunk;
     const Index rows = std::min(kLinearRowChunk, n - r0);
     typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr out = y.middleRows(r0, rows);

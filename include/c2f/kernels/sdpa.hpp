@@ -93,7 +93,7 @@ class SdpaOptions {
   C2F_ARG(Index, query_block) = 64;
   /// Keys per online-softmax step (streaming kernel).
   C2F_ARG(Index, key_block) = 256;
-  /// Worker threads; 0 = all of the process's threads.
+  /// Worker threads; 0 = c2f::get_num_threads(), else a cap on it.
   C2F_ARG(int, num_threads) = 0;
 };
 
@@ -106,7 +106,8 @@ void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>&
                 Scalar* weights = nullptr) {
   c2f::detail::check_sdpa("sdpa_naive", q, k, v, out, mask, scale);
   const Index lq = q.seq, lk = k.seq;
-  c2f::detail::parallel_for(q.batch * q.heads, options.num_threads(), [&](Index task, int) {
+  const double work = c2f::detail::attention_work(q.batch * q.heads, lq, lk, q.dim, v.dim);
+  c2f::detail::parallel_for(q.batch * q.heads, options.num_threads(), work, [&](Index task, int) {
     const Index b = task / q.heads, h = task % q.heads;
     RowMatrix<Scalar> s(lq, lk);
     s.noalias() = (q.block(b, h, 0, lq) * scale) * k.block(b, h, 0, lk).transpose();
@@ -148,10 +149,9 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
     RowMatrix<Scalar> q, s, acc, kv;  // kv: a converted key or value block (KV ≠ Scalar)
     Vector<Scalar> m, l, alpha;
   };
-  std::vector<Workspace> work(static_cast<std::size_t>(c2f::detail::resolve_threads(options.num_threads(), tasks)));
-
-  c2f::detail::parallel_for(tasks, options.num_threads(), [&](Index task, int worker) {
-    Workspace& ws = work[static_cast<std::size_t>(worker)];
+  // Work: the key blocks a causal or length mask skips are not counted (an upper bound).
+  const double work = c2f::detail::attention_work(q.batch * q.heads, lq, lk, dk, dv);
+  c2f::detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
     if (ws.q.size() == 0) {
       ws.q.resize(bq, dk);
       ws.s.resize(bq, bk);

@@ -1,0 +1,209 @@
+// The thread runtime: one persistent pool, thread counts, nested loops, the small-work threshold,
+// errors. Every test that changes a process-wide setting restores the default at the end.
+#include "support/eigen_assert_throws.hpp"
+
+#include "c2f/detail/parallel.hpp"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using c2f::Index;
+using c2f::detail::parallel_for;
+using c2f::detail::resolve_threads;
+
+// Restores the process-wide settings when a test ends, however it ends.
+struct RuntimeSettings {
+  RuntimeSettings(int threads, double min_work) {
+    c2f::set_num_threads(threads);
+    c2f::set_min_parallel_work(min_work);
+  }
+  ~RuntimeSettings() {
+    c2f::set_num_threads(0);
+    c2f::set_min_parallel_work(c2f::detail::kDefaultMinParallelWork);
+  }
+};
+
+void busy_wait(std::chrono::microseconds d) {
+  const auto until = std::chrono::steady_clock::now() + d;
+  while (std::chrono::steady_clock::now() < until) {
+  }
+}
+
+// Runs `tasks` tasks and checks: each runs exactly once; worker < resolve_threads; no two tasks run
+// with the same worker at the same time. Returns the threads that ran tasks.
+std::set<std::thread::id> run_and_check(Index tasks, int threads, double work, std::chrono::microseconds task_time) {
+  const int workers = resolve_threads(threads, tasks);
+  std::vector<std::atomic<int>> runs(static_cast<std::size_t>(tasks));
+  std::vector<std::atomic<int>> busy(static_cast<std::size_t>(workers));
+  std::atomic<int> bad_worker{0}, overlap{0};
+  std::mutex mutex;
+  std::set<std::thread::id> ids;
+  parallel_for(tasks, threads, work, [&](Index t, int worker) {
+    if (worker < 0 || worker >= workers) {
+      ++bad_worker;
+      return;
+    }
+    if (busy[static_cast<std::size_t>(worker)].exchange(1) != 0) ++overlap;
+    ++runs[static_cast<std::size_t>(t)];
+    if (task_time.count() > 0) busy_wait(task_time);
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      ids.insert(std::this_thread::get_id());
+    }
+    busy[static_cast<std::size_t>(worker)] = 0;
+  });
+  EXPECT_EQ(bad_worker.load(), 0) << tasks << " tasks, threads " << threads;
+  EXPECT_EQ(overlap.load(), 0) << tasks << " tasks, threads " << threads;
+  for (Index t = 0; t < tasks; ++t) {
+    EXPECT_EQ(runs[static_cast<std::size_t>(t)].load(), 1) << "task " << t << " of " << tasks;
+  }
+  return ids;
+}
+
+TEST(Runtime, EveryTaskRunsOnceOnAValidWorker) {
+  const RuntimeSettings settings(3, 0);
+  for (int threads : {0, 1, 2, 3, 5}) {
+    for (Index tasks : {1, 2, 3, 7, 64, 1000}) run_and_check(tasks, threads, c2f::detail::kUnknownWork, {});
+  }
+}
+
+TEST(Runtime, ThreadCountsResolveAndCap) {
+  const RuntimeSettings settings(3, 0);
+  EXPECT_EQ(c2f::get_num_threads(), 3);
+  EXPECT_EQ(resolve_threads(0, 100), 3);
+  EXPECT_EQ(resolve_threads(2, 100), 2);
+  EXPECT_EQ(resolve_threads(8, 100), 3);  // a module's count only caps
+  EXPECT_EQ(resolve_threads(0, 2), 2);    // never more than the tasks
+  EXPECT_EQ(resolve_threads(0, 0), 1);
+  c2f::set_num_threads(0);
+  const char* env = std::getenv("C2F_NUM_THREADS");
+  EXPECT_EQ(c2f::get_num_threads(), env != nullptr ? std::atoi(env) : c2f::detail::available_cpus());
+  EXPECT_THROW(c2f::set_num_threads(-1), std::invalid_argument);
+  EXPECT_THROW(c2f::set_min_parallel_work(-1.0), std::invalid_argument);
+}
+
+TEST(Runtime, LargeLoopsUseAPoolThread) {
+  const RuntimeSettings settings(2, 0);
+  // 40 tasks of 0.5 ms: the caller cannot take them all before the pool worker wakes up.
+  const std::set<std::thread::id> ids = run_and_check(40, 0, c2f::detail::kUnknownWork, std::chrono::microseconds(500));
+  EXPECT_EQ(ids.size(), 2u);
+  EXPECT_EQ(ids.count(std::this_thread::get_id()), 1u);
+}
+
+TEST(Runtime, SmallLoopsRunOnTheCallingThread) {
+  const RuntimeSettings settings(2, 1e6);
+  for (double work : {0.0, 1e3, 0.99e6}) {
+    const std::set<std::thread::id> ids = run_and_check(40, 0, work, std::chrono::microseconds(100));
+    ASSERT_EQ(ids.size(), 1u) << "work " << work;
+    EXPECT_EQ(*ids.begin(), std::this_thread::get_id()) << "work " << work;
+  }
+  // At the threshold, the second thread joins.
+  EXPECT_EQ(run_and_check(40, 0, 2e6, std::chrono::microseconds(500)).size(), 2u);
+}
+
+TEST(Runtime, ThePoolIsCreatedOnceAndReused) {
+  const RuntimeSettings settings(3, 0);
+  run_and_check(16, 0, c2f::detail::kUnknownWork, std::chrono::microseconds(200));  // creates the pool if needed
+  const long long created = c2f::detail::Runtime::get().workers_created();
+  std::set<std::thread::id> all;
+  for (int call = 0; call < 200; ++call) {
+    const std::set<std::thread::id> ids = run_and_check(6, 0, c2f::detail::kUnknownWork, std::chrono::microseconds(20));
+    all.insert(ids.begin(), ids.end());
+  }
+  EXPECT_EQ(c2f::detail::Runtime::get().workers_created(), created) << "a call created threads";
+  EXPECT_LE(all.size(), 3u) << "tasks ran on more threads than the caller and the 2 pool workers";
+  EXPECT_GE(all.size(), 2u);
+}
+
+TEST(Runtime, ChangingTheThreadCountReplacesThePool) {
+  const RuntimeSettings settings(3, 0);
+  run_and_check(8, 0, c2f::detail::kUnknownWork, {});
+  const long long before = c2f::detail::Runtime::get().workers_created();
+  c2f::set_num_threads(2);
+  const std::set<std::thread::id> ids = run_and_check(40, 0, c2f::detail::kUnknownWork, std::chrono::microseconds(300));
+  EXPECT_EQ(c2f::detail::Runtime::get().workers_created(), before + 1);
+  EXPECT_EQ(ids.size(), 2u);
+  c2f::set_num_threads(2);  // the same count keeps the pool
+  run_and_check(8, 0, c2f::detail::kUnknownWork, {});
+  EXPECT_EQ(c2f::detail::Runtime::get().workers_created(), before + 1);
+}
+
+TEST(Runtime, NestedLoopsRunInline) {
+  const RuntimeSettings settings(2, 0);
+  std::atomic<int> wrong{0}, inner_runs{0};
+  parallel_for(8, 0, [&](Index, int) {
+    if (resolve_threads(0, 100) != 1) ++wrong;
+    const std::thread::id outer = std::this_thread::get_id();
+    parallel_for(5, 0, [&](Index, int worker) {
+      if (worker != 0 || std::this_thread::get_id() != outer) ++wrong;
+      ++inner_runs;
+    });
+    busy_wait(std::chrono::microseconds(200));
+  });
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(inner_runs.load(), 40);
+  // Outside any task, loops are parallel again.
+  EXPECT_EQ(resolve_threads(0, 100), 2);
+}
+
+TEST(Runtime, TheFirstExceptionIsRethrownAndThePoolStaysUsable) {
+  const RuntimeSettings settings(2, 0);
+  for (int rep = 0; rep < 20; ++rep) {
+    std::atomic<int> ran{0};
+    EXPECT_THROW(parallel_for(100, 0,
+                              [&](Index t, int) {
+                                ++ran;
+                                if (t == 10 + rep) throw std::runtime_error("task failed");
+                                busy_wait(std::chrono::microseconds(20));
+                              }),
+                 std::runtime_error);
+    EXPECT_LT(ran.load(), 100);  // the loop stopped early
+  }
+  run_and_check(50, 0, c2f::detail::kUnknownWork, std::chrono::microseconds(50));
+}
+
+TEST(Runtime, BadInputToALoopIsHarmless) {
+  int runs = 0;
+  parallel_for(0, 0, [&](Index, int) { ++runs; });
+  parallel_for(-3, 2, [&](Index, int) { ++runs; });
+  EXPECT_EQ(runs, 0);
+}
+
+// Registered separately with C2F_NUM_THREADS / C2F_MIN_PARALLEL_WORK set (tests/CMakeLists.txt);
+// C2F_TEST_EXPECT names what the environment should produce.
+TEST(RuntimeEnvironment, VariablesSetTheDefaults) {
+  const char* expect = std::getenv("C2F_TEST_EXPECT");
+  if (expect == nullptr) GTEST_SKIP() << "run by the runtime.env_* tests with the environment set";
+  const std::string e = expect;
+  if (e == "threads=3") {
+    EXPECT_EQ(c2f::get_num_threads(), 3);
+    EXPECT_EQ(resolve_threads(0, 100), 3);
+    EXPECT_EQ(c2f::get_min_parallel_work(), 12345.0);
+  } else if (e == "invalid") {
+    try {
+      c2f::get_num_threads();
+      ADD_FAILURE() << "a malformed C2F_NUM_THREADS was accepted";
+    } catch (const std::invalid_argument& error) {
+      EXPECT_NE(std::string(error.what()).find("C2F_NUM_THREADS"), std::string::npos) << error.what();
+      EXPECT_NE(std::string(error.what()).find(std::getenv("C2F_NUM_THREADS")), std::string::npos) << error.what();
+    }
+    // An explicit count still works.
+    c2f::set_num_threads(2);
+    EXPECT_EQ(c2f::get_num_threads(), 2);
+  } else {
+    FAIL() << "unknown C2F_TEST_EXPECT=" << e;
+  }
+}
+
+}  // namespace
