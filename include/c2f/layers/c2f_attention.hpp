@@ -208,9 +208,29 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     if (options_.path == FinePath::General || !rows_equal) {
       forward_general(x, grid, q, plan, out);
     } else {
-      forward_folded(x, grid, q, plan, out);
+      forward_folded(x.rows(), grid, q, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, out);
     }
     return y;
+  }
+
+  /// The folded fine stage, without a mask, on any block grid of c2f/kernels/chunk.hpp (a ChunkGrid, a
+  /// kernels::BlockGrid2D, ...): tokens x [rows, d_model], coarse_context [blocks, d_model] (one row per
+  /// block) → out [rows, d_model], where every real token of block c gets block c's output row. x is
+  /// read in place, block by block; rows of `out` that belong to no block are left as they are.
+  template <class Grid>
+  void forward_blocks(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
+                      const Eigen::Ref<const RowMatrix<Scalar>>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out) const {
+    if (x.cols() != d_ || out.cols() != d_ || out.rows() != x.rows() || coarse_context.rows() != grid.blocks() ||
+        coarse_context.cols() != d_) {
+      detail::fail("FineAttention: forward_blocks needs x [rows, d_model=", d_, "], coarse_context [blocks=",
+                   grid.blocks(), ", ", d_, "] and out of x's shape, got x ", detail::shape_string({x.rows(), x.cols()}),
+                   ", coarse_context ", detail::shape_string({coarse_context.rows(), coarse_context.cols()}), " and out ",
+                   detail::shape_string({out.rows(), out.cols()}));
+    }
+    if (grid.blocks() == 0) return;
+    RowMatrix<Scalar> q(grid.blocks(), d_);
+    q_proj_.forward_rows(coarse_context, q, options_.num_threads);
+    forward_folded(x, grid, q, [](Index, Index, Index) { return Scalar(0); }, out);
   }
 
   /// Working memory (bytes) of forward_chunked on the folded path, besides the output: q, the folded
@@ -242,10 +262,12 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     return true;
   }
 
-  /// One attention row per chunk; kv_proj folded into the query (keys) and the pooled tokens (values).
-  void forward_folded(const ConstTensor3Ref<Scalar>& x, const kernels::ChunkGrid& grid, const RowMatrix<Scalar>& q,
-                      const detail::MaskPlan<Scalar>& plan, Eigen::Map<RowMatrix<Scalar>>& out) const {
-    const Index chunks = grid.chunks(), dk = head_dim();
+  /// One attention row per block; kv_proj folded into the query (keys) and the pooled tokens (values).
+  /// `bias(c, h, j)`: what is added to the score of token j of block c for head h (0, a value or -inf).
+  template <class Grid, class Bias>
+  void forward_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, const RowMatrix<Scalar>& q,
+                      const Bias& bias, Eigen::Ref<RowMatrix<Scalar>> out) const {
+    const Index chunks = grid.blocks(), dk = head_dim();
     const int threads = options_.num_threads;
     const Scalar scale = static_cast<Scalar>(1.0 / std::sqrt(static_cast<double>(dk)));
     const typename RowMatrix<Scalar>::ConstRowsBlockXpr wk = kv_proj_.weight().topRows(d_), wv = kv_proj_.weight().bottomRows(d_);
@@ -257,9 +279,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                                    qk.middleCols(h * d_, d_), threads);
     }
     RowMatrix<Scalar> pooled(chunks, heads_ * d_), mass(chunks, heads_);
-    kernels::fine_attention_folded<Scalar>(
-        x.rows(), grid, qk, heads_, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, pooled, mass,
-        threads);
+    kernels::fine_attention_folded<Scalar>(x, grid, qk, heads_, bias, pooled, mass, threads);
 
     // o[c, h·dk:(h+1)·dk] = pooled[c, h] W_v,hᵀ + mass[c, h] b_v,h
     RowMatrix<Scalar> o(chunks, d_), chunk_out(chunks, d_);
