@@ -13,6 +13,7 @@
 
 #include "c2f/core.hpp"
 #include "c2f/detail/parallel.hpp"
+#include "c2f/detail/small_gemm.hpp"
 #include "c2f/detail/softmax.hpp"
 
 #include <algorithm>
@@ -85,7 +86,8 @@ void broadcast_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, con
 /// Blocks of several runs (2-D blocks) are read run by run, each once from memory: a run's softmax and
 /// pooled sum are merged into the block's with the running-max rule (flash decoding's split-K merge, in
 /// run order, so the bits do not depend on the thread count). A block of one run (a chunk) is exactly
-/// softmax then Σ p x. Working memory: heads × (longest run + d) values per worker.
+/// softmax then Σ p x. Working memory: heads × (longest run + d) values per worker. The two products
+/// per run read the run in place (detail/small_gemm.hpp): no packed copy of x.
 template <class Scalar, class Grid, class Bias>
 void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
                            const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads, Bias&& bias,
@@ -111,7 +113,10 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
       const Index n = grid.segment_length(c, s);
       const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstRowsBlockXpr xs = x.middleRows(grid.segment_row(c, s), n);
       if (ws.p.rows() != heads || ws.p.cols() != n) ws.p.resize(heads, n);
-      ws.p.noalias() = q * xs.transpose();
+      const bool more = s + 1 < grid.segments(c);  // the next run, read ahead while this one is scored
+      detail::dot_rows(q.data(), heads, d, xs.data(), x.outerStride(), n, ws.p.data(), n,
+                       more ? x.data() + grid.segment_row(c, s + 1) * x.outerStride() : nullptr,
+                       more ? grid.segment_length(c, s + 1) : 0);  // p = q xsᵀ
       for (Index h = 0; h < heads; ++h) {
         for (Index j = 0; j < n; ++j) ws.p(h, j) += bias(c, h, j0 + j);
         const bool visible = detail::softmax_row(ws.p.row(h), &ws.run_max[h], &ws.run_sum[h]);
@@ -119,14 +124,14 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
       }
       j0 += n;
       if (s == 0) {
-        acc.noalias() = ws.p * xs;
+        detail::weighted_rows(ws.p.data(), n, heads, n, xs.data(), x.outerStride(), d, acc.data(), d);  // p xs
         ws.max = ws.run_max;
         ws.sum = ws.run_sum;
         continue;
       }
       // Merge the run into the block: o_block = (L·e^(M−M')·o_block + l·e^(m−M')·o_run) / (L·e^(M−M') + l·e^(m−M')).
       if (ws.o.rows() != heads || ws.o.cols() != d) ws.o.resize(heads, d);
-      ws.o.noalias() = ws.p * xs;
+      detail::weighted_rows(ws.p.data(), n, heads, n, xs.data(), x.outerStride(), d, ws.o.data(), d);
       for (Index h = 0; h < heads; ++h) {
         const Scalar l = ws.run_sum[h], m = ws.run_max[h];
         if (l == Scalar(0)) continue;  // every key of this run is masked for head h
