@@ -239,6 +239,14 @@ def c2f2d_section(result):
     rooflines, full MHA where it runs (to 128²) and its fitted slope beyond; and the targets."""
     e = entries(result)
     ctx = result["context"]
+    cv = {}  # run name -> coefficient of variation of the repetitions' times (Google Benchmark's "cv")
+    for b in result["benchmarks"]:
+        if b.get("aggregate_name") == "cv":
+            cv[b["run_name"]] = b["real_time"]
+
+    def spread(b):
+        return f"{100 * cv[b['run_name']]:.0f} % ({b.get('repetitions', 1)} runs)" if b["run_name"] in cv else "1 run"
+
     copy = next(b for k, b in e.items() if k[0] == "copy")
     gemm = next(b for k, b in e.items() if k[0] == "gemm")
     bw, peak_flops = copy["GB/s"] * 1e9, gemm["GFLOPS"] * 1e9
@@ -259,15 +267,16 @@ def c2f2d_section(result):
         bound, t = ("memory", t_mem) if t_mem >= t_flop else ("compute", t_flop)
         return bound, t * 1e3 / ms(b)
 
-    out = [f"### C2FAttention2D (issue 14): 2-D blocks, relative position bias, against the rooflines (same run)", ""]
+    out = ["### C2FAttention2D (issue 14): 2-D blocks, relative position bias, against the rooflines (same run)", ""]
     out.append(f"{ctx.get('num_cpus')} CPUs, {ctx.get('c2f_threads')} threads, Eigen SIMD: {ctx.get('c2f_isa')}, "
                f"sweep `{ctx.get('c2f2d_sweep')}`, {ctx.get('date')}; d = 512, 8 heads, batch 1, float, table = the "
                f"block grid. Medians of repetitions (repetitions and their spread in bench_c2f2d.json). Rooflines "
                f"of this run: STREAM copy {copy['GB/s']:.1f} GB/s (2 × 256 MiB), GEMM {gemm['GFLOPS']:.1f} GFLOPS "
                f"([4096, 512] × [512, 512]). A forward moves 3·L·d·4 bytes (x read twice, y written once) and does "
                f"the analytic FLOP; roofline = the larger of bytes / copy bandwidth and FLOP / GEMM rate; "
-               f"fraction = roofline time / measured time. MHA beyond 128² tokens: its time at 128² × "
-               f"(L / 128²)^{mha_slope:.2f} (log-log slope of 64² → 128²), *extrapolated*." if mha_slope else "")
+               f"fraction = roofline time / measured time." +
+               (f" MHA beyond 128² tokens: its time at 128² × (L / 128²)^{mha_slope:.2f} (log-log slope of 64² → "
+                f"128²), *extrapolated*." if mha_slope else ""))
     out.append("")
     rows = []
     for k in sorted(k for k in e if k[0] in ("c2f2d", "c2f2d_into")):
@@ -283,11 +292,16 @@ def c2f2d_section(result):
         mha_col = "—" if t_mha is None else (f"{t_mha / 1e3:.3g} s" + (" *(extrapolated)*" if extrapolated else ""))
         speedup = "—" if t_mha is None else f"{t_mha / ms(b):,.0f}×" + (" *(extr.)*" if extrapolated else "")
         name = "forward" if k[0] == "c2f2d" else "forward_into"
-        rows.append([f"{side}²", f"{L:,}", f"{block}²", int(b["blocks"]), name, f"{ms(b):.2f}", f"{b['FLOP'] / 1e9:.3g}",
-                     f"{b['GFLOPS']:.1f}", f"{b['GB/s']:.1f}", mem, f"{bound}, {100 * frac:.0f} %", mha_col, speedup])
-    out.append(table(["grid", "tokens", "block", "blocks", "call", "ms", "GFLOP", "GFLOPS", "GB/s",
-                      "peak memory, (input + peak) / (input + output)", "roofline binding, fraction", "full MHA",
-                      "speedup"], rows))
+        rows.append([f"{side}²", f"{L:,}", f"{block}²", int(b["blocks"]), name, f"{ms(b):.2f}", spread(b),
+                     f"{b['FLOP'] / 1e9:.3g}", f"{b['GFLOPS']:.1f}", f"{b['GB/s']:.1f}", mem,
+                     f"{bound}, {100 * frac:.0f} %", mha_col, speedup])
+    load = ", ".join(f"{v:.2f}" for v in ctx.get("load_avg", []))
+    out.append(f"Noise: load average {load or '?'} when the binary started (other processes share the cores); "
+               f"spread of the roofline entries: copy {spread(copy)}, GEMM {spread(gemm)}.")
+    out.append("")
+    out.append(table(["grid", "tokens", "block", "blocks", "call", "ms (median)", "spread (cv)", "GFLOP", "GFLOPS",
+                      "GB/s", "peak memory, (input + peak) / (input + output)", "roofline binding, fraction",
+                      "full MHA", "speedup"], rows))
 
     checks = []
     target = e.get(("c2f2d", 1024, 64))
