@@ -2,13 +2,15 @@
 """Runs c2f's benchmark sweep and turns it into a table, Google Benchmark JSON and PNG plots.
 
     /usr/bin/python3 benchmarks/sweep.py [--long] [--build build/release] [--out results/latest]
+                                         [--only attention|runtime|c2f2d ...]
 
-Runs build/release/benchmarks/bench_attention (and bench_libtorch when it was built), streaming their
-progress, then writes into the output folder:
-    bench_attention.json, bench_libtorch.json   Google Benchmark's JSON, as measured
-    summary.md                                  the tables printed at the end, and the target checks
-    time_vs_length.png, speedup_vs_chunk.png, memory_vs_length.png
-Every ratio is taken between entries of the same run.
+Parts (all by default; `--only` picks some), each streaming its progress:
+    attention   bench_attention (and bench_libtorch when it was built): the layers against the GEMM
+    runtime     bench_runtime* (threads, OpenMP builds, latency, concurrent callers, SIMD flags)
+    c2f2d       bench_c2f2d: two-dimensional C2F against the copy-bandwidth and GEMM rooflines
+The output folder receives each binary's Google Benchmark JSON, summary.md (the tables printed at the
+end, and the target checks) and the plots (time_vs_length.png, speedup_vs_chunk.png,
+memory_vs_length.png, sparse_error_vs_speedup.png). Every ratio is taken between entries of the same run.
 """
 
 import argparse
@@ -23,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CHUNKS = [8, 16, 32, 64, 128, 256]
+PARTS = ["attention", "runtime", "c2f2d"]  # the main job's parts, in the order they run
 SPARSE_MODES = {"sparse": 0, "sparse_token": 1, "sparse_token_causal": 2}  # bench_attention's 4th argument
 
 
@@ -41,6 +44,11 @@ def run_benchmark(binary, out_json, extra_args):
         for line in proc.stdout:
             line = line.rstrip("\n")
             name = line.split(" ")[0] if line else ""
+            # Entries with repetitions report aggregates only (name_mean, _median, ...): count the median.
+            aggregate = name.endswith(("_mean", "_median", "_stddev", "_cv"))
+            if aggregate and not name.endswith("_median"):
+                continue
+            name = name.rsplit("_", 1)[0] if aggregate else name
             if name in listed or name.rsplit("/real_time", 1)[0] in listed:
                 done += 1
                 print(f"[{done:3d}/{total} {time.time() - start:6.1f}s] {line}", flush=True)
@@ -392,6 +400,119 @@ def run_runtime(build, out_dir, repetitions, set_name):
     return results
 
 
+def c2f2d_section(result):
+    """Issue 14's table: C2FAttention2D over grids and blocks next to the in-run copy bandwidth and GEMM
+    rooflines, full MHA where it runs (to 128²) and its fitted slope beyond; and the targets."""
+    e = entries(result)
+    ctx = result["context"]
+    cv = {}  # run name -> coefficient of variation of the repetitions' times (Google Benchmark's "cv")
+    for b in result["benchmarks"]:
+        if b.get("aggregate_name") == "cv":
+            cv[b["run_name"]] = b["real_time"]
+
+    def spread(b):
+        return f"{100 * cv[b['run_name']]:.0f} % ({b.get('repetitions', 1)} runs)" if b["run_name"] in cv else "1 run"
+
+    copy = next(b for k, b in e.items() if k[0] == "copy")
+    gemm = next(b for k, b in e.items() if k[0] == "gemm")
+    bw, peak_flops = copy["GB/s"] * 1e9, gemm["GFLOPS"] * 1e9
+    mha = sorted((k[1] * k[1], ms(b)) for k, b in e.items() if k[0] == "mha")
+    fit = mha[-2:] if len(mha) >= 2 else []
+    mha_slope = slope(*zip(*fit)) if fit else None
+
+    def mha_time(L):
+        for tokens, t in mha:
+            if tokens == L:
+                return t, False
+        if mha_slope is None or L < mha[-1][0]:
+            return None, False
+        return mha[-1][1] * (L / mha[-1][0]) ** mha_slope, True
+
+    def roofline(b):
+        t_mem, t_flop = b["bytes"] / bw, b["FLOP"] / peak_flops
+        bound, t = ("memory", t_mem) if t_mem >= t_flop else ("compute", t_flop)
+        return bound, t * 1e3 / ms(b)
+
+    out = ["### C2FAttention2D (issue 14): 2-D blocks, relative position bias, against the rooflines (same run)", ""]
+    out.append(f"{ctx.get('num_cpus')} CPUs, {ctx.get('c2f_threads')} threads, Eigen SIMD: {ctx.get('c2f_isa')}, "
+               f"sweep `{ctx.get('c2f2d_sweep')}`, {ctx.get('date')}; d = 512, 8 heads, batch 1, float, table = the "
+               f"block grid. Medians of repetitions (repetitions and their spread in bench_c2f2d.json). Rooflines "
+               f"of this run: STREAM copy {copy['GB/s']:.1f} GB/s (2 × 256 MiB), GEMM {gemm['GFLOPS']:.1f} GFLOPS "
+               f"([4096, 512] × [512, 512]). A forward moves 3·L·d·4 bytes (x read twice, y written once) and does "
+               f"the analytic FLOP; roofline = the larger of bytes / copy bandwidth and FLOP / GEMM rate; "
+               f"fraction = roofline time / measured time." +
+               (f" MHA beyond 128² tokens: its time at 128² × (L / 128²)^{mha_slope:.2f} (log-log slope of 64² → "
+                f"128²), *extrapolated*." if mha_slope else ""))
+    out.append("")
+    rows = []
+    for k in sorted(k for k in e if k[0] in ("c2f2d", "c2f2d_into")):
+        b = e[k]
+        side, block = k[1], k[2]
+        L = side * side
+        bound, frac = roofline(b)
+        mem = "—"
+        if "input_bytes" in b:
+            io = b["input_bytes"] + 4.0 * L * 512  # input + output
+            mem = f"{fmt_bytes(b['peak_bytes'])}, ×{(b['input_bytes'] + b['peak_bytes']) / io:.3f}"
+        t_mha, extrapolated = mha_time(L)
+        mha_col = "—" if t_mha is None else (f"{t_mha / 1e3:.3g} s" + (" *(extrapolated)*" if extrapolated else ""))
+        speedup = "—" if t_mha is None else f"{t_mha / ms(b):,.0f}×" + (" *(extr.)*" if extrapolated else "")
+        name = "forward" if k[0] == "c2f2d" else "forward_into"
+        rows.append([f"{side}²", f"{L:,}", f"{block}²", int(b["blocks"]), name, f"{ms(b):.2f}", spread(b),
+                     f"{b['FLOP'] / 1e9:.3g}", f"{b['GFLOPS']:.1f}", f"{b['GB/s']:.1f}", mem,
+                     f"{bound}, {100 * frac:.0f} %", mha_col, speedup])
+    load = ", ".join(f"{v:.2f}" for v in ctx.get("load_avg", []))
+    out.append(f"Noise: load average {load or '?'} when the binary started (other processes share the cores); "
+               f"spread of the roofline entries: copy {spread(copy)}, GEMM {spread(gemm)}.")
+    out.append("")
+    out.append(table(["grid", "tokens", "block", "blocks", "call", "ms (median)", "spread (cv)", "GFLOP", "GFLOPS",
+                      "GB/s", "peak memory, (input + peak) / (input + output)", "roofline binding, fraction",
+                      "full MHA", "speedup"], rows))
+
+    checks = []
+    target = e.get(("c2f2d", 1024, 64))
+    if target:
+        L = 1024 * 1024
+        full_t, _ = mha_time(L)
+        out.append("")
+        out.append("### Seed 004's claim for a 1024 × 1024 image in 64 × 64 blocks, measured")
+        out.append("")
+        h, d, m = 8, 512, 256
+        claim = [["seed's claim", "O(10¹²)", "O(10⁸)"],
+                 ["attention scores (all heads)", f"h·n² = {h * L * L:.3g}",
+                  f"coarse h·m² + fine h·n = {h * m * m + h * L:.3g} (one query per block)"],
+                 ["analytic FLOP per forward", f"{8.0 * L * d * d + 4.0 * L * L * d:.3g} (8·n·d² + 4·n²·d)",
+                  f"{target['FLOP']:.3g}"],
+                 ["time per forward", "—" if full_t is None else f"{full_t / 1e3:,.0f} s *(extrapolated)*",
+                  f"{ms(target) / 1e3:.3f} s (measured)"],
+                 ["peak working memory (incl. output)", f"≥ the output, {fmt_bytes(4.0 * L * d)}",
+                  f"{fmt_bytes(target['peak_bytes'])} (measured)"]]
+        out.append(table(["", "full self-attention (MHA)", "C2FAttention2D"], claim))
+        io = target["input_bytes"] + 4.0 * L * d
+        ratio = (target["input_bytes"] + target["peak_bytes"]) / io
+        checks.append(("1024² tokens, 64² blocks in one forward within input + output + 10 % of memory",
+                       f"×{ratio:.3f}", ratio <= 1.10))
+        for name in ("c2f2d", "c2f2d_into"):
+            b = e.get((name, 1024, 64))
+            if b:
+                bound, frac = roofline(b)
+                checks.append((f"1024², 64² blocks ({'forward' if name == 'c2f2d' else 'forward_into'}) ≥ 50 % of "
+                               f"the binding roofline", f"{bound}, {100 * frac:.0f} %", frac >= 0.5))
+        into, fresh = e.get(("c2f2d_into", 1024, 64)), e.get(("new_output", 1024))
+        if into and fresh:
+            out.append("")
+            out.append(f"forward() returns a new 2 GiB tensor: it takes {ms(target) - ms(into):.0f} ms longer than "
+                       f"forward_into() a reused buffer; allocating and writing a fresh [1024², 512] float tensor "
+                       f"alone (entry `new_output`, no attention) takes {ms(fresh):.0f} ms "
+                       f"({fresh['GB/s']:.1f} GB/s, against {copy['GB/s']:.1f} GB/s for STREAM copy between "
+                       f"touched buffers): the operating system mapping and zeroing new pages.")
+    out.append("")
+    out.append("### Targets (issue 14)")
+    out.append("")
+    out.append(table(["target", "measured", "met"], [[c, m_, "yes" if ok else "**no**"] for c, m_, ok in checks]))
+    return "\n".join(out)
+
+
 def finish(plt, fig, ax, path, legend_size):
     """Grid, legend, layout; saves `fig` as a small PNG at `path` and returns the path."""
     ax.grid(True, which="both", alpha=0.3)
@@ -474,48 +595,55 @@ def main(argv=None):
     p.add_argument("--build", default=str(REPO / "build" / "release"), help="build folder with benchmarks/")
     p.add_argument("--out", default=str(REPO / "results" / "latest"), help="output folder")
     p.add_argument("--repetitions", type=int, default=1, help="Google Benchmark repetitions (median reported)")
+    p.add_argument("--only", choices=PARTS, action="append",
+                   help="run only these parts (repeatable; default: all): attention = bench_attention and "
+                        "bench_libtorch, runtime = bench_runtime* (threads, OpenMP), c2f2d = bench_c2f2d")
     p.add_argument("--runtime-repetitions", type=int, default=3,
                    help="repetitions of the runtime sweeps (bench_runtime*; median reported)")
-    p.add_argument("--runtime-only", action="store_true", help="only the runtime sweeps (bench_runtime*)")
-    p.add_argument("--no-runtime", action="store_true", help="skip the runtime sweeps")
+    p.add_argument("--c2f2d-sweep", choices=["full", "quick"], default="full",
+                   help="bench_c2f2d's grids: full (32² … 1024² × blocks 8² … 64², about 4 minutes) or quick "
+                        "(to 256², plus 1024² in 64² blocks)")
     args = p.parse_args(argv)
     build, out_dir = Path(args.build), Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if args.runtime_only:
-        results = run_runtime(build, out_dir, args.runtime_repetitions, "all")
-        text, checks = runtime_summary(results)
-        text += "\n### Targets\n\n" + table(["target", "measured", "met"],
-                                              [[c, m, "yes" if ok else "**no**"] for c, m, ok in checks])
-        (out_dir / "summary_runtime.md").write_text(text + "\n")
-        print()
-        print(text)
-        print(f"\nwrote {out_dir}/: " + ", ".join(f"{b}.json" for b in results) + ", summary_runtime.md")
-        return 0
+    parts = args.only or PARTS
     extra = ["--c2f_sweep=long"] if args.long else []
     if args.repetitions > 1:
         extra += [f"--benchmark_repetitions={args.repetitions}"]
-    attn = run_benchmark(build / "benchmarks" / "bench_attention", out_dir / "bench_attention.json", extra)
-    torch_bin = build / "benchmarks" / "bench_libtorch"
-    torch_result = None
-    if torch_bin.exists():
-        torch_result = run_benchmark(torch_bin, out_dir / "bench_libtorch.json", extra)
-    else:
-        print("bench_libtorch was not built (libtorch-dev not installed): skipping the libtorch peer")
-    text, e, lengths = summarize(attn, torch_result)
-    if not args.no_runtime:
+    sections, written, files = [], [], []
+    if "attention" in parts:
+        attn = run_benchmark(build / "benchmarks" / "bench_attention", out_dir / "bench_attention.json", extra)
+        written.append("bench_attention.json")
+        torch_bin = build / "benchmarks" / "bench_libtorch"
+        torch_result = None
+        if torch_bin.exists():
+            torch_result = run_benchmark(torch_bin, out_dir / "bench_libtorch.json", extra)
+            written.append("bench_libtorch.json")
+        else:
+            print("bench_libtorch was not built (libtorch-dev not installed): skipping the libtorch peer")
+        text, e, lengths = summarize(attn, torch_result)
+        sections.append(text)
+        files = plot(e, lengths, out_dir)
+    if "runtime" in parts:
         results = run_runtime(build, out_dir, args.runtime_repetitions, "all")
+        written += [f"{b}.json" for b in results]
         if "bench_runtime" in results:
             runtime_text, checks = runtime_summary(results)
-            text += "\n\n## Threads: runtime sweeps\n\n" + runtime_text
-            text += "\n### Runtime targets\n\n" + table(["target", "measured", "met"],
-                                                         [[c, m, "yes" if ok else "**no**"] for c, m, ok in checks])
+            sections.append("## Threads: runtime sweeps\n\n" + runtime_text + "\n### Runtime targets\n\n" +
+                            table(["target", "measured", "met"],
+                                  [[c, m, "yes" if ok else "**no**"] for c, m, ok in checks]))
+    if "c2f2d" in parts:
+        # Its entries set their own repetitions (cheap ones 5, minute-long ones 1); see bench_c2f2d.cpp.
+        c2f2d = run_benchmark(build / "benchmarks" / "bench_c2f2d", out_dir / "bench_c2f2d.json",
+                              [f"--c2f2d_sweep={args.c2f2d_sweep}"])
+        written.append("bench_c2f2d.json")
+        sections.append(c2f2d_section(c2f2d))
+    text = "\n\n".join(sections)
     (out_dir / "summary.md").write_text(text + "\n")
     print()
     print(text)
-    files = plot(e, lengths, out_dir)
     print()
-    print(f"wrote {out_dir}/: bench_attention.json" + (", bench_libtorch.json" if torch_result else "") +
-          ", summary.md" + "".join(f", {f.name}" for f in files))
+    print(f"wrote {out_dir}/: " + ", ".join(written + ["summary.md"] + [f.name for f in files]))
     return 0
 
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/kernels/block2d.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/chunk_sparse.hpp"
 #include "c2f/kernels/conv1d.hpp"
@@ -11,6 +12,7 @@
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
 #include "c2f/layers/c2f_attention.hpp"
+#include "c2f/layers/c2f_attention_2d.hpp"
 #include "c2f/layers/conv1d.hpp"
 #include "c2f/layers/hmha.hpp"
 #include "c2f/layers/linear.hpp"

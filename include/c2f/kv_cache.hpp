@@ -4,6 +4,8 @@
 
 #include "c2f/core.hpp"
 #include "c2f/detail/convert.hpp"
+#include "c2f/detail/module.hpp"
+#include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/sdpa.hpp"
 
 #include <Eigen/Core>
@@ -88,9 +90,70 @@ class KVCache {
   Matrix k_, v_;
 };
 
+/// What every decoding state holds: the keys and values of the tokens so far. A layer's
+/// DecodeStateOf<Cache> derives from it and adds what its attention needs.
+template <class Cache>
+class DecodeStateBase {
+ public:
+  Index batch() const { return cache_.batch(); }
+  /// Tokens decoded so far (per sequence).
+  Index length() const { return cache_.length(); }
+  const KVCache<Cache>& cache() const { return cache_; }
+  /// Room for `tokens` tokens per sequence without reallocation.
+  void reserve(Index tokens) { cache_.reserve(tokens); }
+
+ protected:
+  DecodeStateBase(Index batch, Index width) : cache_(batch, width) {}
+  KVCache<Cache> cache_;
+};
+
+namespace detail {
+
+/// The decoding interface of a layer (CRTP): new_decode_state(), decode() and prefill(). `Layer`
+/// provides DecodeStateOf<Cache>, make_decode_state<Cache>(batch) and run_decode(x, state, outputs),
+/// which appends the tokens of x to the state and returns the outputs of its last `outputs` tokens.
+template <class Layer, class Scalar>
+class Decoder {
+ public:
+  /// An empty state for `batch` sequences, with room for `reserve` tokens each; keys and values stored
+  /// as `Cache` (Scalar, or Eigen::half / Eigen::bfloat16 to halve the memory; the arithmetic stays in
+  /// Scalar). One state per batch of sequences; the layer itself is shared.
+  template <class Cache = Scalar, class L = Layer>  // L: Layer, looked up when the function is used
+  typename L::template DecodeStateOf<Cache> new_decode_state(Index batch, Index reserve = 0) const {
+    if (batch < 0 || reserve < 0) fail("new_decode_state: batch and reserve must be >= 0, got ", batch, " and ", reserve);
+    typename L::template DecodeStateOf<Cache> state = layer().template make_decode_state<Cache>(batch);
+    state.reserve(reserve);
+    return state;
+  }
+
+  /// Appends x_new [B, n, E] (n ≥ 1 tokens of each of the state's B sequences) and returns their
+  /// outputs [B, n, E]: the rows the causal forward() over every token so far gives them, however the
+  /// tokens were split into calls. The layer must be causal.
+  template <class State>
+  Tensor3<Scalar> decode(ConstTensor3Ref<Scalar> x_new, State& state) const {
+    return layer().run_decode(x_new, state, x_new.seq());
+  }
+
+  /// Appends x [B, n, E] like decode() but returns only the last token's output [B, 1, E] (a prompt
+  /// whose other outputs are not needed): the attention of the other n − 1 tokens is not computed.
+  template <class State>
+  Tensor3<Scalar> prefill(ConstTensor3Ref<Scalar> x, State& state) const {
+    return layer().run_decode(x, state, std::min<Index>(1, x.seq()));
+  }
+
+ private:
+  const Layer& layer() const { return static_cast<const Layer&>(*this); }
+};
+
+/// A layer that loads and saves (Module) and decodes (Decoder).
+template <class Layer, class Scalar>
+class DecodingModule : public Module<Layer>, public Decoder<Layer, Scalar> {};
+
+}  // namespace detail
+
 /// Means of the complete chunks of a KVCache's keys (and, with `values`, values) per batch item, kept up
 /// to date as tokens arrive — the chunk summaries a decoding step scores without re-reading the keys.
-/// A mean is the same expression as kernels::chunk_mean's, on the cached rows (converted to Scalar).
+/// A mean is kernels::chunk_mean of the cached rows (converted to Scalar).
 template <class Scalar>
 class ChunkSummaries {
  public:
@@ -135,7 +198,9 @@ class ChunkSummaries {
   }
   template <class Rows, class Row>
   void mean_into(const Rows& rows, Row&& out, RowMatrix<Scalar>& scratch) const {
-    detail::as_scalar(rows, scratch, [&](const auto& r) { out = r.colwise().sum() / static_cast<Scalar>(chunk_); });
+    detail::as_scalar(rows, scratch, [&](const auto& r) {
+      kernels::chunk_mean<Scalar>(r, kernels::ChunkGrid{1, chunk_, chunk_}, out, 1);
+    });
   }
 
   Index chunk_;

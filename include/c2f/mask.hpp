@@ -14,6 +14,12 @@
 //   AttnMask<S>::causal()     query i sees keys j <= i (top-left aligned, like SDPA's is_causal);
 //                             causal(diagonal) shifts the edge: keys j <= i + diagonal (diagonal -1 =
 //                             strictly earlier keys; torch.triu(ones, diagonal + 1) in ignore form)
+//   AttnMask<S>::relative_position(table, grid_h, grid_w, max_h, max_w)
+//                             Swin's 2-D relative position bias, one per head, for queries = keys =
+//                             the grid_h × grid_w positions of a grid flattened row-major: added to
+//                             score (h, i, j) is table[(r_i − r_j + max_h − 1)·(2·max_w − 1) +
+//                             (c_i − c_j + max_w − 1), h], (r, c) = (i / grid_w, i % grid_w). Stored as
+//                             the table, never as [heads, queries, keys]
 //
 //   KeyPaddingMask<S>::keep(m) / ::ignore(m)   boolean [batch, keys], same conventions as above
 //                             (nn.MultiheadAttention's `key_padding_mask`: true = ignore)
@@ -47,6 +53,7 @@ enum class MaskKind {
   Additive,  ///< floating point, added to the scores
   Causal,    ///< key j visible from query i iff j <= i + diagonal
   Lengths,   ///< key padding by valid length per batch
+  RelativePosition,  ///< per-head additive bias looked up by 2-D relative position (Swin)
 };
 
 using BoolTensor2 = Eigen::Tensor<bool, 2, Eigen::RowMajor>;
@@ -130,6 +137,30 @@ class AttnMask {
     return values({m.dimension(0), m.dimension(1), m.dimension(2)}, detail::tensor_values(m));
   }
 
+  /// Swin's relative position bias (see the file comment): table [(2·max_h − 1)·(2·max_w − 1), heads]
+  /// (Swin's `relative_position_bias_table`), for a grid of grid_h × grid_w positions flattened row-major,
+  /// grid_h ≤ max_h and grid_w ≤ max_w. Its plan needs queries = keys = grid_h·grid_w and the table's
+  /// number of heads.
+  static AttnMask relative_position(const Eigen::Ref<const RowMatrix<Scalar>>& table, Index grid_h, Index grid_w,
+                                    Index max_h, Index max_w) {
+    if (max_h < 1 || max_w < 1 || grid_h < 0 || grid_w < 0 || grid_h > max_h || grid_w > max_w) {
+      detail::fail("relative position bias: a grid of grid_h x grid_w <= max_h x max_w positions, got grid ", grid_h,
+                   " x ", grid_w, " for max ", max_h, " x ", max_w);
+    }
+    const Index entries = (2 * max_h - 1) * (2 * max_w - 1);
+    if (table.rows() != entries || table.cols() < 1) {
+      detail::fail("relative position bias table must be [(2*max_h - 1)*(2*max_w - 1), heads] = [", entries,
+                   ", heads] for max ", max_h, " x ", max_w, ", got ", detail::shape_string({table.rows(), table.cols()}));
+    }
+    AttnMask m;
+    m.kind_ = MaskKind::RelativePosition;
+    m.dims_ = {table.cols(), grid_h * grid_w, grid_h * grid_w};
+    m.grid_ = {grid_h, grid_w, max_h, max_w};
+    const RowMatrix<Scalar> per_head = table.transpose();  // [heads, entries]: one contiguous table per head
+    m.add_.assign(per_head.data(), per_head.data() + per_head.size());
+    return m;
+  }
+
   /// From a state-dict tensor (e.g. a mask saved by PyTorch): `kind` Keep or Ignore reads a BOOL/U8
   /// tensor, Additive a floating-point one. Shape [queries, keys], or [..., queries, keys] with the
   /// leading dimensions flattened into n (so PyTorch's [B, H, L, S] becomes [B·H, L, S] and the
@@ -154,11 +185,21 @@ class AttnMask {
   bool is_none() const { return kind_ == MaskKind::None; }
   /// Causal masks: the last visible key of query i is i + diagonal().
   Index diagonal() const { return diagonal_; }
-  /// [n, queries, keys] of a tensor mask (n = 1 for a 2-D mask); zeros for none/causal.
+  /// [n, queries, keys] of a tensor mask (n = 1 for a 2-D mask); zeros for none/causal; [heads,
+  /// positions, positions] for a relative position bias.
   const std::array<Index, 3>& dims() const { return dims_; }
+  /// Relative position bias: {grid_h, grid_w, max_h, max_w}.
+  const std::array<Index, 4>& relative_grid() const { return grid_; }
+  /// Relative position bias of head h between positions i and j (kind RelativePosition only).
+  Scalar relative_position_bias(Index h, Index i, Index j) const {
+    const Index gw = grid_[1], mh = grid_[2], mw = grid_[3];
+    const Index entry = (i / gw - j / gw + mh - 1) * (2 * mw - 1) + (i % gw - j % gw + mw - 1);
+    return add_[static_cast<std::size_t>(h * (2 * mh - 1) * (2 * mw - 1) + entry)];
+  }
   /// Keep flags (1 = may attend), row-major over dims(); only for Keep/Ignore.
   const std::vector<std::uint8_t>& keep_flags() const { return keep_; }
-  /// Additive values, row-major over dims(); only for Additive.
+  /// Additive values, row-major over dims(); only for Additive. (For RelativePosition: the table
+  /// transposed, [heads, entries].)
   const std::vector<Scalar>& additive_values() const { return add_; }
 
  private:
@@ -180,6 +221,7 @@ class AttnMask {
   MaskKind kind_ = MaskKind::None;
   Index diagonal_ = 0;
   std::array<Index, 3> dims_{0, 0, 0};
+  std::array<Index, 4> grid_{0, 0, 0, 0};
   std::vector<std::uint8_t> keep_;
   std::vector<Scalar> add_;
 };

@@ -42,7 +42,15 @@ class MaskView {
     // A causal attention mask and the causal rule are one edge: the stricter diagonal wins.
     if (attn.kind() == MaskKind::Causal) causal_edge(attn.diagonal());
     if (causal) causal_edge(0);
-    if (attn_) {
+    if (attn_ && attn.kind() == MaskKind::RelativePosition) {
+      const std::array<Index, 3>& d = attn.dims();
+      if (d[0] != heads || d[1] != queries || d[2] != keys) {
+        detail::fail("relative position bias for ", d[0], " heads on ", attn.relative_grid()[0], " x ",
+                     attn.relative_grid()[1], " = ", d[1], " positions needs ", heads,
+                     " heads and queries = keys = positions, got ", heads, " heads, ", queries, " queries and ", keys,
+                     " keys");
+      }
+    } else if (attn_) {
       const std::array<Index, 3>& d = attn.dims();
       const bool n_ok = d[0] == 1 || d[0] == batch || d[0] == batch * heads;
       if (!n_ok || d[1] != queries || d[2] != keys) {
@@ -83,6 +91,7 @@ class MaskView {
     if (attn_) {
       switch (attn_->kind()) {
         case MaskKind::Additive: out += attn_->additive_values()[attn_index(b, h, i, j)]; break;
+        case MaskKind::RelativePosition: out += attn_->relative_position_bias(h, i, j); break;
         default:
           if (!attn_->keep_flags()[attn_index(b, h, i, j)]) return kMasked;
       }
@@ -140,6 +149,7 @@ class MaskView {
             for (Index c = 0; c < cols; ++c) S(r, c) += add[c];
           }
           break;
+        case MaskKind::RelativePosition: apply_relative_position(h, i0, j0, S); break;
         default:
           for (Index r = 0; r < rows; ++r) {
             const std::uint8_t* keep = attn_->keep_flags().data() + attn_index(b, h, i0 + r, j0);
@@ -182,6 +192,25 @@ class MaskView {
     diagonal_ = causal_ ? std::min(diagonal_, diagonal) : diagonal;
     causal_ = true;
   }
+  /// S(r, c) += bias of head h between positions i0 + r and j0 + c, walking the keys one grid row at a
+  /// time: along a grid row the table entry falls by one per key.
+  template <class Derived>
+  void apply_relative_position(Index h, Index i0, Index j0, Eigen::MatrixBase<Derived>& S) const {
+    const std::array<Index, 4>& g = attn_->relative_grid();
+    const Index gw = g[1], mh = g[2], mw = g[3], row_entries = 2 * mw - 1;
+    const Scalar* table = attn_->additive_values().data() + h * (2 * mh - 1) * row_entries;
+    for (Index r = 0; r < S.rows(); ++r) {
+      const Index ri = (i0 + r) / gw, ci = (i0 + r) % gw;
+      for (Index c = 0; c < S.cols();) {
+        const Index j = j0 + c, rj = j / gw, cj = j % gw;
+        const Index run = std::min(S.cols() - c, gw - cj);  // keys left on grid row rj
+        const Scalar* t = table + (ri - rj + mh - 1) * row_entries + (ci - cj + mw - 1);
+        for (Index k = 0; k < run; ++k) S(r, c + k) += t[-k];
+        c += run;
+      }
+    }
+  }
+
   std::size_t attn_index(Index b, Index h, Index i, Index j) const {
     const Index n = attn_->dims()[0];
     const Index slice = n == 1 ? 0 : (n == batch_ * heads_ ? b * heads_ + h : b);

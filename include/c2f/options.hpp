@@ -71,16 +71,20 @@ class AttnKernelOptions {
 
 namespace detail {
 
-/// Copies num_threads and seed between two options types (a layer configuring the layer it wraps).
+/// The options of a layer another one wraps, from the wrapper's: num_threads, and seed + seed_offset.
 template <class To, class From>
-To& copy_runtime_options(To& to, const From& from) {
-  return to.num_threads(from.num_threads()).seed(from.seed());
+To runtime_options(const From& from, std::uint64_t seed_offset = 0) {
+  To to;
+  to.num_threads(from.num_threads()).seed(from.seed() + seed_offset);
+  return to;
 }
 
-/// Copies kernel, query_block and key_block between two options types.
+/// runtime_options, and the attention kernel's: kernel, query_block, key_block.
 template <class To, class From>
-To& copy_kernel_options(To& to, const From& from) {
-  return to.kernel(from.kernel()).query_block(from.query_block()).key_block(from.key_block());
+To attention_options(const From& from, std::uint64_t seed_offset = 0) {
+  To to = runtime_options<To>(from, seed_offset);
+  to.kernel(from.kernel()).query_block(from.query_block()).key_block(from.key_block());
+  return to;
 }
 
 /// "<layer> needs embed_dim > 0 and num_heads > 0 dividing it": the check of every attention layer.

@@ -14,7 +14,8 @@ Policy:
 * Tensors computed by torch (each family declares them; for mha: ``output``, ``weights``; for c2f:
   ``output``, ``coarse_input``, ``coarse_output``; for conv1d: ``output``; for hmha: ``output_l1``,
   ``output_l2``, ``output_l3``, ``output_all``, ``q``, ``k``, ``v``; for sparse: ``output``,
-  ``mha_output``) may differ in the last bits across CPUs/BLAS builds, and must satisfy
+  ``mha_output``; for c2f2d: ``output``, ``coarse_input``, ``coarse_output``) may differ in the last
+  bits across CPUs/BLAS builds, and must satisfy
   |new - committed| <= atol + rtol * |committed| with atol = rtol = 1e-6 for F32 and 1e-12 for F64;
   NaN and +-inf positions must be identical.
 * Independently of torch, every mha fixture is also checked against a small float64 numpy
@@ -34,6 +35,10 @@ Policy:
   also against the mha family's numpy attention) within the same tolerances; the selection margin
   recomputed from the stored values must be >= 1e-3 (relative), and the metadata must agree with the
   tensors (names, dtypes, shapes, ``num_chunks``, ``covers_all``, ``key_padding_mask``, ``empty_rows``).
+* Every c2f2d fixture (C2FAttention2D and its ViT pyramid) is cross-checked (same tolerances) against
+  float64 numpy loops: block token lists enumerated from the grid coordinates, the relative position bias
+  looked up from the block coordinates, one softmax per list, the pyramid's 2 x 2 merging per window;
+  shapes, block counts and the bias table's presence and shape are checked against the metadata.
 * ``--determinism`` additionally generates twice and requires byte-identical files.
 """
 
@@ -714,8 +719,146 @@ def crosscheck_sparse(np, st, committed_dir, report):
                     f"required >= {SPARSE_MARGIN_REL:g}")
 
 
+# --- independent numpy reference for the c2f2d family ----------------------------------------------
+
+def _ceil_div(n, k):
+    return -(-n // k)
+
+
+def c2f2d_layer_loops(np, f, x, H, W, bh, bw, gh, gw, heads, pre, bias):
+    """float64 C2FAttention2D by explicit loops: each block's token list is enumerated from the grid
+    coordinates; the coarse bias is looked up from the block coordinates; every softmax is taken over a
+    list. x [B, H*W, d]. Returns (output, coarse_input, coarse_output)."""
+    B, _, d = x.shape
+    dh = d // heads
+    Mh, Mw = _ceil_div(H, bh), _ceil_div(W, bw)
+    coords = [(r, c) for r in range(Mh) for c in range(Mw)]  # block n = r*Mw + c
+    members = [[y * W + xx for y in range(r * bh, min((r + 1) * bh, H)) for xx in range(c * bw, min((c + 1) * bw, W))]
+               for r, c in coords]
+
+    def lin(v, p):
+        return v @ f(pre + p + ".weight").T + f(pre + p + ".bias")
+
+    def softmax(s):
+        e = np.exp(s - s.max())
+        return e / e.sum()
+
+    cin = np.zeros((B, len(coords), d))
+    for bi in range(B):
+        for n, toks in enumerate(members):
+            for t in toks:
+                cin[bi, n] += x[bi, t]
+            cin[bi, n] /= len(toks)
+    qkv = lin(cin, "coarse_attn.qkv_proj")
+    o = np.zeros((B, len(coords), d))
+    table = f(pre + "coarse_attn.relative_position_bias_table") if bias else None
+    for bi in range(B):
+        for h in range(heads):
+            s_ = slice(h * dh, (h + 1) * dh)
+            for n, (r, c) in enumerate(coords):
+                scores = np.zeros(len(coords))
+                for n2, (r2, c2) in enumerate(coords):
+                    scores[n2] = qkv[bi, n, s_] @ qkv[bi, n2, d:2 * d][s_] / np.sqrt(dh)
+                    if bias:
+                        scores[n2] += table[(r - r2 + gh - 1) * (2 * gw - 1) + (c - c2 + gw - 1), h]
+                p = softmax(scores)
+                for n2 in range(len(coords)):
+                    o[bi, n, s_] += p[n2] * qkv[bi, n2, 2 * d:][s_]
+    ctx = lin(o, "coarse_attn.out_proj")
+    q = lin(ctx, "fine_attn.q_proj")
+    out = np.zeros_like(x)
+    for bi in range(B):
+        for n, toks in enumerate(members):
+            kv = lin(np.stack([x[bi, t] for t in toks]), "fine_attn.kv_proj")
+            oh = np.zeros(d)
+            for h in range(heads):
+                s_ = slice(h * dh, (h + 1) * dh)
+                p = softmax(np.array([q[bi, n, s_] @ kv[j, :d][s_] / np.sqrt(dh) for j in range(len(toks))]))
+                for j in range(len(toks)):
+                    oh[s_] += p[j] * kv[j, d:][s_]
+            row = lin(oh, "fine_attn.out_proj")
+            for t in toks:
+                out[bi, t] = row
+    return out, cin, ctx
+
+
+def c2f2d_loops(np, t, md):
+    """name -> float64 array for a c2f2d fixture: C2FAttention2D, or the pyramid stage by stage with the
+    2 x 2 patch merging written as a loop over the windows."""
+    f = lambda name: t[name].astype(np.float64)  # noqa: E731
+    heads, bias = int(md["num_heads"]), md["relative_position_bias"] == "true"
+    H, W = int(md["height"]), int(md["width"])
+    x = f("x")
+    if md["module"] == "c2f2d":
+        out, cin, ctx = c2f2d_layer_loops(np, f, x, H, W, int(md["block_h"]), int(md["block_w"]),
+                                          int(md["max_blocks_h"]), int(md["max_blocks_w"]), heads, "c2f2d.", bias)
+        return {"output": out, "coarse_input": cin, "coarse_output": ctx}
+    B, _, d = x.shape
+    for i, stage in enumerate(md["stages"].split(",")):
+        grid, block, gmax = stage.split(":")
+        if i > 0:
+            H2, W2 = _ceil_div(H, 2), _ceil_div(W, 2)
+            merged = np.zeros((B, H2 * W2, d))
+            for y2 in range(H2):
+                for x2 in range(W2):
+                    win = [y * W + xx for y in range(2 * y2, min(2 * y2 + 2, H)) for xx in range(2 * x2, min(2 * x2 + 2, W))]
+                    merged[:, y2 * W2 + x2] = sum(x[:, k] for k in win) / len(win)
+            x, H, W = merged, H2, W2
+        if grid != f"{H}x{W}":
+            raise ValueError(f"stage {i} metadata says grid {grid}, the loops reach {H}x{W}")
+        (bh, bw), (gh, gw) = (int(v) for v in block.split("x")), (int(v) for v in gmax.split("x"))
+        y, _, _ = c2f2d_layer_loops(np, f, x, H, W, bh, bw, gh, gw, heads, f"pyramid.stages.{i}.", bias)
+        x = x + y
+    return {"output": x}
+
+
+def _c2f2d_contract(np, t, md, rel, report):
+    """Tensor shapes and the table's presence against the metadata; the block grid fits the table."""
+    B, d, heads = int(md["batch"]), int(md["embed_dim"]), int(md["num_heads"])
+    H, W, bias = int(md["height"]), int(md["width"]), md["relative_position_bias"] == "true"
+    shapes = {"x": (B, H * W, d)}
+    if md["module"] == "c2f2d":
+        layers = [("c2f2d.", int(md["max_blocks_h"]), int(md["max_blocks_w"]))]
+        bh, bw = int(md["block_h"]), int(md["block_w"])
+        mh, mw = _ceil_div(H, bh), _ceil_div(W, bw)
+        if (str(mh), str(mw)) != (md["blocks_h"], md["blocks_w"]) or mh > layers[0][1] or mw > layers[0][2]:
+            report.error(f"{rel}: blocks {md['blocks_h']} x {md['blocks_w']} (computed {mh} x {mw}) vs max "
+                         f"{layers[0][1]} x {layers[0][2]}")
+        shapes.update(output=(B, H * W, d), coarse_input=(B, mh * mw, d), coarse_output=(B, mh * mw, d))
+    else:
+        stages = md["stages"].split(",")
+        layers = [(f"pyramid.stages.{i}.", *(int(v) for v in s.split(":")[2].split("x"))) for i, s in enumerate(stages)]
+        shapes["output"] = (B, int(md["out_height"]) * int(md["out_width"]), d)
+    for pre, gh, gw in layers:
+        key = pre + "coarse_attn.relative_position_bias_table"
+        if bias != (key in t):
+            report.error(f"{rel}: relative_position_bias={md['relative_position_bias']} but '{key}' "
+                         f"{'present' if key in t else 'absent'}")
+        elif bias:
+            shapes[key] = ((2 * gh - 1) * (2 * gw - 1), heads)
+    for name, shape in shapes.items():
+        if name not in t:
+            report.error(f"{rel}: tensor '{name}' missing")
+        elif t[name].shape != shape:
+            report.error(f"{rel}: {name} has shape {list(t[name].shape)}, expected {list(shape)}")
+            return False
+    return True
+
+
+def crosscheck_c2f2d(np, st, committed_dir, report):
+    for rel, raw, md in family_files(st, committed_dir, "c2f2d"):
+        t = {k: st.to_numpy(v) for k, v in raw.items()}
+        dtype = raw["x"].dtype
+        tol = CROSSCHECK_TOLERANCE[dtype]
+        if not _c2f2d_contract(np, t, md, rel, report):
+            continue
+        for name, ref in c2f2d_loops(np, t, md).items():
+            compare_values(np, ref, t[name], dtype, tol, tol, f"{rel}:{name} vs numpy reference", report,
+                           stat_key=f"numpy-reference {dtype}")
+
+
 CROSSCHECKS = {"mha": crosscheck_mha, "c2f": crosscheck_c2f, "conv1d": crosscheck_conv1d,
-               "hmha": crosscheck_hmha, "sparse": crosscheck_sparse}
+               "hmha": crosscheck_hmha, "sparse": crosscheck_sparse, "c2f2d": crosscheck_c2f2d}
 
 
 def main(argv=None):

@@ -44,6 +44,7 @@ sys.dont_write_bytecode = True  # keep __pycache__ out of the source tree
 sys.path.insert(0, str(HERE))
 import safetensors_io as st  # noqa: E402
 import c2f_reference as c2f_ref  # noqa: E402
+import c2f2d_reference as c2f2d_ref  # noqa: E402
 import hmha_reference as hmha_ref  # noqa: E402
 import sparse_reference as sparse_ref  # noqa: E402
 
@@ -1349,6 +1350,168 @@ def gen_sparse(family_dir: Path) -> List[dict]:
 
 
 # =====================================================================================================
+# Family "c2f2d": two-dimensional coarse-to-fine attention (seed 004's ViT extension) and a pyramid
+# =====================================================================================================
+
+C2F2D_TABLE_STD = 0.5  # fixture bias tables ~ N(0, 0.5^2): large enough that a wrong table entry shows
+
+
+@dataclass(frozen=True)
+class C2f2dCase:
+    name: str
+    seed: int
+    description: str
+    height: int
+    width: int
+    block_h: int = 0  # c2f2d; the pyramid's blocks are in `stages`
+    block_w: int = 0
+    max_blocks: Tuple[int, int] = (0, 0)  # (Gh, Gw); (0, 0) = the block grid's own (Mh, Mw)
+    bias: bool = True
+    module: str = "c2f2d"  # "c2f2d" (C2FAttention2D) | "pyramid" (ViTPyramid)
+    stages: Tuple[Tuple[int, int, int, int], ...] = ()  # pyramid: (block_h, block_w, Gh, Gw) per stage
+    d_model: int = 16
+    n_heads: int = 4
+    batch: int = 2
+
+    @property
+    def blocks(self) -> Tuple[int, int]:
+        return c2f2d_ref.num_blocks(self.height, self.block_h), c2f2d_ref.num_blocks(self.width, self.block_w)
+
+    @property
+    def gmax(self) -> Tuple[int, int]:
+        return self.max_blocks if self.max_blocks != (0, 0) else self.blocks
+
+
+def _c2f2d(name, seed, what, H, W, bh, bw, max_blocks=(0, 0)):
+    """The case with the bias and its twin without (seed + 1)."""
+    return [C2f2dCase(name, seed, f"C2FAttention2D, {what}, relative position bias", H, W, bh, bw, max_blocks),
+            C2f2dCase(name + "_nobias", seed + 1, f"C2FAttention2D, {what}, no bias", H, W, bh, bw, max_blocks,
+                      bias=False)]
+
+
+C2F2D_CASES: List[C2f2dCase] = [
+    *_c2f2d("c2f2d_1x1_b2x2", 14001, "a 1 x 1 grid in blocks of 2 x 2: one partial block", 1, 1, 2, 2),
+    *_c2f2d("c2f2d_1x37_b1x8", 14011, "a 1 x 37 grid in blocks of 1 x 8 (one row: the 1-D layer, last block 5)",
+            1, 37, 1, 8),
+    *_c2f2d("c2f2d_7x5_b2x3", 14021, "a 7 x 5 grid in blocks of 2 x 3: partial on both edges, table 4 x 3 > grid 4 x 2",
+            7, 5, 2, 3, (4, 3)),
+    *_c2f2d("c2f2d_16x16_b4x4", 14031, "a 16 x 16 grid in blocks of 4 x 4: 4 x 4 full blocks", 16, 16, 4, 4),
+    *_c2f2d("c2f2d_9x13_b4x4", 14041, "a 9 x 13 grid in blocks of 4 x 4: 3 x 4 blocks, table 5 x 6",
+            9, 13, 4, 4, (5, 6)),
+    C2f2dCase("pyramid_14x18", 14101,
+              "ViTPyramid: 14 x 18 grid, stages with blocks 2 x 2, 3 x 3, 4 x 4 and 2 x 2 patch merging "
+              "(14 x 18 -> 7 x 9 -> 4 x 5, partial merge windows)",
+              14, 18, module="pyramid", stages=((2, 2, 7, 9), (3, 3, 3, 3), (4, 4, 1, 2))),
+]
+
+
+def _c2f2d_layer_parameters(rs, d: int, heads: int, gmax: Tuple[int, int], bias: bool, pre: str) -> Dict[str, np.ndarray]:
+    """float64 values for one C2FAttention2D state_dict (keys under `pre`)."""
+    p = {pre + "coarse_attn.qkv_proj.weight": np.concatenate([glorot_uniform(rs, d, d) for _ in range(3)], axis=0),
+         pre + "coarse_attn.qkv_proj.bias": bias_uniform(rs, 3 * d),
+         pre + "coarse_attn.out_proj.weight": glorot_uniform(rs, d, d),
+         pre + "coarse_attn.out_proj.bias": bias_uniform(rs, d)}
+    if bias:
+        entries = (2 * gmax[0] - 1) * (2 * gmax[1] - 1)
+        p[pre + "coarse_attn.relative_position_bias_table"] = C2F2D_TABLE_STD * rs.standard_normal(size=(entries, heads))
+    p.update({pre + "fine_attn.q_proj.weight": glorot_uniform(rs, d, d),
+              pre + "fine_attn.q_proj.bias": bias_uniform(rs, d),
+              pre + "fine_attn.kv_proj.weight": np.concatenate([glorot_uniform(rs, d, d) for _ in range(2)], axis=0),
+              pre + "fine_attn.kv_proj.bias": bias_uniform(rs, 2 * d),
+              pre + "fine_attn.out_proj.weight": glorot_uniform(rs, d, d),
+              pre + "fine_attn.out_proj.bias": bias_uniform(rs, d)})
+    return p
+
+
+def _c2f2d_parameters(c: C2f2dCase) -> Dict[str, np.ndarray]:
+    rs = stream(c.seed, "weights")
+    if c.module == "c2f2d":
+        return _c2f2d_layer_parameters(rs, c.d_model, c.n_heads, c.gmax, c.bias, "")
+    p = {}
+    for i, (_, _, gh, gw) in enumerate(c.stages):
+        p.update(_c2f2d_layer_parameters(rs, c.d_model, c.n_heads, (gh, gw), c.bias, f"stages.{i}."))
+    return p
+
+
+def _c2f2d_module(c: C2f2dCase):
+    if c.module == "c2f2d":
+        return c2f2d_ref.C2FAttention2D(c.d_model, c.n_heads, c.block_h, c.block_w, *c.gmax, relative_position_bias=c.bias)
+    return c2f2d_ref.ViTPyramid(c.d_model, c.n_heads, c.stages, relative_position_bias=c.bias)
+
+
+def _c2f2d_h1_equivalence(c: C2f2dCase, params, x: np.ndarray) -> None:
+    """One grid row without the bias is seed 004's 1-D C2FAttention with chunk_size = block_w (float64)."""
+    one_d = c2f_ref.C2FAttention(c.d_model, c.n_heads, chunk_size=c.block_w).double()
+    _load_exactly(one_d, params, np.float64, c.name)
+    two_d = _c2f2d_module(c).double()
+    _load_exactly(two_d, params, np.float64, c.name)
+    with torch.no_grad():
+        t = torch.from_numpy(x)
+        diff = (one_d(t) - two_d(t, c.height, c.width)).abs().max().item()
+    if diff > 1e-12:
+        raise RuntimeError(f"{c.name}: H = 1 without bias differs from C2FAttention by {diff}")
+
+
+def _c2f2d_case_files(family_dir: Path, c: C2f2dCase) -> dict:
+    if c.module not in ("c2f2d", "pyramid") or (c.module == "pyramid") != bool(c.stages):
+        raise ValueError(f"{c.name}: module {c.module!r} and stages {c.stages} do not fit")
+    B, H, W, d = c.batch, c.height, c.width, c.d_model
+    params = _c2f2d_parameters(c)
+    x = stream(c.seed, "inputs").standard_normal(size=(B, H * W, d))
+    if c.module == "c2f2d" and H == 1 and not c.bias:
+        _c2f2d_h1_equivalence(c, params, x)
+
+    meta = {"module": c.module, "embed_dim": str(d), "num_heads": str(c.n_heads), "batch": str(B),
+            "height": str(H), "width": str(W), "relative_position_bias": b(c.bias)}
+    if c.module == "c2f2d":
+        (mh, mw), (gh, gw) = c.blocks, c.gmax
+        if mh > gh or mw > gw:
+            raise ValueError(f"{c.name}: {mh} x {mw} blocks exceed max_blocks {gh} x {gw}")
+        meta.update(block_h=str(c.block_h), block_w=str(c.block_w), blocks_h=str(mh), blocks_w=str(mw),
+                    max_blocks_h=str(gh), max_blocks_w=str(gw))
+    else:
+        grids, h, w = c2f2d_ref.pyramid_metadata(H, W, c.stages)
+        meta.update(num_stages=str(len(c.stages)), stages=grids, out_height=str(h), out_width=str(w))
+    meta.update(seed=str(c.seed), torch_version=torch_version(), description=c.description)
+
+    files = {}
+    for tag, (np_dt, t_dt) in DTYPES.items():
+        mod = _c2f2d_module(c)
+        if t_dt == torch.float64:
+            mod = mod.double()
+        _load_exactly(mod, params, np_dt, c.name)
+        with torch.no_grad():
+            t = torch.from_numpy(x.astype(np_dt))
+            if c.module == "c2f2d":
+                out = to_numpy(mod(t, H, W))
+                extra = {"coarse_input": to_numpy(mod.coarse_input), "coarse_output": to_numpy(mod.coarse_output)}
+            else:
+                y, h, w = mod(t, H, W)
+                out, extra = to_numpy(y), {}
+                if (str(h), str(w)) != (meta["out_height"], meta["out_width"]):
+                    raise RuntimeError(f"{c.name}: pyramid ends on {h} x {w}")
+        if not np.isfinite(out).all():
+            raise RuntimeError(f"{c.name}/{tag}: output not finite")
+        prefix = f"{c.module}."
+        tensors = {prefix + k: v.astype(np_dt) for k, v in params.items()}
+        tensors.update(x=x.astype(np_dt), output=out, **extra)
+        _check_dtypes(c.name, tensors, np_dt)
+        files[tag] = write_case(family_dir, c.name, tag, tensors, meta)
+    return {"name": c.name, "files": files, **{k: meta[k] for k in sorted(meta)}}
+
+
+@register_family(
+    "c2f2d", computed=("output", "coarse_input", "coarse_output"),
+    description="two-dimensional coarse-to-fine attention (seed 004's ViT extension) with Swin's relative "
+                "position bias, and a ViT feature pyramid of it (c2f2d_reference.py)")
+def gen_c2f2d(family_dir: Path) -> List[dict]:
+    names = [c.name for c in C2F2D_CASES]
+    if len(set(names)) != len(names) or len({c.seed for c in C2F2D_CASES}) != len(C2F2D_CASES):
+        raise RuntimeError("c2f2d case names and seeds must be unique")
+    return [_c2f2d_case_files(family_dir, c) for c in C2F2D_CASES]
+
+
+# =====================================================================================================
 # Driver
 # =====================================================================================================
 
@@ -1393,6 +1556,8 @@ def main(argv=None) -> int:
             print(f"  hmha/{c.name}: {c.description}")
         for c in SPARSE_CASES:
             print(f"  sparse/{c.name}: {c.description}")
+        for c in C2F2D_CASES:
+            print(f"  c2f2d/{c.name}: {c.description}")
         return 0
     generate(args.out, args.family, verbose=not args.quiet)
     return 0

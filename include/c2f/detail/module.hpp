@@ -30,6 +30,13 @@ class Module {
     Derived::children(static_cast<const Derived&>(*this),
                       [&](const char* child, const auto& module) { module.save(sd, name + child); });
   }
+  /// Sets `own`, the layer's options, to n worker threads and every child too.
+  template <class Options>
+  void set_num_threads_of(Options& own, int n) {
+    own.num_threads(n);
+    Derived::children(static_cast<Derived&>(*this), [&](const char*, auto& module) { module.set_num_threads(n); });
+  }
+
   /// Initialises child i (in the order children() names them) afresh from seed + i.
   void reset_parameters(std::uint64_t seed) {
     std::uint64_t i = 0;

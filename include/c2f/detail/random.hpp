@@ -51,6 +51,19 @@ void fill_normal(Eigen::MatrixBase<Derived>& m, Rng& rng, double stddev) {
   }
 }
 
+/// torch.nn.init.trunc_normal_(w, mean=0, std, a, b): N(0, std²) redrawn until inside [a, b] (a and b are
+/// absolute values, as in torch; Swin's trunc_normal_(std=.02) keeps torch's default a = −2, b = 2).
+template <class Derived>
+void trunc_normal(Eigen::MatrixBase<Derived>& m, Rng& rng, double stddev, double a, double b) {
+  for (Index i = 0; i < m.rows(); ++i) {
+    for (Index j = 0; j < m.cols(); ++j) {
+      double v = stddev * rng.normal();
+      while (v < a || v > b) v = stddev * rng.normal();
+      m(i, j) = static_cast<typename Derived::Scalar>(v);
+    }
+  }
+}
+
 /// torch.nn.init.xavier_uniform_ on a [fan_out, fan_in] weight: U(±sqrt(6 / (fan_in + fan_out))).
 template <class Derived>
 void xavier_uniform(Eigen::MatrixBase<Derived>& w, Rng& rng) {

@@ -36,18 +36,28 @@ void exp_shifted(Row&& row, Scalar shift) {
 
 /// Normalised softmax of `row` in place. A row whose every entry is −inf (no visible key) becomes all
 /// zeros and the function returns false; NaN counts as visible, so it propagates instead of vanishing.
+/// `max_out` and `sum_out`, when given, receive the shift (the row's max) and the sum of the shifted
+/// exponentials — what a later merge with another part of the same softmax needs (−inf and 0 when
+/// nothing is visible).
 template <class Row>
-bool softmax_row(Row&& row) {
+bool softmax_row(Row&& row, typename std::decay_t<Row>::Scalar* max_out = nullptr,
+                 typename std::decay_t<Row>::Scalar* sum_out = nullptr) {
   using Scalar = typename std::decay_t<Row>::Scalar;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   bool any_visible = false;
   for (Index j = 0; j < row.size(); ++j) any_visible = any_visible || !(row(j) == kNegInf);
   if (!any_visible) {
     row.setZero();
+    if (max_out != nullptr) *max_out = kNegInf;
+    if (sum_out != nullptr) *sum_out = Scalar(0);
     return false;
   }
-  exp_shifted(row, row.maxCoeff());
-  row /= row.sum();
+  const Scalar max = row.maxCoeff();
+  exp_shifted(row, max);
+  const Scalar sum = row.sum();
+  row /= sum;
+  if (max_out != nullptr) *max_out = max;
+  if (sum_out != nullptr) *sum_out = sum;
   return true;
 }
 

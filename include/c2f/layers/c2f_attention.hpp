@@ -62,7 +62,8 @@ class CoarseAttention : public detail::Module<CoarseAttention<Scalar>> {
 
   CoarseAttention(Index embed_dim, Index num_heads) : CoarseAttention(embed_dim, num_heads, Options()) {}
   CoarseAttention(Index embed_dim, Index num_heads, Options options)
-      : options_(options), mha_(embed_dim, num_heads, mha_options(options)) {}
+      : options_(options),
+        mha_(embed_dim, num_heads, detail::attention_options<typename MultiHeadAttention<Scalar>::Options>(options)) {}
 
   Index embed_dim() const { return mha_.embed_dim(); }
   Index num_heads() const { return mha_.num_heads(); }
@@ -95,12 +96,6 @@ class CoarseAttention : public detail::Module<CoarseAttention<Scalar>> {
   }
 
  private:
-  static typename MultiHeadAttention<Scalar>::Options mha_options(const Options& o) {
-    typename MultiHeadAttention<Scalar>::Options m;
-    detail::copy_runtime_options(m, o);
-    return detail::copy_kernel_options(m, o);
-  }
-
   Options options_;
   MultiHeadAttention<Scalar> mha_;
 };
@@ -141,10 +136,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   Index embed_dim() const { return d_; }
   Index num_heads() const { return heads_; }
   Index head_dim() const { return d_ / heads_; }
-  void set_num_threads(int n) {
-    options_.num_threads(n);
-    for (Linear<Scalar>* l : {&q_proj_, &kv_proj_, &out_proj_}) l->set_num_threads(n);
-  }
+  void set_num_threads(int n) { this->set_num_threads_of(options_, n); }
   void set_fine_path(FinePath path) { options_.fine_path(path); }
   const Options& options() const { return options_; }
 
@@ -222,9 +214,29 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     if (options_.fine_path() == FinePath::General || !rows_equal) {
       forward_general(x, grid, q, plan, out);
     } else {
-      forward_folded(x, grid, q, plan, out);
+      forward_folded(x.rows(), grid, q, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, out);
     }
     return y;
+  }
+
+  /// The folded fine stage, without a mask, on any block grid of c2f/kernels/chunk.hpp (a ChunkGrid, a
+  /// kernels::BlockGrid2D, ...): tokens x [rows, embed_dim], coarse_context [blocks, embed_dim] (one row
+  /// per block) → out [rows, embed_dim], where every real token of block c gets block c's output row. x is
+  /// read in place, block by block; rows of `out` that belong to no block are left as they are.
+  template <class Grid>
+  void forward_blocks(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
+                      const Eigen::Ref<const RowMatrix<Scalar>>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out) const {
+    if (x.cols() != d_ || out.cols() != d_ || out.rows() != x.rows() || coarse_context.rows() != grid.blocks() ||
+        coarse_context.cols() != d_) {
+      detail::fail("FineAttention: forward_blocks needs x [rows, embed_dim=", d_, "], coarse_context [blocks=",
+                   grid.blocks(), ", ", d_, "] and out of x's shape, got x ", detail::shape_string({x.rows(), x.cols()}),
+                   ", coarse_context ", detail::shape_string({coarse_context.rows(), coarse_context.cols()}), " and out ",
+                   detail::shape_string({out.rows(), out.cols()}));
+    }
+    if (grid.blocks() == 0) return;
+    RowMatrix<Scalar> q(grid.blocks(), d_);
+    q_proj_.forward_rows(coarse_context, q);
+    forward_folded(x, grid, q, [](Index, Index, Index) { return Scalar(0); }, out);
   }
 
   /// Working memory (bytes) of forward_chunked on the folded path, besides the output: q, the folded
@@ -237,7 +249,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
  private:
   static typename Linear<Scalar>::Options linear_options(const Options& o) {
-    return typename Linear<Scalar>::Options().num_threads(o.num_threads());
+    return detail::runtime_options<typename Linear<Scalar>::Options>(o);
   }
 
   /// True when, in every chunk and head, each real query row of the mask equals row 0 on the real keys.
@@ -255,10 +267,12 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     return true;
   }
 
-  /// One attention row per chunk; kv_proj folded into the query (keys) and the pooled tokens (values).
-  void forward_folded(const ConstTensor3Ref<Scalar>& x, const kernels::ChunkGrid& grid, const RowMatrix<Scalar>& q,
-                      const MaskView<Scalar>& plan, Eigen::Map<RowMatrix<Scalar>>& out) const {
-    const Index chunks = grid.chunks(), dk = head_dim();
+  /// One attention row per block; kv_proj folded into the query (keys) and the pooled tokens (values).
+  /// `bias(c, h, j)`: what is added to the score of token j of block c for head h (0, a value or -inf).
+  template <class Grid, class Bias>
+  void forward_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, const RowMatrix<Scalar>& q,
+                      const Bias& bias, Eigen::Ref<RowMatrix<Scalar>> out) const {
+    const Index chunks = grid.blocks(), dk = head_dim();
     const int threads = options_.num_threads();
     const Scalar scale = kernels::default_scale<Scalar>(dk);
     const typename RowMatrix<Scalar>::ConstRowsBlockXpr wk = kv_proj_.weight().topRows(d_), wv = kv_proj_.weight().bottomRows(d_);
@@ -270,9 +284,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                                    qk.middleCols(h * d_, d_), threads);
     }
     RowMatrix<Scalar> pooled(chunks, heads_ * d_), mass(chunks, heads_);
-    kernels::fine_attention_folded<Scalar>(
-        x.rows(), grid, qk, heads_, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, pooled, mass,
-        threads);
+    kernels::fine_attention_folded<Scalar>(x, grid, qk, heads_, bias, pooled, mass, threads);
 
     // o[c, h·dk:(h+1)·dk] = pooled[c, h] W_v,hᵀ + mass[c, h] b_v,h
     RowMatrix<Scalar> o(chunks, d_), chunk_out(chunks, d_);
@@ -345,8 +357,8 @@ class C2FAttention : public detail::Module<C2FAttention<Scalar>> {
   C2FAttention(Index embed_dim, Index num_heads, Index chunk_size, Options options)
       : chunk_(chunk_size),
         options_(options),
-        coarse_(embed_dim, num_heads, coarse_options(options)),
-        fine_(embed_dim, num_heads, fine_options(options)) {
+        coarse_(embed_dim, num_heads, detail::attention_options<typename CoarseAttention<Scalar>::Options>(options)),
+        fine_(embed_dim, num_heads, Options(options).seed(options.seed() + 1)) {
     if (chunk_size < 1) detail::fail("C2FAttention: chunk_size must be >= 1, got ", chunk_size);
   }
 
@@ -357,11 +369,7 @@ class C2FAttention : public detail::Module<C2FAttention<Scalar>> {
   const Options& options() const { return options_; }
   const CoarseAttention<Scalar>& coarse_attn() const { return coarse_; }
   const FineAttention<Scalar>& fine_attn() const { return fine_; }
-  void set_num_threads(int n) {
-    options_.num_threads(n);
-    coarse_.set_num_threads(n);
-    fine_.set_num_threads(n);
-  }
+  void set_num_threads(int n) { this->set_num_threads_of(options_, n); }
   void set_fine_path(FinePath path) {
     options_.fine_path(path);
     fine_.set_fine_path(path);
@@ -395,17 +403,6 @@ class C2FAttention : public detail::Module<C2FAttention<Scalar>> {
   }
 
  private:
-  static typename CoarseAttention<Scalar>::Options coarse_options(const Options& o) {
-    typename CoarseAttention<Scalar>::Options c;
-    detail::copy_runtime_options(c, o);
-    return detail::copy_kernel_options(c, o);
-  }
-  static typename FineAttention<Scalar>::Options fine_options(const Options& o) {
-    typename FineAttention<Scalar>::Options f;
-    detail::copy_runtime_options(f, o).seed(o.seed() + 1);
-    return detail::copy_kernel_options(f, o).fine_path(o.fine_path());
-  }
-
   Index chunk_;
   Options options_;
   CoarseAttention<Scalar> coarse_;

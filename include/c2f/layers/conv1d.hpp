@@ -127,11 +127,7 @@ class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
   Index num_heads() const { return num_heads_; }
   const Options& options() const { return options_; }
   bool causal() const { return options_.causal(); }
-  void set_num_threads(int n) {
-    options_.num_threads(n);
-    conv3_.set_num_threads(n);
-    conv2_.set_num_threads(n);
-  }
+  void set_num_threads(int n) { this->set_num_threads_of(options_, n); }
   /// 3·E·(E/2) + E/2 + E·(E − E/2) + (E − E/2).
   Index parameter_count() const { return conv3_.parameter_count() + conv2_.parameter_count(); }
 
@@ -161,9 +157,9 @@ class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
  private:
   /// Causal: every convolution pads kernel_size − 1 on the left only (a no-op for conv2's k = 1).
   static typename Conv1d<Scalar>::Options conv_options(const Options& o, Index padding, std::uint64_t seed_offset) {
-    typename Conv1d<Scalar>::Options c;
-    c.padding(o.causal() ? 0 : padding).causal(o.causal());
-    return detail::copy_runtime_options(c, o).seed(o.seed() + seed_offset);
+    return detail::runtime_options<typename Conv1d<Scalar>::Options>(o, seed_offset)
+        .padding(o.causal() ? 0 : padding)
+        .causal(o.causal());
   }
 
   Index embed_dim_;

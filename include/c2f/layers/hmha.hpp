@@ -44,7 +44,7 @@ struct HMHALevels {
 };
 
 template <class Scalar>
-class HMHA : public detail::Module<HMHA<Scalar>> {
+class HMHA : public detail::DecodingModule<HMHA<Scalar>, Scalar> {
  public:
   /// seed: PyTorch's Conv1d / Linear default init.
   class Options : public RuntimeOptions<Options> {
@@ -75,11 +75,7 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
   const Options& options() const { return options_; }
   bool causal() const { return options_.causal(); }
   void set_levels(HMHALevels levels) { options_.levels(levels); }
-  void set_num_threads(int n) {
-    options_.num_threads(n);
-    for (C3K2Projection<Scalar>* p : {&q_proj_, &k_proj_, &v_proj_}) p->set_num_threads(n);
-    out_proj_.set_num_threads(n);
-  }
+  void set_num_threads(int n) { this->set_num_threads_of(options_, n); }
   const C3K2Projection<Scalar>& q_proj() const { return q_proj_; }
   const C3K2Projection<Scalar>& k_proj() const { return k_proj_; }
   const C3K2Projection<Scalar>& v_proj() const { return v_proj_; }
@@ -98,48 +94,23 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
   /// level 1 reads the current window's, level 3 the log-spaced ones, and a position stays reachable at
   /// every later power-of-two distance — and the key and value means of every complete window (level 2).
   template <class Cache = Scalar>
-  class DecodeStateOf {
+  class DecodeStateOf : public DecodeStateBase<Cache> {
    public:
-    Index batch() const { return cache_.batch(); }
-    Index length() const { return cache_.length(); }
     std::size_t memory_bytes() const {
-      return cache_.memory_bytes() + windows_.memory_bytes() + sizeof(Scalar) * static_cast<std::size_t>(tail_.size());
+      return this->cache_.memory_bytes() + windows_.memory_bytes() +
+             sizeof(Scalar) * static_cast<std::size_t>(tail_.size());
     }
-    const KVCache<Cache>& cache() const { return cache_; }
 
    private:
     friend class HMHA;
     DecodeStateOf(Index batch, Index embed_dim, Index window)
-        : cache_(batch, embed_dim),
+        : DecodeStateBase<Cache>(batch, embed_dim),
           windows_(batch, embed_dim, window, /*values=*/true),
           tail_(RowMatrix<Scalar>::Zero(2 * batch, embed_dim)) {}
-    KVCache<Cache> cache_;
     ChunkSummaries<Scalar> windows_;
     RowMatrix<Scalar> tail_;  ///< inputs T − 2, T − 1 of batch item b at rows 2b, 2b + 1 (zeros before the start)
   };
   using DecodeState = DecodeStateOf<Scalar>;
-
-  /// An empty state for `batch` sequences, with room for `reserve` tokens each.
-  template <class Cache = Scalar>
-  DecodeStateOf<Cache> new_decode_state(Index batch, Index reserve = 0) const {
-    if (batch < 0 || reserve < 0) detail::fail("HMHA: batch and reserve must be >= 0");
-    DecodeStateOf<Cache> state(batch, embed_dim_, window_);
-    state.cache_.reserve(reserve);
-    return state;
-  }
-
-  /// Appends x_new [B, n, E] and returns their outputs [B, n, E]: the rows the causal forward() over every
-  /// token so far gives them, however the tokens were split into calls. The layer must be causal.
-  template <class Cache>
-  Tensor3<Scalar> decode(ConstTensor3Ref<Scalar> x_new, DecodeStateOf<Cache>& state) const {
-    return run_decode(x_new, state, x_new.seq());
-  }
-
-  /// Appends x [B, n, E] and returns only the last token's output [B, 1, E].
-  template <class Cache>
-  Tensor3<Scalar> prefill(ConstTensor3Ref<Scalar> x, DecodeStateOf<Cache>& state) const {
-    return run_decode(x, state, std::min<Index>(1, x.seq()));
-  }
 
   /// x [B, L, E] → [B, L, E]. HMHA takes no masks (a non-empty Masks throws).
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
@@ -191,6 +162,12 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
   }
 
  private:
+  friend class detail::Decoder<HMHA, Scalar>;
+  template <class Cache>
+  DecodeStateOf<Cache> make_decode_state(Index batch) const {
+    return DecodeStateOf<Cache>(batch, embed_dim_, window_);
+  }
+
   template <class Cache>
   Tensor3<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
     detail::check_decode("HMHA", options_.causal(), x, state.batch(), embed_dim_);
@@ -241,8 +218,7 @@ class HMHA : public detail::Module<HMHA<Scalar>> {
   }
 
   static typename C3K2Projection<Scalar>::Options projection_options(const Options& o, std::uint64_t seed_offset) {
-    typename C3K2Projection<Scalar>::Options p;
-    return detail::copy_runtime_options(p, o).seed(o.seed() + seed_offset).causal(o.causal());
+    return detail::runtime_options<typename C3K2Projection<Scalar>::Options>(o, seed_offset).causal(o.causal());
   }
 
   Index embed_dim_;

@@ -42,7 +42,7 @@ struct AttnOutput {
 /// combined with any masks given to forward().
 /// forward() is const: one module may serve several threads at once.
 template <class Scalar>
-class MultiHeadAttention : public detail::Module<MultiHeadAttention<Scalar>> {
+class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scalar>, Scalar> {
  public:
   class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
     C2F_ARG(bool, bias) = true;
@@ -191,49 +191,19 @@ class MultiHeadAttention : public detail::Module<MultiHeadAttention<Scalar>> {
     kernels::linear<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads);
   }
 
-  /// Incremental decoding state of a causal layer: the projected keys and values of every token so far,
-  /// stored as `Cache` (Scalar, or Eigen::half / Eigen::bfloat16 to halve the memory; the arithmetic
-  /// stays in Scalar). One state per sequence batch; the layer itself is shared.
+  /// Incremental decoding state of a causal layer (new_decode_state(), decode(), prefill(): see
+  /// detail::Decoder): the projected keys and values of every token so far.
   template <class Cache = Scalar>
-  class DecodeStateOf {
+  class DecodeStateOf : public DecodeStateBase<Cache> {
    public:
-    Index batch() const { return cache_.batch(); }
-    /// Tokens decoded so far (per batch item).
-    Index length() const { return cache_.length(); }
     /// Bytes the state holds.
-    std::size_t memory_bytes() const { return cache_.memory_bytes(); }
-    const KVCache<Cache>& cache() const { return cache_; }
+    std::size_t memory_bytes() const { return this->cache_.memory_bytes(); }
 
    private:
     friend class MultiHeadAttention;
-    DecodeStateOf(Index batch, Index embed_dim) : cache_(batch, embed_dim) {}
-    KVCache<Cache> cache_;
+    using DecodeStateBase<Cache>::DecodeStateBase;
   };
   using DecodeState = DecodeStateOf<Scalar>;
-
-  /// An empty state for `batch` sequences, with room for `reserve` tokens each.
-  template <class Cache = Scalar>
-  DecodeStateOf<Cache> new_decode_state(Index batch, Index reserve = 0) const {
-    if (batch < 0 || reserve < 0) detail::fail("MultiHeadAttention: batch and reserve must be >= 0");
-    DecodeStateOf<Cache> state(batch, embed_dim_);
-    state.cache_.reserve(reserve);
-    return state;
-  }
-
-  /// Appends x_new [B, n, E] (n ≥ 1 tokens of each of the state's B sequences) and returns their
-  /// outputs [B, n, E]: the rows the causal forward() over every token so far gives them, however the
-  /// tokens were split into calls. The layer must be causal (Options::causal).
-  template <class Cache>
-  Tensor3<Scalar> decode(ConstTensor3Ref<Scalar> x_new, DecodeStateOf<Cache>& state) const {
-    return run_decode(x_new, state, x_new.seq());
-  }
-
-  /// Appends x [B, n, E] like decode() but returns only the last token's output [B, 1, E] (a prompt
-  /// whose other outputs are not needed): the attention of the other n − 1 tokens is not computed.
-  template <class Cache>
-  Tensor3<Scalar> prefill(ConstTensor3Ref<Scalar> x, DecodeStateOf<Cache>& state) const {
-    return run_decode(x, state, std::min<Index>(1, x.seq()));
-  }
 
   /// The self-attention in-projection for decoding: kp, vp [B·n, E] of every token of x [B, n, E], and
   /// qp [B·outputs, E] of the last `outputs` tokens of each sequence.
@@ -279,6 +249,12 @@ class MultiHeadAttention : public detail::Module<MultiHeadAttention<Scalar>> {
     return o;
   }
   int threads_for(Index tasks) const { return detail::resolve_threads(options_.num_threads(), tasks); }
+
+  friend class detail::Decoder<MultiHeadAttention, Scalar>;
+  template <class Cache>
+  DecodeStateOf<Cache> make_decode_state(Index batch) const {
+    return DecodeStateOf<Cache>(batch, embed_dim_);
+  }
 
   /// decode()/prefill(): appends the n tokens of x to the state and returns the outputs of the last
   /// `outputs` of them.

@@ -49,7 +49,7 @@ struct SparseAttnOutput {
 };
 
 template <class Scalar>
-class SparseC2FAttention : public detail::Module<SparseC2FAttention<Scalar>> {
+class SparseC2FAttention : public detail::DecodingModule<SparseC2FAttention<Scalar>, Scalar> {
  public:
   /// seed: PyTorch's MultiheadAttention init. The kernel options serve as_multihead_attention().
   class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
@@ -66,7 +66,8 @@ class SparseC2FAttention : public detail::Module<SparseC2FAttention<Scalar>> {
         options_(options),
         gating_(options.gating() == Gating::Auto ? (options.causal() ? Gating::PerToken : Gating::PerChunk)
                                                  : options.gating()),
-        mha_(embed_dim, num_heads, mha_options(options)) {
+        mha_(embed_dim, num_heads,
+             detail::attention_options<typename MultiHeadAttention<Scalar>::Options>(options).bias(options.bias())) {
     if (chunk_size < 1 || top_k < 1) {
       detail::fail("SparseC2FAttention needs chunk_size >= 1 and top_k >= 1, got chunk_size=", chunk_size,
                    ", top_k=", top_k);
@@ -95,10 +96,7 @@ class SparseC2FAttention : public detail::Module<SparseC2FAttention<Scalar>> {
     if (top_k < 1) detail::fail("SparseC2FAttention: top_k must be >= 1, got ", top_k);
     top_k_ = top_k;
   }
-  void set_num_threads(int n) {
-    options_.num_threads(n);
-    mha_.set_num_threads(n);
-  }
+  void set_num_threads(int n) { this->set_num_threads_of(options_, n); }
   /// The same weights as a full MultiHeadAttention (not causal: give it a causal mask to compare with
   /// a causal layer).
   const MultiHeadAttention<Scalar>& as_multihead_attention() const { return mha_; }
@@ -113,43 +111,17 @@ class SparseC2FAttention : public detail::Module<SparseC2FAttention<Scalar>> {
   /// as `Cache`: Scalar, Eigen::half or Eigen::bfloat16) and the mean key of every complete chunk, so a
   /// step scores the complete chunks without re-reading their keys.
   template <class Cache = Scalar>
-  class DecodeStateOf {
+  class DecodeStateOf : public DecodeStateBase<Cache> {
    public:
-    Index batch() const { return cache_.batch(); }
-    Index length() const { return cache_.length(); }
-    std::size_t memory_bytes() const { return cache_.memory_bytes() + means_.memory_bytes(); }
-    const KVCache<Cache>& cache() const { return cache_; }
+    std::size_t memory_bytes() const { return this->cache_.memory_bytes() + means_.memory_bytes(); }
 
    private:
     friend class SparseC2FAttention;
     DecodeStateOf(Index batch, Index embed_dim, Index chunk)
-        : cache_(batch, embed_dim), means_(batch, embed_dim, chunk, /*values=*/false) {}
-    KVCache<Cache> cache_;
+        : DecodeStateBase<Cache>(batch, embed_dim), means_(batch, embed_dim, chunk, /*values=*/false) {}
     ChunkSummaries<Scalar> means_;
   };
   using DecodeState = DecodeStateOf<Scalar>;
-
-  /// An empty state for `batch` sequences, with room for `reserve` tokens each.
-  template <class Cache = Scalar>
-  DecodeStateOf<Cache> new_decode_state(Index batch, Index reserve = 0) const {
-    if (batch < 0 || reserve < 0) detail::fail("SparseC2FAttention: batch and reserve must be >= 0");
-    DecodeStateOf<Cache> state(batch, embed_dim(), chunk_);
-    state.cache_.reserve(reserve);
-    return state;
-  }
-
-  /// Appends x_new [B, n, E] and returns their outputs [B, n, E]: the rows the causal forward() over every
-  /// token so far gives them (per-token gating), however the tokens were split into calls.
-  template <class Cache>
-  Tensor3<Scalar> decode(ConstTensor3Ref<Scalar> x_new, DecodeStateOf<Cache>& state) const {
-    return run_decode(x_new, state, x_new.seq());
-  }
-
-  /// Appends x [B, n, E] and returns only the last token's output [B, 1, E].
-  template <class Cache>
-  Tensor3<Scalar> prefill(ConstTensor3Ref<Scalar> x, DecodeStateOf<Cache>& state) const {
-    return run_decode(x, state, std::min<Index>(1, x.seq()));
-  }
 
   /// x [B, L, E] → [B, L, E]. Masks: attn_mask [L, L] or [n, L, L] (n = 1, B or B·H), key_padding_mask
   /// [B, L].
@@ -187,6 +159,12 @@ class SparseC2FAttention : public detail::Module<SparseC2FAttention<Scalar>> {
   }
 
  private:
+  friend class detail::Decoder<SparseC2FAttention, Scalar>;
+  template <class Cache>
+  DecodeStateOf<Cache> make_decode_state(Index batch) const {
+    return DecodeStateOf<Cache>(batch, embed_dim(), chunk_);
+  }
+
   template <class Cache>
   Tensor3<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
     detail::check_decode("SparseC2FAttention", options_.causal(), x, state.batch(), embed_dim());
@@ -212,12 +190,6 @@ class SparseC2FAttention : public detail::Module<SparseC2FAttention<Scalar>> {
     Eigen::Map<RowMatrix<Scalar>> out(y.data(), batch * outputs, e);
     mha_.out_proj().forward_rows(attn, out);
     return y;
-  }
-
-  static typename MultiHeadAttention<Scalar>::Options mha_options(const Options& o) {
-    typename MultiHeadAttention<Scalar>::Options m;
-    detail::copy_runtime_options(m, o).bias(o.bias());
-    return detail::copy_kernel_options(m, o);
   }
 
   Index chunk_;

@@ -1,0 +1,228 @@
+// c2f layers — two-dimensional coarse-to-fine attention for image tokens (the coarse-to-fine attention
+// article's extension to vision Transformers).
+//
+// The article ends with how to carry coarse-to-fine attention to vision Transformers: cut the image into
+// 2-D coarse blocks in both H and W, give the coarse stage a 2-D relative position bias as Swin does,
+// and let deeper layers use larger blocks (a feature pyramid; see examples/vit_pyramid.cpp).
+//
+// Semantics (eval mode), for x [B, H·W, d]: the tokens of an H × W grid flattened row-major (token
+// y·W + x, as ViT patch embeddings are), d = embed_dim, heads h = 1 … num_heads:
+//
+//   Blocks      Mh = ceil(H / block_h) × Mw = ceil(W / block_w); block (r, c) holds rows
+//               [r·block_h, min((r+1)·block_h, H)) × columns [c·block_w, min((c+1)·block_w, W)) — edge
+//               blocks may be partial; blocks numbered row-major n = r·Mw + c; tokens row-major inside.
+//   Coarse      the mean of each block's real tokens → [B, Mh·Mw, d] → the article's CoarseAttention
+//               (coarse_attn.qkv_proj, coarse_attn.out_proj) with, when relative_position_bias is on,
+//               a learned per-head bias added to the scores between blocks n = (r, c) and n' = (r', c'):
+//                 table[(r − r' + Gh − 1)·(2·Gw − 1) + (c − c' + Gw − 1), h],
+//               Gh = max_blocks_h, Gw = max_blocks_w; table = coarse_attn.relative_position_bias_table
+//               [(2·Gh − 1)·(2·Gw − 1), num_heads] (Swin's name and layout). A grid with Mh > Gh or
+//               Mw > Gw is an std::invalid_argument.
+//   Fine        the article's FineAttention inside each block (fine_attn.q_proj, fine_attn.kv_proj,
+//               fine_attn.out_proj): the query of every token of block n is q_proj(coarse output of n);
+//               keys and values are the block's real tokens. So every token of a block gets the same
+//               output row, computed on the folded path of the 1-D layer (FineAttention::forward_blocks):
+//               one attention row per block and head with kv_proj folded into the query and into the
+//               pooled tokens — no [L, 2d] key/value tensor and no permuted copy of x. x is read in
+//               place, one image row of a block at a time (kernels::BlockGrid2D).
+//
+// With H = 1 and the bias off this is C2FAttention with chunk_size = block_w, bit for bit.
+// The PyTorch reference is tests/reference/c2f2d_reference.py.
+#pragma once
+
+#include "c2f/detail/module.hpp"
+#include "c2f/detail/random.hpp"
+#include "c2f/kernels/block2d.hpp"
+#include "c2f/kernels/chunk.hpp"
+#include "c2f/layers/c2f_attention.hpp"
+#include "c2f/mask.hpp"
+#include "c2f/options.hpp"
+
+#include <string>
+
+namespace c2f {
+
+/// Two-dimensional coarse-to-fine attention (see the file comment). State dict:
+/// `coarse_attn.qkv_proj.*`, `coarse_attn.out_proj.*`, `coarse_attn.relative_position_bias_table` (only
+/// with the bias), `fine_attn.q_proj.*`, `fine_attn.kv_proj.*`, `fine_attn.out_proj.*`.
+template <class Scalar>
+class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
+ public:
+  /// seed: initialisation (see reset_parameters). The kernel options serve the coarse stage.
+  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
+    /// Gh: the bias table covers block grids of up to Gh rows …
+    C2F_ARG(Index, max_blocks_h) = 16;
+    /// … and Gw columns of blocks.
+    C2F_ARG(Index, max_blocks_w) = 16;
+    /// Swin's 2-D relative position bias in the coarse stage.
+    C2F_ARG(bool, relative_position_bias) = true;
+  };
+
+  C2FAttention2D(Index embed_dim, Index num_heads, Index block_h, Index block_w)
+      : C2FAttention2D(embed_dim, num_heads, block_h, block_w, Options()) {}
+  C2FAttention2D(Index embed_dim, Index num_heads, Index block_h, Index block_w, Options options)
+      : block_h_(block_h),
+        block_w_(block_w),
+        options_(options),
+        coarse_(embed_dim, num_heads, detail::attention_options<typename CoarseAttention<Scalar>::Options>(options)),
+        fine_(embed_dim, num_heads,
+              detail::runtime_options<typename FineAttention<Scalar>::Options>(options, 1).fine_path(FinePath::Folded)) {
+    if (block_h < 1 || block_w < 1) {
+      detail::fail("C2FAttention2D: block_h and block_w must be >= 1, got block_h=", block_h, ", block_w=", block_w);
+    }
+    if (options.relative_position_bias() && (options.max_blocks_h() < 1 || options.max_blocks_w() < 1)) {
+      detail::fail("C2FAttention2D: relative_position_bias needs max_blocks_h >= 1 and max_blocks_w >= 1, got ",
+                   options.max_blocks_h(), " and ", options.max_blocks_w());
+    }
+    reset_parameters(options.seed());
+  }
+
+  Index embed_dim() const { return fine_.embed_dim(); }
+  Index num_heads() const { return fine_.num_heads(); }
+  Index head_dim() const { return fine_.head_dim(); }
+  Index block_h() const { return block_h_; }
+  Index block_w() const { return block_w_; }
+  const Options& options() const { return options_; }
+  const CoarseAttention<Scalar>& coarse_attn() const { return coarse_; }
+  const FineAttention<Scalar>& fine_attn() const { return fine_; }
+  /// [(2·Gh − 1)·(2·Gw − 1), num_heads]; empty without the bias.
+  const RowMatrix<Scalar>& relative_position_bias_table() const { return table_; }
+  void set_num_threads(int n) { this->set_num_threads_of(options_, n); }
+
+  /// The coarse and the fine stage (the relative position bias table is loaded and saved beside them).
+  template <class Self, class Fn>
+  static void children(Self& self, Fn&& fn) {
+    fn("coarse_attn.", self.coarse_);
+    fn("fine_attn.", self.fine_);
+  }
+
+  /// The article's advice for the coarse and fine projections (as C2FAttention: Xavier-uniform coarse
+  /// qkv_proj.weight, Kaiming-normal fan_out fine q_proj.weight, nn.Linear's default elsewhere, zero
+  /// biases) and Swin's for the table: trunc_normal_(std=0.02) with torch's default bounds [−2, 2].
+  /// Deterministic in `seed`.
+  void reset_parameters(std::uint64_t seed) {
+    coarse_.reset_parameters(seed);
+    fine_.reset_parameters(seed + 1);
+    table_.resize(0, 0);
+    if (options_.relative_position_bias()) {
+      table_.resize(table_entries(), num_heads());
+      detail::Rng rng(seed + 2);
+      detail::trunc_normal(table_, rng, 0.02, -2.0, 2.0);
+    }
+  }
+
+  void load(detail::StrictLoader& loader, const std::string& name) {
+    coarse_.load(loader, name + "coarse_attn.");
+    if (options_.relative_position_bias()) {
+      loader.read(name + "coarse_attn.relative_position_bias_table", {table_entries(), num_heads()}, table_);
+    }
+    fine_.load(loader, name + "fine_attn.");
+  }
+  void save(StateDict& sd, const std::string& name) const {
+    coarse_.save(sd, name + "coarse_attn.");
+    if (options_.relative_position_bias()) {
+      detail::store(sd, name + "coarse_attn.relative_position_bias_table", table_, {table_entries(), num_heads()});
+    }
+    fine_.save(sd, name + "fine_attn.");
+  }
+
+  /// x [B, height·width, embed_dim], tokens of a height × width grid flattened row-major → [B, height·width,
+  /// embed_dim]. C2FAttention2D takes no masks (a non-empty Masks throws).
+  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, Index height, Index width, const Masks<Scalar>& masks = {}) const {
+    detail::check_mask_fields(masks, "C2FAttention2D", false, false, false);
+    const kernels::BlockGrid2D grid = checked_grid(x, height, width);
+    Tensor3<Scalar> y(x.batch(), x.seq(), embed_dim());
+    run(x, grid, Eigen::Map<RowMatrix<Scalar>>(y.data(), x.batch() * x.seq(), embed_dim()));
+    return y;
+  }
+
+  /// forward() into caller memory: out [B·height·width, embed_dim] (e.g. a buffer reused across calls).
+  void forward_into(ConstTensor3Ref<Scalar> x, Index height, Index width, Eigen::Ref<RowMatrix<Scalar>> out) const {
+    const kernels::BlockGrid2D grid = checked_grid(x, height, width);
+    if (out.rows() != x.batch() * x.seq() || out.cols() != embed_dim()) {
+      detail::fail("C2FAttention2D: out must be [batch·height·width, embed_dim] = ",
+                   detail::shape_string({x.batch() * x.seq(), embed_dim()}), ", got ",
+                   detail::shape_string({out.rows(), out.cols()}));
+    }
+    run(x, grid, out);
+  }
+
+  /// The coarse stage's input: the mean of each block's real tokens, [B, Mh·Mw, embed_dim].
+  Tensor3<Scalar> coarse_input(ConstTensor3Ref<Scalar> x, Index height, Index width) const {
+    const kernels::BlockGrid2D grid = checked_grid(x, height, width);
+    Tensor3<Scalar> summaries(x.batch(), grid.blocks_per_batch(), embed_dim());
+    kernels::chunk_mean<Scalar>(x.rows(), grid, Eigen::Map<RowMatrix<Scalar>>(summaries.data(), grid.blocks(), embed_dim()),
+                                options_.num_threads());
+    return summaries;
+  }
+
+  /// The coarse stage's score bias for a grid of blocks_h × blocks_w blocks: the relative position bias,
+  /// or no mask when it is off. Throws when the grid exceeds max_blocks_h × max_blocks_w.
+  AttnMask<Scalar> coarse_mask(Index blocks_h, Index blocks_w) const {
+    if (!options_.relative_position_bias()) return {};
+    if (blocks_h > options_.max_blocks_h() || blocks_w > options_.max_blocks_w()) {
+      detail::fail("C2FAttention2D: a grid of ", blocks_h, " x ", blocks_w,
+                   " blocks (Mh x Mw) exceeds the relative position bias table's max_blocks_h x max_blocks_w = ",
+                   options_.max_blocks_h(), " x ", options_.max_blocks_w());
+    }
+    return AttnMask<Scalar>::relative_position(table_, blocks_h, blocks_w, options_.max_blocks_h(), options_.max_blocks_w());
+  }
+
+  /// Bytes of temporary memory one forward() holds at its peak besides x and the returned output: the
+  /// block means, the coarse stage (its MultiHeadAttention workspace) and the folded fine stage's
+  /// per-block rows — O(blocks · heads · embed_dim), nothing per token.
+  std::size_t workspace_bytes(Index batch, Index height, Index width) const {
+    const kernels::BlockGrid2D grid{batch, height, width, block_h_, block_w_};
+    const Index m = grid.blocks(), d = embed_dim(), h = num_heads();
+    const std::size_t coarse = sizeof(Scalar) * static_cast<std::size_t>(2 * m * d) +
+                               coarse_.as_multihead_attention().workspace_bytes(batch, grid.blocks_per_batch(),
+                                                                                grid.blocks_per_batch());
+    // forward_blocks: q [m, d]; forward_folded: qk and pooled [m, h·d], mass [m, h], o and chunk_out [m, d];
+    // the kernel's scratch per worker: [h, block_w] scores, [h, d] run output, four [h] vectors.
+    const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), m));
+    const std::size_t fine = sizeof(Scalar) * (static_cast<std::size_t>(m * (3 * d + 2 * h * d + h)) +
+                                               workers * static_cast<std::size_t>(h * (block_w_ + d + 4)));
+    return coarse + fine;
+  }
+
+ private:
+  Index table_entries() const { return (2 * options_.max_blocks_h() - 1) * (2 * options_.max_blocks_w() - 1); }
+
+  kernels::BlockGrid2D checked_grid(const ConstTensor3Ref<Scalar>& x, Index height, Index width) const {
+    detail::check_features(x, embed_dim(), "C2FAttention2D", "x", "embed_dim");
+    if (height < 0 || width < 0 || x.seq() != height * width) {
+      detail::fail("C2FAttention2D: x must be [batch, height·width = ", height, "·", width, " = ", height * width,
+                   ", embed_dim] for a ", height, " x ", width, " grid, got ",
+                   detail::shape_string({x.batch(), x.seq(), x.features()}));
+    }
+    const kernels::BlockGrid2D grid{x.batch(), height, width, block_h_, block_w_};
+    if (options_.relative_position_bias() &&
+        (grid.blocks_h() > options_.max_blocks_h() || grid.blocks_w() > options_.max_blocks_w())) {
+      detail::fail("C2FAttention2D: a ", height, " x ", width, " grid in blocks of ", block_h_, " x ", block_w_, " has ",
+                   grid.blocks_h(), " x ", grid.blocks_w(),
+                   " blocks (Mh x Mw), more than the relative position bias table's max_blocks_h x max_blocks_w = ",
+                   options_.max_blocks_h(), " x ", options_.max_blocks_w());
+    }
+    return grid;
+  }
+
+  void run(const ConstTensor3Ref<Scalar>& x, const kernels::BlockGrid2D& grid, Eigen::Ref<RowMatrix<Scalar>> out) const {
+    if (grid.blocks() == 0) return;
+    const Index d = embed_dim();
+    Tensor3<Scalar> summaries(x.batch(), grid.blocks_per_batch(), d);
+    kernels::chunk_mean<Scalar>(x.rows(), grid, Eigen::Map<RowMatrix<Scalar>>(summaries.data(), grid.blocks(), d),
+                                options_.num_threads());
+    const Tensor3<Scalar> context =
+        coarse_.forward(summaries, Masks<Scalar>().attn_mask(coarse_mask(grid.blocks_h(), grid.blocks_w())));
+    fine_.forward_blocks(x.rows(), grid, Eigen::Map<const RowMatrix<Scalar>>(context.data(), grid.blocks(), d), out);
+  }
+
+  Index block_h_;
+  Index block_w_;
+  Options options_;
+  CoarseAttention<Scalar> coarse_;
+  FineAttention<Scalar> fine_;
+  RowMatrix<Scalar> table_;  ///< [(2·Gh − 1)·(2·Gw − 1), num_heads]
+};
+
+}  // namespace c2f
