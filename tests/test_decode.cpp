@@ -275,6 +275,32 @@ TEST(Decode, HalfAndBfloat16CachesAgainstTheFloatCache) {
   check_narrow_caches(hmha, "HMHA", rng);
 }
 
+// The narrow caches are read through detail::widen (vectorisable bit operations): for every one of the
+// 65536 bit patterns it gives exactly Eigen's own conversion (NaN for NaN).
+template <class Narrow>
+void expect_widen_matches_eigen(const char* name) {
+  for (std::uint32_t bits = 0; bits < 65536; ++bits) {
+    const Narrow x = Eigen::numext::bit_cast<Narrow>(static_cast<std::uint16_t>(bits));
+    const float fast = c2f::detail::widen(x), eigen = static_cast<float>(x);
+    if (std::isnan(eigen)) {
+      ASSERT_TRUE(std::isnan(fast)) << name << " bits 0x" << std::hex << bits;
+    } else {
+      ASSERT_EQ(0, std::memcmp(&fast, &eigen, sizeof(float)))
+          << name << " bits 0x" << std::hex << bits << ": " << fast << " instead of " << eigen;
+    }
+  }
+}
+
+TEST(Decode, WideningMatchesEigenForEveryBitPattern) {
+  expect_widen_matches_eigen<Eigen::half>("half");
+  expect_widen_matches_eigen<Eigen::bfloat16>("bfloat16");
+  // A strided block converts row by row like Eigen's cast.
+  c2f::RowMatrix<Eigen::half> m = c2f::RowMatrix<float>::Random(7, 13).cast<Eigen::half>();
+  c2f::RowMatrix<float> out;
+  c2f::detail::convert_block<float>(m.block(2, 3, 4, 5), out);
+  EXPECT_TRUE(out == m.block(2, 3, 4, 5).cast<float>());
+}
+
 // Decoding is causal: outputs decoded before a token arrives do not change with it (the same split,
 // inputs that differ from token t on).
 template <class Layer, class Scalar>

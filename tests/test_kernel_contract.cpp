@@ -55,18 +55,19 @@ TEST(KernelContract, Sdpa) {
   const kernels::HeadsView<float> ov = kernels::heads_view(out, 2, 2);
   const c2f::KeyPaddingMask<float> lengths = c2f::KeyPaddingMask<float>::lengths({5, 5});
   const c2f::MaskView<float> other_problem({}, lengths, 2, 2, 5, 5);  // keys 5, not 7
-  for (const char* kernel : {"sdpa_naive", "sdpa_streaming"}) {
-    const bool naive = std::string(kernel) == "sdpa_naive";
+  for (const std::string kernel : {"sdpa_naive", "sdpa_streaming", "sdpa_split_keys"}) {
     const auto call = [&](const kernels::HeadsView<const float>& kk, const c2f::MaskView<float>& mask, float scale) {
-      if (naive) {
+      if (kernel == "sdpa_naive") {
         kernels::sdpa_naive<float>(qv, kk, kk, ov, mask, scale, {});
-      } else {
+      } else if (kernel == "sdpa_streaming") {
         kernels::sdpa_streaming<float>(qv, kk, kk, ov, mask, scale, {});
+      } else {
+        kernels::sdpa_split_keys<float>(qv, kk, kk, ov, mask, scale, {});
       }
     };
-    expect_rejected(kernel, [&] { call(wrong_k, {}, 0.5f); });
-    expect_rejected(kernel, [&] { call(kv, other_problem, 0.5f); });
-    expect_rejected(kernel, [&] { call(kv, {}, 0.0f); });  // the scale is explicit: 0 is not "default"
+    expect_rejected(kernel.c_str(), [&] { call(wrong_k, {}, 0.5f); });
+    expect_rejected(kernel.c_str(), [&] { call(kv, other_problem, 0.5f); });
+    expect_rejected(kernel.c_str(), [&] { call(kv, {}, 0.0f); });  // the scale is explicit: 0 is not "default"
   }
 }
 

@@ -157,7 +157,7 @@ Problem<Scalar> random_problem(TestRng& rng, int rep) {
   return p;
 }
 
-TYPED_TEST(KernelTest, StreamingMatchesNaiveOnRandomShapes) {
+TYPED_TEST(KernelTest, StreamingAndSplitKeysMatchNaiveOnRandomShapes) {
   using Scalar = TypeParam;
   TestRng rng(2);
   constexpr int kShapes = 60;
@@ -166,16 +166,46 @@ TYPED_TEST(KernelTest, StreamingMatchesNaiveOnRandomShapes) {
     c2f::kernels::SdpaOptions opt;
     opt.query_block(rng.pick(std::vector<Index>{1, 7, 16, 64}));
     opt.key_block(rng.pick(std::vector<Index>{1, 5, 32, 64, 300}));
+    opt.key_part(rng.pick(std::vector<Index>{1, 3, 16, 33, 64, 1024}));
     opt.num_threads(1);
     const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
-    RowMatrix<Scalar> naive(p.batch * p.lq, p.heads * p.dv), fast(p.batch * p.lq, p.heads * p.dv);
+    RowMatrix<Scalar> naive(p.batch * p.lq, p.heads * p.dv), fast(p.batch * p.lq, p.heads * p.dv), split = fast;
     c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt);
     c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, p.scale(), opt);
+    c2f::kernels::sdpa_split_keys<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(split), plan, p.scale(), opt);
     std::ostringstream what;
-    what << p.description << " query_block=" << opt.query_block() << " key_block=" << opt.key_block();
+    what << p.description << " query_block=" << opt.query_block() << " key_block=" << opt.key_block()
+         << " key_part=" << opt.key_part();
     SCOPED_TRACE(what.str());
     ASSERT_TRUE(fast.allFinite());
+    ASSERT_TRUE(split.allFinite());
     expect_close(fast, naive, tolerance<Scalar>(), tolerance<Scalar>(), what.str());
+    expect_close(split, naive, tolerance<Scalar>(), tolerance<Scalar>(), what.str() + " (split keys)");
+  }
+}
+
+// The split-key kernel reading keys and values stored as half or bfloat16 computes what it computes on
+// the same values widened to Scalar first (the conversion is exact; only the code path differs).
+TYPED_TEST(KernelTest, SplitKeysReadsNarrowKeysAndValuesExactly) {
+  using Scalar = TypeParam;
+  TestRng rng(9);
+  for (int rep = 0; rep < 12; ++rep) {
+    const Problem<Scalar> p = random_problem<Scalar>(rng, rep);
+    c2f::kernels::SdpaOptions opt;
+    opt.key_block(rng.pick(std::vector<Index>{1, 5, 32, 300}));
+    opt.key_part(rng.pick(std::vector<Index>{3, 16, 1024}));
+    const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+    const RowMatrix<Eigen::bfloat16> kn = p.k.template cast<Eigen::bfloat16>(), vn = p.v.template cast<Eigen::bfloat16>();
+    Problem<Scalar> wide = p;
+    wide.k = kn.template cast<Scalar>();
+    wide.v = vn.template cast<Scalar>();
+    RowMatrix<Scalar> want(p.batch * p.lq, p.heads * p.dv), got = want;
+    c2f::kernels::sdpa_split_keys<Scalar>(wide.qv(), wide.kv(), wide.vv(), wide.out_view(want), plan, p.scale(), opt);
+    c2f::kernels::sdpa_split_keys<Scalar, Eigen::bfloat16>(
+        p.qv(), c2f::kernels::heads_view<const Eigen::bfloat16>(kn.data(), p.batch, p.lk, p.heads * p.dk, 0, p.heads, p.dk),
+        c2f::kernels::heads_view<const Eigen::bfloat16>(vn.data(), p.batch, p.lk, p.heads * p.dv, 0, p.heads, p.dv),
+        p.out_view(got), plan, p.scale(), opt);
+    expect_close(got, want, tolerance<Scalar>(), tolerance<Scalar>(), p.description);
   }
 }
 
@@ -188,15 +218,18 @@ TYPED_TEST(KernelTest, OutputBitsDoNotDependOnThreadCount) {
     c2f::kernels::SdpaOptions opt;
     opt.query_block(16);
     opt.key_block(32);
-    RowMatrix<Scalar> outs[2][2];
+    opt.key_part(16);
+    RowMatrix<Scalar> outs[2][3];
     for (int threads = 1; threads <= 2; ++threads) {
       opt.num_threads(threads);
       for (RowMatrix<Scalar>& o : outs[threads - 1]) o.resize(p.batch * p.lq, p.heads * p.dv);
       c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][0]), plan, p.scale(), opt);
       c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][1]), plan, p.scale(), opt);
+      c2f::kernels::sdpa_split_keys<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][2]), plan, p.scale(), opt);
     }
     EXPECT_TRUE(bitwise_equal(outs[0][0], outs[1][0])) << p.description << ": streaming kernel";
     EXPECT_TRUE(bitwise_equal(outs[0][1], outs[1][1])) << p.description << ": naive kernel";
+    EXPECT_TRUE(bitwise_equal(outs[0][2], outs[1][2])) << p.description << ": split-key kernel";
   }
 }
 
@@ -222,11 +255,16 @@ TYPED_TEST(KernelTest, FullyMaskedRowsGiveZeros) {
   c2f::Tensor4<Scalar> weights(p.batch, p.heads, p.lq, p.lk);
   c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt, weights.data());
   c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, p.scale(), opt);
+  RowMatrix<Scalar> split(p.batch * p.lq, p.heads * p.dv);
+  opt.key_part(20);
+  c2f::kernels::sdpa_split_keys<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(split), plan, p.scale(), opt);
+  expect_close(split, naive, tolerance<Scalar>(), tolerance<Scalar>(), "fully masked rows (split keys)");
   for (Index b = 0; b < p.batch; ++b) {
     for (Index i = 0; i < p.lq; ++i) {
       const bool empty_row = b == 1 || i == 3;
       const Index r = b * p.lq + i;
       EXPECT_EQ(empty_row, fast.row(r).isZero(0)) << "batch " << b << " row " << i;
+      EXPECT_EQ(empty_row, split.row(r).isZero(0)) << "batch " << b << " row " << i;
       EXPECT_EQ(empty_row, naive.row(r).isZero(0)) << "batch " << b << " row " << i;
       for (Index h = 0; h < p.heads; ++h) {
         Scalar sum = 0;
@@ -265,6 +303,11 @@ TYPED_TEST(KernelTest, WholeMaskedKeyBlockStaysFinite) {
   ASSERT_TRUE(fast.allFinite());
   ASSERT_FALSE(fast.isZero(0));
   expect_close(fast, naive, tolerance<Scalar>(), tolerance<Scalar>(), "banded mask");
+  RowMatrix<Scalar> split(p.lq, p.heads * p.dv);
+  opt.key_part(24);  // most parts hold no visible key of a row
+  c2f::kernels::sdpa_split_keys<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(split), plan, p.scale(), opt);
+  ASSERT_TRUE(split.allFinite());
+  expect_close(split, naive, tolerance<Scalar>(), tolerance<Scalar>(), "banded mask (split keys)");
 }
 
 // Logits of about ±1e4 must not overflow the softmax; the result equals the naive kernel's.
@@ -286,6 +329,11 @@ TYPED_TEST(KernelTest, LargeLogitsStayFinite) {
   EXPECT_GT(max_logit, Scalar(1000));
   ASSERT_TRUE(fast.allFinite());
   expect_close(fast, naive, 1e-4, 1e-4, "large logits");
+  RowMatrix<Scalar> split(p.lq, p.dv);
+  opt.key_part(10);
+  c2f::kernels::sdpa_split_keys<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(split), plan, p.scale(), opt);
+  ASSERT_TRUE(split.allFinite());
+  expect_close(split, naive, 1e-4, 1e-4, "large logits (split keys)");
 }
 
 // A NaN in an unmasked input must reach the output, not be hidden as a "masked" row.
@@ -304,8 +352,12 @@ TYPED_TEST(KernelTest, NanInVisibleInputPropagates) {
   RowMatrix<Scalar> naive(p.lq, p.dv), fast(p.lq, p.dv);
   c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt);
   c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, p.scale(), opt);
+  RowMatrix<Scalar> split(p.lq, p.dv);
+  opt.key_part(4);
+  c2f::kernels::sdpa_split_keys<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(split), plan, p.scale(), opt);
   for (Index i = 0; i < p.lq; ++i) {
     EXPECT_EQ(i == 2, std::isnan(fast(i, 0))) << "row " << i;
+    EXPECT_EQ(i == 2, std::isnan(split(i, 0))) << "row " << i;
     EXPECT_EQ(i == 2, std::isnan(naive(i, 0))) << "row " << i;
   }
 }
@@ -325,10 +377,15 @@ TYPED_TEST(KernelTest, MaskedKeysGetExactlyZeroWeight) {
   c2f::kernels::SdpaOptions opt;
   opt.key_block(16);
   RowMatrix<Scalar> clean(p.lq, p.dv), fast(p.lq, p.dv), naive(p.lq, p.dv);
+  opt.key_part(12);
+  RowMatrix<Scalar> split_clean(p.lq, p.dv), split(p.lq, p.dv);
   c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(clean), plan, p.scale(), opt);
+  c2f::kernels::sdpa_split_keys<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(split_clean), plan, p.scale(), opt);
   p.v.bottomRows(7).setConstant(std::numeric_limits<Scalar>::max() / 4);  // behind the padding mask
   c2f::Tensor4<Scalar> weights(1, 1, p.lq, p.lk);
   c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(fast), plan, p.scale(), opt);
+  c2f::kernels::sdpa_split_keys<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(split), plan, p.scale(), opt);
+  EXPECT_TRUE(bitwise_equal(split_clean, split));
   c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt, weights.data());
   EXPECT_TRUE(bitwise_equal(clean, fast));
   expect_close(naive, clean, tolerance<Scalar>(), tolerance<Scalar>(), "naive with garbage behind the mask");

@@ -3,7 +3,10 @@
 
 #include "c2f/core.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
+#include <type_traits>
 
 namespace c2f {
 namespace detail {
@@ -32,6 +35,27 @@ void exp_shifted(Row&& row, Scalar shift) {
   using NanMax = Eigen::internal::scalar_max_op<Scalar, Scalar, Eigen::PropagateNaN>;
   using Plain = typename std::decay_t<Row>::PlainObject;
   row.array() = ((row.array() - shift).exp() - floor).binaryExpr(Plain::Zero(row.rows(), row.cols()).array(), NanMax());
+}
+
+/// One online-softmax step over a block of scores s [rows, cols] (−inf = masked): updates each row's
+/// running max m and sum l, turns s into exp(s − the new max) and sets alpha to the factor earlier
+/// accumulations of the row must be scaled by. Returns whether any alpha differs from 1.
+template <class Scores, class Max, class Sum, class Alpha>
+bool online_softmax_step(Scores& s, Max&& m, Sum&& l, Alpha&& alpha) {
+  using Scalar = typename std::decay_t<Scores>::Scalar;
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  bool rescale = false;
+  for (Index r = 0; r < s.rows(); ++r) {
+    const Scalar m_new = std::max(m[r], s.row(r).maxCoeff());
+    // All keys so far hidden: shift by 0, not by -inf (which would give exp(-inf + inf) = NaN).
+    const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;
+    alpha[r] = std::exp(m[r] - shift);
+    rescale = rescale || alpha[r] != Scalar(1);
+    m[r] = m_new;
+    exp_shifted(s.row(r), shift);
+    l[r] = alpha[r] * l[r] + s.row(r).sum();
+  }
+  return rescale;
 }
 
 /// Normalised softmax of `row` in place. A row whose every entry is −inf (no visible key) becomes all

@@ -48,6 +48,11 @@ struct HeadsView {
       : data(o.data), batch(o.batch), seq(o.seq), heads(o.heads), dim(o.dim), row_stride(o.row_stride),
         batch_stride(o.batch_stride) {}
 
+  /// Rows [i0, i0 + n) of every head of batch b, as an n × (heads · dim) matrix.
+  Block rows(Index b, Index i0, Index n) const {
+    return Block(data + b * batch_stride + i0 * row_stride, n, heads * dim, Eigen::OuterStride<>(row_stride));
+  }
+
   /// Rows [i0, i0 + n) of head h of batch b, as an n × dim matrix.
   Block block(Index b, Index h, Index i0, Index n) const {
     return Block(data + b * batch_stride + i0 * row_stride + h * dim, n, dim, Eigen::OuterStride<>(row_stride));
@@ -91,8 +96,11 @@ Scalar default_scale(Index head_dim) {
 class SdpaOptions {
   /// Query rows per task (streaming kernel).
   C2F_ARG(Index, query_block) = 64;
-  /// Keys per online-softmax step (streaming kernel).
+  /// Keys per online-softmax step (streaming and split-key kernels).
   C2F_ARG(Index, key_block) = 256;
+  /// Keys per task of the split-key kernel (fixed by the caller, never by the thread count, so that
+  /// the output bits do not depend on it).
+  C2F_ARG(Index, key_part) = 1024;
   /// Worker threads; 0 = c2f::get_num_threads(), else a cap on it.
   C2F_ARG(int, num_threads) = 0;
 };
@@ -202,6 +210,108 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
       } else {
         dst.row(r) = acc.row(r) / l[r];
       }
+    }
+  });
+}
+
+/// Split-key kernel (flash decoding) with sdpa_streaming's contract, for few queries over many keys — a
+/// decode step. Tasks are (batch, part of options.key_part() keys); a task walks its part's key blocks
+/// (options.key_block() keys) and, while a block is in cache, attends every head's queries to it, so the
+/// keys and values are read from memory once and in order whatever the head count. Each (head, query)
+/// keeps a running max, sum and accumulator per part; the parts are merged by the log-sum-exp rule in
+/// part order. Scratch: batch · parts · heads · queries · (dv + 2) values.
+template <class Scalar, class KV = Scalar>
+void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduce<HeadsView<const KV>>& k,
+                     const c2f::detail::NoDeduce<HeadsView<const KV>>& v, const HeadsView<Scalar>& out,
+                     const MaskView<Scalar>& mask, Scalar scale, const SdpaOptions& options) {
+  c2f::detail::check_sdpa("sdpa_split_keys", q, k, v, out, mask, scale);
+  const Index bk = std::max<Index>(1, options.key_block()), part_keys = std::max<Index>(1, options.key_part());
+  const Index n = q.seq, lk = k.seq, dk = q.dim, dv = v.dim, heads = q.heads;
+  const Index parts = std::max<Index>(1, (lk + part_keys - 1) / part_keys);
+  const Index rows = heads * n;  // (head, query) rows of one task
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  // Per task: the accumulators [rows, dv] and each row's running max and sum.
+  std::vector<Scalar> acc_all(static_cast<std::size_t>(q.batch * parts * rows * dv));
+  std::vector<Scalar> max_all(static_cast<std::size_t>(q.batch * parts * rows)), sum_all(max_all.size());
+
+  struct Workspace {
+    RowMatrix<Scalar> q, s, kb, vb;  // kb, vb: converted key and value blocks of every head (KV ≠ Scalar)
+    Vector<Scalar> alpha;
+  };
+  // Work: the products and exps, and every cached key and value element read once from memory.
+  const double work = c2f::detail::attention_work(q.batch * heads, n, lk, dk, dv) +
+                      c2f::detail::kElementWork * double(q.batch * heads * lk * (dk + dv));
+  c2f::detail::parallel_for_each_worker<Workspace>(q.batch * parts, options.num_threads(), work, [&](Index task,
+                                                                                                    Workspace& ws) {
+    const Index b = task / parts, part = task % parts;
+    const Index first = part * part_keys, last = std::min(lk, first + part_keys);
+    ws.q.resize(rows, dk);
+    for (Index h = 0; h < heads; ++h) ws.q.middleRows(h * n, n) = q.block(b, h, 0, n) * scale;
+    ws.s.resize(n, std::min(bk, last - first));
+    ws.alpha.resize(n);
+    Eigen::Map<RowMatrix<Scalar>> acc(acc_all.data() + task * rows * dv, rows, dv);
+    Eigen::Map<Vector<Scalar>> m(max_all.data() + task * rows, rows), l(sum_all.data() + task * rows, rows);
+    acc.setZero();
+    m.setConstant(kNegInf);
+    l.setZero();
+    for (Index j0 = first; j0 < last; j0 += bk) {
+      const Index nj = std::min(bk, last - j0);
+      const BlockMask status = mask.classify(b, 0, n, j0, nj);
+      if (status == BlockMask::Skip) continue;
+      // A narrow cache converts the block of every head at once (one sequential read), into kb / vb.
+      if constexpr (!std::is_same<KV, Scalar>::value) {
+        c2f::detail::convert_block<Scalar>(k.rows(b, j0, nj), ws.kb);
+        c2f::detail::convert_block<Scalar>(v.rows(b, j0, nj), ws.vb);
+      }
+      for (Index h = 0; h < heads; ++h) {
+        Eigen::Block<RowMatrix<Scalar>> s = ws.s.leftCols(nj);
+        if constexpr (std::is_same<KV, Scalar>::value) {
+          s.noalias() = ws.q.middleRows(h * n, n) * k.block(b, h, j0, nj).transpose();
+        } else {
+          s.noalias() = ws.q.middleRows(h * n, n) * ws.kb.middleCols(h * dk, dk).transpose();
+        }
+        if (status == BlockMask::Partial) mask.apply(b, h, 0, j0, s);
+        Eigen::VectorBlock<Eigen::Map<Vector<Scalar>>> mh = m.segment(h * n, n), lh = l.segment(h * n, n);
+        typename Eigen::Map<RowMatrix<Scalar>>::RowsBlockXpr ah = acc.middleRows(h * n, n);
+        if (c2f::detail::online_softmax_step(s, mh, lh, ws.alpha)) ah = ws.alpha.asDiagonal() * ah;
+        if constexpr (std::is_same<KV, Scalar>::value) {
+          ah.noalias() += s * v.block(b, h, j0, nj);
+        } else {
+          ah.noalias() += s * ws.vb.middleCols(h * dv, dv);
+        }
+      }
+    }
+  });
+  // Merge the parts of every (batch, head, query) row: out = Σ e^(m_p − M) acc_p / Σ e^(m_p − M) l_p.
+  c2f::detail::parallel_for(q.batch * heads, options.num_threads(),
+                            double(q.batch * heads * n * parts * (dv + 2)), [&](Index bh, int) {
+    const Index b = bh / heads, h = bh % heads;
+    typename HeadsView<Scalar>::Block dst = out.block(b, h, 0, n);
+    for (Index i = 0; i < n; ++i) {
+      const Index row = h * n + i;
+      Scalar top = kNegInf;
+      bool nan = false;  // a NaN score leaves the running max alone but makes the sum NaN: propagate it
+      for (Index p = 0; p < parts; ++p) {
+        const std::size_t at = static_cast<std::size_t>((b * parts + p) * rows + row);
+        top = std::max(top, max_all[at]);
+        nan = nan || std::isnan(sum_all[at]);
+      }
+      if (nan) {
+        dst.row(i).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+        continue;
+      }
+      dst.row(i).setZero();
+      if (top == kNegInf) continue;  // no visible key: zeros
+      Scalar total = 0;
+      for (Index p = 0; p < parts; ++p) {
+        const Index t = b * parts + p;
+        const Scalar mp = max_all[static_cast<std::size_t>(t * rows + row)];
+        if (mp == kNegInf) continue;
+        const Scalar w = std::exp(mp - top);
+        total += w * sum_all[static_cast<std::size_t>(t * rows + row)];
+        dst.row(i) += w * Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(acc_all.data() + (t * rows + row) * dv, dv);
+      }
+      dst.row(i) /= total;
     }
   });
 }

@@ -256,6 +256,9 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
     return DecodeStateOf<Cache>(batch, embed_dim_);
   }
 
+  /// decode() steps of at most this many new tokens (and every prefill()) attend with sdpa_split_keys.
+  static constexpr Index kSplitKeysMaxQueries = 16;
+
   /// decode()/prefill(): appends the n tokens of x to the state and returns the outputs of the last
   /// `outputs` of them.
   template <class Cache>
@@ -273,10 +276,12 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
     const AttnMask<Scalar> causal = AttnMask<Scalar>::causal(total - outputs);
     const MaskView<Scalar> mask(causal, KeyPaddingMask<Scalar>(), batch, h, outputs, total);
     RowMatrix<Scalar> attn(batch * outputs, e);
-    kernels::sdpa_streaming<Scalar, Cache>(kernels::heads_view(std::as_const(q), batch, h),
-                                           state.cache_.key_heads(h), state.cache_.value_heads(h),
-                                           kernels::heads_view(attn, batch, h), mask,
-                                           kernels::default_scale<Scalar>(head_dim()), sdpa_options());
+    // A few new queries over a long cache: split the keys (one pass over the cache for all heads);
+    // many: the query-blocked streaming kernel.
+    const auto attend = outputs <= kSplitKeysMaxQueries ? &kernels::sdpa_split_keys<Scalar, Cache>
+                                                        : &kernels::sdpa_streaming<Scalar, Cache>;
+    attend(kernels::heads_view(std::as_const(q), batch, h), state.cache_.key_heads(h), state.cache_.value_heads(h),
+           kernels::heads_view(attn, batch, h), mask, kernels::default_scale<Scalar>(head_dim()), sdpa_options());
     Tensor3<Scalar> y(batch, outputs, e);
     Eigen::Map<RowMatrix<Scalar>> out(y.data(), batch * outputs, e);
     out_proj_.forward_rows(attn, out);
