@@ -189,9 +189,10 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
   });
 }
 
-/// Queries per GEMM in token_sparse_attention. Fixed, so that a token's arithmetic depends only on its
-/// own data and on its position among the earlier tokens that chose the same key chunk — never on the
-/// thread count, and never on a later token (the causal guarantee holds bit for bit).
+/// Queries per GEMM in token_sparse_attention: min(kTokenGroupRows, n) for a call with n queries. Fixed
+/// per call, so that a token's arithmetic depends only on n, its own data and its position among the
+/// earlier tokens that chose the same key chunk — never on the thread count, and never on a later token
+/// (the causal guarantee holds bit for bit). A decode step (n = 1) runs [1, dh] products, not 32 rows.
 constexpr Index kTokenGroupRows = 32;
 
 /// Fine stage of per-token gating: the query at position t attends, with one softmax (scores q·k ·
@@ -202,7 +203,7 @@ constexpr Index kTokenGroupRows = 32;
 ///
 /// GEMM-shaped although every token chooses differently: per (batch, head), the queries are grouped by
 /// the key chunk they selected; each key chunk j runs [group, dh] × [dh, chunk] and back over its
-/// gathered queries (in groups of kTokenGroupRows, ascending position), and every query merges the
+/// gathered queries (in groups of min(kTokenGroupRows, n), ascending position), and every query merges the
 /// partial softmaxes of its chunks with a running max and sum (the log-sum-exp merge of split-K flash
 /// decoding) in ascending key-chunk order. Working memory per worker: [n, dh] accumulators.
 template <class Scalar, class KV = Scalar>
@@ -216,7 +217,7 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k, T = grid.length;
   const Index p0 = T - n;  // position of query 0
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  constexpr Index G = kTokenGroupRows;
+  const Index G = std::min(kTokenGroupRows, std::max<Index>(n, 1));
   struct Workspace {
     std::vector<Index> start, members, fill;  // queries per key chunk: members[start[j] .. start[j+1])
     RowMatrix<Scalar> acc, qg, s, pv, kv;
