@@ -37,6 +37,7 @@
 #include "c2f/kernels/linear.hpp"
 #include "c2f/layers/c2f_attention_2d.hpp"
 #include "c2f/layers/multihead_attention.hpp"
+#include "benchmarks/rooflines.hpp"
 #include "tools/malloc_counter.hpp"
 
 #include <cstdint>
@@ -50,27 +51,13 @@
 namespace {
 
 using Eigen::Index;
+using c2f_bench::bench_threads;
+using c2f_bench::BM_Copy;
+using c2f_bench::fill;
+using c2f_bench::set_counters;
 
 constexpr Index kEmbed = 512;
 constexpr Index kHeads = 8;
-
-int bench_threads() {
-  const char* env = std::getenv("C2F_BENCH_THREADS");
-  return env != nullptr ? std::atoi(env) : 2;
-}
-
-// Fills with uniform values in [-1, 1) from a counter-based hash: fast, parallel, deterministic.
-void fill(float* data, Index n, std::uint64_t seed) {
-  c2f::detail::parallel_for((n + 65535) / 65536, bench_threads(), [&](Index task, int) {
-    const Index end = std::min(n, (task + 1) * 65536);
-    for (Index i = task * 65536; i < end; ++i) {
-      std::uint64_t z = (seed + static_cast<std::uint64_t>(i)) * 0x9E3779B97F4A7C15ull;
-      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-      z ^= z >> 27;
-      data[i] = static_cast<float>(static_cast<double>(z >> 40) * 0x1.0p-23 - 1.0);
-    }
-  });
-}
 
 // One input per grid side, made once (the 1024² input is 2 GiB).
 const c2f::Tensor3<float>& input(Index side) {
@@ -86,38 +73,6 @@ const c2f::Tensor3<float>& input(Index side) {
 double c2f2d_flop(Index tokens, Index blocks) {
   const double L = double(tokens), m = double(blocks), E = double(kEmbed), H = double(kHeads);
   return 16.0 * m * E * E + 4.0 * m * m * E + 4.0 * L * H * E + L * E;
-}
-
-void set_counters(benchmark::State& state, double flop, double bytes, Index tokens) {
-  state.counters["FLOP"] = flop;
-  state.counters["GFLOPS"] = benchmark::Counter(flop * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  if (bytes > 0) {
-    state.counters["bytes"] = bytes;
-    state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  }
-  if (tokens > 0) {
-    state.counters["tokens/s"] = benchmark::Counter(double(tokens), benchmark::Counter::kIsIterationInvariantRate);
-    state.counters["L"] = double(tokens);
-  }
-  state.counters["threads"] = bench_threads();
-}
-
-void BM_Copy(benchmark::State& state) {
-  const Index n = state.range(0) / Index(sizeof(float));
-  Eigen::VectorXf x(n), y(n);
-  fill(x.data(), n, 1);
-  y.setZero();  // touch every page before timing
-  const int threads = bench_threads();
-  constexpr Index kPart = 1 << 20;
-  for (auto _ : state) {
-    c2f::detail::parallel_for((n + kPart - 1) / kPart, threads, [&](Index task, int) {
-      const Index begin = task * kPart, len = std::min(kPart, n - begin);
-      y.segment(begin, len) = x.segment(begin, len);
-    });
-    benchmark::DoNotOptimize(y.data());
-    benchmark::ClobberMemory();
-  }
-  set_counters(state, 0.0, 2.0 * double(n) * sizeof(float), 0);
 }
 
 void BM_Gemm(benchmark::State& state) {

@@ -2,15 +2,16 @@
 """Runs c2f's benchmark sweep and turns it into a table, Google Benchmark JSON and PNG plots.
 
     /usr/bin/python3 benchmarks/sweep.py [--long] [--build build/release] [--out results/latest]
-                                         [--only attention|runtime|c2f2d ...]
+                                         [--only attention|runtime|c2f2d|decode ...]
 
 Parts (all by default; `--only` picks some), each streaming its progress:
     attention   bench_attention (and bench_libtorch when it was built): the layers against the GEMM
     runtime     bench_runtime* (threads, OpenMP builds, latency, concurrent callers, SIMD flags)
     c2f2d       bench_c2f2d: two-dimensional C2F against the copy-bandwidth and GEMM rooflines
+    decode      bench_decode: per-token decode latency from 1k to 128k context (MHA, SparseC2F, HMHA)
 The output folder receives each binary's Google Benchmark JSON, summary.md (the tables printed at the
 end, and the target checks) and the plots (time_vs_length.png, speedup_vs_chunk.png,
-memory_vs_length.png, sparse_error_vs_speedup.png). Every ratio is taken between entries of the same run.
+memory_vs_length.png, sparse_error_vs_speedup.png, decode_latency.png). Every ratio is taken between entries of the same run.
 """
 
 import argparse
@@ -25,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CHUNKS = [8, 16, 32, 64, 128, 256]
-PARTS = ["attention", "runtime", "c2f2d"]  # the main job's parts, in the order they run
+PARTS = ["attention", "runtime", "c2f2d", "decode"]  # the main job's parts, in the order they run
 SPARSE_MODES = {"sparse": 0, "sparse_token": 1, "sparse_token_causal": 2}  # bench_attention's 4th argument
 
 
@@ -513,6 +514,98 @@ def c2f2d_section(result):
     return "\n".join(out)
 
 
+DECODE_LAYERS = [("mha", "MHA"), ("mha_bf16", "MHA, bf16 cache"), ("sparse", "SparseC2F"), ("hmha", "HMHA")]
+
+
+def decode_section(result, out_dir):
+    """Issue 15's tables: per-token decode latency (n = 1) against the context for each layer and batch,
+    the states' memory, MHA's achieved key/value bandwidth against the in-run copy bandwidth; the targets;
+    and a plot of latency vs context. Returns (markdown, [plot files])."""
+    e = entries(result)
+    ctx = result["context"]
+    copy = next(b for k, b in e.items() if k[0] == "copy")
+    read = next((b for k, b in e.items() if k[0] == "read"), None)
+    bw = copy["GB/s"]
+    contexts = sorted({k[2] for k in e if k[0] == "mha"})
+    batches = sorted({k[1] for k in e if k[0] == "mha"})
+
+    def per_token(b):  # ms per decode step of the whole batch
+        return ms(b)
+
+    out = ["### Decoding (issue 15): one token per step against the context, same run", ""]
+    out.append(f"{ctx.get('num_cpus')} CPUs, {ctx.get('c2f_threads')} threads, Eigen SIMD: {ctx.get('c2f_isa')}, "
+               f"sweep `{ctx.get('decode_sweep')}`, {ctx.get('date')}; d = 512, 8 heads, float weights, causal "
+               f"layers; SparseC2F chunk 64, top_k 8 (per-token gating); HMHA window 64. A step = decode() of one "
+               f"new token for each of the B sequences (median of 3 repetitions). Rooflines of this run: STREAM "
+               f"copy {bw:.1f} GB/s" + (f", read-only scan {read['GB/s']:.1f} GB/s" if read else "") +
+               ". MHA GB/s = the key and value bytes a step reads (B · context · 2 · d · 4) per second.")
+    rows_by_batch = {}
+    for B in batches:
+        out.append("")
+        out.append(f"Batch {B}: ms per step (all {B} sequences), and the decoding state's memory")
+        out.append("")
+        rows = []
+        for c in contexts:
+            m = e.get(("mha", B, c))
+            if not m:
+                continue
+            row = [f"{c // 1024}k", f"{per_token(m):.3f}", f"{m['GB/s']:.1f} ({100 * m['GB/s'] / bw:.0f} %)"]
+            bf = e.get(("mha_bf16", B, c))
+            row.append(f"{per_token(bf):.3f}" if bf else "—")
+            for name in ("sparse", "hmha"):
+                b = e.get((name, B, c))
+                row.append(f"{per_token(b):.3f} ({per_token(m) / per_token(b):.1f}×)" if b else "—")
+            mem = [e.get((name, B, c)) for name in ("mha", "mha_bf16", "sparse", "hmha")]
+            row.append(" / ".join(fmt_bytes(b["state_bytes"]) if b else "—" for b in mem))
+            rows.append(row)
+        rows_by_batch[B] = rows
+        out.append(table(["context", "MHA ms", "MHA GB/s (of copy)", "MHA bf16-cache ms", "SparseC2F ms (vs MHA)",
+                          "HMHA ms (vs MHA)", "state: MHA / MHA bf16 / SparseC2F / HMHA"], rows))
+
+    checks = []
+    long_ctx = [c for c in contexts if c >= 32768]
+    if long_ctx:
+        worst = min((e[("mha", B, c)]["GB/s"] / bw, B, c) for B in batches for c in long_ctx if ("mha", B, c) in e)
+        checks.append((f"MHA decode ≥ 50 % of the copy bandwidth from 32k context on (B = "
+                       f"{', '.join(map(str, batches))})",
+                       f"lowest {100 * worst[0]:.0f} % (B = {worst[1]}, {worst[2] // 1024}k)", worst[0] >= 0.5))
+    top = contexts[-1] if contexts else None
+    if top == 131072:
+        for B in batches:
+            m, sp = e.get(("mha", B, top)), e.get(("sparse", B, top))
+            if m and sp:
+                r = per_token(m) / per_token(sp)
+                checks.append((f"SparseC2F decode ≥ 10× faster than MHA per token at 128k (B = {B})", f"{r:.1f}×",
+                               r >= 10))
+    new_threads = max(b.get("new_threads", 0) for k, b in e.items() if k[0] in dict(DECODE_LAYERS))
+    checks.append(("no thread created during the timed steps (every entry)", f"max {new_threads:.0f} new threads",
+                   new_threads == 0))
+    out.append("")
+    out.append("### Targets (issue 15)")
+    out.append("")
+    out.append(table(["target", "measured", "met"], [[c, m_, "yes" if ok else "**no**"] for c, m_, ok in checks]))
+
+    files = []
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "\n".join(out), files
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    colors = {"mha": "k", "mha_bf16": "0.5", "sparse": "tab:green", "hmha": "tab:purple"}
+    for name, label in DECODE_LAYERS:
+        for B, style in zip(batches, ("-o", "--s")):
+            cs = [c for c in contexts if (name, B, c) in e]
+            if cs:
+                ax.plot(cs, [per_token(e[(name, B, c)]) for c in cs], style, color=colors[name], label=f"{label}, B = {B}")
+    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per decode step",
+           title="Decode latency vs context (d = 512, 8 heads)")
+    ax.set_xscale("log", base=2)
+    files.append(finish(plt, fig, ax, out_dir / "decode_latency.png", legend_size=7))
+    return "\n".join(out), files
+
+
 def finish(plt, fig, ax, path, legend_size):
     """Grid, legend, layout; saves `fig` as a small PNG at `path` and returns the path."""
     ax.grid(True, which="both", alpha=0.3)
@@ -597,12 +690,15 @@ def main(argv=None):
     p.add_argument("--repetitions", type=int, default=1, help="Google Benchmark repetitions (median reported)")
     p.add_argument("--only", choices=PARTS, action="append",
                    help="run only these parts (repeatable; default: all): attention = bench_attention and "
-                        "bench_libtorch, runtime = bench_runtime* (threads, OpenMP), c2f2d = bench_c2f2d")
+                        "bench_libtorch, runtime = bench_runtime* (threads, OpenMP), c2f2d = bench_c2f2d, "
+                        "decode = bench_decode")
     p.add_argument("--runtime-repetitions", type=int, default=3,
                    help="repetitions of the runtime sweeps (bench_runtime*; median reported)")
     p.add_argument("--c2f2d-sweep", choices=["full", "quick"], default="full",
                    help="bench_c2f2d's grids: full (32² … 1024² × blocks 8² … 64², about 4 minutes) or quick "
                         "(to 256², plus 1024² in 64² blocks)")
+    p.add_argument("--decode-sweep", choices=["full", "quick"], default="full",
+                   help="bench_decode's contexts: full (1k … 128k, about 5 minutes) or quick (to 16k)")
     args = p.parse_args(argv)
     build, out_dir = Path(args.build), Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -638,6 +734,14 @@ def main(argv=None):
                               [f"--c2f2d_sweep={args.c2f2d_sweep}"])
         written.append("bench_c2f2d.json")
         sections.append(c2f2d_section(c2f2d))
+    if "decode" in parts:
+        # Its entries set their own iterations and repetitions; see bench_decode.cpp.
+        decode = run_benchmark(build / "benchmarks" / "bench_decode", out_dir / "bench_decode.json",
+                               [f"--decode_sweep={args.decode_sweep}"])
+        written.append("bench_decode.json")
+        text, decode_files = decode_section(decode, out_dir)
+        sections.append(text)
+        files = list(files) + decode_files
     text = "\n\n".join(sections)
     (out_dir / "summary.md").write_text(text + "\n")
     print()

@@ -23,7 +23,7 @@ DESCRIPTIONS = {
     "benchmarks/": "Google Benchmark binaries and the main job's sweep (sweep.py: tables, plots)",
     "cmake/": "package config template (find_package(c2f [COMPONENTS safetensors]))",
     "docs/": "plots and tables of a measured run",
-    "examples/": "programs that load PyTorch weights and compare with PyTorch; their export scripts",
+    "examples/": "programs that load PyTorch weights and compare with PyTorch (and their export scripts), a 2-D pyramid, token-by-token decoding",
     "scripts/": "install-deps.sh (the one package list), run.sh (main job), test.sh (README test command)",
     "tests/": "GoogleTest suites (one executable per area)",
     "tests/consumers/": "downstream CMake projects: find_package (core and safetensors), add_subdirectory",
