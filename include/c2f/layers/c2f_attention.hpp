@@ -36,6 +36,7 @@
 // literally (kv_proj of every token, one attention row per token) and is the path for per-token masks.
 #pragma once
 
+#include "c2f/detail/huge_pages.hpp"
 #include "c2f/detail/module.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/chunk.hpp"
@@ -195,6 +196,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                    detail::shape_string({coarse_context.batch(), coarse_context.seq(), coarse_context.features()}));
     }
     Tensor3<Scalar> y(x.batch(), x.seq(), d_);
+    detail::prefer_huge_pages(y);
     if (chunks == 0) return y;
 
     // Chunk c sees only its real keys: a key-length mask per chunk on top of the caller's mask.
@@ -279,11 +281,13 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
     // qk[c, h·d:(h+1)·d] = q[c, h·dk:(h+1)·dk] W_k,h / sqrt(dk)   (the key bias only shifts a softmax row)
     RowMatrix<Scalar> qk(chunks, heads_ * d_);
+    detail::prefer_huge_pages(qk);
     for (Index h = 0; h < heads_; ++h) {
       kernels::matmul_rows<Scalar>(q.middleCols(h * dk, dk), wk.middleRows(h * dk, dk) * scale, nullptr,
                                    qk.middleCols(h * d_, d_), threads);
     }
     RowMatrix<Scalar> pooled(chunks, heads_ * d_), mass(chunks, heads_);
+    detail::prefer_huge_pages(pooled);
     kernels::fine_attention_folded<Scalar>(x, grid, qk, heads_, bias, pooled, mass, threads);
 
     // o[c, h·dk:(h+1)·dk] = pooled[c, h] W_v,hᵀ + mass[c, h] b_v,h
@@ -312,6 +316,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
         divisible ? Eigen::Ref<const RowMatrix<Scalar>>(x.rows()) : Eigen::Ref<const RowMatrix<Scalar>>(padded);
 
     RowMatrix<Scalar> kv(chunks * k, 2 * d_), attn(chunks * k, d_);
+    detail::prefer_huge_pages(kv);
+    detail::prefer_huge_pages(attn);
     kv_proj_.forward_rows(tokens, kv);
     // Every token of chunk c reads the chunk's one query: a row stride of 0.
     kernels::HeadsView<const Scalar> qv = kernels::heads_view<const Scalar>(q.data(), chunks, k, d_, 0, heads_, dk);
@@ -327,6 +333,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     kernels::sdpa_streaming<Scalar>(qv, kview, vview, oview, plan, kernels::default_scale<Scalar>(dk), sdpa);
 
     RowMatrix<Scalar> projected(chunks * k, d_);
+    detail::prefer_huge_pages(projected);
     out_proj_.forward_rows(attn, projected);
     for (Index c = 0; c < chunks; ++c) out.middleRows(grid.row(c), grid.count(c)) = projected.middleRows(c * k, grid.count(c));
   }

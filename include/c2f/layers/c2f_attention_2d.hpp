@@ -30,6 +30,7 @@
 // The PyTorch reference is tests/reference/c2f2d_reference.py.
 #pragma once
 
+#include "c2f/detail/huge_pages.hpp"
 #include "c2f/detail/module.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/block2d.hpp"
@@ -132,6 +133,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     detail::check_mask_fields(masks, "C2FAttention2D", false, false, false);
     const kernels::BlockGrid2D grid = checked_grid(x, height, width);
     Tensor3<Scalar> y(x.batch(), x.seq(), embed_dim());
+    detail::prefer_huge_pages(y);
     run(x, grid, Eigen::Map<RowMatrix<Scalar>>(y.data(), x.batch() * x.seq(), embed_dim()));
     return y;
   }

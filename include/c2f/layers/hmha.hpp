@@ -21,6 +21,7 @@
 // State dict: q_proj.conv3.*, q_proj.conv2.*, k_proj.*, v_proj.*, out_proj.weight, out_proj.bias.
 #pragma once
 
+#include "c2f/detail/huge_pages.hpp"
 #include "c2f/detail/module.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/hierarchical.hpp"
@@ -117,13 +118,15 @@ class HMHA : public detail::DecodingModule<HMHA<Scalar>, Scalar> {
     detail::check_mask_fields(masks, "HMHA", false, false, false);
     detail::check_features(x, embed_dim_, "HMHA", "x", "embed_dim");
     const Index batch = x.batch(), length = x.seq(), rows = batch * length;
-    RowMatrix<Scalar> q(rows, embed_dim_), k(rows, embed_dim_), v(rows, embed_dim_);
+    RowMatrix<Scalar> q(rows, embed_dim_), k(rows, embed_dim_), v(rows, embed_dim_), o(rows, embed_dim_);
+    for (RowMatrix<Scalar>* buffer : {&q, &k, &v, &o}) detail::prefer_huge_pages(*buffer);
     q_proj_.forward_rows(x.rows(), batch, length, q);
     k_proj_.forward_rows(x.rows(), batch, length, k);
     v_proj_.forward_rows(x.rows(), batch, length, v);
-    RowMatrix<Scalar> o = RowMatrix<Scalar>::Zero(rows, embed_dim_);
+    o.setZero();
     attend(q, k, v, batch, length, o);
     Tensor3<Scalar> y(batch, length, embed_dim_);
+    detail::prefer_huge_pages(y);
     Eigen::Map<RowMatrix<Scalar>> out(y.data(), rows, embed_dim_);
     out_proj_.forward_rows(o, out);
     return y;

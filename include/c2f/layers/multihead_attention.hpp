@@ -1,6 +1,7 @@
 // c2f layers — MultiHeadAttention, numerically torch.nn.MultiheadAttention(batch_first=True) in eval mode.
 #pragma once
 
+#include "c2f/detail/huge_pages.hpp"
 #include "c2f/detail/module.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/linear.hpp"
@@ -185,6 +186,9 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
     qp.resize(query.batch() * query.seq(), e);
     kp.resize(key.batch() * key.seq(), e);
     vp.resize(value.batch() * value.seq(), e);
+    detail::prefer_huge_pages(qp);
+    detail::prefer_huge_pages(kp);
+    detail::prefer_huge_pages(vp);
     const Scalar* bias = options_.bias() ? b_.data() : nullptr;
     kernels::linear<Scalar>(query.rows(), w_[0], bias, qp, threads);
     kernels::linear<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads);
@@ -316,12 +320,14 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
     const Scalar scale = kernels::default_scale<Scalar>(head_dim());
 
     RowMatrix<Scalar> attn(batch * lq, e);
+    detail::prefer_huge_pages(attn);
     const kernels::HeadsView<const Scalar> qv = kernels::heads_view(qp, batch, h), kv = kernels::heads_view(kp, batch, h),
                                            vv = kernels::heads_view(vp, batch, h);
     const kernels::HeadsView<Scalar> ov = kernels::heads_view(attn, batch, h);
 
     AttnOutput<Scalar> result;
     result.output = Tensor3<Scalar>(batch, lq, e);
+    detail::prefer_huge_pages(result.output);
     if (weights_mode != nullptr) {
       const Index lk = key.seq();
       Tensor4<Scalar> per_head(batch, h, lq, lk);

@@ -24,6 +24,7 @@
 // scores of the chunk summaries); no L × L buffer.
 #pragma once
 
+#include "c2f/detail/huge_pages.hpp"
 #include "c2f/detail/module.hpp"
 #include "c2f/kernels/chunk_sparse.hpp"
 #include "c2f/kv_cache.hpp"
@@ -143,6 +144,7 @@ class SparseC2FAttention : public detail::DecodingModule<SparseC2FAttention<Scal
     const kernels::ChunkGrid grid{batch, length, chunk_};
     SparseAttnOutput<Scalar> result;
     RowMatrix<Scalar> attn(batch * length, e);
+    detail::prefer_huge_pages(attn);
     if (gating_ == Gating::PerToken) {
       RowMatrix<Scalar> k_means(grid.chunks(), e);
       kernels::chunk_mean<Scalar>(k, grid, k_means, threads);
@@ -153,6 +155,7 @@ class SparseC2FAttention : public detail::DecodingModule<SparseC2FAttention<Scal
       kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, result.selection, mask, scale, attn, threads);
     }
     result.output = Tensor3<Scalar>(batch, length, e);
+    detail::prefer_huge_pages(result.output);
     Eigen::Map<RowMatrix<Scalar>> out(result.output.data(), batch * length, e);
     mha_.out_proj().forward_rows(attn, out);
     return result;
