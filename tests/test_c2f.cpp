@@ -185,9 +185,18 @@ TYPED_TEST(C2FPathTest, FoldedPathEqualsGeneralPathOnRandomShapes) {
     what << "rep " << rep << ": batch=" << batch << " L=" << length << " chunk=" << chunk << " d=" << d
          << " heads=" << heads << " mask=" << mask_desc;
     SCOPED_TRACE(what.str());
+    // forward_into() writes every row of the caller's buffer, with the bits of forward().
+    const auto into = [&] {
+      Tensor3<Scalar> out(batch, length, d);
+      out.setConstant(Scalar(7));
+      m.forward_into(x, Eigen::Map<c2f::RowMatrix<Scalar>>(out.data(), batch * length, d), masks);
+      return out;
+    };
     const Tensor3<Scalar> folded = m.forward(x, masks);
+    EXPECT_TRUE(same_bits(folded, into())) << "forward_into, folded path";
     m.set_fine_path(FinePath::General);
     const Tensor3<Scalar> general = m.forward(x, masks);
+    EXPECT_TRUE(same_bits(general, into())) << "forward_into, general path";
     ASSERT_TRUE(general.dimensions() == folded.dimensions());
     const double tol = std::is_same<Scalar, float>::value ? 2e-5 : 1e-12;
     expect_close(folded.data(), general.data(), folded.size(), tol, tol, what.str());
@@ -311,6 +320,13 @@ TEST(C2FMasks, WrongMaskShapesNameTheShapes) {
   }
   EXPECT_THROW(m.forward(x, c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::keep(coarse))), std::invalid_argument);
   EXPECT_THROW(m.forward(rng.tensor<float>(2, 10, 6)), std::invalid_argument);
+  c2f::RowMatrix<float> out(19, 8);
+  try {
+    m.forward_into(x, out);
+    ADD_FAILURE() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[20, 8], got [19, 8]"), std::string::npos) << e.what();
+  }
   EXPECT_THROW(C2FAttention<float>(10, 3, 4), std::invalid_argument);
   EXPECT_THROW(C2FAttention<float>(8, 2, 0), std::invalid_argument);
 }

@@ -183,6 +183,15 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// n = 1, B·m or B·m·H; entries at padded positions are ignored) → [B, L, d].
   Tensor3<Scalar> forward_chunked(ConstTensor3Ref<Scalar> x, Index chunk, ConstTensor3Ref<Scalar> coarse_context,
                                   const Masks<Scalar>& masks = {}) const {
+    Tensor3<Scalar> y(x.batch(), x.seq(), d_);
+    detail::prefer_huge_pages(y);
+    forward_chunked_into(x, chunk, coarse_context, Eigen::Map<RowMatrix<Scalar>>(y.data(), x.batch() * x.seq(), d_), masks);
+    return y;
+  }
+
+  /// forward_chunked() into caller memory: out [B·L, embed_dim] (e.g. a buffer reused across calls).
+  void forward_chunked_into(ConstTensor3Ref<Scalar> x, Index chunk, ConstTensor3Ref<Scalar> coarse_context,
+                            Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
     detail::check_mask_fields(masks, "FineAttention", true, false, false);
     const AttnMask<Scalar>& mask = masks.attn_mask();
     if (chunk < 1) detail::fail("FineAttention: chunk size must be >= 1, got ", chunk);
@@ -195,9 +204,11 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                    detail::shape_string({x.batch(), x.seq(), x.features()}), " and chunk ", chunk, ", got ",
                    detail::shape_string({coarse_context.batch(), coarse_context.seq(), coarse_context.features()}));
     }
-    Tensor3<Scalar> y(x.batch(), x.seq(), d_);
-    detail::prefer_huge_pages(y);
-    if (chunks == 0) return y;
+    if (out.rows() != x.batch() * x.seq() || out.cols() != d_) {
+      detail::fail("FineAttention: out must be [batch·seq, embed_dim] = ", detail::shape_string({x.batch() * x.seq(), d_}),
+                   ", got ", detail::shape_string({out.rows(), out.cols()}));
+    }
+    if (chunks == 0) return;
 
     // Chunk c sees only its real keys: a key-length mask per chunk on top of the caller's mask.
     std::vector<Index> real_keys(static_cast<std::size_t>(chunks));
@@ -207,7 +218,6 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
     RowMatrix<Scalar> q(chunks, d_);
     q_proj_.forward_rows(coarse_context.rows(), q);
-    Eigen::Map<RowMatrix<Scalar>> out(y.data(), x.batch() * x.seq(), d_);
 
     const bool rows_equal = mask.is_none() || mask_rows_equal_in_chunks(plan, grid);
     if (options_.fine_path() == FinePath::Folded && !rows_equal) {
@@ -218,7 +228,6 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     } else {
       forward_folded(x.rows(), grid, q, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, out);
     }
-    return y;
   }
 
   /// The folded fine stage, without a mask, on any block grid of c2f/kernels/chunk.hpp (a ChunkGrid, a
@@ -303,7 +312,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
   /// The article's formula: k, v = kv_proj(tokens); per token, softmax(q_chunk kᵀ / sqrt(dk) + mask) v.
   void forward_general(const ConstTensor3Ref<Scalar>& x, const kernels::ChunkGrid& grid, const RowMatrix<Scalar>& q,
-                       const MaskView<Scalar>& plan, Eigen::Map<RowMatrix<Scalar>>& out) const {
+                       const MaskView<Scalar>& plan, Eigen::Ref<RowMatrix<Scalar>> out) const {
     const Index chunks = grid.chunks(), k = grid.chunk, dk = head_dim();
     // Tokens on the padded grid [chunks·k, d]; padded rows are zeros (their keys are masked).
     RowMatrix<Scalar> padded;
@@ -398,6 +407,21 @@ class C2FAttention : public detail::Module<C2FAttention<Scalar>> {
     const Tensor3<Scalar> summaries = coarse_input(x);
     const Tensor3<Scalar> context = coarse_.forward(summaries, Masks<Scalar>().attn_mask(masks.attn_mask()));
     return fine_.forward_chunked(x, chunk_, context, Masks<Scalar>().attn_mask(masks.fine_attn_mask()));
+  }
+
+  /// forward() into caller memory: out [B·L, embed_dim], e.g. a buffer reused across calls, which saves
+  /// the first-touch cost of a fresh output (the operating system maps and zeroes every page of it).
+  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
+    detail::check_mask_fields(masks, "C2FAttention", true, false, true);
+    detail::check_features(x, embed_dim(), "C2FAttention", "x", "embed_dim");
+    if (out.rows() != x.batch() * x.seq() || out.cols() != embed_dim()) {
+      detail::fail("C2FAttention: out must be [batch·seq, embed_dim] = ",
+                   detail::shape_string({x.batch() * x.seq(), embed_dim()}), ", got ",
+                   detail::shape_string({out.rows(), out.cols()}));
+    }
+    const Tensor3<Scalar> summaries = coarse_input(x);
+    const Tensor3<Scalar> context = coarse_.forward(summaries, Masks<Scalar>().attn_mask(masks.attn_mask()));
+    fine_.forward_chunked_into(x, chunk_, context, out, Masks<Scalar>().attn_mask(masks.fine_attn_mask()));
   }
 
   /// The coarse stage's input: the mean of the real tokens of every chunk, [B, ceil(L / chunk), d].
