@@ -1,9 +1,10 @@
 // c2f's MultiHeadAttention against libtorch's torch::nn::MultiheadAttention in the same binary: same
 // weights, same input, outputs checked equal before anything is timed.
 //
-//   bench_libtorch [--c2f_sweep=quick|long] [--c2f_check_only] [Google Benchmark flags]
+//   bench_libtorch [--c2f_sweep=quick|long|peers] [--c2f_check_only] [Google Benchmark flags]
 //
-// quick: L ∈ {512, 2048}; long: L ∈ {512, 1024, 2048, 4096}. E = 512, 8 heads, batch 1, float,
+// quick: L ∈ {512, 2048}; long: L ∈ {512, 1024, 2048, 4096}; peers (the sweep's peer table, next to
+// torch_peer.py): L ∈ {1024, 2048, 4096, 8192}. E = 512, 8 heads, batch 1, float,
 // need_weights = false, both on C2F_BENCH_THREADS threads (default 2; torch via at::set_num_threads, and
 // OpenBLAS — when it is the BLAS the process loaded — via openblas_set_num_threads).
 // Counters as in bench_attention (FLOP = 8·L·E² + 4·L²·E).
@@ -159,11 +160,12 @@ void set_counters(benchmark::State& state, Index length, double max_abs_diff) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool long_sweep = false, check_only = false;
+  std::string sweep = "quick";
+  bool check_only = false;
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--c2f_sweep=long") == 0) {
-      long_sweep = true;
+    if (std::strcmp(argv[i], "--c2f_sweep=long") == 0 || std::strcmp(argv[i], "--c2f_sweep=peers") == 0) {
+      sweep = argv[i] + 12;
     } else if (std::strcmp(argv[i], "--c2f_check_only") == 0) {
       check_only = true;
     } else if (std::strcmp(argv[i], "--c2f_sweep=quick") != 0) {
@@ -189,7 +191,9 @@ int main(int argc, char** argv) {
   std::printf("peer: mapped BLAS libraries: %s; OpenBLAS config: %s\n", mapped.c_str(), openblas.config().c_str());
   const bool listing = std::any_of(args.begin(), args.end(),
                                    [](const char* a) { return std::strncmp(a, "--benchmark_list_tests", 22) == 0; });
-  const std::vector<Index> lengths = long_sweep ? std::vector<Index>{512, 1024, 2048, 4096} : std::vector<Index>{512, 2048};
+  const std::vector<Index> lengths = sweep == "long"    ? std::vector<Index>{512, 1024, 2048, 4096}
+                                     : sweep == "peers" ? std::vector<Index>{1024, 2048, 4096, 8192}
+                                                        : std::vector<Index>{512, 2048};
   std::vector<std::shared_ptr<Peer>> peers;
   for (Index L : (check_only ? std::vector<Index>{7, 512} : lengths)) {
     auto peer = std::make_shared<Peer>(L);
@@ -211,7 +215,7 @@ int main(int argc, char** argv) {
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
-  benchmark::AddCustomContext("c2f_sweep", long_sweep ? "long" : "quick");
+  benchmark::AddCustomContext("c2f_sweep", sweep);
   benchmark::AddCustomContext("torch_version", TORCH_VERSION);
   benchmark::AddCustomContext("blas_library", blas);
   benchmark::AddCustomContext("mapped_blas", mapped);
