@@ -414,7 +414,8 @@ def peer_table(peers, attn, libtorch=None):
         by_key[(r["layer"], L)] = dict(r, c2f_ms=c2f_ms, libtorch_ms=lt_ms, best=best, speedup=speedup)
         nn_mha = torch_mha.get(L, {}).get("torch_ms") if r["layer"] != "mha" else None
         rows.append([r["label"], L,
-                     f"{own:.1f}" if own is not None else f"skipped ({r.get('skipped', 'not run')})",
+                     f"{own:.1f}" if own is not None else
+                     ("skipped (" + ("memory" if "memory" in r.get("skipped", "") else "time") + ")"),
                      f"{nn_mha:.1f}" if nn_mha is not None else "—",
                      f"{lt_ms:.1f}" if lt_ms is not None else "—",
                      f"{c2f_ms:.2f}" if c2f_ms is not None else "— (no entry)",
