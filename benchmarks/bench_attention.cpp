@@ -41,6 +41,9 @@
 //              same run (GEMM GFLOP/s ÷ copy GB/s): above it the GEMM roofline binds, below it memory
 //   GFLOPS     FLOP / wall time
 //   GB/s       bytes / wall time
+// Every entry measures the CPU time of the whole process (Google Benchmark's "CPU" column): CPU ÷ wall
+// time is the number of cores the entry really got — about C2F_BENCH_THREADS on a quiet machine, less
+// when other processes share the cores.
 //   tokens/s   L / wall time
 //   peak_bytes heap memory held at once during one forward, beyond what existed before it (input and
 //              weights), measured by counting every malloc (tools/malloc_counter.hpp); includes the output
@@ -312,29 +315,25 @@ void register_sweep(bool long_sweep) {
     hmha_lengths.push_back(32768);
   }
   const std::vector<Index> chunks = {8, 16, 32, 64, 128, 256};
+  // Milliseconds, wall-clock time, and the whole process's CPU time (the cores an entry really got).
+  const auto timed = [](benchmark::internal::Benchmark* b) {
+    b->Unit(benchmark::kMillisecond)->MeasureProcessCPUTime()->UseRealTime();
+  };
   // The memory roofline first (a short entry each; sweep.py divides by it).
-  benchmark::RegisterBenchmark("copy", BM_Copy)->Arg(kStreamFloats)->Unit(benchmark::kMillisecond)->UseRealTime();
-  benchmark::RegisterBenchmark("triad", BM_Triad)->Arg(kStreamFloats)->Unit(benchmark::kMillisecond)->UseRealTime();
+  timed(benchmark::RegisterBenchmark("copy", BM_Copy)->Arg(kStreamFloats));
+  timed(benchmark::RegisterBenchmark("triad", BM_Triad)->Arg(kStreamFloats));
   for (Index L : lengths) {
-    benchmark::RegisterBenchmark("gemm", BM_Gemm)->Arg(L)->Unit(benchmark::kMillisecond)->UseRealTime();
-    benchmark::RegisterBenchmark("mha_streaming", BM_Mha, c2f::AttnKernel::Streaming)
-        ->Arg(L)->Unit(benchmark::kMillisecond)->UseRealTime();
-    if (L <= naive_max) {
-      benchmark::RegisterBenchmark("mha_naive", BM_Mha, c2f::AttnKernel::Naive)
-          ->Arg(L)->Unit(benchmark::kMillisecond)->UseRealTime();
-    }
-    for (Index chunk : chunks) {
-      benchmark::RegisterBenchmark("c2f", BM_C2F)->Args({L, chunk})->Unit(benchmark::kMillisecond)->UseRealTime();
-    }
+    timed(benchmark::RegisterBenchmark("gemm", BM_Gemm)->Arg(L));
+    timed(benchmark::RegisterBenchmark("mha_streaming", BM_Mha, c2f::AttnKernel::Streaming)->Arg(L));
+    if (L <= naive_max) timed(benchmark::RegisterBenchmark("mha_naive", BM_Mha, c2f::AttnKernel::Naive)->Arg(L));
+    for (Index chunk : chunks) timed(benchmark::RegisterBenchmark("c2f", BM_C2F)->Args({L, chunk}));
   }
-  for (Index L : hmha_lengths) {
-    benchmark::RegisterBenchmark("hmha", BM_HMHA)->Args({L, kWindow})->Unit(benchmark::kMillisecond)->UseRealTime();
-  }
+  for (Index L : hmha_lengths) timed(benchmark::RegisterBenchmark("hmha", BM_HMHA)->Args({L, kWindow}));
   for (Index L : {Index(4096), Index(16384)}) {
     for (Index top_k : {1, 2, 4, 8, 16, 32}) {
       for (Index mode : {kPerChunk, kPerToken, kPerTokenCausal}) {
         const char* name = mode == kPerChunk ? "sparse" : (mode == kPerToken ? "sparse_token" : "sparse_token_causal");
-        benchmark::RegisterBenchmark(name, BM_Sparse)->Args({L, 64, top_k, mode})->Unit(benchmark::kMillisecond)->UseRealTime();
+        timed(benchmark::RegisterBenchmark(name, BM_Sparse)->Args({L, 64, top_k, mode}));
       }
     }
   }
@@ -375,7 +374,8 @@ class PeerRun {
     if (layer == "sparse") {
       const std::string gating = meta("gating");
       if (gating != "chunk" && gating != "token") {
-        throw std::invalid_argument(weights_path_ + ": __metadata__ gating must be chunk or token, got '" + gating + "'");
+        throw std::invalid_argument(weights_path_ + ": __metadata__ gating must be chunk or token, got '" + gating +
+                                    "'");
       }
       return loaded(c2f::SparseC2FAttention<float>(
           E, H, meta_index("chunk_size"), meta_index("top_k"),

@@ -7,7 +7,8 @@
 // torch_peer.py): L ∈ {1024, 2048, 4096, 8192}. E = 512, 8 heads, batch 1, float,
 // need_weights = false, both on C2F_BENCH_THREADS threads (default 2; torch via at::set_num_threads, and
 // OpenBLAS — when it is the BLAS the process loaded — via openblas_set_num_threads).
-// Counters as in bench_attention (FLOP = 8·L·E² + 4·L²·E).
+// Counters as in bench_attention (FLOP = 8·L·E² + 4·L²·E); the CPU column is the whole process's CPU time
+// (CPU ÷ wall = the cores an entry really got).
 //
 // The peer's setup goes into the results' context (and is printed as "peer: ..." lines):
 //   blas_library      the real path of the shared library that provides sgemm_ — the BLAS symbol
@@ -78,7 +79,9 @@ std::string mapped_blas_libraries() {
 std::string sgemm_provider() {
   void* sgemm = dlsym(RTLD_DEFAULT, "sgemm_");
   Dl_info info{};
-  if (sgemm == nullptr || dladdr(sgemm, &info) == 0 || info.dli_fname == nullptr) return "unknown (no sgemm_ found)";
+  if (sgemm == nullptr || dladdr(sgemm, &info) == 0 || info.dli_fname == nullptr) {
+    return "unknown (no sgemm_ found)";
+  }
   char real[4096];
   return realpath(info.dli_fname, real) != nullptr ? std::string(real) : std::string(info.dli_fname);
 }
@@ -206,11 +209,11 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark("libtorch_mha", [peer](benchmark::State& state) {
       for (auto _ : state) benchmark::DoNotOptimize(peer->run_torch().data_ptr());
       set_counters(state, peer->length, peer->max_abs_diff);
-    })->Arg(peer->length)->Unit(benchmark::kMillisecond)->UseRealTime();
+    })->Arg(peer->length)->Unit(benchmark::kMillisecond)->MeasureProcessCPUTime()->UseRealTime();
     benchmark::RegisterBenchmark("c2f_mha", [peer](benchmark::State& state) {
       for (auto _ : state) benchmark::DoNotOptimize(peer->run_c2f().data());
       set_counters(state, peer->length, peer->max_abs_diff);
-    })->Arg(peer->length)->Unit(benchmark::kMillisecond)->UseRealTime();
+    })->Arg(peer->length)->Unit(benchmark::kMillisecond)->MeasureProcessCPUTime()->UseRealTime();
   }
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());

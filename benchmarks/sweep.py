@@ -204,7 +204,7 @@ def summarize(attn, torch_result, one_thread=None, peers=None):
         out.append(f"### c2f MultiHeadAttention vs libtorch {c.get('torch_version', '')} "
                    "torch::nn::MultiheadAttention (same weights and input, same binary)")
         out.append("")
-        out.append(f"libtorch's BLAS (sgemm_ from): `{c.get('blas_library', '? (bench_libtorch predates the report)')}`; "
+        out.append(f"libtorch's BLAS (sgemm_ from): `{c.get('blas_library', '? (not reported)')}`; "
                    f"OpenBLAS threads {c.get('openblas_threads', '?')}, torch threads {c.get('torch_threads', '?')}, "
                    f"c2f threads {c.get('c2f_threads', '?')}.")
         out.append("")
@@ -222,15 +222,18 @@ def summarize(attn, torch_result, one_thread=None, peers=None):
         out.append("")
         out.append("### Rooflines (same run)")
         out.append("")
-        out.append(f"Memory roofline: STREAM copy {bw:.1f} GB/s" + (f" (triad {triad['GB/s']:.1f} GB/s)" if triad else "") +
-                   f", {ctx.get('c2f_threads')} threads, 256 MiB arrays, STREAM's byte counts. Compute roofline: the "
-                   f"fastest GEMM entry of the run, {peak:.1f} GFLOPS ([{peak_L}, 512] × [512, 512], "
-                   f"{ctx.get('c2f_threads')} threads; the GEMM entries ranged {min(gemms)[0]:.1f} … {peak:.1f}). Machine "
-                   f"balance = {peak:.1f} / {bw:.1f} = {balance:.1f} FLOP/byte. Bytes = what a forward must move: read x "
-                   f"and the weights, write y. An entry whose intensity (FLOP / bytes) is above the balance is bound "
-                   f"by the GEMM roofline (fraction = its GFLOPS ÷ {peak:.1f}), below it by memory (fraction = its "
-                   f"GB/s ÷ {bw:.1f}). Entries marked \"in cache\" move less than the {fmt_bytes(llc)} last-level cache: "
-                   f"their data stays there between calls, so they can pass the copy roofline.")
+        threads = ctx.get("c2f_threads")
+        out.append(
+            f"Memory roofline: STREAM copy {bw:.1f} GB/s" + (f" (triad {triad['GB/s']:.1f} GB/s)" if triad else "") +
+            f", {threads} threads, 256 MiB arrays, STREAM's byte counts. Compute roofline: the fastest GEMM entry "
+            f"of the run, {peak:.1f} GFLOPS ([{peak_L}, 512] × [512, 512], {threads} threads; the GEMM entries "
+            f"ranged {min(gemms)[0]:.1f} … {peak:.1f}). Machine balance = {peak:.1f} / {bw:.1f} = {balance:.1f} "
+            f"FLOP/byte. Bytes = what a forward must move: read x and the weights, write y. An entry whose intensity "
+            f"(FLOP / bytes) is above the balance is bound by the GEMM roofline (fraction = its GFLOPS ÷ "
+            f"{peak:.1f}), below it by memory (fraction = its GB/s ÷ {bw:.1f}). Entries marked \"in cache\" move "
+            f"less than the {fmt_bytes(llc)} last-level cache: their data stays there between calls, so they can "
+            f"pass the copy roofline. Cores = the process's CPU time ÷ wall time during the entry: {threads} on a "
+            f"quiet machine, less when other processes held the cores (then every rate of that entry is low).")
         out.append("")
         order = {"gemm": 0, "mha_streaming": 1, "mha_naive": 2, "c2f": 3, "hmha": 4, "sparse": 5, "sparse_token": 6,
                  "sparse_token_causal": 7}
@@ -240,12 +243,14 @@ def summarize(attn, torch_result, one_thread=None, peers=None):
             b = e[k]
             compute = b["intensity"] >= balance
             frac = b["GFLOPS"] / peak if compute else b["GB/s"] / bw
-            rows.append(["/".join(map(str, k)), f"{ms(b):.2f}", f"{b['GFLOPS']:.1f}", f"{100 * b['GFLOPS'] / peak:.0f} %",
+            rows.append(["/".join(map(str, k)), f"{ms(b):.2f}", f"{b['GFLOPS']:.1f}",
+                         f"{100 * b['GFLOPS'] / peak:.0f} %",
                          fmt_bytes(b["bytes"]) + (" (in cache)" if b["bytes"] < llc else ""), f"{b['GB/s']:.2f}",
                          f"{100 * b['GB/s'] / bw:.1f} %", f"{b['intensity']:.0f}",
-                         f"{'GEMM' if compute else 'memory'}, {100 * frac:.0f} %"])
+                         f"{'GEMM' if compute else 'memory'}, {100 * frac:.0f} %",
+                         f"{b['cpu_time'] / b['real_time']:.2f}" if "/process_time" in b["name"] else "?"])
         out.append(table(["entry", "ms", "GFLOPS", "% of GEMM", "bytes", "GB/s", "% of copy BW", "FLOP/byte",
-                          "binding roofline, fraction"], rows))
+                          "binding roofline, fraction", "cores"], rows))
         c2f_big = [(e[("c2f", L, c)]["GFLOPS"] / peak, L, c) for L in lengths if L >= 4096
                    for c in CHUNKS if c >= 32 and ("c2f", L, c) in e]
         if c2f_big:

@@ -31,8 +31,8 @@ times are not measured here: the peer table takes them from bench_attention.json
 
 Lengths: L ∈ {1024, 2048, 4096, 8192, 16384}, skipping an (module, L) when its predicted time (the last
 measured L scaled by (L / L_prev)², conservative) exceeds --budget seconds for the check plus the runs, or
-its predicted memory (the dense modules hold several [8, L, L] float tensors) exceeds --max-gib; each
-skip is reported with its reason.
+its predicted memory (the dense modules hold several [8, L, L] float tensors) exceeds --max-gib (or 60 %
+of the memory available when the script starts); each skip is reported with its reason.
 
 Output in --out: torch_peer.json, and torch_peer.md (the peer table) when bench_attention.json (and
 bench_libtorch.json) of the same sweep are there. Exit codes: 0 done, 1 a mismatch or error, 77 torch is
@@ -267,6 +267,7 @@ def run(args):
         cap = min(cap, 0.6 * avail)
     results = []
     start = time.time()
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="c2f-torch-peer-") as tmp, torch.inference_mode():
         tmp = Path(tmp)
         x_files = {}
@@ -326,26 +327,31 @@ def run(args):
                 print(f"check {layer.label}, L = {L}: max |c2f - torch| = {max_diff:.3g} "
                       f"({100 * worst:.0f} % of the tolerance) {'OK' if ok else 'MISMATCH'}", flush=True)
                 if not ok:
-                    print(f"torch_peer: c2f's {layer.key} differs from PyTorch's at L = {L}: max |diff| {max_diff:.3g}, "
+                    print(f"torch_peer: c2f's {layer.key} differs from PyTorch's at L = {L}: "
+                          f"max |diff| {max_diff:.3g}, "
                           f"tolerance |diff| <= {ATOL:g} + {RTOL:g}·|torch| exceeded {worst:.3g}×", file=sys.stderr)
                     return 1
                 if args.check_only:
                     continue
                 if first >= 1.0:
                     reps = min(reps, 3)
-                times = []
+                times, cpu = [], 0.0
                 for _ in range(reps):
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     y = layer.call(module, x)
                     times.append(time.perf_counter() - t0)
+                    cpu += time.process_time() - c0
                     del y
-                row.update(torch_ms=1e3 * statistics.median(times), runs_ms=[1e3 * t for t in times])
+                # cpu_per_wall: CPU seconds of this process per wall-clock second while timed (at most the
+                # thread count; well below it when other processes hold the cores or threads wait)
+                row.update(torch_ms=1e3 * statistics.median(times), runs_ms=[1e3 * t for t in times],
+                           cpu_per_wall=cpu / sum(times))
                 timed.append((L, statistics.median(times)))
                 print(f"  {layer.label}, L = {L}: {row['torch_ms']:.2f} ms (median of {reps}; "
                       f"{time.time() - start:.0f} s so far)", flush=True)
     doc = {"setup": setup, "tolerance": {"atol": ATOL, "rtol": RTOL}, "embed_dim": EMBED, "num_heads": HEADS,
            "reps": args.reps, "budget_s": budget, "check_only": args.check_only, "results": results,
-           "seconds": time.time() - start}
+           "seconds": time.time() - start, "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     if args.check_only:
         print(f"torch_peer: all {len(results)} checks OK ({doc['seconds']:.0f} s)")
         return 0
@@ -389,6 +395,13 @@ def peer_table(peers, attn, libtorch=None):
                      f"OpenBLAS threads {c.get('openblas_threads', '?')}.")
     lines.append(f"- c2f: bench_attention, {attn['context'].get('c2f_threads')} threads, Eigen SIMD "
                  f"{attn['context'].get('c2f_isa')}.")
+    loads = (attn["context"].get("load_avg", []), peers.get("load_avg_start", []), peers.get("load_avg_end", []))
+    load = [", ".join(f"{v:.2f}" for v in x) for x in loads]
+    lines.append(f"- Noise: load average {load[0] or '?'} when bench_attention started, {load[1] or '?'} when the "
+                 f"PyTorch peer started and {load[2] or '?'} when it ended (2 cores: above about 2, other processes "
+                 f"shared them). \"Cores\" = CPU seconds of the process per wall-clock second while timed: "
+                 f"{attn['context'].get('c2f_threads')} if the threads ran in parallel undisturbed; near 1 when "
+                 f"another process held a core or the module ran serially. The JSON keeps every run.")
     lines.append(f"- Agreement before timing: |c2f − torch| ≤ {peers['tolerance']['atol']:g} + "
                  f"{peers['tolerance']['rtol']:g}·|torch| element-wise; the column gives max |diff|. "
                  f"\"nn.MHA\" = PyTorch's nn.MultiheadAttention at the same L (the full attention each layer "
@@ -405,14 +418,18 @@ def peer_table(peers, attn, libtorch=None):
             cand.append((own, "PyTorch " + ("nn.MHA" if r["layer"] == "mha" else "module")))
         if r["layer"] != "mha" and L in torch_mha and torch_mha[L].get("torch_ms") is not None:
             cand.append((torch_mha[L]["torch_ms"], "PyTorch nn.MHA"))
-        lt_ms = None
+        lt_ms, lt_cores = None, "—"
         if r["layer"] == "mha" and ("libtorch_mha", L) in lt:
-            lt_ms = ms(lt[("libtorch_mha", L)])
+            lb = lt[("libtorch_mha", L)]
+            lt_ms = ms(lb)
+            lt_cores = f"{lb['cpu_time'] / lb['real_time']:.1f}" if "/process_time" in lb["name"] else "?"
             cand.append((lt_ms, "libtorch MHA"))
         best = min(cand) if cand else None
         speedup = best[0] / c2f_ms if best and c2f_ms else None
         by_key[(r["layer"], L)] = dict(r, c2f_ms=c2f_ms, libtorch_ms=lt_ms, best=best, speedup=speedup)
         nn_mha = torch_mha.get(L, {}).get("torch_ms") if r["layer"] != "mha" else None
+        cores = [f"{b['cpu_time'] / b['real_time']:.1f}" if b and "/process_time" in b["name"] else "?",
+                 f"{r['cpu_per_wall']:.1f}" if "cpu_per_wall" in r else "—", lt_cores]
         rows.append([r["label"], L,
                      f"{own:.1f}" if own is not None else
                      ("skipped (" + ("memory" if "memory" in r.get("skipped", "") else "time") + ")"),
@@ -421,9 +438,9 @@ def peer_table(peers, attn, libtorch=None):
                      f"{c2f_ms:.2f}" if c2f_ms is not None else "— (no entry)",
                      f"{best[1]}, {best[0]:.1f}" if best else "—",
                      f"**{speedup:.1f}×**" if speedup else "—",
-                     f"{r['max_abs_diff']:.1g}" if "max_abs_diff" in r else "—"])
+                     f"{r['max_abs_diff']:.1g}" if "max_abs_diff" in r else "—", " / ".join(cores)])
     lines.append(table(["layer (PyTorch module)", "L", "PyTorch ms", "PyTorch nn.MHA ms", "libtorch ms", "c2f ms",
-                        "best peer, ms", "c2f vs best peer", "max |diff|"], rows))
+                        "best peer, ms", "c2f vs best peer", "max |diff|", "cores c2f / PyTorch / libtorch"], rows))
     return "\n".join(lines), by_key
 
 
