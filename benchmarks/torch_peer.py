@@ -315,7 +315,11 @@ def run(args):
                                           f"check and {reps} runs > budget {budget:.0f} s")
                         print(f"  {layer.label}, L = {L}: skipped, {row['skipped']}", flush=True)
                         continue
-                ours = c2f_output(torch, binary, weights, x_file, tmp / "y.safetensors")
+                try:
+                    ours = c2f_output(torch, binary, weights, x_file, tmp / "y.safetensors")
+                except (RuntimeError, OSError, ValueError) as e:
+                    print(f"torch_peer: no c2f output for {layer.label}, L = {L}: {e}", file=sys.stderr)
+                    return 1
                 t0 = time.perf_counter()
                 ref = layer.call(module, x)
                 first = time.perf_counter() - t0
