@@ -1,6 +1,14 @@
 // c2f's benchmark sweep: attention layers next to the machine's GEMM throughput, all in one run.
 //
 //   bench_attention [--c2f_sweep=quick|long] [Google Benchmark flags]
+//   bench_attention --c2f_peer_weights=W.safetensors --c2f_peer_input=X.safetensors --c2f_peer_output=Y.safetensors
+//
+// The second form times nothing: it serves the PyTorch peer (benchmarks/torch_peer.py), which needs c2f's
+// output on the peer's own weights and input before it times PyTorch. W holds a layer's PyTorch state dict
+// and, in its __metadata__, the layer: layer = mha | c2f | hmha | sparse, embed_dim, num_heads, and
+// chunk_size (c2f, sparse), window (hmha), top_k and gating = chunk | token (sparse). X holds "x"
+// [1, L, embed_dim]. The layer is built as the benchmark entries build it (same options, threads) and
+// its output is written to Y as "y".
 //
 // quick (default, about 2 minutes on 2 cores): L ∈ {256, 1024, 2048, 4096, 8192, 16384};
 // long: L ∈ {256, 512, …, 16384} (HMHA to 32768), the naive kernel to 4096.
@@ -20,7 +28,22 @@
 //                Sparse C2F    8·L·E² + 2·C·E + 4·L·S·E,  m = ceil(L / chunk), S = min(top_k, m)·chunk
 //                              keys per query: projections, chunk scores, fine attention over the selection;
 //                              C = m·m (per-chunk gating), L·m (per-token), L·m / 2 (per-token, causal)
+//   bytes      bytes that must move between memory and the cores in one forward, at the least: read x
+//              [L, E] and the weights, write y [L, E] (4 bytes a float); the weights are
+//                GEMM 1 [E, E] matrix; MHA and Sparse C2F 4·E² + 4·E (in_proj, out_proj);
+//                C2F 8·E² + 8·E (coarse qkv + out, fine q, kv, out); HMHA 7·E² + 4·E (three C3K2
+//                projections, 2·E² + E each, and out_proj)
+//              copy and triad (the memory roofline, STREAM's kernels and byte counts): copy y = x moves
+//              2 × 4·n bytes, triad a = b + s·c moves 3 × 4·n bytes, over arrays of n = 64 Mi floats
+//              (256 MiB each, 8 × this machine's 32 MiB L3), touched before timing; C2F_BENCH_THREADS
+//              threads, each streaming its own contiguous parts
+//   intensity  FLOP / bytes (arithmetic intensity). sweep.py compares it with the machine balance of the
+//              same run (GEMM GFLOP/s ÷ copy GB/s): above it the GEMM roofline binds, below it memory
 //   GFLOPS     FLOP / wall time
+//   GB/s       bytes / wall time
+// Every entry measures the CPU time of the whole process (Google Benchmark's "CPU" column): CPU ÷ wall
+// time is the number of cores the entry really got — about C2F_BENCH_THREADS on a quiet machine, less
+// when other processes share the cores.
 //   tokens/s   L / wall time
 //   peak_bytes heap memory held at once during one forward, beyond what existed before it (input and
 //              weights), measured by counting every malloc (tools/malloc_counter.hpp); includes the output
@@ -29,18 +52,27 @@
 //              (inputs with local structure)
 #include <benchmark/benchmark.h>
 
+#include "c2f/detail/parallel.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/layers/c2f_attention.hpp"
 #include "c2f/layers/hmha.hpp"
 #include "c2f/layers/multihead_attention.hpp"
 #include "c2f/layers/sparse_c2f_attention.hpp"
 #include "tools/malloc_counter.hpp"
+#if C2F_BENCH_PEER
+#include "c2f/io/safetensors.hpp"
+#endif
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -67,8 +99,19 @@ c2f::Tensor3<float> random_input(Index length) {
 
 // Times `forward` and records the counters; the malloc counter runs during the timed loop (each
 // iteration frees what it allocated, so the peak over the loop is the peak of one forward).
+// Weights of each layer, in floats (the "bytes" counter above).
+constexpr double kE = double(kEmbed);
+constexpr double kMhaWeights = 4.0 * kE * kE + 4.0 * kE;
+constexpr double kC2FWeights = 8.0 * kE * kE + 8.0 * kE;
+constexpr double kHmhaWeights = 7.0 * kE * kE + 4.0 * kE;
+
+// Bytes a forward must move: x and y ([L, E] floats each) and the weights.
+double must_move_bytes(Index length, double weight_floats) {
+  return 4.0 * (2.0 * double(length) * kE + weight_floats);
+}
+
 template <class Forward>
-void run(benchmark::State& state, double flops, Index length, Forward&& forward) {
+void run(benchmark::State& state, double flops, double bytes, Index length, Forward&& forward) {
   c2f_memory::reset();
   for (auto _ : state) {
     c2f::Tensor3<float> y = forward();
@@ -80,8 +123,77 @@ void run(benchmark::State& state, double flops, Index length, Forward&& forward)
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["tokens/s"] = benchmark::Counter(double(length), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["peak_bytes"] = double(c2f_memory::peak_bytes());
+  state.counters["bytes"] = bytes;
+  state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["intensity"] = flops / bytes;
   state.counters["L"] = double(length);
   state.counters["threads"] = bench_threads();
+}
+
+// Uniform values in [-1, 1) from a counter-based hash, written by the benchmark's threads (so each
+// thread first-touches the pages it streams later).
+void fill(float* data, Index n, std::uint64_t seed, Index part, int threads) {
+  c2f::detail::parallel_for((n + part - 1) / part, threads, [&](Index task, int) {
+    const Index end = std::min(n, (task + 1) * part);
+    for (Index i = task * part; i < end; ++i) {
+      std::uint64_t z = (seed + static_cast<std::uint64_t>(i)) * 0x9E3779B97F4A7C15ull;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z ^= z >> 27;
+      data[i] = static_cast<float>(static_cast<double>(z >> 40) * 0x1.0p-23 - 1.0);
+    }
+  });
+}
+
+constexpr Index kStreamFloats = Index(64) << 20;  // 256 MiB per array
+constexpr Index kStreamPart = Index(1) << 20;     // 4 MiB per task
+
+void set_stream_counters(benchmark::State& state, double bytes) {
+  state.counters["bytes"] = bytes;
+  state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = bench_threads();
+}
+
+// STREAM's copy: y = x; 2 × 4·n bytes per pass (one read, one write per element, as STREAM counts).
+void BM_Copy(benchmark::State& state) {
+  const Index n = state.range(0);
+  const int threads = bench_threads();
+  std::vector<float> x(static_cast<std::size_t>(n)), y(static_cast<std::size_t>(n));
+  fill(x.data(), n, 1, kStreamPart, threads);
+  fill(y.data(), n, 2, kStreamPart, threads);
+  for (auto _ : state) {
+    c2f::detail::parallel_for((n + kStreamPart - 1) / kStreamPart, threads, [&](Index task, int) {
+      const Index begin = task * kStreamPart, end = std::min(n, begin + kStreamPart);
+      const float* __restrict src = x.data();
+      float* __restrict dst = y.data();
+      for (Index i = begin; i < end; ++i) dst[i] = src[i];
+    });
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  set_stream_counters(state, 2.0 * 4.0 * double(n));
+}
+
+// STREAM's triad: a = b + s·c; 3 × 4·n bytes per pass (two reads, one write per element).
+void BM_Triad(benchmark::State& state) {
+  const Index n = state.range(0);
+  const int threads = bench_threads();
+  std::vector<float> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n)), c(static_cast<std::size_t>(n));
+  fill(a.data(), n, 1, kStreamPart, threads);
+  fill(b.data(), n, 2, kStreamPart, threads);
+  fill(c.data(), n, 3, kStreamPart, threads);
+  const float scalar = 3.0f;
+  for (auto _ : state) {
+    c2f::detail::parallel_for((n + kStreamPart - 1) / kStreamPart, threads, [&](Index task, int) {
+      const Index begin = task * kStreamPart, end = std::min(n, begin + kStreamPart);
+      float* __restrict out = a.data();
+      const float* __restrict in1 = b.data();
+      const float* __restrict in2 = c.data();
+      for (Index i = begin; i < end; ++i) out[i] = in1[i] + scalar * in2[i];
+    });
+    benchmark::DoNotOptimize(a.data());
+    benchmark::ClobberMemory();
+  }
+  set_stream_counters(state, 3.0 * 4.0 * double(n));
 }
 
 void BM_Gemm(benchmark::State& state) {
@@ -89,7 +201,7 @@ void BM_Gemm(benchmark::State& state) {
   const c2f::RowMatrix<float> x = c2f::RowMatrix<float>::Random(length, kEmbed);
   const c2f::RowMatrix<float> w = c2f::RowMatrix<float>::Random(kEmbed, kEmbed);
   const int threads = bench_threads();
-  run(state, 2.0 * double(length) * kEmbed * kEmbed, length, [&] {
+  run(state, 2.0 * double(length) * kEmbed * kEmbed, must_move_bytes(length, kE * kE), length, [&] {
     c2f::Tensor3<float> y(1, length, kEmbed);
     Eigen::Map<c2f::RowMatrix<float>> out(y.data(), length, kEmbed);
     c2f::kernels::linear<float>(x, w, nullptr, out, threads);
@@ -103,7 +215,8 @@ void BM_Mha(benchmark::State& state, c2f::AttnKernel kernel) {
       kEmbed, kHeads, c2f::MultiHeadAttention<float>::Options().num_threads(bench_threads()).kernel(kernel));
   const c2f::Tensor3<float> x = random_input(length);
   const double L = double(length), E = double(kEmbed);
-  run(state, 8.0 * L * E * E + 4.0 * L * L * E, length, [&] { return mha.forward(x); });
+  run(state, 8.0 * L * E * E + 4.0 * L * L * E, must_move_bytes(length, kMhaWeights), length,
+      [&] { return mha.forward(x); });
 }
 
 void BM_C2F(benchmark::State& state) {
@@ -112,7 +225,8 @@ void BM_C2F(benchmark::State& state) {
   const c2f::Tensor3<float> x = random_input(length);
   const double L = double(length), E = double(kEmbed), H = double(kHeads);
   const double m = double((length + chunk - 1) / chunk);
-  run(state, 16.0 * m * E * E + 4.0 * m * m * E + 4.0 * L * H * E + L * E, length, [&] { return attn.forward(x); });
+  run(state, 16.0 * m * E * E + 4.0 * m * m * E + 4.0 * L * H * E + L * E, must_move_bytes(length, kC2FWeights),
+      length, [&] { return attn.forward(x); });
   state.counters["chunk"] = double(chunk);
 }
 
@@ -123,8 +237,8 @@ void BM_HMHA(benchmark::State& state) {
   const double L = double(length), E = double(kEmbed), W = double(window);
   const double n = double((length + window - 1) / window);
   const double keys = 2.0 * std::ceil(std::log2(L)) + 1.0;
-  run(state, 14.0 * L * E * E + 4.0 * L * W * E + 4.0 * n * n * E + 4.0 * L * keys * E, length,
-      [&] { return hmha.forward(x); });
+  run(state, 14.0 * L * E * E + 4.0 * L * W * E + 4.0 * n * n * E + 4.0 * L * keys * E,
+      must_move_bytes(length, kHmhaWeights), length, [&] { return hmha.forward(x); });
   state.counters["window"] = double(window);
 }
 
@@ -177,7 +291,7 @@ void BM_Sparse(benchmark::State& state) {
   const double L = double(length), E = double(kEmbed), keys = double(std::min(top_k, m) * chunk);
   // Chunk scores: m² summaries (per chunk) or L·m (per token; causal: about half of them).
   const double scores = mode == kPerChunk ? double(m * m) : (causal ? 0.5 : 1.0) * L * double(m);
-  run(state, 8.0 * L * E * E + 2.0 * scores * E + 4.0 * L * keys * E, length,
+  run(state, 8.0 * L * E * E + 2.0 * scores * E + 4.0 * L * keys * E, must_move_bytes(length, kMhaWeights), length,
       [&] { return sparse.forward(ref.x); });
   const c2f::Tensor3<float> y = sparse.forward(ref.x);
   double err = 0.0, norm = 0.0;
@@ -201,42 +315,172 @@ void register_sweep(bool long_sweep) {
     hmha_lengths.push_back(32768);
   }
   const std::vector<Index> chunks = {8, 16, 32, 64, 128, 256};
+  // Milliseconds, wall-clock time, and the whole process's CPU time (the cores an entry really got).
+  const auto timed = [](benchmark::internal::Benchmark* b) {
+    b->Unit(benchmark::kMillisecond)->MeasureProcessCPUTime()->UseRealTime();
+  };
+  // The memory roofline first (a short entry each; sweep.py divides by it).
+  timed(benchmark::RegisterBenchmark("copy", BM_Copy)->Arg(kStreamFloats));
+  timed(benchmark::RegisterBenchmark("triad", BM_Triad)->Arg(kStreamFloats));
   for (Index L : lengths) {
-    benchmark::RegisterBenchmark("gemm", BM_Gemm)->Arg(L)->Unit(benchmark::kMillisecond)->UseRealTime();
-    benchmark::RegisterBenchmark("mha_streaming", BM_Mha, c2f::AttnKernel::Streaming)
-        ->Arg(L)->Unit(benchmark::kMillisecond)->UseRealTime();
-    if (L <= naive_max) {
-      benchmark::RegisterBenchmark("mha_naive", BM_Mha, c2f::AttnKernel::Naive)
-          ->Arg(L)->Unit(benchmark::kMillisecond)->UseRealTime();
-    }
-    for (Index chunk : chunks) {
-      benchmark::RegisterBenchmark("c2f", BM_C2F)->Args({L, chunk})->Unit(benchmark::kMillisecond)->UseRealTime();
-    }
+    timed(benchmark::RegisterBenchmark("gemm", BM_Gemm)->Arg(L));
+    timed(benchmark::RegisterBenchmark("mha_streaming", BM_Mha, c2f::AttnKernel::Streaming)->Arg(L));
+    if (L <= naive_max) timed(benchmark::RegisterBenchmark("mha_naive", BM_Mha, c2f::AttnKernel::Naive)->Arg(L));
+    for (Index chunk : chunks) timed(benchmark::RegisterBenchmark("c2f", BM_C2F)->Args({L, chunk}));
   }
-  for (Index L : hmha_lengths) {
-    benchmark::RegisterBenchmark("hmha", BM_HMHA)->Args({L, kWindow})->Unit(benchmark::kMillisecond)->UseRealTime();
-  }
+  for (Index L : hmha_lengths) timed(benchmark::RegisterBenchmark("hmha", BM_HMHA)->Args({L, kWindow}));
   for (Index L : {Index(4096), Index(16384)}) {
     for (Index top_k : {1, 2, 4, 8, 16, 32}) {
       for (Index mode : {kPerChunk, kPerToken, kPerTokenCausal}) {
         const char* name = mode == kPerChunk ? "sparse" : (mode == kPerToken ? "sparse_token" : "sparse_token_causal");
-        benchmark::RegisterBenchmark(name, BM_Sparse)->Args({L, 64, top_k, mode})->Unit(benchmark::kMillisecond)->UseRealTime();
+        timed(benchmark::RegisterBenchmark(name, BM_Sparse)->Args({L, 64, top_k, mode}));
       }
     }
   }
 }
+
+#if C2F_BENCH_PEER
+// The peer mode (see the file comment).
+class PeerRun {
+ public:
+  PeerRun(const std::string& weights_path, const std::string& input_path)
+      : weights_path_(weights_path), weights_(c2f::load_safetensors(weights_path)) {
+    const c2f::StateDict input = c2f::load_safetensors(input_path);
+    const c2f::TensorData& t = input.at("x");
+    if (t.shape().size() != 3 || t.shape()[0] != 1 || t.shape()[2] != meta_index("embed_dim")) {
+      throw std::invalid_argument(input_path + ": expected \"x\" of shape [1, L, " +
+                                  std::to_string(meta_index("embed_dim")) + "], got " + shape_text(t.shape()));
+    }
+    x_ = c2f::Tensor3<float>(t.shape()[0], t.shape()[1], t.shape()[2]);
+    t.copy_to(x_.data());
+  }
+
+  // The layer named by the weights' metadata, built as the benchmark entries build it; its output on x.
+  c2f::Tensor3<float> forward() const {
+    const std::string layer = meta("layer");
+    const Index E = meta_index("embed_dim"), H = meta_index("num_heads");
+    const int threads = bench_threads();
+    if (layer == "mha") {
+      return loaded(c2f::MultiHeadAttention<float>(
+          E, H, c2f::MultiHeadAttention<float>::Options().num_threads(threads).kernel(c2f::AttnKernel::Streaming)));
+    }
+    if (layer == "c2f") {
+      return loaded(c2f::C2FAttention<float>(E, H, meta_index("chunk_size"),
+                                             c2f::C2FAttention<float>::Options().num_threads(threads)));
+    }
+    if (layer == "hmha") {
+      return loaded(c2f::HMHA<float>(E, H, meta_index("window"), c2f::HMHA<float>::Options().num_threads(threads)));
+    }
+    if (layer == "sparse") {
+      const std::string gating = meta("gating");
+      if (gating != "chunk" && gating != "token") {
+        throw std::invalid_argument(weights_path_ + ": __metadata__ gating must be chunk or token, got '" + gating +
+                                    "'");
+      }
+      return loaded(c2f::SparseC2FAttention<float>(
+          E, H, meta_index("chunk_size"), meta_index("top_k"),
+          c2f::SparseC2FAttention<float>::Options().num_threads(threads).gating(
+              gating == "chunk" ? c2f::Gating::PerChunk : c2f::Gating::PerToken)));
+    }
+    throw std::invalid_argument(weights_path_ + ": __metadata__ layer must be mha, c2f, hmha or sparse, got '" +
+                                layer + "'");
+  }
+
+  std::string describe() const {
+    std::string out = meta("layer");
+    for (const auto& [key, value] : weights_.metadata()) {
+      if (key != "layer") out += " " + key + "=" + value;
+    }
+    return out + " L=" + std::to_string(x_.dimension(1));
+  }
+
+ private:
+  static std::string shape_text(const std::vector<std::int64_t>& shape) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+    return s + "]";
+  }
+  std::string meta(const std::string& key) const {
+    const auto it = weights_.metadata().find(key);
+    if (it == weights_.metadata().end()) {
+      throw std::invalid_argument(weights_path_ + ": __metadata__ has no '" + key + "'");
+    }
+    return it->second;
+  }
+  Index meta_index(const std::string& key) const {
+    const std::string v = meta(key);
+    char* end = nullptr;
+    const long long n = std::strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || n < 1) {
+      throw std::invalid_argument(weights_path_ + ": __metadata__ " + key + " must be a positive integer, got '" + v +
+                                  "'");
+    }
+    return static_cast<Index>(n);
+  }
+  template <class Layer>
+  c2f::Tensor3<float> loaded(Layer layer) const {
+    layer.load_state_dict(weights_);
+    return layer.forward(x_);
+  }
+
+  std::string weights_path_;
+  c2f::StateDict weights_;
+  c2f::Tensor3<float> x_;
+};
+
+int run_peer(const std::string& weights, const std::string& input, const std::string& output) {
+  try {
+    const PeerRun peer(weights, input);
+    const c2f::Tensor3<float> y = peer.forward();
+    c2f::StateDict out;
+    out.set("y", c2f::TensorData::from_values(y.data(), {y.dimension(0), y.dimension(1), y.dimension(2)}));
+    out.metadata()["c2f_threads"] = std::to_string(bench_threads());
+    out.metadata()["c2f_isa"] = Eigen::SimdInstructionSetsInUse();
+    c2f::save_safetensors(output, out);
+    std::printf("c2f peer: %s -> %s\n", peer.describe().c_str(), output.c_str());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_attention: peer mode failed: %s\n", e.what());
+    return 1;
+  }
+}
+#endif
 
 }  // namespace
 
 int main(int argc, char** argv) {
   bool long_sweep = false;
   std::vector<char*> args;
+  std::map<std::string, std::string> peer;  // --c2f_peer_* values
   for (int i = 0; i < argc; ++i) {
+    const char* eq = std::strchr(argv[i], '=');
     if (std::strcmp(argv[i], "--c2f_sweep=long") == 0) {
       long_sweep = true;
+    } else if (std::strncmp(argv[i], "--c2f_peer_", 11) == 0 && eq != nullptr) {
+      peer[std::string(argv[i] + 11, static_cast<std::size_t>(eq - (argv[i] + 11)))] = eq + 1;
     } else if (std::strcmp(argv[i], "--c2f_sweep=quick") != 0) {
       args.push_back(argv[i]);
     }
+  }
+  if (!peer.empty()) {
+    for (const auto& [key, value] : peer) {
+      if ((key != "weights" && key != "input" && key != "output") || value.empty()) {
+        std::fprintf(stderr, "bench_attention: unknown or empty --c2f_peer_%s; the peer mode takes "
+                     "--c2f_peer_weights=W --c2f_peer_input=X --c2f_peer_output=Y\n", key.c_str());
+        return 1;
+      }
+    }
+    if (peer.size() != 3) {
+      std::fprintf(stderr, "bench_attention: the peer mode needs all of --c2f_peer_weights, --c2f_peer_input and "
+                   "--c2f_peer_output\n");
+      return 1;
+    }
+#if C2F_BENCH_PEER
+    return run_peer(peer["weights"], peer["input"], peer["output"]);
+#else
+    std::fprintf(stderr, "bench_attention: built without c2f::safetensors (nlohmann-json3-dev): no peer mode\n");
+    return 1;
+#endif
   }
   int n = static_cast<int>(args.size());
   register_sweep(long_sweep);

@@ -101,7 +101,11 @@ def table(header, rows):
     return "\n".join(lines)
 
 
-def summarize(attn, torch_result):
+def summarize(attn, torch_result, one_thread=None, peers=None):
+    """The attention part's tables and targets. attn: bench_attention's JSON; torch_result:
+    bench_libtorch's (or None); one_thread: bench_attention's gemm and mha_streaming entries run with
+    C2F_BENCH_THREADS=1 (or None); peers: torch_peer.py's JSON (or None). Every ratio is between entries
+    of this sweep."""
     e = entries(attn)
     lengths = sorted({k[1] for k in e if k[0] == "mha_streaming"})
     out = []
@@ -192,17 +196,125 @@ def summarize(attn, torch_result):
         checks.append(("HMHA time vs L (log-log slope, L ≥ 1024)", f"slope {slope(*zip(*hm)):.2f}", None))
     if torch_result is not None:
         t = entries(torch_result)
+        c = torch_result["context"]
         rows = []
         for L in sorted({k[1] for k in t if k[0] == "libtorch_mha"}):
             lt, cm = ms(t[("libtorch_mha", L)]), ms(t[("c2f_mha", L)])
             rows.append([L, f"{lt:.1f}", f"{cm:.1f}", f"{lt / cm:.1f}×", f"{t[('c2f_mha', L)]['max_abs_diff']:.2g}"])
-            if L == 2048:
-                checks.append(("c2f MHA ≥ 4× faster than libtorch's at L = 2048", f"{lt / cm:.1f}×", lt / cm >= 4))
         out.append("")
-        out.append(f"### c2f MultiHeadAttention vs libtorch {torch_result['context'].get('torch_version', '')} "
-                   "torch::nn::MultiheadAttention (same weights and input, same run)")
+        out.append(f"### c2f MultiHeadAttention vs libtorch {c.get('torch_version', '')} "
+                   "torch::nn::MultiheadAttention (same weights and input, same binary)")
+        out.append("")
+        out.append(f"libtorch's BLAS (sgemm_ from): `{c.get('blas_library', '? (not reported)')}`; "
+                   f"OpenBLAS threads {c.get('openblas_threads', '?')}, torch threads {c.get('torch_threads', '?')}, "
+                   f"c2f threads {c.get('c2f_threads', '?')}.")
         out.append("")
         out.append(table(["L", "libtorch ms", "c2f ms", "c2f speedup", "max |diff|"], rows))
+
+    # Rooflines: every entry against the fastest GEMM and the STREAM copy bandwidth of this run.
+    copy, triad = next((b for k, b in e.items() if k[0] == "copy"), None), next(
+        (b for k, b in e.items() if k[0] == "triad"), None)
+    gemms = [(b["GFLOPS"], k[1]) for k, b in e.items() if k[0] == "gemm"]
+    if copy is not None and gemms and all("bytes" in e[("gemm", L)] for _, L in gemms):
+        bw = copy["GB/s"]
+        peak, peak_L = max(gemms)
+        balance = peak / bw
+        llc = max((c["size"] for c in ctx.get("caches", []) if c.get("type") in ("Unified", "Data")), default=0)
+        out.append("")
+        out.append("### Rooflines (same run)")
+        out.append("")
+        threads = ctx.get("c2f_threads")
+        out.append(
+            f"Memory roofline: STREAM copy {bw:.1f} GB/s" + (f" (triad {triad['GB/s']:.1f} GB/s)" if triad else "") +
+            f", {threads} threads, 256 MiB arrays, STREAM's byte counts. Compute roofline: the fastest GEMM entry "
+            f"of the run, {peak:.1f} GFLOPS ([{peak_L}, 512] × [512, 512], {threads} threads; the GEMM entries "
+            f"ranged {min(gemms)[0]:.1f} … {peak:.1f}). Machine balance = {peak:.1f} / {bw:.1f} = {balance:.1f} "
+            f"FLOP/byte. Bytes = what a forward must move: read x and the weights, write y. An entry whose intensity "
+            f"(FLOP / bytes) is above the balance is bound by the GEMM roofline (fraction = its GFLOPS ÷ "
+            f"{peak:.1f}), below it by memory (fraction = its GB/s ÷ {bw:.1f}). Entries marked \"in cache\" move "
+            f"less than the {fmt_bytes(llc)} last-level cache: their data stays there between calls, so they can "
+            f"pass the copy roofline. Cores = the process's CPU time ÷ wall time during the entry: {threads} on a "
+            f"quiet machine, less when other processes held the cores (then every rate of that entry is low).")
+        out.append("")
+        order = {"gemm": 0, "mha_streaming": 1, "mha_naive": 2, "c2f": 3, "hmha": 4, "sparse": 5, "sparse_token": 6,
+                 "sparse_token_causal": 7}
+        rows = []
+        for k in sorted((k for k, b in e.items() if k[0] in order and "bytes" in b),
+                        key=lambda k: (order[k[0]], k[1:])):
+            b = e[k]
+            compute = b["intensity"] >= balance
+            frac = b["GFLOPS"] / peak if compute else b["GB/s"] / bw
+            rows.append(["/".join(map(str, k)), f"{ms(b):.2f}", f"{b['GFLOPS']:.1f}",
+                         f"{100 * b['GFLOPS'] / peak:.0f} %",
+                         fmt_bytes(b["bytes"]) + (" (in cache)" if b["bytes"] < llc else ""), f"{b['GB/s']:.2f}",
+                         f"{100 * b['GB/s'] / bw:.1f} %", f"{b['intensity']:.0f}",
+                         f"{'GEMM' if compute else 'memory'}, {100 * frac:.0f} %",
+                         f"{b['cpu_time'] / b['real_time']:.2f}" if "/process_time" in b["name"] else "?"])
+        out.append(table(["entry", "ms", "GFLOPS", "% of GEMM", "bytes", "GB/s", "% of copy BW", "FLOP/byte",
+                          "binding roofline, fraction", "cores"], rows))
+        c2f_big = [(e[("c2f", L, c)]["GFLOPS"] / peak, L, c) for L in lengths if L >= 4096
+                   for c in CHUNKS if c >= 32 and ("c2f", L, c) in e]
+        if c2f_big:
+            worst = min(c2f_big)
+            checks.append((f"C2F (chunk ≥ 32, L ≥ 4096) ≥ 75 % of the {ctx.get('c2f_threads')}-thread GEMM GFLOPS "
+                           f"(the run's fastest GEMM, {peak:.1f})",
+                           f"lowest {100 * worst[0]:.0f} % (L = {worst[1]}, chunk {worst[2]}); highest "
+                           f"{100 * max(c2f_big)[0]:.0f} % (L = {max(c2f_big)[1]}, chunk {max(c2f_big)[2]})",
+                           worst[0] >= 0.75))
+        for name, label in (("hmha", "HMHA (W = 64)"), ("sparse", "SparseC2F (chunk 64, per-chunk gating)")):
+            fr = sorted(b["GFLOPS"] / peak for k, b in e.items() if k[0] == name)
+            if fr:
+                checks.append((f"{label}: fraction of the GEMM GFLOPS reached (all its entries; no target)",
+                               f"{100 * fr[0]:.0f} … {100 * fr[-1]:.0f} %", None))
+
+    if one_thread is not None:
+        o = entries(one_thread)
+        rows, fracs = [], []
+        for L in sorted(k[1] for k in o if k[0] == "mha_streaming"):
+            g, m = o.get(("gemm", L)), o[("mha_streaming", L)]
+            if g is None:
+                continue
+            frac = m["GFLOPS"] / g["GFLOPS"]
+            fracs.append((frac, L))
+            rows.append([L, f"{g['GFLOPS']:.1f}", f"{ms(m):.1f}", f"{m['GFLOPS']:.1f}", f"{100 * frac:.0f} %",
+                         "yes" if frac >= 0.8 else "**no**"])
+        out.append("")
+        out.append(f"### MHA vs one-thread GEMM (a second, short run of bench_attention with C2F_BENCH_THREADS="
+                   f"{one_thread['context'].get('c2f_threads')})")
+        out.append("")
+        out.append(table(["L", "GEMM GFLOPS (1 thread)", "MHA ms (1 thread)", "MHA GFLOPS (1 thread)",
+                          "MHA / GEMM", "≥ 80 %"], rows))
+        want = [L for L in (1024, 2048, 4096, 8192) if any(L == f[1] for f in fracs)]
+        if want:
+            worst = min(f for f in fracs if f[1] in want)
+            checks.append(("MHA ≥ 80 % of the single-thread GEMM GFLOPS at L ∈ {" + ", ".join(map(str, want)) + "}",
+                           f"lowest {100 * worst[0]:.0f} % (L = {worst[1]})", worst[0] >= 0.8))
+
+    if peers is not None:
+        from torch_peer import peer_table
+        peer_text, by_key = peer_table(peers, attn, torch_result)
+        out.append("")
+        out.append(peer_text)
+        skipped = [f"{r['label']} at L = {r['L']} ({r['skipped']})" for r in peers["results"] if "skipped" in r]
+        if skipped:
+            out.append("")
+            out.append("Not run in PyTorch: " + "; ".join(skipped) + ".")
+        row = by_key.get(("mha", 2048))
+        if row and row.get("torch_ms") and row.get("c2f_ms"):
+            r = row["torch_ms"] / row["c2f_ms"]
+            checks.append(("MHA ≥ 3× PyTorch's nn.MultiheadAttention at L = 2048 (2 threads each)", f"{r:.1f}×", r >= 3))
+        if row and row.get("best") and row.get("c2f_ms"):
+            checks.append(("MHA ≥ 3× the best MHA peer (PyTorch nn.MultiheadAttention, libtorch) at L = 2048",
+                           f"{row['speedup']:.1f}× ({row['best'][1]})", row["speedup"] >= 3))
+        row = by_key.get(("c2f32", 16384))
+        if row and row.get("torch_ms") and row.get("c2f_ms"):
+            r = row["torch_ms"] / row["c2f_ms"]
+            checks.append(("C2F (chunk 32) at L = 16384 ≥ 15× PyTorch's seed 004 module", f"{r:.1f}×", r >= 15))
+        ranked = sorted((v["speedup"], k) for k, v in by_key.items() if v.get("speedup"))
+        if ranked:
+            checks.append(("c2f against the best peer, every layer and L compared (lowest … highest)",
+                           f"{ranked[0][0]:.1f}× ({ranked[0][1][0]}, L = {ranked[0][1][1]}) … "
+                           f"{ranked[-1][0]:.1f}× ({ranked[-1][1][0]}, L = {ranked[-1][1][1]})", None))
     out.append("")
     out.append("### Targets")
     out.append("")
@@ -708,16 +820,45 @@ def main(argv=None):
         extra += [f"--benchmark_repetitions={args.repetitions}"]
     sections, written, files = [], [], []
     if "attention" in parts:
-        attn = run_benchmark(build / "benchmarks" / "bench_attention", out_dir / "bench_attention.json", extra)
+        attn_bin = build / "benchmarks" / "bench_attention"
+        attn = run_benchmark(attn_bin, out_dir / "bench_attention.json", extra)
         written.append("bench_attention.json")
+        # Issue 13's MHA target is against ONE-thread GEMM: a second, short run on one thread.
+        saved_threads = os.environ.get("C2F_BENCH_THREADS")
+        os.environ["C2F_BENCH_THREADS"] = "1"
+        try:
+            one_thread = run_benchmark(attn_bin, out_dir / "bench_attention_1thread.json",
+                                       [a for a in extra if not a.startswith("--c2f_sweep")] +
+                                       ["--benchmark_filter=^(gemm|mha_streaming)/(1024|2048|4096|8192)/"])
+        finally:
+            if saved_threads is None:
+                del os.environ["C2F_BENCH_THREADS"]
+            else:
+                os.environ["C2F_BENCH_THREADS"] = saved_threads
+        written.append("bench_attention_1thread.json")
         torch_bin = build / "benchmarks" / "bench_libtorch"
         torch_result = None
         if torch_bin.exists():
-            torch_result = run_benchmark(torch_bin, out_dir / "bench_libtorch.json", extra)
+            # The lengths of the peer table (1024 … 8192), whatever the sweep.
+            torch_result = run_benchmark(torch_bin, out_dir / "bench_libtorch.json",
+                                         [a for a in extra if not a.startswith("--c2f_sweep")] + ["--c2f_sweep=peers"])
             written.append("bench_libtorch.json")
         else:
             print("bench_libtorch was not built (libtorch-dev not installed): skipping the libtorch peer")
-        text, e, lengths = summarize(attn, torch_result)
+        # The PyTorch peer runs under Debian's python3 (python3-torch), whichever Python runs this script.
+        peers = None
+        torch_python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+        print(f"== torch_peer.py ({torch_python})", flush=True)
+        r = subprocess.run([torch_python, str(REPO / "benchmarks" / "torch_peer.py"), "--build", str(build),
+                            "--out", str(out_dir)])
+        if r.returncode == 77:
+            print(f"{torch_python} has no torch (Debian: python3-torch): skipping the PyTorch peer")
+        elif r.returncode != 0:
+            sys.exit(f"torch_peer.py failed with exit code {r.returncode}")
+        else:
+            peers = json.loads((out_dir / "torch_peer.json").read_text())
+            written += ["torch_peer.json", "torch_peer.md"]
+        text, e, lengths = summarize(attn, torch_result, one_thread, peers)
         sections.append(text)
         files = plot(e, lengths, out_dir)
     if "runtime" in parts:

@@ -9,8 +9,10 @@ PACKAGES=(
   g++ cmake make libeigen3-dev nlohmann-json3-dev
   # tests: GoogleTest, and PyTorch + numpy to regenerate and check the reference fixtures
   libgtest-dev python3 python3-numpy python3-torch
-  # benchmarks: Google Benchmark, matplotlib for the plots, libtorch for the libtorch peer
-  libbenchmark-dev python3-matplotlib libtorch-dev
+  # benchmarks: Google Benchmark, matplotlib for the plots, libtorch for the libtorch peer, and OpenBLAS
+  # (pthread build): Debian makes it the libblas.so.3 alternative, so libtorch and python3-torch — the
+  # peers — run their GEMMs on an optimised BLAS instead of the reference one (libblas3)
+  libbenchmark-dev python3-matplotlib libtorch-dev libopenblas0-pthread
   # hardening: clang with libFuzzer (the sanitizer runtimes of g++ come with it)
   clang libclang-rt-14-dev
 )
@@ -22,8 +24,23 @@ for p in "${PACKAGES[@]}"; do
   fi
 done
 
+# The BLAS behind libblas.so.3 (what libtorch and python3-torch load): Debian's alternatives system picks
+# OpenBLAS (priority 100) over the reference BLAS (10) unless an administrator chose another one by hand.
+report_blas() {
+  local link blas
+  link=$(/sbin/ldconfig -p 2>/dev/null | awk '/libblas\.so\.3 /{print $NF; exit}')
+  blas=$(readlink -f "$link" 2>/dev/null || true)
+  case "$blas" in
+    *openblas*) echo "install-deps: libblas.so.3 is OpenBLAS ($blas)" ;;
+    "") echo "install-deps: note: the dynamic linker knows no libblas.so.3" ;;
+    *) echo "install-deps: note: libblas.so.3 is $blas, not OpenBLAS: the PyTorch peers run on it;" \
+            "'update-alternatives --config libblas.so.3-<triplet>' selects OpenBLAS" ;;
+  esac
+}
+
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#PACKAGES[@]} packages present"
+  report_blas
   exit 0
 fi
 
@@ -38,3 +55,4 @@ echo "install-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update
 $SUDO apt-get install -y --no-install-recommends "${missing[@]}"
+report_blas
