@@ -5,16 +5,24 @@
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/parallel.hpp"
 
+#include <algorithm>
+
 namespace c2f {
 namespace kernels {
 
 /// Rows per task of matmul_rows() and linear(). Fixed (not derived from the thread count) so that each
 /// row's arithmetic, and hence every output bit, is the same for any number of threads.
 constexpr Index kLinearRowChunk = 128;
+/// With fewer than kLinearWideRows row chunks, the columns are split too, into chunks of
+/// kLinearColChunk: the products of few rows (a coarse stage over a few hundred chunk summaries, a
+/// decoding step) would otherwise be one or two tasks and leave threads idle. The split depends only on
+/// the shape, so the bits still do not depend on the thread count.
+constexpr Index kLinearWideRows = 4;
+constexpr Index kLinearColChunk = 256;
 
 /// y = x · rhs (+ bias on every row), overwritten, for x [n, k], rhs any [k, out] Eigen matrix expression
-/// (e.g. a transposed weight), bias [out] or nullptr, y [n, out]. Row chunks run on `num_threads`
-/// threads (0 = all).
+/// (e.g. a transposed weight), bias [out] or nullptr, y [n, out]. Tasks of row chunks (and, for few rows,
+/// column chunks) run on `num_threads` threads (0 = all).
 template <class Scalar, class Rhs>
 void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, const Scalar* bias,
                  Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
@@ -23,16 +31,22 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
                  detail::shape_string({rhs.rows(), rhs.cols()}), " does not fit y ",
                  detail::shape_string({y.rows(), y.cols()}));
   }
-  const Index n = x.rows();
-  const Index chunks = (n + kLinearRowChunk - 1) / kLinearRowChunk;
-  const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(rhs.cols());
-  detail::parallel_for(chunks, num_threads, work, [&](Index c, int) {
-    const Index r0 = c * kLinearRowChunk;
-    const Index rows = std::min(kLinearRowChunk, n - r0);
-    typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr out = y.middleRows(r0, rows);
-    out.noalias() = x.middleRows(r0, rows) * rhs;
+  const Index n = x.rows(), out_cols = rhs.cols();
+  const Index row_chunks = (n + kLinearRowChunk - 1) / kLinearRowChunk;
+  const Index col_width = row_chunks >= kLinearWideRows ? std::max<Index>(out_cols, 1) : kLinearColChunk;
+  const Index col_chunks = std::max<Index>(1, (out_cols + col_width - 1) / col_width);
+  const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
+  detail::parallel_for(row_chunks * col_chunks, num_threads, work, [&](Index task, int) {
+    const Index r0 = (task / col_chunks) * kLinearRowChunk, c0 = (task % col_chunks) * col_width;
+    const Index rows = std::min(kLinearRowChunk, n - r0), cols = std::min(col_width, out_cols - c0);
+    typename Eigen::Ref<RowMatrix<Scalar>>::BlockXpr out = y.block(r0, c0, rows, cols);
+    if (cols == out_cols) {
+      out.noalias() = x.middleRows(r0, rows) * rhs;
+    } else {
+      out.noalias() = x.middleRows(r0, rows) * rhs.middleCols(c0, cols);
+    }
     if (bias != nullptr) {
-      out.rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(bias, rhs.cols());
+      out.rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(bias + c0, cols);
     }
   });
 }
