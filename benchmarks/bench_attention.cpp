@@ -114,7 +114,7 @@ template <class Forward>
 void run(benchmark::State& state, double flops, double bytes, Index length, Forward&& forward) {
   c2f_memory::reset();
   for (auto _ : state) {
-    c2f::Tensor3<float> y = forward();
+    decltype(auto) y = forward();  // a fresh tensor, or (forward_into) a reference to the reused one
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   }
@@ -219,14 +219,25 @@ void BM_Mha(benchmark::State& state, c2f::AttnKernel kernel) {
       [&] { return mha.forward(x); });
 }
 
-void BM_C2F(benchmark::State& state) {
+// C2FAttention::forward(), or with `into` forward_into() a buffer reused across iterations (no fresh
+// output pages to fault in and zero).
+void BM_C2F(benchmark::State& state, bool into) {
   const Index length = state.range(0), chunk = state.range(1);
   const c2f::C2FAttention<float> attn(kEmbed, kHeads, chunk, c2f::C2FAttention<float>::Options().num_threads(bench_threads()));
   const c2f::Tensor3<float> x = random_input(length);
+  c2f::Tensor3<float> out(1, into ? length : 0, kEmbed);
+  out.setZero();
   const double L = double(length), E = double(kEmbed), H = double(kHeads);
   const double m = double((length + chunk - 1) / chunk);
-  run(state, 16.0 * m * E * E + 4.0 * m * m * E + 4.0 * L * H * E + L * E, must_move_bytes(length, kC2FWeights),
-      length, [&] { return attn.forward(x); });
+  const double flops = 16.0 * m * E * E + 4.0 * m * m * E + 4.0 * L * H * E + L * E;
+  if (into) {
+    run(state, flops, must_move_bytes(length, kC2FWeights), length, [&]() -> const c2f::Tensor3<float>& {
+      attn.forward_into(x, Eigen::Map<c2f::RowMatrix<float>>(out.data(), length, kEmbed));
+      return out;
+    });
+  } else {
+    run(state, flops, must_move_bytes(length, kC2FWeights), length, [&] { return attn.forward(x); });
+  }
   state.counters["chunk"] = double(chunk);
 }
 
@@ -326,7 +337,8 @@ void register_sweep(bool long_sweep) {
     timed(benchmark::RegisterBenchmark("gemm", BM_Gemm)->Arg(L));
     timed(benchmark::RegisterBenchmark("mha_streaming", BM_Mha, c2f::AttnKernel::Streaming)->Arg(L));
     if (L <= naive_max) timed(benchmark::RegisterBenchmark("mha_naive", BM_Mha, c2f::AttnKernel::Naive)->Arg(L));
-    for (Index chunk : chunks) timed(benchmark::RegisterBenchmark("c2f", BM_C2F)->Args({L, chunk}));
+    for (Index chunk : chunks) timed(benchmark::RegisterBenchmark("c2f", BM_C2F, false)->Args({L, chunk}));
+    if (L >= 4096) timed(benchmark::RegisterBenchmark("c2f_into", BM_C2F, true)->Args({L, Index(32)}));
   }
   for (Index L : hmha_lengths) timed(benchmark::RegisterBenchmark("hmha", BM_HMHA)->Args({L, kWindow}));
   for (Index L : {Index(4096), Index(16384)}) {

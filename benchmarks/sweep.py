@@ -5,13 +5,17 @@
                                          [--only attention|runtime|c2f2d|decode ...]
 
 Parts (all by default; `--only` picks some), each streaming its progress:
-    attention   bench_attention (and bench_libtorch when it was built): the layers against the GEMM
+    attention   bench_attention: the layers against the GEMM and copy-bandwidth rooflines (and a second,
+                one-thread run of GEMM and MHA); the peers on OpenBLAS, same threads: bench_libtorch (when
+                built) and benchmarks/torch_peer.py (PyTorch modules on c2f's weights and inputs)
     runtime     bench_runtime* (threads, OpenMP builds, latency, concurrent callers, SIMD flags)
     c2f2d       bench_c2f2d: two-dimensional C2F against the copy-bandwidth and GEMM rooflines
     decode      bench_decode: per-token decode latency from 1k to 128k context (MHA, SparseC2F, HMHA)
-The output folder receives each binary's Google Benchmark JSON, summary.md (the tables printed at the
-end, and the target checks) and the plots (time_vs_length.png, speedup_vs_chunk.png,
-memory_vs_length.png, sparse_error_vs_speedup.png, decode_latency.png). Every ratio is taken between entries of the same run.
+The output folder receives each binary's Google Benchmark JSON (bench_attention_1thread.json for the
+one-thread run), torch_peer.json and torch_peer.md (the PyTorch peer), summary.md (the tables printed at
+the end, and the target checks) and the plots (time_vs_length.png, speedup_vs_chunk.png,
+memory_vs_length.png, sparse_error_vs_speedup.png, decode_latency.png). Every ratio is taken between
+entries of the same run.
 """
 
 import argparse
@@ -236,8 +240,8 @@ def summarize(attn, torch_result, one_thread=None, peers=None):
             f"pass the copy roofline. Cores = the process's CPU time ÷ wall time during the entry: {threads} on a "
             f"quiet machine, less when other processes held the cores (then every rate of that entry is low).")
         out.append("")
-        order = {"gemm": 0, "mha_streaming": 1, "mha_naive": 2, "c2f": 3, "hmha": 4, "sparse": 5, "sparse_token": 6,
-                 "sparse_token_causal": 7}
+        order = {"gemm": 0, "mha_streaming": 1, "mha_naive": 2, "c2f": 3, "c2f_into": 4, "hmha": 5, "sparse": 6,
+                 "sparse_token": 7, "sparse_token_causal": 8}
         rows = []
         for k in sorted((k for k, b in e.items() if k[0] in order and "bytes" in b),
                         key=lambda k: (order[k[0]], k[1:])):
@@ -261,6 +265,10 @@ def summarize(attn, torch_result, one_thread=None, peers=None):
                            f"lowest {100 * worst[0]:.0f} % (L = {worst[1]}, chunk {worst[2]}); highest "
                            f"{100 * max(c2f_big)[0]:.0f} % (L = {max(c2f_big)[1]}, chunk {max(c2f_big)[2]})",
                            worst[0] >= 0.75))
+        into = [(b["GFLOPS"] / peak, k[1]) for k, b in sorted(e.items()) if k[0] == "c2f_into"]
+        if into:
+            checks.append(("C2F (chunk 32) with forward_into (a reused output buffer) ≥ 75 % of the GEMM GFLOPS",
+                           ", ".join(f"L = {L}: {100 * f:.0f} %" for f, L in into), min(into)[0] >= 0.75))
         for name, label in (("hmha", "HMHA (W = 64)"), ("sparse", "SparseC2F (chunk 64, per-chunk gating)")):
             fr = sorted(b["GFLOPS"] / peak for k, b in e.items() if k[0] == name)
             if fr:
