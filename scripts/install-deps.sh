@@ -28,7 +28,8 @@ done
 # OpenBLAS (priority 100) over the reference BLAS (10) unless an administrator chose another one by hand.
 report_blas() {
   local link blas
-  link=$(/sbin/ldconfig -p 2>/dev/null | awk '/libblas\.so\.3 /{print $NF; exit}')
+  # awk reads to the end (an early exit would end ldconfig with SIGPIPE, which pipefail turns into a failure)
+  link=$( (/sbin/ldconfig -p 2>/dev/null || true) | awk '/libblas\.so\.3 / && !found {print $NF; found = 1}')
   blas=$(readlink -f "$link" 2>/dev/null || true)
   case "$blas" in
     *openblas*) echo "install-deps: libblas.so.3 is OpenBLAS ($blas)" ;;
