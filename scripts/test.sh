@@ -4,7 +4,7 @@
 #   2. the asan preset: the unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
 #   3. the tsan preset (clang): the thread runtime and concurrent-callers tests under
 #      ThreadSanitizer;
-#   4. libFuzzer on the safetensors reader, each target for C2F_FUZZ_SECONDS seconds (default 60).
+#   4. libFuzzer on the safetensors reader, each target for C2F_FUZZ_SECONDS seconds (default 45 here).
 #
 #   scripts/test.sh [--quick]     --quick runs step 1 only (for local iteration; CI runs everything)
 set -euo pipefail
@@ -17,5 +17,5 @@ cmake --workflow --preset dev
 if [ "$quick" = 0 ]; then
   cmake --workflow --preset asan
   cmake --workflow --preset tsan
-  C2F_FUZZ_SECONDS="${C2F_FUZZ_SECONDS:-60}" tests/fuzz/run.sh
+  C2F_FUZZ_SECONDS="${C2F_FUZZ_SECONDS:-45}" tests/fuzz/run.sh
 fi
