@@ -187,19 +187,7 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
       Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
       c2f::detail::as_scalar(k.block(b, h, j0, nj), ws.kv, [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
       if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
-      bool rescale = false;
-      for (Index r = 0; r < ni; ++r) {
-        const Scalar block_max = s.row(r).maxCoeff();
-        const Scalar m_new = std::max(m[r], block_max);
-        // All keys so far hidden: shift by 0, not by -inf (which would give exp(-inf + inf) = NaN).
-        const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;
-        alpha[r] = std::exp(m[r] - shift);
-        rescale = rescale || alpha[r] != Scalar(1);
-        m[r] = m_new;
-        c2f::detail::exp_shifted(s.row(r), shift);
-        l[r] = alpha[r] * l[r] + s.row(r).sum();
-      }
-      if (rescale) acc = alpha.asDiagonal() * acc;
+      if (c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
       c2f::detail::as_scalar(v.block(b, h, j0, nj), ws.kv, [&](const auto& vb) { acc.noalias() += s * vb; });
     }
     typename HeadsView<Scalar>::Block dst = out.block(b, h, i0, ni);
