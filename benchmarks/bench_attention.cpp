@@ -204,7 +204,7 @@ void BM_Gemm(benchmark::State& state) {
   run(state, 2.0 * double(length) * kEmbed * kEmbed, must_move_bytes(length, kE * kE), length, [&] {
     c2f::Tensor3<float> y(1, length, kEmbed);
     Eigen::Map<c2f::RowMatrix<float>> out(y.data(), length, kEmbed);
-    c2f::kernels::linear<float>(x, w, nullptr, out, threads);
+    c2f::kernels::linear<float>(x, w, nullptr, out, c2f::kernels::with_threads(threads));
     return y;
   });
 }

@@ -82,7 +82,7 @@ void BM_Gemm(benchmark::State& state) {
   c2f::RowMatrix<float> y(length, kEmbed);
   const int threads = bench_threads();
   for (auto _ : state) {
-    c2f::kernels::linear<float>(x, w, nullptr, y, threads);
+    c2f::kernels::linear<float>(x, w, nullptr, y, c2f::kernels::with_threads(threads));
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   }

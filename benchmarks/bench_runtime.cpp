@@ -68,7 +68,7 @@ void BM_Gemm(benchmark::State& state) {
   const RowMatrix<float> x = RowMatrix<float>::Random(length, kEmbed), w = RowMatrix<float>::Random(kEmbed, kEmbed);
   RowMatrix<float> y(length, kEmbed);
   for (auto _ : state) {
-    c2f::kernels::linear<float>(x, w, nullptr, y, 0);
+    c2f::kernels::linear<float>(x, w, nullptr, y, c2f::kernels::with_threads(0));
     benchmark::DoNotOptimize(y.data());
   }
   state.counters["GFLOPS"] = benchmark::Counter(2.0 * double(length) * kEmbed * kEmbed * 1e-9,
@@ -129,7 +129,7 @@ void BM_LatencyGemmMha(benchmark::State& state) {
   const Eigen::VectorXf bias = Eigen::VectorXf::Random(kEmbed);
   RowMatrix<float> y(rows, kEmbed);
   for (auto _ : state) {
-    for (const RowMatrix<float>& wi : w) c2f::kernels::linear<float>(x, wi, bias.data(), y, 1);
+    for (const RowMatrix<float>& wi : w) c2f::kernels::linear<float>(x, wi, bias.data(), y, c2f::kernels::with_threads(1));
     benchmark::DoNotOptimize(y.data());
   }
 }
@@ -146,15 +146,15 @@ void BM_LatencyGemmC2F(benchmark::State& state) {
   RowMatrix<float> y(rows, kEmbed), qk(rows, kHeads * kEmbed), o(rows, kEmbed);
   const RowMatrix<float> pooled = RowMatrix<float>::Random(rows, kHeads * kEmbed);
   for (auto _ : state) {
-    for (const RowMatrix<float>& wi : w) c2f::kernels::linear<float>(x, wi, bias.data(), y, 1);
+    for (const RowMatrix<float>& wi : w) c2f::kernels::linear<float>(x, wi, bias.data(), y, c2f::kernels::with_threads(1));
     for (Index h = 0; h < kHeads; ++h) {
       c2f::kernels::matmul_rows<float>(x.middleCols(h * dk, dk), wkv.topRows(kEmbed).middleRows(h * dk, dk) * 0.125f,
-                                       nullptr, qk.middleCols(h * kEmbed, kEmbed), 1);
+                                       nullptr, qk.middleCols(h * kEmbed, kEmbed), c2f::kernels::with_threads(1));
     }
     for (Index h = 0; h < kHeads; ++h) {
       c2f::kernels::matmul_rows<float>(pooled.middleCols(h * kEmbed, kEmbed),
                                        wkv.bottomRows(kEmbed).middleRows(h * dk, dk).transpose(), nullptr,
-                                       o.middleCols(h * dk, dk), 1);
+                                       o.middleCols(h * dk, dk), c2f::kernels::with_threads(1));
     }
     benchmark::DoNotOptimize(y.data());
     benchmark::DoNotOptimize(qk.data());

@@ -13,8 +13,8 @@ after a first matmul (the BLAS-like libraries mapped into the process are listed
 Modules (PyTorch's default initialisation, seeded; the same tensors are loaded into c2f):
     mha      torch.nn.MultiheadAttention(512, 8, batch_first=True), called (x, x, x, need_weights=False)
              (PyTorch's inference fast path) — against c2f's MultiHeadAttention (entry mha_streaming)
-    c2f      seed 004's C2FAttention with its bugs fixed (tests/reference/c2f_reference.py), chunk 8 … 256 —
-             against c2f's C2FAttention (entry c2f)
+    c2f      the coarse-to-fine attention article's C2FAttention with its bugs fixed
+             (tests/reference/c2f_reference.py), chunk 8 … 256 — against c2f's C2FAttention (entry c2f)
     hmha     tests/reference/hmha_reference.py's HMHA, window 64 — against c2f's HMHA (entry hmha). That
              module states HMHA densely (L × L masks): a correctness reference, not a fast implementation
     sparse   tests/reference/sparse_reference.py's sparse_c2f_attention on an nn.MultiheadAttention's
@@ -167,7 +167,7 @@ def layers(torch, lengths_of):
     out = [Layer("mha", "nn.MultiheadAttention", lambda L: ("mha_streaming", L), {"layer": "mha"}, mha_build,
                  lambda m, x: m(x, x, x, need_weights=False)[0], dense(3))]
     for c in CHUNKS:
-        out.append(Layer(f"c2f{c}", f"seed 004 C2FAttention, chunk {c}", lambda L, c=c: ("c2f", L, c),
+        out.append(Layer(f"c2f{c}", f"article C2FAttention, chunk {c}", lambda L, c=c: ("c2f", L, c),
                          {"layer": "c2f", "chunk_size": str(c)}, lambda c=c: C2FAttention(EMBED, HEADS, c),
                          lambda m, x: m(x), lambda L, c=c: 8.0 * L * EMBED * 4 * 6 + HEADS * (L / c) ** 2 * 4 * 3))
     out.append(Layer("hmha", f"HMHA reference (dense), W = {WINDOW}", lambda L: ("hmha", L, WINDOW),

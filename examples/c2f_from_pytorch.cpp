@@ -1,4 +1,4 @@
-// Builds a C2FAttention, loads weights that PyTorch wrote (seed 004's module, state-dict names
+// Builds a C2FAttention, loads weights that PyTorch wrote (the coarse-to-fine article's module, state-dict names
 // coarse_attn.* / fine_attn.* under the prefix "c2f."), runs it and compares with PyTorch's output.
 //
 //   c2f_from_pytorch [file.safetensors]

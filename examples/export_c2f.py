@@ -1,6 +1,7 @@
 #!/usr/bin/python3
-"""Saves seed 004's C2FAttention (PyTorch, bugs fixed, see tests/reference/c2f_reference.py), an input
-and PyTorch's output as one safetensors file that examples/c2f_from_pytorch reads:
+"""Saves the coarse-to-fine attention article's C2FAttention (PyTorch, bugs fixed, see
+tests/reference/c2f_reference.py), an input and PyTorch's output as one safetensors file that
+examples/c2f_from_pytorch reads:
 
     /usr/bin/python3 examples/export_c2f.py c2f.safetensors
     build/release/examples/c2f_from_pytorch c2f.safetensors

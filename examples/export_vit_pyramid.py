@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """Saves a ViT feature pyramid of two-dimensional coarse-to-fine attention (PyTorch module ViTPyramid of
-tests/reference/c2f2d_reference.py: seed 004's CoarseAttention / FineAttention on 2-D blocks, Swin's
-relative position bias, 2 x 2 mean-pool patch merging between stages), an input and PyTorch's output as
-one safetensors file that examples/vit_pyramid reads:
+tests/reference/c2f2d_reference.py: the coarse-to-fine attention article's CoarseAttention /
+FineAttention on 2-D blocks, Swin's relative position bias, 2 x 2 mean-pool patch merging between
+stages), an input and PyTorch's output as one safetensors file that examples/vit_pyramid reads:
 
     /usr/bin/python3 examples/export_vit_pyramid.py pyramid.safetensors
     build/release/examples/vit_pyramid pyramid.safetensors

@@ -13,6 +13,8 @@ PACKAGES=(
   # (pthread build): Debian makes it the libblas.so.3 alternative, so libtorch and python3-torch — the
   # peers — run their GEMMs on an optimised BLAS instead of the reference one (libblas3)
   libbenchmark-dev python3-matplotlib libtorch-dev libopenblas0-pthread
+  # comparing two benchmark runs: Google Benchmark's compare.py (/usr/share/benchmark/), which needs scipy
+  libbenchmark-tools python3-scipy
   # hardening: clang with libFuzzer (the sanitizer runtimes of g++ come with it)
   clang libclang-rt-14-dev
 )

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Writes (or checks) the Layout section of README.md from the tree, so that it cannot drift.
+"""Writes (or checks) the Layout section of CONTRIBUTING.md from the tree, so that it cannot drift.
 
     python3 scripts/readme_layout.py            print the layout
-    python3 scripts/readme_layout.py --write    replace the block between the layout markers in README.md
-    python3 scripts/readme_layout.py --check    exit 1 when README.md's block differs (a ctest entry)
+    python3 scripts/readme_layout.py --write    replace the block between the layout markers in CONTRIBUTING.md
+    python3 scripts/readme_layout.py --check    exit 1 when CONTRIBUTING.md's block differs (ctest docs.readme_layout)
 
 Headers under include/ are described by the first line of their leading comment; every other folder
 and top-level file needs a line in DESCRIPTIONS below (a new one without a description is an error).
@@ -16,24 +16,28 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+TARGET = "CONTRIBUTING.md"  # the file whose Layout section this script owns
 BEGIN, END = "<!-- layout:begin (scripts/readme_layout.py --write) -->", "<!-- layout:end -->"
 
 DESCRIPTIONS = {
     ".ci/": "CI entry point: runs scripts/test.sh",
-    "benchmarks/": "Google Benchmark binaries and the main job's sweep (sweep.py: tables, plots)",
+    "benchmarks/": "Google Benchmark binaries, the PyTorch peer and the sweep (sweep.py: tables, plots); README.md: how to run and compare",
     "cmake/": "package config template (find_package(c2f [COMPONENTS safetensors]))",
-    "docs/": "plots and tables of a measured run",
+    "docs/": "documentation (layers, threads, decoding, benchmarks) and the tables and plots of a measured run",
     "examples/": "programs that load PyTorch weights and compare with PyTorch (and their export scripts), a 2-D pyramid, token-by-token decoding",
-    "scripts/": "install-deps.sh (the one package list), run.sh (main job), test.sh (README test command)",
+    "scripts/": "install-deps.sh (the one package list), run.sh (examples, benchmarks), test.sh (tests), doc checks",
     "tests/": "GoogleTest suites (one executable per area)",
     "tests/consumers/": "downstream CMake projects: find_package (core and safetensors), add_subdirectory",
     "tests/data/": "committed PyTorch fixtures, one folder per family, with manifest.json",
     "tests/fuzz/": "libFuzzer targets for the safetensors reader, seed corpus, regressions",
+    "tests/include_levels/": "a header tree that breaks the include levels: the level check must refuse it",
     "tests/odr/": "two translation units that include every header (one-definition rule)",
     "tests/openmp/": "the reference outputs of a build without OpenMP, for test_openmp",
     "tests/reference/": "PyTorch reference modules, fixture generator and checker (generate.py, check_fixtures.py)",
     "tests/support/": "test helpers: fixtures, comparisons, random inputs, dense twins",
     "tools/": "malloc_counter.hpp: heap counting for tests and benchmarks",
+    "CHANGELOG.md": "API changes per version",
+    "CONTRIBUTING.md": "presets, tests, fixtures, adding a layer, and this layout",
     "CMakeLists.txt": "targets c2f::c2f (Eigen, Threads) and c2f::safetensors (+ nlohmann_json); install rules",
     "CMakePresets.json": "presets dev, release, release-native, asan, tsan (workflows: configure, build, test)",
 }
@@ -103,18 +107,18 @@ def main(argv=None):
     if not (args.write or args.check):
         print(block)
         return 0
-    readme = REPO / "README.md"
+    readme = REPO / TARGET
     text = readme.read_text(encoding="utf-8")
     if BEGIN not in text or END not in text:
-        sys.exit(f"README.md has no layout markers ({BEGIN} … {END})")
+        sys.exit(f"{TARGET} has no layout markers ({BEGIN} … {END})")
     head, rest = text.split(BEGIN, 1)
     current, tail = rest.split(END, 1)
     wanted = f"\n{block}\n"
     if args.check:
         if current != wanted:
-            print("README.md's Layout differs from the tree; run python3 scripts/readme_layout.py --write")
+            print(f"{TARGET}'s Layout differs from the tree; run python3 scripts/readme_layout.py --write")
             return 1
-        print("README.md's Layout matches the tree")
+        print(f"{TARGET}'s Layout matches the tree")
         return 0
     readme.write_text(head + BEGIN + wanted + END + tail, encoding="utf-8")
     return 0

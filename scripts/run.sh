@@ -26,7 +26,7 @@ done
 
 scripts/install-deps.sh
 cmake --workflow --preset "$preset"
-for example in mha_from_pytorch c2f_from_pytorch seed000_multihead vit_pyramid decode_stream; do
+for example in mha_from_pytorch c2f_from_pytorch c2f_multihead_article vit_pyramid decode_stream; do
   echo "== example: $example"
   "build/$preset/examples/$example"
 done

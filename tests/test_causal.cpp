@@ -179,7 +179,7 @@ TYPED_TEST(CausalTyped, SparseC2FAttention) {
         const bool causal = gating == c2f::Gating::Auto;  // causal: per-token gating
         typename c2f::SparseC2FAttention<Scalar>::Options o;
         o.gating(gating);
-        c2f::SparseC2FAttention<Scalar> sparse(16, 2, chunk, top_k, causal, o);
+        c2f::SparseC2FAttention<Scalar> sparse(16, 2, chunk, top_k, o.causal(causal));
         randomize(sparse, rng, 0.6);
         const Tensor3<Scalar> x = rng.tensor<Scalar>(2, 33, 16);
         const std::string what = "SparseC2F chunk " + std::to_string(chunk) + " top_k " + std::to_string(top_k) +

@@ -132,7 +132,7 @@ double selection_margin(const c2f::SparseC2FAttention<Scalar>& sparse, const Ten
   const Index batch = x.dimension(0), length = x.dimension(1), chunk = sparse.chunk_size();
   const c2f::kernels::ChunkGrid grid{batch, length, chunk};
   c2f::RowMatrix<Scalar> means(grid.chunks(), q.cols());
-  c2f::kernels::chunk_mean<Scalar>(k, grid, means, 1);
+  c2f::kernels::chunk_mean<Scalar>(k, grid, means, c2f::kernels::with_threads(1));
   const Index m = grid.chunks_per_batch(), heads = sparse.num_heads(), dh = q.cols() / heads;
   const Index picks = sparse.top_k() - 1;
   double margin = std::numeric_limits<double>::infinity();
@@ -162,7 +162,7 @@ TYPED_TEST(DecodeTyped, SparseC2FDecodeEqualsCausalForward) {
     const Index batch = rep % 2 == 0 ? 1 : 3, chunk = rng.pick(std::vector<Index>{1, 4, 8}),
                 top_k = rng.uniform_int(1, 4);
     const Index length = rng.uniform_int(1, 120);
-    c2f::SparseC2FAttention<Scalar> sparse(16, 2, chunk, top_k, true);
+    c2f::SparseC2FAttention<Scalar> sparse(16, 2, chunk, top_k, typename c2f::SparseC2FAttention<Scalar>::Options().causal(true));
     Tensor3<Scalar> x;
     for (int attempt = 0;; ++attempt) {  // inputs whose selection is not decided by rounding
       ASSERT_LT(attempt, 50) << "no input with a selection margin >= " << kMargin;
@@ -267,7 +267,7 @@ TEST(Decode, HalfAndBfloat16CachesAgainstTheFloatCache) {
   c2f::MultiHeadAttention<float> mha(32, 4, c2f::MultiHeadAttention<float>::Options().causal(true));
   randomize(mha, rng);
   check_narrow_caches(mha, "MHA", rng);
-  c2f::SparseC2FAttention<float> sparse(32, 4, 16, 300 / 16 + 1, true);
+  c2f::SparseC2FAttention<float> sparse(32, 4, 16, 300 / 16 + 1, c2f::SparseC2FAttention<float>::Options().causal(true));
   randomize(sparse, rng);
   check_narrow_caches(sparse, "SparseC2F (top_k covering every chunk)", rng);
   c2f::HMHA<float> hmha(32, 4, 16, c2f::HMHA<float>::Options().causal(true));
@@ -329,7 +329,7 @@ TEST(Decode, DecodedOutputsDoNotSeeLaterTokens) {
   c2f::MultiHeadAttention<float> mha(16, 4, c2f::MultiHeadAttention<float>::Options().causal(true));
   randomize(mha, rng);
   expect_decode_causal(mha, x, rng, "MHA");
-  c2f::SparseC2FAttention<float> sparse(16, 4, 4, 3, true);
+  c2f::SparseC2FAttention<float> sparse(16, 4, 4, 3, c2f::SparseC2FAttention<float>::Options().causal(true));
   randomize(sparse, rng);
   expect_decode_causal(sparse, x, rng, "SparseC2F");
   c2f::HMHA<float> hmha(16, 4, 5, c2f::HMHA<float>::Options().causal(true));

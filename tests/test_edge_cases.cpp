@@ -5,6 +5,7 @@
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/c2f.hpp"
+#include "c2f/io/masks.hpp"
 #include "support/compare.hpp"
 #include "support/random.hpp"
 
@@ -12,7 +13,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <limits>
 
 namespace {
@@ -30,62 +30,13 @@ using c2f_test::TestRng;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 bool all_finite(const Tensor3<float>& t) { return Eigen::Map<const Eigen::ArrayXf>(t.data(), t.size()).allFinite(); }
-bool any_nan(const Tensor3<float>& t) { return Eigen::Map<const Eigen::ArrayXf>(t.data(), t.size()).isNaN().any(); }
-
-// Every layer behind one signature: x [B, L, d] → [B, L, d].
-struct Layer {
-  std::string name;
-  std::function<Tensor3<float>(const Tensor3<float>&)> forward;
-  std::function<StateDict()> state_dict;
-  std::function<void(const StateDict&)> load;
-};
-
-std::vector<Layer> all_layers(TestRng& rng, Index d, Index heads) {
-  auto mha = std::make_shared<c2f::MultiHeadAttention<float>>(d, heads);
-  auto coarse = std::make_shared<c2f::CoarseAttention<float>>(d, heads);
-  auto c2f_attn = std::make_shared<c2f::C2FAttention<float>>(d, heads, 4);
-  auto c3k2 = std::make_shared<c2f::C3K2Projection<float>>(d, heads);
-  auto hmha = std::make_shared<c2f::HMHA<float>>(d, heads, 4);
-  auto conv = std::make_shared<c2f::Conv1d<float>>(d, d, 3, c2f::Conv1d<float>::Options().padding(1).groups(2));
-  randomize(*mha, rng);
-  randomize(*coarse, rng);
-  randomize(*c2f_attn, rng);
-  randomize(*c3k2, rng);
-  randomize(*hmha, rng);
-  randomize(*conv, rng);
-  return {
-      {"MultiHeadAttention", [mha](const Tensor3<float>& x) { return mha->forward(x); },
-       [mha] { return mha->state_dict(); }, [mha](const StateDict& sd) { mha->load_state_dict(sd); }},
-      {"CoarseAttention", [coarse](const Tensor3<float>& x) { return coarse->forward(x); },
-       [coarse] { return coarse->state_dict(); }, [coarse](const StateDict& sd) { coarse->load_state_dict(sd); }},
-      {"C2FAttention", [c2f_attn](const Tensor3<float>& x) { return c2f_attn->forward(x); },
-       [c2f_attn] { return c2f_attn->state_dict(); },
-       [c2f_attn](const StateDict& sd) { c2f_attn->load_state_dict(sd); }},
-      {"C3K2Projection", [c3k2](const Tensor3<float>& x) { return c3k2->forward(x); },
-       [c3k2] { return c3k2->state_dict(); }, [c3k2](const StateDict& sd) { c3k2->load_state_dict(sd); }},
-      {"HMHA", [hmha](const Tensor3<float>& x) { return hmha->forward(x); }, [hmha] { return hmha->state_dict(); },
-       [hmha](const StateDict& sd) { hmha->load_state_dict(sd); }},
-      {"Conv1d", [conv](const Tensor3<float>& x) { return conv->forward(x); }, [conv] { return conv->state_dict(); },
-       [conv](const StateDict& sd) { conv->load_state_dict(sd); }},
-  };
-}
 
 // ------------------------------------------------------------------------------------------------
 // Shapes
 
-// Batch 0 and length 0 give an empty output of the right shape (no error): an empty batch is a
-// normal thing for a serving loop to pass.
-TEST(EdgeShapes, EmptyBatchAndEmptySequenceGiveEmptyOutputs) {
-  TestRng rng(51);
-  for (const Layer& layer : all_layers(rng, 8, 2)) {
-    for (const auto& [b, l] : std::vector<std::pair<Index, Index>>{{0, 5}, {2, 0}, {0, 0}}) {
-      const Tensor3<float> y = layer.forward(rng.tensor<float>(b, l, 8));
-      EXPECT_EQ(y.dimension(0), b) << layer.name;
-      EXPECT_EQ(y.dimension(1), l) << layer.name;
-      EXPECT_EQ(y.dimension(2), 8) << layer.name;
-    }
-  }
-  // FineAttention's own interface with zero chunks.
+// FineAttention's module interface with zero chunks: an empty output. (Every layer's empty batch and
+// sequence: tests/test_layer_contract.cpp.)
+TEST(EdgeShapes, FineAttentionWithoutChunksGivesAnEmptyOutput) {
   c2f::FineAttention<float> fine(8, 2);
   const c2f::Tensor4<float> y = fine.forward(c2f::Tensor4<float>(2, 0, 4, 8), Tensor3<float>(2, 0, 8));
   EXPECT_EQ(y.size(), 0);
@@ -176,19 +127,9 @@ TEST(EdgeShapes, HeadsMustDivideTheWidthAtConstruction) {
   EXPECT_NE(error_of([] { c2f::FineAttention<float>(10, 4); }).find("divisible"), std::string::npos);
   EXPECT_NE(error_of([] { c2f::C2FAttention<float>(10, 4, 8); }).find("divisible"), std::string::npos);
   EXPECT_NE(error_of([] { c2f::C3K2Projection<float>(10, 4); }).find("divisible"), std::string::npos);
-  EXPECT_NE(error_of([] { c2f::HMHA<float>(10, 4); }).find("divisible"), std::string::npos);
+  EXPECT_NE(error_of([] { c2f::HMHA<float>(10, 4, 4); }).find("divisible"), std::string::npos);
   EXPECT_THROW(c2f::MultiHeadAttention<float>(8, 0), std::invalid_argument);
-  EXPECT_THROW(c2f::HMHA<float>(8, -2), std::invalid_argument);
-}
-
-// A wrong feature size is an error naming the expected width and the given shape.
-TEST(EdgeShapes, WrongFeatureSizeNamesBothShapes) {
-  TestRng rng(56);
-  for (const Layer& layer : all_layers(rng, 8, 2)) {
-    const std::string msg = error_of([&] { layer.forward(rng.tensor<float>(2, 5, 6)); });
-    EXPECT_NE(msg.find("[2, 5, 6]"), std::string::npos) << layer.name << ": " << msg;
-    EXPECT_NE(msg.find("8"), std::string::npos) << layer.name << ": " << msg;
-  }
+  EXPECT_THROW(c2f::HMHA<float>(8, -2, 4), std::invalid_argument);
 }
 
 TEST(EdgeShapes, MismatchedBatchesNameBothShapes) {
@@ -203,40 +144,6 @@ TEST(EdgeShapes, MismatchedBatchesNameBothShapes) {
   msg = error_of([&] { fine.forward_chunked(rng.tensor<float>(2, 8, 8), 4, rng.tensor<float>(3, 2, 8)); });
   EXPECT_NE(msg.find("[2, 2, 8]"), std::string::npos) << msg;
   EXPECT_NE(msg.find("[3, 2, 8]"), std::string::npos) << msg;
-}
-
-// ------------------------------------------------------------------------------------------------
-// Weights files
-
-// Every layer's strict loading: a missing key, an extra key and a wrong shape are errors that name
-// the key (and, for the shape, both shapes).
-TEST(EdgeWeights, MissingExtraAndMisshapenKeysAreNamed) {
-  TestRng rng(58);
-  for (const Layer& layer : all_layers(rng, 8, 2)) {
-    const StateDict good = layer.state_dict();
-    const std::string victim = good.begin()->first;
-    StateDict missing;
-    for (const auto& [key, t] : good) {
-      if (key != victim) missing.set(key, t);
-    }
-    EXPECT_NE(error_of([&] { layer.load(missing); }).find("missing key '" + victim + "'"), std::string::npos)
-        << layer.name;
-    StateDict extra = good;
-    extra.set("surprise.weight", c2f::TensorData::from_values(std::vector<float>(3).data(), {3}));
-    EXPECT_NE(error_of([&] { layer.load(extra); }).find("unexpected key 'surprise.weight'"), std::string::npos)
-        << layer.name;
-    StateDict misshapen = good;
-    const c2f::TensorData& t = good.at(victim);
-    std::vector<std::int64_t> shape = t.shape();
-    shape[0] += 1;
-    std::vector<float> values(static_cast<std::size_t>(t.numel() / t.shape()[0] * shape[0]));
-    misshapen.set(victim, c2f::TensorData::from_values(values.data(), shape));
-    const std::string msg = error_of([&] { layer.load(misshapen); });
-    EXPECT_NE(msg.find(victim), std::string::npos) << layer.name << ": " << msg;
-    EXPECT_NE(msg.find(c2f::detail::shape_string(shape)), std::string::npos) << layer.name << ": " << msg;
-    EXPECT_NE(msg.find(c2f::detail::shape_string(t.shape())), std::string::npos) << layer.name << ": " << msg;
-    EXPECT_NO_THROW(layer.load(good)) << layer.name;
-  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -272,27 +179,6 @@ TEST(EdgeMasks, FullyMaskedRowsAndFullyMaskedKeyBlocks) {
   const Tensor3<float> y = c2f_attn.forward(rng.tensor<float>(1, 12, 8),
                                              c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::keep(coarse)));
   EXPECT_TRUE(all_finite(y));
-}
-
-// One Masks type for every layer: a layer rejects the fields it has no use for, naming the field.
-TEST(EdgeMasks, LayersRejectMaskFieldsTheyDoNotUse) {
-  TestRng rng(64);
-  const Tensor3<float> x = rng.tensor<float>(1, 8, 8);
-  const c2f::Masks<float> attn = c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::causal());
-  const c2f::Masks<float> fine = c2f::Masks<float>().fine_attn_mask(c2f::AttnMask<float>::causal());
-  const c2f::Masks<float> pad = c2f::Masks<float>().key_padding_mask(c2f::KeyPaddingMask<float>::lengths({4}));
-  const c2f::HMHA<float> hmha(8, 2, 4);
-  EXPECT_NE(c2f_test::error_of([&] { hmha.forward(x, attn); }).find("HMHA takes no attn_mask"), std::string::npos);
-  const c2f::MultiHeadAttention<float> mha(8, 2);
-  EXPECT_NE(c2f_test::error_of([&] { mha.forward(x, fine); }).find("takes no fine_attn_mask"), std::string::npos);
-  const c2f::C2FAttention<float> c2f_attn(8, 2, 4);
-  EXPECT_NE(c2f_test::error_of([&] { c2f_attn.forward(x, pad); }).find("C2FAttention takes no key_padding_mask"),
-            std::string::npos);
-  const c2f::SparseC2FAttention<float> sparse(8, 2, 4, 2);
-  EXPECT_NE(c2f_test::error_of([&] { sparse.forward(x, fine); }).find("takes no fine_attn_mask"), std::string::npos);
-  // The fields a layer uses are accepted.
-  EXPECT_EQ(mha.forward(x, pad).size(), x.size());
-  EXPECT_EQ(c2f_attn.forward(x, fine).size(), x.size());
 }
 
 // -inf and lowest() (torch.finfo(float32).min, Hugging Face's "-inf") give the same result, including
@@ -332,7 +218,7 @@ TEST(EdgeMasks, MinusInfinityAndLowestMasksAgree) {
   // The same for a double module reading float's lowest from a file-like tensor.
   const std::vector<float> lowest_row = {0.f, std::numeric_limits<float>::lowest()};
   const c2f::AttnMask<double> m =
-      c2f::AttnMask<double>::from_tensor(c2f::MaskKind::Additive, c2f::TensorData::from_values(lowest_row.data(), {1, 2}));
+      c2f::attn_mask_from_tensor<double>(c2f::MaskKind::Additive, c2f::TensorData::from_values(lowest_row.data(), {1, 2}));
   EXPECT_EQ(m.additive_values()[1], -std::numeric_limits<double>::infinity());
 }
 
@@ -364,16 +250,6 @@ TEST(EdgeNumerics, LogitsAroundTenThousandStayFinite) {
     max_ref = std::max(max_ref, std::abs(yd.data()[i]));
   }
   EXPECT_LT(max_abs, 1e-2 * max_ref);
-}
-
-// A NaN in an unmasked input reaches the output of every layer (it is not mistaken for a masked row).
-TEST(EdgeNumerics, NanInAnUnmaskedInputPropagates) {
-  TestRng rng(62);
-  for (const Layer& layer : all_layers(rng, 8, 2)) {
-    Tensor3<float> x = rng.tensor<float>(1, 12, 8);
-    x(0, 6, 3) = std::numeric_limits<float>::quiet_NaN();
-    EXPECT_TRUE(any_nan(layer.forward(x))) << layer.name;
-  }
 }
 
 // q = k = constant: every score is equal, so each head's attention is the mean of v — in both kernels.

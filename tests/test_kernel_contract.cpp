@@ -32,17 +32,17 @@ void expect_rejected(const char* kernel, Fn&& fn) {
 
 TEST(KernelContract, LinearAndMatmulRows) {
   RowMatrix<float> y = ones(4, 5);
-  expect_rejected("linear", [&] { kernels::linear<float>(ones(4, 3), ones(5, 2), nullptr, y, 1); });
+  expect_rejected("linear", [&] { kernels::linear<float>(ones(4, 3), ones(5, 2), nullptr, y, c2f::kernels::with_threads(1)); });
   expect_rejected("linear_naive", [&] { kernels::linear_naive<float>(ones(4, 3), ones(5, 2), nullptr, y); });
-  expect_rejected("matmul_rows", [&] { kernels::matmul_rows<float>(ones(4, 3), ones(2, 5), nullptr, y, 1); });
+  expect_rejected("matmul_rows", [&] { kernels::matmul_rows<float>(ones(4, 3), ones(2, 5), nullptr, y, c2f::kernels::with_threads(1)); });
 }
 
 TEST(KernelContract, Conv1d) {
   const kernels::Conv1dShape shape{4, 6, 3, 1, 1};
   const RowMatrix<float> taps = ones(3 * 6, 4), w = ones(6, 4 * 3);
   RowMatrix<float> y = ones(2 * 10, 6);
-  expect_rejected("conv1d", [&] { kernels::conv1d<float>(ones(2 * 9, 4), 2, 10, shape, taps, nullptr, y, 1); });
-  expect_rejected("conv1d", [&] { kernels::conv1d<float>(ones(2 * 10, 4), 2, 10, shape, ones(3 * 6, 3), nullptr, y, 1); });
+  expect_rejected("conv1d", [&] { kernels::conv1d<float>(ones(2 * 9, 4), 2, 10, shape, taps, nullptr, y, c2f::kernels::with_threads(1)); });
+  expect_rejected("conv1d", [&] { kernels::conv1d<float>(ones(2 * 10, 4), 2, 10, shape, ones(3 * 6, 3), nullptr, y, c2f::kernels::with_threads(1)); });
   expect_rejected("conv1d_naive", [&] { kernels::conv1d_naive<float>(ones(2 * 10, 5), 2, 10, shape, w.data(), nullptr, y); });
   expect_rejected("Conv1d", [&] { kernels::conv1d_taps<float>(w.data(), kernels::Conv1dShape{4, 6, 3, 1, 4}); });
 }
@@ -50,9 +50,9 @@ TEST(KernelContract, Conv1d) {
 TEST(KernelContract, Sdpa) {
   const RowMatrix<float> q = ones(2 * 5, 8), k = ones(2 * 7, 8);
   RowMatrix<float> out = ones(2 * 5, 8);
-  const kernels::HeadsView<const float> qv = kernels::heads_view(q, 2, 2), kv = kernels::heads_view(k, 2, 2);
+  const kernels::HeadsView<const float> qv = kernels::heads_view(q, 2, 5, 2), kv = kernels::heads_view(k, 2, 7, 2);
   const kernels::HeadsView<const float> wrong_k = kernels::heads_view<const float>(k.data(), 2, 7, 8, 0, 2, 3);
-  const kernels::HeadsView<float> ov = kernels::heads_view(out, 2, 2);
+  const kernels::HeadsView<float> ov = kernels::heads_view(out, 2, 5, 2);
   const c2f::KeyPaddingMask<float> lengths = c2f::KeyPaddingMask<float>::lengths({5, 5});
   const c2f::MaskView<float> other_problem({}, lengths, 2, 2, 5, 5);  // keys 5, not 7
   for (const std::string kernel : {"sdpa_naive", "sdpa_streaming", "sdpa_split_keys"}) {
@@ -74,17 +74,17 @@ TEST(KernelContract, Sdpa) {
 TEST(KernelContract, Chunks) {
   const kernels::ChunkGrid grid{2, 10, 4};  // 3 chunks per batch item, 6 in all
   RowMatrix<float> rows = ones(6, 8), tokens = ones(20, 8), five_rows = ones(5, 8), mass3 = ones(6, 3);
-  expect_rejected("chunk_mean", [&] { kernels::chunk_mean<float>(ones(19, 8), grid, rows, 1); });
-  expect_rejected("chunk_mean", [&] { kernels::chunk_mean<float>(tokens, grid, five_rows, 1); });
-  expect_rejected("chunk_mean", [&] { kernels::chunk_mean<float>(tokens, kernels::ChunkGrid{2, 10, 0}, rows, 1); });
-  expect_rejected("broadcast_chunks", [&] { kernels::broadcast_chunks<float>(ones(5, 8), grid, tokens, 1); });
+  expect_rejected("chunk_mean", [&] { kernels::chunk_mean<float>(ones(19, 8), grid, rows, c2f::kernels::with_threads(1)); });
+  expect_rejected("chunk_mean", [&] { kernels::chunk_mean<float>(tokens, grid, five_rows, c2f::kernels::with_threads(1)); });
+  expect_rejected("chunk_mean", [&] { kernels::chunk_mean<float>(tokens, kernels::ChunkGrid{2, 10, 0}, rows, c2f::kernels::with_threads(1)); });
+  expect_rejected("broadcast_chunks", [&] { kernels::broadcast_chunks<float>(ones(5, 8), grid, tokens, c2f::kernels::with_threads(1)); });
   RowMatrix<float> pooled = ones(6, 2 * 8), mass = ones(6, 2);
   const auto no_bias = [](Index, Index, Index) { return 0.0f; };
   expect_rejected("fine_attention_folded", [&] {
-    kernels::fine_attention_folded<float>(tokens, grid, ones(6, 2 * 7), 2, no_bias, pooled, mass, 1);
+    kernels::fine_attention_folded<float>(tokens, grid, ones(6, 2 * 7), 2, pooled, mass, no_bias, c2f::kernels::with_threads(1));
   });
   expect_rejected("fine_attention_folded", [&] {
-    kernels::fine_attention_folded<float>(tokens, grid, ones(6, 2 * 8), 2, no_bias, pooled, mass3, 1);
+    kernels::fine_attention_folded<float>(tokens, grid, ones(6, 2 * 8), 2, pooled, mass3, no_bias, c2f::kernels::with_threads(1));
   });
 }
 
@@ -92,38 +92,38 @@ TEST(KernelContract, HierarchicalLevels) {
   const kernels::ChunkGrid grid{2, 10, 4};
   const RowMatrix<float> q = ones(20, 8), short_k = ones(19, 8), means = ones(6, 8);
   RowMatrix<float> out = ones(20, 8);
-  expect_rejected("window_attention", [&] { kernels::window_attention<float>(q, short_k, q, grid, 2, false, 0.5f, out, 1); });
-  expect_rejected("window_attention", [&] { kernels::window_attention<float>(q, q, q, grid, 3, false, 0.5f, out, 1); });
+  expect_rejected("window_attention", [&] { kernels::window_attention_add<float>(q, short_k, q, grid, 2, out, false, 0.5f, c2f::kernels::with_threads(1)); });
+  expect_rejected("window_attention", [&] { kernels::window_attention_add<float>(q, q, q, grid, 3, out, false, 0.5f, c2f::kernels::with_threads(1)); });
   expect_rejected("window_summary_attention",
-                  [&] { kernels::window_summary_attention<float>(q, ones(5, 8), means, grid, 2, 0.5f, out, 1); });
+                  [&] { kernels::window_summary_attention_add<float>(q, ones(5, 8), means, grid, 2, out, 0.5f, c2f::kernels::with_threads(1)); });
   expect_rejected("sparse_global_attention",
-                  [&] { kernels::sparse_global_attention<float>(q, short_k, q, 2, 10, 2, true, 0.5f, out, 1); });
+                  [&] { kernels::sparse_global_attention_add<float>(q, short_k, q, 2, 10, 2, out, true, 0.5f, c2f::kernels::with_threads(1)); });
   expect_rejected("sparse_global_attention",
-                  [&] { kernels::sparse_global_attention<float>(q, q, q, 2, 10, 2, true, -1.0f, out, 1); });
+                  [&] { kernels::sparse_global_attention_add<float>(q, q, q, 2, 10, 2, out, true, -1.0f, c2f::kernels::with_threads(1)); });
 }
 
 TEST(KernelContract, ChunkSparse) {
   const kernels::ChunkGrid grid{1, 20, 4};
   const RowMatrix<float> q = ones(20, 8), short_k = ones(19, 8);
   RowMatrix<float> out = ones(20, 8);
-  expect_rejected("select_chunks", [&] { kernels::select_chunks<float>(q, short_k, grid, 2, 2, 1); });
-  expect_rejected("select_chunks", [&] { kernels::select_chunks<float>(q, q, grid, 2, 0, 1); });
-  expect_rejected("select_chunks_per_token", [&] { kernels::select_chunks_per_token<float>(q, ones(3, 8), grid, 2, 2, true, 1); });
-  expect_rejected("select_chunks_per_token", [&] { kernels::select_chunks_per_token<float>(ones(21, 8), ones(5, 8), grid, 2, 2, true, 1); });
-  const kernels::ChunkSelection per_chunk = kernels::select_chunks<float>(q, q, grid, 2, 2, 1);
-  const kernels::ChunkSelection per_token = kernels::select_chunks_per_token<float>(q, ones(5, 8), grid, 2, 2, true, 1);
+  expect_rejected("select_chunks", [&] { kernels::select_chunks<float>(q, short_k, grid, 2, 2, c2f::kernels::with_threads(1)); });
+  expect_rejected("select_chunks", [&] { kernels::select_chunks<float>(q, q, grid, 2, 0, c2f::kernels::with_threads(1)); });
+  expect_rejected("select_chunks_per_token", [&] { kernels::select_chunks_per_token<float>(q, ones(3, 8), grid, 2, 2, true, c2f::kernels::with_threads(1)); });
+  expect_rejected("select_chunks_per_token", [&] { kernels::select_chunks_per_token<float>(ones(21, 8), ones(5, 8), grid, 2, 2, true, c2f::kernels::with_threads(1)); });
+  const kernels::ChunkSelection per_chunk = kernels::select_chunks<float>(q, q, grid, 2, 2, c2f::kernels::with_threads(1));
+  const kernels::ChunkSelection per_token = kernels::select_chunks_per_token<float>(q, ones(5, 8), grid, 2, 2, true, c2f::kernels::with_threads(1));
   expect_rejected("chunk_sparse_attention",
-                  [&] { kernels::chunk_sparse_attention<float>(q, short_k, q, grid, 2, per_chunk, {}, 0.5f, out, 1); });
+                  [&] { kernels::chunk_sparse_attention<float>(q, short_k, q, grid, 2, per_chunk, out, {}, 0.5f, c2f::kernels::with_threads(1)); });
   expect_rejected("chunk_sparse_attention",
-                  [&] { kernels::chunk_sparse_attention<float>(q, q, q, grid, 2, per_token, {}, 0.5f, out, 1); });
+                  [&] { kernels::chunk_sparse_attention<float>(q, q, q, grid, 2, per_token, out, {}, 0.5f, c2f::kernels::with_threads(1)); });
   kernels::ChunkSelection corrupt = per_chunk;
   corrupt.index[0] = 5;  // chunk 5 of 5
   expect_rejected("chunk_sparse_attention",
-                  [&] { kernels::chunk_sparse_attention<float>(q, q, q, grid, 2, corrupt, {}, 0.5f, out, 1); });
+                  [&] { kernels::chunk_sparse_attention<float>(q, q, q, grid, 2, corrupt, out, {}, 0.5f, c2f::kernels::with_threads(1)); });
   expect_rejected("token_sparse_attention",
-                  [&] { kernels::token_sparse_attention<float>(q, q, short_k, grid, 2, per_token, true, {}, 0.5f, out, 1); });
+                  [&] { kernels::token_sparse_attention<float>(q, q, short_k, grid, 2, per_token, out, true, {}, 0.5f, c2f::kernels::with_threads(1)); });
   expect_rejected("token_sparse_attention",
-                  [&] { kernels::token_sparse_attention<float>(q, q, q, grid, 2, per_chunk, true, {}, 0.5f, out, 1); });
+                  [&] { kernels::token_sparse_attention<float>(q, q, q, grid, 2, per_chunk, out, true, {}, 0.5f, c2f::kernels::with_threads(1)); });
 }
 
 }  // namespace

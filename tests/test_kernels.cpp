@@ -65,8 +65,8 @@ TYPED_TEST(KernelTest, LinearMatchesNaiveOnAwkwardShapes) {
     const RowMatrix<Scalar> x = rng.matrix<Scalar>(n, in), w = rng.matrix<Scalar>(out, in);
     const c2f::Vector<Scalar> b = rng.matrix<Scalar>(out, 1);
     RowMatrix<Scalar> fast(n, out), naive(n, out), fast2(n, out);
-    c2f::kernels::linear<Scalar>(x, w, with_bias ? b.data() : nullptr, fast, 1);
-    c2f::kernels::linear<Scalar>(x, w, with_bias ? b.data() : nullptr, fast2, 2);
+    c2f::kernels::linear<Scalar>(x, w, with_bias ? b.data() : nullptr, fast, c2f::kernels::with_threads(1));
+    c2f::kernels::linear<Scalar>(x, w, with_bias ? b.data() : nullptr, fast2, c2f::kernels::with_threads(2));
     c2f::kernels::linear_naive<Scalar>(x, w, with_bias ? b.data() : nullptr, naive);
     std::ostringstream what;
     what << "linear n=" << n << " in=" << in << " out=" << out << " bias=" << with_bias;
@@ -80,7 +80,7 @@ TYPED_TEST(KernelTest, LinearRejectsMismatchedShapes) {
   RowMatrix<Scalar> x(4, 3), w(5, 2), y(4, 5);
   x.setOnes();
   w.setOnes();
-  EXPECT_THROW(c2f::kernels::linear<Scalar>(x, w, nullptr, y, 1), std::invalid_argument);
+  EXPECT_THROW(c2f::kernels::linear<Scalar>(x, w, nullptr, y, c2f::kernels::with_threads(1)), std::invalid_argument);
 }
 
 // One random attention problem: q/k/v in [batch·seq, heads·dim] matrices, and a random mask pair.
@@ -166,7 +166,7 @@ TYPED_TEST(KernelTest, StreamingAndSplitKeysMatchNaiveOnRandomShapes) {
   constexpr int kShapes = 60;
   for (int rep = 0; rep < kShapes; ++rep) {
     const Problem<Scalar> p = random_problem<Scalar>(rng, rep);
-    c2f::kernels::SdpaOptions opt;
+    c2f::kernels::KernelOptions opt;
     opt.query_block(rng.pick(std::vector<Index>{1, 7, 16, 64}));
     opt.key_block(rng.pick(std::vector<Index>{1, 5, 32, 64, 300}));
     opt.key_part(rng.pick(std::vector<Index>{1, 3, 16, 33, 64, 1024}));
@@ -194,7 +194,7 @@ TYPED_TEST(KernelTest, SplitKeysReadsNarrowKeysAndValuesExactly) {
   TestRng rng(9);
   for (int rep = 0; rep < 12; ++rep) {
     const Problem<Scalar> p = random_problem<Scalar>(rng, rep);
-    c2f::kernels::SdpaOptions opt;
+    c2f::kernels::KernelOptions opt;
     opt.key_block(rng.pick(std::vector<Index>{1, 5, 32, 300}));
     opt.key_part(rng.pick(std::vector<Index>{3, 16, 1024}));
     const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
@@ -218,7 +218,7 @@ TYPED_TEST(KernelTest, OutputBitsDoNotDependOnThreadCount) {
   for (int rep = 0; rep < 10; ++rep) {
     const Problem<Scalar> p = random_problem<Scalar>(rng, rep);
     const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
-    c2f::kernels::SdpaOptions opt;
+    c2f::kernels::KernelOptions opt;
     opt.query_block(16);
     opt.key_block(32);
     opt.key_part(16);
@@ -252,7 +252,7 @@ TYPED_TEST(KernelTest, FullyMaskedRowsGiveZeros) {
   p.attn = c2f::AttnMask<Scalar>::keep(keep);
   p.pad = c2f::KeyPaddingMask<Scalar>::lengths({p.lk, 0});  // batch 1: no key at all
   const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
-  c2f::kernels::SdpaOptions opt;
+  c2f::kernels::KernelOptions opt;
   opt.key_block(16);
   RowMatrix<Scalar> naive(p.batch * p.lq, p.heads * p.dv), fast(p.batch * p.lq, p.heads * p.dv);
   c2f::Tensor4<Scalar> weights(p.batch, p.heads, p.lq, p.lk);
@@ -297,7 +297,7 @@ TYPED_TEST(KernelTest, WholeMaskedKeyBlockStaysFinite) {
   }
   p.attn = c2f::AttnMask<Scalar>::additive(band);
   const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
-  c2f::kernels::SdpaOptions opt;
+  c2f::kernels::KernelOptions opt;
   opt.query_block(8);
   opt.key_block(8);
   RowMatrix<Scalar> naive(p.lq, p.heads * p.dv), fast(p.lq, p.heads * p.dv);
@@ -323,7 +323,7 @@ TYPED_TEST(KernelTest, LargeLogitsStayFinite) {
   p.k = rng.matrix<Scalar>(p.lk, p.dk, 60.0);
   p.v = rng.matrix<Scalar>(p.lk, p.dv);
   const c2f::MaskView<Scalar> plan;
-  c2f::kernels::SdpaOptions opt;
+  c2f::kernels::KernelOptions opt;
   opt.key_block(7);
   RowMatrix<Scalar> naive(p.lq, p.dv), fast(p.lq, p.dv);
   c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt);
@@ -350,7 +350,7 @@ TYPED_TEST(KernelTest, NanInVisibleInputPropagates) {
   p.v = rng.matrix<Scalar>(p.lk, p.dv);
   p.q(2, 1) = std::numeric_limits<Scalar>::quiet_NaN();
   const c2f::MaskView<Scalar> plan;
-  c2f::kernels::SdpaOptions opt;
+  c2f::kernels::KernelOptions opt;
   opt.key_block(3);
   RowMatrix<Scalar> naive(p.lq, p.dv), fast(p.lq, p.dv);
   c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt);
@@ -377,7 +377,7 @@ TYPED_TEST(KernelTest, MaskedKeysGetExactlyZeroWeight) {
   p.v = rng.matrix<Scalar>(p.lk, p.dv);
   p.pad = c2f::KeyPaddingMask<Scalar>::lengths({30});
   const c2f::MaskView<Scalar> plan(p.attn, p.pad, 1, 1, p.lq, p.lk);
-  c2f::kernels::SdpaOptions opt;
+  c2f::kernels::KernelOptions opt;
   opt.key_block(16);
   RowMatrix<Scalar> clean(p.lq, p.dv), fast(p.lq, p.dv), naive(p.lq, p.dv);
   opt.key_part(12);
@@ -419,10 +419,16 @@ TYPED_TEST(KernelTest, MaskShapeErrorsNameBothShapes) {
 }
 
 TEST(KernelWorkspace, StreamingScratchDoesNotGrowWithSequenceLength) {
-  c2f::kernels::SdpaOptions opt;
-  const std::size_t bytes = c2f::kernels::sdpa_streaming_workspace_bytes<float>(opt, 64, 64);
-  // query_block·dk + query_block·key_block + query_block·dv + 3·query_block floats.
-  EXPECT_EQ(bytes, sizeof(float) * (64 * 64 + 64 * 256 + 64 * 64 + 3 * 64));
+  c2f::kernels::KernelOptions opt;
+  // query_block·dk + query_block·key_block + query_block·dv + 3·query_block floats, whatever the lengths…
+  for (Index length : {Index(256), Index(100000)}) {
+    EXPECT_EQ(c2f::kernels::sdpa_streaming_workspace_bytes<float>(opt, 64, 64, length, length),
+              sizeof(float) * (64 * 64 + 64 * 256 + 64 * 64 + 3 * 64));
+  }
+  // …and blocks longer than the sequence are the sequence (a query_block of 2^20 on 5 queries).
+  opt.query_block(Index(1) << 20);
+  EXPECT_EQ(c2f::kernels::sdpa_streaming_workspace_bytes<float>(opt, 64, 64, 5, 7),
+            sizeof(float) * (5 * 64 + 5 * 7 + 5 * 64 + 3 * 5));
 }
 
 }  // namespace

@@ -76,7 +76,7 @@ TEST_F(MemoryTest, StreamingForwardAllocatesNoQueryKeyBuffer) {
   }
 }
 
-// C2FAttention's folded path never forms the [L, 2d] key/value tensor of the seed's formula: its
+// C2FAttention's folded path never forms the [L, 2d] key/value tensor of the article's formula: its
 // largest block is the [L, d] output, and its working memory grows linearly in L.
 TEST_F(MemoryTest, C2FFoldedPathHasNoTokenLevelKeyValueTensor) {
   const Index d = 64, chunk = 32;

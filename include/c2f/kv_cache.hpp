@@ -1,18 +1,14 @@
 // c2f — KVCache: the projected keys and values of the tokens a decoding layer has seen, per batch item,
 // stored as float, double, Eigen::half or Eigen::bfloat16 (arithmetic stays in the layer's Scalar).
+// The decoding states built on it and the layers' decode() are in c2f/detail/decoding.hpp.
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/convert.hpp"
-#include "c2f/detail/module.hpp"
-#include "c2f/kernels/chunk.hpp"
-#include "c2f/kernels/sdpa.hpp"
+#include "c2f/kernels/heads_view.hpp"
 
 #include <Eigen/Core>
 
 #include <algorithm>
-#include <type_traits>
-#include <vector>
 
 namespace c2f {
 
@@ -88,125 +84,6 @@ class KVCache {
   Index batch_, width_;
   Index length_ = 0, capacity_ = 0;
   Matrix k_, v_;
-};
-
-/// What every decoding state holds: the keys and values of the tokens so far. A layer's
-/// DecodeStateOf<Cache> derives from it and adds what its attention needs.
-template <class Cache>
-class DecodeStateBase {
- public:
-  Index batch() const { return cache_.batch(); }
-  /// Tokens decoded so far (per sequence).
-  Index length() const { return cache_.length(); }
-  const KVCache<Cache>& cache() const { return cache_; }
-  /// Room for `tokens` tokens per sequence without reallocation.
-  void reserve(Index tokens) { cache_.reserve(tokens); }
-
- protected:
-  DecodeStateBase(Index batch, Index width) : cache_(batch, width) {}
-  KVCache<Cache> cache_;
-};
-
-namespace detail {
-
-/// The decoding interface of a layer (CRTP): new_decode_state(), decode() and prefill(). `Layer`
-/// provides DecodeStateOf<Cache>, make_decode_state<Cache>(batch) and run_decode(x, state, outputs),
-/// which appends the tokens of x to the state and returns the outputs of its last `outputs` tokens.
-template <class Layer, class Scalar>
-class Decoder {
- public:
-  /// An empty state for `batch` sequences, with room for `reserve` tokens each; keys and values stored
-  /// as `Cache` (Scalar, or Eigen::half / Eigen::bfloat16 to halve the memory; the arithmetic stays in
-  /// Scalar). One state per batch of sequences; the layer itself is shared.
-  template <class Cache = Scalar, class L = Layer>  // L: Layer, looked up when the function is used
-  typename L::template DecodeStateOf<Cache> new_decode_state(Index batch, Index reserve = 0) const {
-    if (batch < 0 || reserve < 0) fail("new_decode_state: batch and reserve must be >= 0, got ", batch, " and ", reserve);
-    typename L::template DecodeStateOf<Cache> state = layer().template make_decode_state<Cache>(batch);
-    state.reserve(reserve);
-    return state;
-  }
-
-  /// Appends x_new [B, n, E] (n ≥ 1 tokens of each of the state's B sequences) and returns their
-  /// outputs [B, n, E]: the rows the causal forward() over every token so far gives them, however the
-  /// tokens were split into calls. The layer must be causal.
-  template <class State>
-  Tensor3<Scalar> decode(ConstTensor3Ref<Scalar> x_new, State& state) const {
-    return layer().run_decode(x_new, state, x_new.seq());
-  }
-
-  /// Appends x [B, n, E] like decode() but returns only the last token's output [B, 1, E] (a prompt
-  /// whose other outputs are not needed): the attention of the other n − 1 tokens is not computed.
-  template <class State>
-  Tensor3<Scalar> prefill(ConstTensor3Ref<Scalar> x, State& state) const {
-    return layer().run_decode(x, state, std::min<Index>(1, x.seq()));
-  }
-
- private:
-  const Layer& layer() const { return static_cast<const Layer&>(*this); }
-};
-
-/// A layer that loads and saves (Module) and decodes (Decoder).
-template <class Layer, class Scalar>
-class DecodingModule : public Module<Layer>, public Decoder<Layer, Scalar> {};
-
-}  // namespace detail
-
-/// Means of the complete chunks of a KVCache's keys (and, with `values`, values) per batch item, kept up
-/// to date as tokens arrive — the chunk summaries a decoding step scores without re-reading the keys.
-/// A mean is kernels::chunk_mean of the cached rows (converted to Scalar).
-template <class Scalar>
-class ChunkSummaries {
- public:
-  ChunkSummaries(Index batch, Index width, Index chunk, bool values)
-      : chunk_(chunk), values_(values), k_(static_cast<std::size_t>(std::max<Index>(batch, 0)), RowMatrix<Scalar>(0, width)),
-        v_(values ? k_ : std::vector<RowMatrix<Scalar>>()) {
-    if (chunk < 1) detail::fail("ChunkSummaries: chunk must be >= 1, got ", chunk);
-  }
-
-  /// Complete chunks per batch item.
-  Index complete() const { return complete_; }
-  /// The key (value) means of batch item b: [complete(), width].
-  typename RowMatrix<Scalar>::ConstRowsBlockXpr keys(Index b) const { return k_[index(b)].topRows(complete_); }
-  typename RowMatrix<Scalar>::ConstRowsBlockXpr values(Index b) const { return v_[index(b)].topRows(complete_); }
-  std::size_t memory_bytes() const {
-    std::size_t n = 0;
-    for (const RowMatrix<Scalar>& m : k_) n += sizeof(Scalar) * static_cast<std::size_t>(m.size());
-    return values_ ? 2 * n : n;
-  }
-
-  /// Adds the means of the chunks the cache's tokens have completed since the last update.
-  template <class Storage>
-  void update(const KVCache<Storage>& cache) {
-    const Index complete = cache.length() / chunk_;
-    if (complete == complete_) return;
-    RowMatrix<Scalar> scratch;
-    for (Index b = 0; b < cache.batch(); ++b) {
-      grow(k_[index(b)], complete);
-      if (values_) grow(v_[index(b)], complete);
-      for (Index j = complete_; j < complete; ++j) {
-        mean_into(cache.keys(b, j * chunk_, chunk_), k_[index(b)].row(j), scratch);
-        if (values_) mean_into(cache.values(b, j * chunk_, chunk_), v_[index(b)].row(j), scratch);
-      }
-    }
-    complete_ = complete;
-  }
-
- private:
-  static std::size_t index(Index b) { return static_cast<std::size_t>(b); }
-  static void grow(RowMatrix<Scalar>& m, Index rows) {
-    if (rows > m.rows()) m.conservativeResize(std::max(rows, 2 * m.rows()), Eigen::NoChange);
-  }
-  template <class Rows, class Row>
-  void mean_into(const Rows& rows, Row&& out, RowMatrix<Scalar>& scratch) const {
-    detail::as_scalar(rows, scratch, [&](const auto& r) {
-      kernels::chunk_mean<Scalar>(r, kernels::ChunkGrid{1, chunk_, chunk_}, out, 1);
-    });
-  }
-
-  Index chunk_;
-  bool values_;
-  Index complete_ = 0;
-  std::vector<RowMatrix<Scalar>> k_, v_;
 };
 
 }  // namespace c2f

@@ -36,8 +36,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/options.hpp"
-#include "c2f/state_dict.hpp"
+#include "c2f/detail/arg.hpp"
 
 #include <array>
 #include <limits>
@@ -85,14 +84,6 @@ std::vector<std::uint8_t> bool_flags(const T* p, Index n, bool invert) {
   std::vector<std::uint8_t> out(static_cast<std::size_t>(n));
   for (Index i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = ((p[i] != T(0)) != invert) ? 1 : 0;
   return out;
-}
-
-/// Keep flags from a BOOL/U8 state-dict tensor (non-zero = true).
-inline std::vector<std::uint8_t> tensor_flags(const TensorData& t, bool invert) {
-  if (t.dtype() != DType::BOOL && t.dtype() != DType::U8) {
-    fail("a boolean mask needs a BOOL or U8 tensor, got ", dtype_name(t.dtype()));
-  }
-  return bool_flags(t.bytes().data(), static_cast<Index>(t.bytes().size()), invert);
 }
 
 }  // namespace detail
@@ -159,26 +150,6 @@ class AttnMask {
     const RowMatrix<Scalar> per_head = table.transpose();  // [heads, entries]: one contiguous table per head
     m.add_.assign(per_head.data(), per_head.data() + per_head.size());
     return m;
-  }
-
-  /// From a state-dict tensor (e.g. a mask saved by PyTorch): `kind` Keep or Ignore reads a BOOL/U8
-  /// tensor, Additive a floating-point one. Shape [queries, keys], or [..., queries, keys] with the
-  /// leading dimensions flattened into n (so PyTorch's [B, H, L, S] becomes [B·H, L, S] and the
-  /// coarse-to-fine module's fine mask [B, m, k, k] becomes [B·m, k, k]).
-  static AttnMask from_tensor(MaskKind kind, const TensorData& t) {
-    const std::vector<std::int64_t>& s = t.shape();
-    if (s.size() < 2) {
-      detail::fail("an attention mask is [queries, keys] or [..., queries, keys], got ", detail::shape_string(s));
-    }
-    Index n = 1;
-    for (std::size_t i = 0; i + 2 < s.size(); ++i) n *= s[i];
-    const std::array<Index, 3> dims{n, s[s.size() - 2], s[s.size() - 1]};
-    switch (kind) {
-      case MaskKind::Keep: return flags(kind, dims, detail::tensor_flags(t, false));
-      case MaskKind::Ignore: return flags(kind, dims, detail::tensor_flags(t, true));
-      case MaskKind::Additive: return values(dims, t.to_vector<Scalar>());
-      default: detail::fail("AttnMask::from_tensor takes MaskKind Keep, Ignore or Additive");
-    }
   }
 
   MaskKind kind() const { return kind_; }
@@ -257,23 +228,6 @@ class KeyPaddingMask {
     k.lengths_ = std::move(lengths);
     return k;
   }
-  /// From a state-dict tensor [batch, keys]: Keep/Ignore read BOOL/U8, Additive floating point.
-  static KeyPaddingMask from_tensor(MaskKind kind, const TensorData& t) {
-    if (t.shape().size() != 2) {
-      detail::fail("a key padding mask is [batch, keys], got ", detail::shape_string(t.shape()));
-    }
-    KeyPaddingMask k;
-    k.kind_ = kind;
-    k.dims_ = {t.shape()[0], t.shape()[1]};
-    switch (kind) {
-      case MaskKind::Keep: k.keep_ = detail::tensor_flags(t, false); break;
-      case MaskKind::Ignore: k.keep_ = detail::tensor_flags(t, true); break;
-      case MaskKind::Additive: k.add_ = detail::normalize_additive(t.to_vector<Scalar>()); break;
-      default: detail::fail("KeyPaddingMask::from_tensor takes MaskKind Keep, Ignore or Additive");
-    }
-    return k;
-  }
-
   MaskKind kind() const { return kind_; }
   bool is_none() const { return kind_ == MaskKind::None; }
   /// [batch, keys]; keys is 0 for lengths().
@@ -297,6 +251,21 @@ class KeyPaddingMask {
   std::vector<Scalar> add_;
   std::vector<Index> lengths_;
 };
+
+/// The fields of c2f::Masks, as a set: what a layer takes (every layer's `mask_fields`).
+enum class MaskFields : unsigned {
+  None = 0,
+  AttnMask = 1,        ///< Masks::attn_mask
+  KeyPaddingMask = 2,  ///< Masks::key_padding_mask
+  FineAttnMask = 4,    ///< Masks::fine_attn_mask
+};
+constexpr MaskFields operator|(MaskFields a, MaskFields b) {
+  return static_cast<MaskFields>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
+}
+/// Whether the set `fields` holds `field`.
+constexpr bool takes(MaskFields fields, MaskFields field) {
+  return (static_cast<unsigned>(fields) & static_cast<unsigned>(field)) != 0;
+}
 
 /// The masks of one forward call: the library's one masks type, taken by every layer. A layer uses
 /// the fields its attention has and rejects the others with std::invalid_argument (never ignores them):
@@ -322,11 +291,11 @@ namespace detail {
 
 /// Throws unless only the fields a layer takes are set: "<layer> takes no <field>".
 template <class Scalar>
-void check_mask_fields(const Masks<Scalar>& masks, const char* layer, bool attn, bool key_padding, bool fine) {
-  const char* unused = !attn && !masks.attn_mask().is_none()                 ? "attn_mask"
-                       : !key_padding && !masks.key_padding_mask().is_none() ? "key_padding_mask"
-                       : !fine && !masks.fine_attn_mask().is_none()          ? "fine_attn_mask"
-                                                                             : nullptr;
+void check_mask_fields(const Masks<Scalar>& masks, const char* layer, MaskFields accepted) {
+  const char* unused = !takes(accepted, MaskFields::AttnMask) && !masks.attn_mask().is_none()        ? "attn_mask"
+                       : !takes(accepted, MaskFields::KeyPaddingMask) && !masks.key_padding_mask().is_none() ? "key_padding_mask"
+                       : !takes(accepted, MaskFields::FineAttnMask) && !masks.fine_attn_mask().is_none()   ? "fine_attn_mask"
+                                                                                                  : nullptr;
   if (unused != nullptr) fail(layer, " takes no ", unused, " (see c2f::Masks for the fields each layer uses)");
 }
 

@@ -1,10 +1,10 @@
 """PyTorch reference for c2f's two-dimensional coarse-to-fine attention (fixture family "c2f2d").
 
-Seed 004 ends with how to carry coarse-to-fine attention to vision Transformers: 2-D coarse blocks, a
-2-D relative position bias in the coarse stage (as Swin does) and larger blocks in deeper layers (a
-feature pyramid). The seed gives no code for it; this module builds it from the seed's own
-``CoarseAttention`` and ``FineAttention`` (c2f_reference.py, with its two bug fixes) and Swin's
-``relative_position_bias_table``:
+The coarse-to-fine attention article ends with how to carry coarse-to-fine attention to vision
+Transformers: 2-D coarse blocks, a 2-D relative position bias in the coarse stage (as Swin does) and
+larger blocks in deeper layers (a feature pyramid). The article gives no code for it; this module
+builds it from the article's own ``CoarseAttention`` and ``FineAttention`` (c2f_reference.py, with its
+two bug fixes) and Swin's ``relative_position_bias_table``:
 
 * x [B, H*W, d] holds the tokens of an H x W grid flattened row-major (token y*W + x), as ViT patch
   embeddings are.
@@ -12,7 +12,7 @@ feature pyramid). The seed gives no code for it; this module builds it from the 
   [r*block_h, min((r+1)*block_h, H)) x columns [c*block_w, min((c+1)*block_w, W)); blocks are numbered
   row-major n = r*Mw + c, tokens row-major inside a block. Edge blocks may be partial: the grid is
   zero-padded to Mh*block_h x Mw*block_w, like c2f_reference.C2FAttention pads the sequence.
-* Coarse stage: the mean of each block's REAL tokens -> [B, Mh*Mw, d] -> seed 004's CoarseAttention
+* Coarse stage: the mean of each block's REAL tokens -> [B, Mh*Mw, d] -> the article's CoarseAttention
   (``coarse_attn.qkv_proj``, ``coarse_attn.out_proj``), with, when enabled, Swin's bias added to the
   scores of head h between blocks n = (r, c) and n' = (r', c'):
   ``table[(r - r' + Gh - 1) * (2*Gw - 1) + (c - c' + Gw - 1), h]``, Gh = max_blocks_h, Gw = max_blocks_w,
@@ -20,10 +20,10 @@ feature pyramid). The seed gives no code for it; this module builds it from the 
   (trunc_normal_, std 0.02). The index is computed as Swin's ``relative_position_index`` but on the fly
   (the block grid changes with the image), so it is not a buffer and not in the state dict. A grid with
   Mh > Gh or Mw > Gw raises ValueError.
-* Fine stage: seed 004's FineAttention on the blocks [B, Mh*Mw, block_h*block_w, d] (``fine_attn.q_proj``,
+* Fine stage: the article's FineAttention on the blocks [B, Mh*Mw, block_h*block_w, d] (``fine_attn.q_proj``,
   ``fine_attn.kv_proj``, ``fine_attn.out_proj``): the query of every token of block n is
   q_proj(coarse output of n); keys and values are the block's real tokens (padded keys are masked, the
-  seed's convention: keep-mask, -1e9 fill); padded query rows are dropped from the output.
+  article's convention: keep-mask, -1e9 fill); padded query rows are dropped from the output.
 
 ``ViTPyramid`` stacks such layers as a feature pyramid: stage s runs x = x + attention_s(x, H, W) on the
 current grid; between stages a 2 x 2 mean-pool patch merging halves the grid (ceil(H/2) x ceil(W/2)),
@@ -44,7 +44,7 @@ def num_blocks(n, block):
 
 
 class CoarseAttention2D(CoarseAttention):
-    """Seed 004's CoarseAttention with Swin's relative position bias added to the scores."""
+    """The coarse-to-fine attention article's CoarseAttention with Swin's relative position bias added to the scores."""
 
     def __init__(self, d_model, n_heads, max_blocks_h, max_blocks_w, relative_position_bias=True, dropout=0.1):
         super().__init__(d_model, n_heads, dropout)
@@ -68,7 +68,7 @@ class CoarseAttention2D(CoarseAttention):
 
     def forward(self, x, blocks_h, blocks_w):
         """x [batch, Mh*Mw, d_model] block summaries of a blocks_h x blocks_w grid -> [batch, Mh*Mw, d_model].
-        The seed's CoarseAttention.forward with the bias added before the softmax."""
+        The article's CoarseAttention.forward with the bias added before the softmax."""
         batch_size, m, _ = x.shape
         qkv = self.qkv_proj(x)
         q, k, v = qkv.chunk(3, dim=-1)
@@ -145,7 +145,7 @@ class C2FAttention2D(nn.Module):
         self.coarse_input = block_means(x, H, W, bh, bw)
         self.coarse_output = self.coarse_attn(self.coarse_input, Mh, Mw)
         k = bh * bw
-        mask = None  # as in the seed when nothing is padded
+        mask = None  # as in the article when nothing is padded
         if not bool(real.all()):
             mask = real[None, :, None, :].expand(B, Mh * Mw, k, k)  # padded keys are never attended to
         fine = self.fine_attn(blocks, self.coarse_output, mask=mask)

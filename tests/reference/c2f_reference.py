@@ -1,11 +1,11 @@
 """PyTorch reference modules for c2f's coarse-to-fine attention (fixture family "c2f").
 
-A faithful copy of the three modules of seed 004 (``CoarseAttention``, ``FineAttention``,
+A faithful copy of the three modules of the coarse-to-fine attention article (``CoarseAttention``, ``FineAttention``,
 ``C2FAttention``): same parameter names, same math (q·kᵀ / sqrt(d_k), ``masked_fill(mask == 0, -1e9)``,
-softmax, dropout, out_proj). Mask convention, as in the seed: 1 / True = keep, 0 / False = masked.
+softmax, dropout, out_proj). Mask convention, as in the article: 1 / True = keep, 0 / False = masked.
 Run the modules in eval mode, where dropout is the identity.
 
-Only these changes were made to the seed's code; each is marked "FIX n" below:
+Only these changes were made to the article's code; each is marked "FIX n" below:
 
 1. ``FineAttention.forward`` unpacked ``batch_size, m, k, _ = x.shape`` and then overwrote ``k`` with the
    key tensor (``k, v = kv.chunk(2, -1)``) before ``q.view(batch_size, m, k, ...)``. The chunk length is
@@ -17,12 +17,12 @@ Only these changes were made to the seed's code; each is marked "FIX n" below:
    its number of real tokens), the fine stage masks the padded KEYS (a fine-mask entry is kept only if
    the user's fine mask keeps it AND the key is a real token), and the padded query rows are dropped
    from the output ([B, L, d]). L < chunk_size is one partial chunk. When L is divisible and there is
-   no user fine mask, the fine stage gets ``mask=None``, exactly as in the seed.
-4. ``C2FAttention.forward(x, coarse_mask=None, fine_mask=None)``: the seed passed ``mask=None`` to the
+   no user fine mask, the fine stage gets ``mask=None``, exactly as in the article.
+4. ``C2FAttention.forward(x, coarse_mask=None, fine_mask=None)``: the article passed ``mask=None`` to the
    coarse stage (comment "可添加块间 mask": a block mask can be added); the coarse mask [B, m, m] is now
    passed there, and the fine mask [B, m, k, k] (over the padded chunk grid) to the fine stage.
 
-Note on the seed's semantics, kept as is: the fine stage's query is ``q_proj(coarse_context)``,
+Note on the article's semantics, kept as is: the fine stage's query is ``q_proj(coarse_context)``,
 broadcast to every token of the chunk. Without a fine mask whose rows differ, all the token rows of a
 chunk therefore get the same output. And a row whose keys are ALL masked gets a uniform average from
 the -1e9 fill (not NaN and not zero); the fixtures avoid such rows.
@@ -90,7 +90,7 @@ class FineAttention(nn.Module):
             coarse_context: [batch, m, d_model] 粗粒度上下文 (coarse context)
             mask: [batch, m, k, k] 块内掩码 (intra-chunk mask, 1 = keep, 0 = masked)
         """
-        # FIX 1: the seed named the chunk length `k` and then overwrote it with the key tensor.
+        # FIX 1: the article named the chunk length `k` and then overwrote it with the key tensor.
         batch_size, m, chunk_len, _ = x.shape
         # 使用粗粒度信息初始化 query [batch, m, d_model] -> [batch, m, k, d_model]
         q = self.q_proj(coarse_context).unsqueeze(2).expand(-1, -1, chunk_len, -1)
@@ -136,7 +136,7 @@ class C2FAttention(nn.Module):
         m = self.num_chunks(seq_len, c)
         padded_len = m * c
         pad = padded_len - seq_len
-        # FIX 3: zero-pad to a whole number of chunks (no-op when divisible, as in the seed).
+        # FIX 3: zero-pad to a whole number of chunks (no-op when divisible, as in the article).
         x_p = x if pad == 0 else torch.cat([x, x.new_zeros(batch_size, pad, d)], dim=1)
 
         # 重组为粗粒度块 [batch, seq_len, d] -> [batch, m, k, d]

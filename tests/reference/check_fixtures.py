@@ -22,7 +22,7 @@ Policy:
   implementation of multi-head attention (loose tolerance: 1e-4 for f32 files, 1e-10 for f64), so a
   fixture that encodes a torch quirk rather than the documented semantics is caught. Likewise every c2f
   fixture (``output``, ``coarse_input``, ``coarse_output``) against a float64 numpy implementation of
-  seed 004's coarse-to-fine attention with padding, plus its contract (shapes, mask metadata, no query
+  the coarse-to-fine attention article's modules with padding, plus its contract (shapes, mask metadata, no query
   row without a kept real key).
 * Every conv1d and hmha fixture is cross-checked (same tolerances) against float64 numpy code that is a
   second formulation next to the dense torch one (hmha_reference.py): convolutions as explicit loops
@@ -258,7 +258,7 @@ def crosscheck_mha(np, st, committed_dir, report):
 
 def _attend(np, q, k, v, keep):
     """One head: q [Lq, dh], k/v [Lk, dh], keep [Lq, Lk] bool (True = attend). A row without any kept key
-    gives NaN here (the fixtures must not have one: c2f's C++ layer and the seed's -1e9 fill disagree)."""
+    gives NaN here (the fixtures must not have one: c2f's C++ layer and the article's -1e9 fill disagree)."""
     s = (q @ k.T) / np.sqrt(q.shape[-1])
     s = np.where(keep, s, -np.inf)
     with np.errstate(invalid="ignore"):
@@ -267,8 +267,9 @@ def _attend(np, q, k, v, keep):
 
 
 def c2f_reference(np, t, md):
-    """float64 CoarseAttention / FineAttention / C2FAttention (seed 004 with its fixes) from a fixture's
-    tensors; written per batch item, chunk and head, without torch's reshapes. Returns name -> array."""
+    """float64 CoarseAttention / FineAttention / C2FAttention (the coarse-to-fine attention article's, with
+    its fixes) from a fixture's tensors; written per batch item, chunk and head, without torch's reshapes.
+    Returns name -> array."""
     module = md["module"]
     d, H, B = int(md["d_model"]), int(md["n_heads"]), int(md["batch"])
     dh = d // H

@@ -491,7 +491,7 @@ def gen_mha(family_dir: Path) -> List[dict]:
 
 
 # =====================================================================================================
-# Family "c2f": seed 004's CoarseAttention / FineAttention / C2FAttention (c2f_reference.py)
+# Family "c2f": the coarse-to-fine attention article's CoarseAttention / FineAttention / C2FAttention (c2f_reference.py)
 # =====================================================================================================
 
 C2F_MODULES = ("c2f", "coarse", "fine")
@@ -778,8 +778,8 @@ def _c2f_case_files(family_dir: Path, c: C2fCase) -> dict:
 
 @register_family(
     "c2f", computed=("output", "coarse_input", "coarse_output"),
-    description="seed 004's C2FAttention / CoarseAttention / FineAttention (c2f_reference.py): "
-                "padding, coarse and fine keep-masks")
+    description="the coarse-to-fine attention article's C2FAttention / CoarseAttention / FineAttention "
+                "(c2f_reference.py): padding, coarse and fine keep-masks")
 def gen_c2f(family_dir: Path) -> List[dict]:
     names = [c.name for c in C2F_CASES]
     if len(set(names)) != len(names) or len({c.seed for c in C2F_CASES}) != len(C2F_CASES):
@@ -788,7 +788,7 @@ def gen_c2f(family_dir: Path) -> List[dict]:
 
 
 # =====================================================================================================
-# Family "conv1d": torch.nn.Conv1d in c2f's [B, L, C] layout, and seed 002's C3K2Projection
+# Family "conv1d": torch.nn.Conv1d in c2f's [B, L, C] layout, and the C3K2/HMHA article's C3K2Projection
 # =====================================================================================================
 
 def conv_uniform(rs: np.random.RandomState, shape: Tuple[int, ...], fan_in: int) -> np.ndarray:
@@ -959,7 +959,7 @@ def _conv_case_files(family_dir: Path, c: ConvCase) -> dict:
 
 @register_family(
     "conv1d", computed=("output",),
-    description="torch.nn.Conv1d in [B, L, C] layout (kernel, padding, groups, bias) and seed 002's "
+    description="torch.nn.Conv1d in [B, L, C] layout (kernel, padding, groups, bias) and the C3K2/HMHA article's "
                 "C3K2Projection (hmha_reference.py)")
 def gen_conv1d(family_dir: Path) -> List[dict]:
     names = [c.name for c in CONV1D_CASES]
@@ -969,7 +969,7 @@ def gen_conv1d(family_dir: Path) -> List[dict]:
 
 
 # =====================================================================================================
-# Family "hmha": seed 002's hierarchical multi-head attention, dense formulation (hmha_reference.py)
+# Family "hmha": the C3K2/HMHA article's hierarchical multi-head attention, dense formulation (hmha_reference.py)
 # =====================================================================================================
 
 # Output tensor -> the attention levels switched on.
@@ -1091,7 +1091,7 @@ def _hmha_case_files(family_dir: Path, c: HmhaCase) -> dict:
 
 @register_family(
     "hmha", computed=tuple(HMHA_OUTPUTS) + ("q", "k", "v"),
-    description="seed 002's HMHA (C3K2 q/k/v projections; local window, cross-window and power-of-two "
+    description="the C3K2/HMHA article's HMHA (C3K2 q/k/v projections; local window, cross-window and power-of-two "
                 "sparse levels), dense reference (hmha_reference.py)")
 def gen_hmha(family_dir: Path) -> List[dict]:
     names = [c.name for c in HMHA_CASES]
@@ -1350,7 +1350,8 @@ def gen_sparse(family_dir: Path) -> List[dict]:
 
 
 # =====================================================================================================
-# Family "c2f2d": two-dimensional coarse-to-fine attention (seed 004's ViT extension) and a pyramid
+# Family "c2f2d": two-dimensional coarse-to-fine attention (the coarse-to-fine attention article's ViT
+# extension) and a pyramid
 # =====================================================================================================
 
 C2F2D_TABLE_STD = 0.5  # fixture bias tables ~ N(0, 0.5^2): large enough that a wrong table entry shows
@@ -1440,7 +1441,7 @@ def _c2f2d_module(c: C2f2dCase):
 
 
 def _c2f2d_h1_equivalence(c: C2f2dCase, params, x: np.ndarray) -> None:
-    """One grid row without the bias is seed 004's 1-D C2FAttention with chunk_size = block_w (float64)."""
+    """One grid row without the bias is the article's 1-D C2FAttention with chunk_size = block_w (float64)."""
     one_d = c2f_ref.C2FAttention(c.d_model, c.n_heads, chunk_size=c.block_w).double()
     _load_exactly(one_d, params, np.float64, c.name)
     two_d = _c2f2d_module(c).double()
@@ -1502,8 +1503,8 @@ def _c2f2d_case_files(family_dir: Path, c: C2f2dCase) -> dict:
 
 @register_family(
     "c2f2d", computed=("output", "coarse_input", "coarse_output"),
-    description="two-dimensional coarse-to-fine attention (seed 004's ViT extension) with Swin's relative "
-                "position bias, and a ViT feature pyramid of it (c2f2d_reference.py)")
+    description="two-dimensional coarse-to-fine attention (the coarse-to-fine attention article's ViT extension) "
+                "with Swin's relative position bias, and a ViT feature pyramid of it (c2f2d_reference.py)")
 def gen_c2f2d(family_dir: Path) -> List[dict]:
     names = [c.name for c in C2F2D_CASES]
     if len(set(names)) != len(names) or len({c.seed for c in C2F2D_CASES}) != len(C2F2D_CASES):

@@ -1,7 +1,7 @@
-"""PyTorch reference modules for seed 002's C3K2 projection and HMHA attention (fixture families
+"""PyTorch reference modules for the C3K2/HMHA article's C3K2 projection and HMHA attention (fixture families
 "conv1d" and "hmha").
 
-The seed's code does not run (its reshapes are wrong, stages 2 and 3 are missing). The modules below
+The article's code does not run (its reshapes are wrong, stages 2 and 3 are missing). The modules below
 implement the DEFINITION the C++ side follows, by a deliberately different formulation from a windowed
 kernel: every attention level is computed DENSELY, with explicit boolean masks over all L x L (or m x m)
 score pairs, dense window-averaging / membership matrices, ``masked_fill(~mask, -inf)`` + softmax, and
@@ -13,7 +13,7 @@ Definitions (x is [B, L, dim], batch first, as in c2f):
 * ``C3K2Projection(dim, heads, causal=False)``: ``conv3 = nn.Conv1d(dim, dim // 2, 3, padding=1)``,
   ``conv2 = nn.Conv1d(dim, dim - dim // 2, 1)``; output ``cat([conv3(x), conv2(x)], channels)`` ->
   [B, L, dim] (the convolutions run on ``x.transpose(1, 2)``; torch's Conv1d is a cross-correlation
-  with zero padding). ``heads`` is only recorded (the seed's signature); the output is not split.
+  with zero padding). ``heads`` is only recorded (the article's signature); the output is not split.
   Causal: conv3 has padding 0 and runs on ``F.pad(x, (2, 0))`` (two zeros on the left only), so output i
   reads x[i-2], x[i-1], x[i]; same parameters.
 * ``HMHA(dim, heads, window, levels, causal)``: q, k, v = ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)``

@@ -17,7 +17,7 @@ void dense_attention(const c2f::RowMatrix<Scalar>& q, const c2f::RowMatrix<Scala
   const c2f::AttnMask<Scalar> mask = c2f::AttnMask<Scalar>::keep(keep);
   const c2f::MaskView<Scalar> plan(mask, c2f::KeyPaddingMask<Scalar>(), batch, heads, lq, lk);
   out.resize(batch * lq, dim);
-  c2f::kernels::SdpaOptions options;
+  c2f::kernels::KernelOptions options;
   options.num_threads(1);
   c2f::kernels::sdpa_naive<Scalar>(c2f::kernels::heads_view<const Scalar>(q.data(), batch, lq, dim, 0, heads, dh),
                                    c2f::kernels::heads_view<const Scalar>(k.data(), batch, lk, dim, 0, heads, dh),

@@ -66,14 +66,15 @@ void check_qkv_out(const char* kernel, const Q& q, const K& k, const V& v, const
 }
 
 /// Kernels whose queries are the last n positions of T: q and out [batch·n, cols] (cols split into
-/// heads), k and v [batch·T, cols] (when keys_are_tokens), n ≤ T. Returns n.
+/// heads), k and v [batch·T, cols] (when keys_are_tokens), n ≤ T. Returns n (T when the batch is empty:
+/// nothing is computed then, and a forward pass's queries are all T positions).
 template <class Q, class O, class K, class V, class Grid, class Scalar>
 Index check_last_queries(const char* kernel, const Q& q, const O& out, const K& k, const V& v, const Grid& grid,
                          Index heads, Scalar scale, bool keys_are_tokens = true) {
   check_grid(kernel, grid);
   check_heads(kernel, q.cols(), heads);
   check_scale(kernel, scale);
-  const Index n = grid.batch > 0 ? q.rows() / grid.batch : 0;
+  const Index n = grid.batch > 0 ? q.rows() / grid.batch : grid.length;
   if (q.rows() != grid.batch * n || n > grid.length) {
     fail(kernel, ": q ", shape_string({q.rows(), q.cols()}), " must be [batch·n, cols] with n <= length (batch ",
          grid.batch, ", length ", grid.length, ")");

@@ -86,8 +86,8 @@ void block_mean_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, const BlockG
 /// (row-major inside the block), takes one softmax over all of them per head, and sums p_j x_j.
 template <class Scalar, class Bias>
 void fine_attention_folded_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, const BlockGrid2D& g,
-                                 const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads, Bias&& bias,
-                                 Eigen::Ref<RowMatrix<Scalar>> pooled, Eigen::Ref<RowMatrix<Scalar>> mass) {
+                                 const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads,
+                                 Eigen::Ref<RowMatrix<Scalar>> pooled, Eigen::Ref<RowMatrix<Scalar>> mass, Bias&& bias) {
   const Index d = x.cols();
   for (Index c = 0; c < g.blocks(); ++c) {
     const Index b = c / g.blocks_per_batch();

@@ -16,6 +16,7 @@
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/small_gemm.hpp"
 #include "c2f/detail/softmax.hpp"
+#include "c2f/kernels/kernel_options.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -68,12 +69,12 @@ struct QueryChunks {
 /// Overwrites out.
 template <class Scalar, class Grid>
 void chunk_mean(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, Eigen::Ref<RowMatrix<Scalar>> out,
-                int num_threads) {
+                const KernelOptions& options) {
   grid.check("chunk_mean");
   detail::check_shape("chunk_mean", "x", x, grid.tokens(), x.cols());
   detail::check_shape("chunk_mean", "out", out, grid.blocks(), x.cols());
   const double work = detail::kElementWork * static_cast<double>(grid.tokens() * x.cols());
-  detail::parallel_for(grid.blocks(), num_threads, work, [&](Index c, int) {
+  detail::parallel_for(grid.blocks(), options.num_threads(), work, [&](Index c, int) {
     typename Eigen::Ref<RowMatrix<Scalar>>::RowXpr o = out.row(c);
     o.setZero();
     for (Index s = 0; s < grid.segments(c); ++s) {
@@ -84,25 +85,45 @@ void chunk_mean(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, 
   });
 }
 
-/// y[token] = chunk_rows[block of token] for every real token: overwrites y, or adds to it with
-/// `accumulate`. chunk_rows [blocks, d], y [rows, d]; `grid` is a ChunkGrid or another block grid.
-template <class Scalar, class Grid>
-void broadcast_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, const Grid& grid,
-                      Eigen::Ref<RowMatrix<Scalar>> y, int num_threads, bool accumulate = false) {
-  grid.check("broadcast_chunks");
-  detail::check_shape("broadcast_chunks", "chunk_rows", chunk_rows, grid.blocks(), y.cols());
-  detail::check_shape("broadcast_chunks", "y", y, grid.tokens(), chunk_rows.cols());
-  const double work = detail::kElementWork * static_cast<double>(grid.tokens() * y.cols());
-  detail::parallel_for(grid.blocks(), num_threads, work, [&](Index c, int) {
+}  // namespace kernels
+namespace detail {
+
+/// broadcast_chunks and broadcast_chunks_add.
+template <bool Add, class Scalar, class Grid>
+void broadcast_rows(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, const Grid& grid,
+                    Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options) {
+  grid.check(kernel);
+  check_shape(kernel, "chunk_rows", chunk_rows, grid.blocks(), y.cols());
+  check_shape(kernel, "y", y, grid.tokens(), chunk_rows.cols());
+  const double work = kElementWork * static_cast<double>(grid.tokens() * y.cols());
+  parallel_for(grid.blocks(), options.num_threads(), work, [&](Index c, int) {
     for (Index s = 0; s < grid.segments(c); ++s) {
       typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr rows = y.middleRows(grid.segment_row(c, s), grid.segment_length(c, s));
-      if (accumulate) {
+      if constexpr (Add) {
         rows.rowwise() += chunk_rows.row(c);
       } else {
         rows.rowwise() = chunk_rows.row(c);
       }
     }
   });
+}
+}  // namespace detail
+namespace kernels {
+
+/// y[token] = chunk_rows[block of token] for every real token (overwritten; rows of y that belong to
+/// no block are left as they are). chunk_rows [blocks, d], y [rows, d]; `grid` is a ChunkGrid or
+/// another block grid.
+template <class Scalar, class Grid>
+void broadcast_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, const Grid& grid,
+                      Eigen::Ref<RowMatrix<Scalar>> y, const KernelOptions& options) {
+  detail::broadcast_rows<false, Scalar>("broadcast_chunks", chunk_rows, grid, y, options);
+}
+
+/// broadcast_chunks, adding: y[token] += chunk_rows[block of token].
+template <class Scalar, class Grid>
+void broadcast_chunks_add(const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, const Grid& grid,
+                          Eigen::Ref<RowMatrix<Scalar>> y, const KernelOptions& options) {
+  detail::broadcast_rows<true, Scalar>("broadcast_chunks_add", chunk_rows, grid, y, options);
 }
 
 /// The folded fine-attention step. For every block c and head h, with one query per block:
@@ -120,8 +141,9 @@ void broadcast_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, con
 /// per run read the run in place (detail/small_gemm.hpp): no packed copy of x.
 template <class Scalar, class Grid, class Bias>
 void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
-                           const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads, Bias&& bias,
-                           Eigen::Ref<RowMatrix<Scalar>> pooled, Eigen::Ref<RowMatrix<Scalar>> mass, int num_threads) {
+                           const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads,
+                           Eigen::Ref<RowMatrix<Scalar>> pooled, Eigen::Ref<RowMatrix<Scalar>> mass, Bias&& bias,
+                           const KernelOptions& options) {
   const Index d = x.cols();
   grid.check("fine_attention_folded");
   detail::check_heads("fine_attention_folded", heads * d, heads);
@@ -135,7 +157,7 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
     Vector<Scalar> run_max, run_sum;   // per head: the run's
   };
   const double work = static_cast<double>(grid.tokens() * heads) * (4.0 * static_cast<double>(d) + detail::kElementWork);
-  detail::parallel_for_each_worker<Workspace>(grid.blocks(), num_threads, work, [&](Index c, Workspace& ws) {
+  detail::parallel_for_each_worker<Workspace>(grid.blocks(), options.num_threads(), work, [&](Index c, Workspace& ws) {
     if (ws.max.size() != heads) {
       ws.max.resize(heads);
       ws.sum.resize(heads);

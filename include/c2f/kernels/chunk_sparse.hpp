@@ -19,6 +19,7 @@
 #include "c2f/detail/softmax.hpp"
 #include "c2f/detail/top_picks.hpp"
 #include "c2f/kernels/chunk.hpp"
+#include "c2f/kernels/kernel_options.hpp"
 #include "c2f/mask_view.hpp"
 
 #include <algorithm>
@@ -65,16 +66,16 @@ struct ChunkSelection {
 /// highest q̄_i·k̄_j (ties to the lower index; all of them when fewer exist).
 template <class Scalar>
 ChunkSelection select_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                             const ChunkGrid& grid, Index heads, Index top_k, int num_threads) {
+                             const ChunkGrid& grid, Index heads, Index top_k, const KernelOptions& options) {
   detail::check_selection_inputs("select_chunks", q, k, grid, heads, top_k);
   const Index m = grid.chunks_per_batch(), dim = q.cols(), dh = dim / heads;
   ChunkSelection sel{grid.batch, heads, m, top_k, false,
                      std::vector<Index>(static_cast<std::size_t>(grid.batch * heads * m * top_k), -1)};
   RowMatrix<Scalar> qm(grid.chunks(), dim), km(grid.chunks(), dim);
-  chunk_mean<Scalar>(q, grid, qm, num_threads);
-  chunk_mean<Scalar>(k, grid, km, num_threads);
+  chunk_mean<Scalar>(q, grid, qm, options);
+  chunk_mean<Scalar>(k, grid, km, options);
   const double work = 2.0 * static_cast<double>(grid.batch * m * m * dim);
-  detail::parallel_for(grid.batch * heads, num_threads, work, [&](Index task, int) {
+  detail::parallel_for(grid.batch * heads, options.num_threads(), work, [&](Index task, int) {
     const Index b = task / heads, h = task % heads;
     const RowMatrix<Scalar> s = qm.block(b * m, h * dh, m, dh) * km.block(b * m, h * dh, m, dh).transpose();
     detail::TopPicks<Scalar> picks(std::min<Index>(top_k - 1, m - 1));
@@ -102,14 +103,14 @@ ChunkSelection select_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& q, const
 template <class Scalar>
 ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                        const Eigen::Ref<const RowMatrix<Scalar>>& k_means, const ChunkGrid& grid,
-                                       Index heads, Index top_k, bool causal, int num_threads) {
+                                       Index heads, Index top_k, bool causal, const KernelOptions& options) {
   const char* kernel = "select_chunks_per_token";
   const Index n = detail::check_last_queries(kernel, q, q, q, q, grid, heads, Scalar(1), /*keys_are_tokens=*/false);
   if (top_k < 1) detail::fail(kernel, ": top_k must be >= 1, got ", top_k);
   const Index m = grid.chunks_per_batch(), dim = q.cols(), dh = dim / heads;
   const QueryChunks chunks(grid, n);
   const Index mk = grid.batch > 0 ? k_means.rows() / grid.batch : 0;
-  const Index needed = n == 0 ? 0 : (causal ? (grid.length - 1) / grid.chunk : m);
+  const Index needed = n == 0 || grid.batch == 0 ? 0 : (causal ? (grid.length - 1) / grid.chunk : m);
   if (k_means.cols() != dim || k_means.rows() != grid.batch * mk || mk < needed) {
     detail::fail(kernel, ": k_means ", detail::shape_string({k_means.rows(), k_means.cols()}),
                  " must be [batch·m, ", dim, "] with m >= ", needed, " chunk means per batch item");
@@ -118,7 +119,7 @@ ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>
                      std::vector<Index>(static_cast<std::size_t>(grid.batch * heads * n * top_k), -1)};
   const Index tasks = grid.batch * chunks.count;
   const double work = 2.0 * static_cast<double>(grid.batch * n * m * dim);
-  detail::parallel_for_each_worker<RowMatrix<Scalar>>(tasks, num_threads, work, [&](Index task, RowMatrix<Scalar>& s) {
+  detail::parallel_for_each_worker<RowMatrix<Scalar>>(tasks, options.num_threads(), work, [&](Index task, RowMatrix<Scalar>& s) {
     const Index b = task / chunks.count, c = chunks.first + task % chunks.count;
     const Index p0 = std::max(c * grid.chunk, chunks.first_position), p1 = std::min((c + 1) * grid.chunk, grid.length);
     const Index rows = p1 - p0, q_row = b * n + p0 - chunks.first_position;
@@ -149,8 +150,8 @@ ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>
 template <class Scalar>
 void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
                             const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads,
-                            const ChunkSelection& selection, const MaskView<Scalar>& mask, Scalar scale,
-                            Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
+                            const ChunkSelection& selection, Eigen::Ref<RowMatrix<Scalar>> out,
+                            const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
   detail::check_sparse_fine_inputs("chunk_sparse_attention", q, k, v, out, grid, heads, selection, false, mask, scale);
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k;
   struct Workspace {
@@ -158,7 +159,7 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
   };
   const Index tasks = grid.batch * heads * m;
   const double work = detail::attention_work(grid.batch * heads, grid.length, std::min(top_k, m) * grid.chunk, dh, dh);
-  detail::parallel_for_each_worker<Workspace>(tasks, num_threads, work, [&](Index task, Workspace& ws) {
+  detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
     const Index i = task % m, bh = task / m, b = bh / heads, h = bh % heads;
     const Index c = b * m + i, rows = grid.count(c), q_row = grid.row(c), i0 = grid.first(c);
     const Index* chosen = selection.row(b, h, i);
@@ -210,8 +211,8 @@ template <class Scalar, class KV = Scalar>
 void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                             const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& k,
                             const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& v, const ChunkGrid& grid,
-                            Index heads, const ChunkSelection& selection, bool causal, const MaskView<Scalar>& mask,
-                            Scalar scale, Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
+                            Index heads, const ChunkSelection& selection, Eigen::Ref<RowMatrix<Scalar>> out, bool causal,
+                            const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
   const Index n = detail::check_sparse_fine_inputs("token_sparse_attention", q, k, v, out, grid, heads, selection,
                                                    true, mask, scale);
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k, T = grid.length;
@@ -225,7 +226,7 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   };
   const Index tasks = grid.batch * heads;
   const double work = detail::attention_work(grid.batch * heads, n, std::min(top_k, m) * grid.chunk, dh, dh);
-  detail::parallel_for_each_worker<Workspace>(tasks, num_threads, work, [&](Index task, Workspace& ws) {
+  detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
     const Index b = task / heads, h = task % heads, q_base = b * n;
     // Bucket the queries by selected key chunk (counting sort: each bucket is in ascending order).
     ws.start.assign(static_cast<std::size_t>(m + 1), 0);

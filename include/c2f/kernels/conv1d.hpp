@@ -5,6 +5,7 @@
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/parallel.hpp"
+#include "c2f/kernels/kernel_options.hpp"
 
 namespace c2f {
 namespace kernels {
@@ -22,6 +23,12 @@ struct Conv1dShape {
   Index right_padding() const { return causal ? 0 : padding; }
   /// Output length for an input of `length` (stride 1): length + left + right padding − kernel + 1.
   Index out_length(Index length) const { return length + left_padding() + right_padding() - kernel + 1; }
+
+  /// This shape after validate().
+  Conv1dShape validated() const {
+    validate();
+    return *this;
+  }
 
   void validate() const {
     if (in_channels <= 0 || out_channels <= 0 || kernel <= 0 || padding < 0 || groups <= 0) {
@@ -74,13 +81,14 @@ constexpr Index kConv1dRowChunk = 128;
 /// y [batch·out_length, out] (may be a column block of a wider matrix).
 template <class Scalar>
 void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length, const Conv1dShape& s,
-            const RowMatrix<Scalar>& taps, const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
+            const RowMatrix<Scalar>& taps, const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y,
+            const KernelOptions& options) {
   detail::check_conv1d("conv1d", x, y, batch, length, s);
   detail::check_shape("conv1d", "taps", taps, s.kernel * s.out_channels, s.in_per_group());
   const Index out_len = s.out_length(length), cin = s.in_per_group(), cout = s.out_per_group();
   const Index chunks_per_batch = (out_len + kConv1dRowChunk - 1) / kConv1dRowChunk;
   const double work = 2.0 * static_cast<double>(batch * out_len) * static_cast<double>(s.kernel * cin * s.out_channels);
-  c2f::detail::parallel_for(batch * chunks_per_batch, num_threads, work, [&](Index task, int) {
+  c2f::detail::parallel_for(batch * chunks_per_batch, options.num_threads(), work, [&](Index task, int) {
     const Index b = task / chunks_per_batch;
     const Index r0 = (task % chunks_per_batch) * kConv1dRowChunk, r1 = std::min(out_len, r0 + kConv1dRowChunk);
     typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr out = y.middleRows(b * out_len + r0, r1 - r0);

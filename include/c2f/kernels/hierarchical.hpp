@@ -5,8 +5,8 @@
 // every batch item (head h = columns [h·head_dim, (h+1)·head_dim)); q and out are [batch·n, …]: the
 // queries of the LAST n positions, T − n … T − 1 (a forward pass has n = T; incremental decoding
 // passes the new tokens' queries and the cached keys). Keys and values may be stored in another type
-// `KV` (a KVCache's Eigen::half / bfloat16), converted block by block. Every kernel ACCUMULATES its
-// result into `out` (out += …). Scores are q·k · scale. Arguments are checked at entry
+// `KV` (a KVCache's Eigen::half / bfloat16), converted block by block. Every kernel adds its result to
+// `out` (out += …: the `_add` of the names), so the levels sum into one buffer. Scores are q·k · scale. Arguments are checked at entry
 // (std::invalid_argument, every build type).
 #pragma once
 
@@ -16,6 +16,7 @@
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/kernels/chunk.hpp"
+#include "c2f/kernels/kernel_options.hpp"
 
 #include <cmath>
 #include <limits>
@@ -28,10 +29,11 @@ namespace kernels {
 /// those ≤ p): out[p] += softmax_t(q_p·k_t · scale) v_t per head. Windows are the chunks of `grid`.
 /// Tasks are (batch item, window holding queries); each is one score block per head.
 template <class Scalar, class KV = Scalar>
-void window_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& k,
-                      const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& v, const ChunkGrid& grid, Index heads, bool causal,
-                      Scalar scale, Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
-  const char* kernel = "window_attention";
+void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                          const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& k,
+                          const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& v, const ChunkGrid& grid, Index heads,
+                          Eigen::Ref<RowMatrix<Scalar>> out, bool causal, Scalar scale, const KernelOptions& options) {
+  const char* kernel = "window_attention_add";
   const Index n = detail::check_last_queries(kernel, q, out, k, v, grid, heads, scale);
   const Index dh = q.cols() / heads, T = grid.length;
   const QueryChunks windows(grid, n);
@@ -41,7 +43,7 @@ void window_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const detail
   };
   const Index tasks = grid.batch * windows.count;
   const double work = detail::attention_work(grid.batch * heads, n, std::min(grid.chunk, T), dh, dh);
-  detail::parallel_for_each_worker<Workspace>(tasks, num_threads, work, [&](Index task, Workspace& ws) {
+  detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
     const Index b = task / windows.count, c = windows.first + task % windows.count;
     const Index w0 = c * grid.chunk, w1 = std::min(w0 + grid.chunk, T);  // keys [w0, w1)
     const Index p0 = std::max(w0, windows.first_position);                 // queries [p0, w1)
@@ -70,23 +72,24 @@ void window_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const detail
 /// holding queries); each is one [queries, c] score block per head, so a query's result never depends
 /// on a later token.
 template <class Scalar>
-void window_summary_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k_mean,
-                              const Eigen::Ref<const RowMatrix<Scalar>>& v_mean, const ChunkGrid& grid, Index heads,
-                              Scalar scale, Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
-  const char* kernel = "window_summary_attention";
+void window_summary_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                  const Eigen::Ref<const RowMatrix<Scalar>>& k_mean,
+                                  const Eigen::Ref<const RowMatrix<Scalar>>& v_mean, const ChunkGrid& grid, Index heads,
+                                  Eigen::Ref<RowMatrix<Scalar>> out, Scalar scale, const KernelOptions& options) {
+  const char* kernel = "window_summary_attention_add";
   const Index n = detail::check_last_queries(kernel, q, out, q, q, grid, heads, scale, /*keys_are_tokens=*/false);
   const Index dh = q.cols() / heads, T = grid.length;
   const QueryChunks windows(grid, n);
   const Index m = grid.batch > 0 ? k_mean.rows() / grid.batch : 0;
   if (k_mean.cols() != q.cols() || v_mean.cols() != q.cols() || k_mean.rows() != grid.batch * m ||
-      v_mean.rows() != k_mean.rows() || (n > 0 && m < (T - 1) / grid.chunk)) {
+      v_mean.rows() != k_mean.rows() || (n > 0 && grid.batch > 0 && m < (T - 1) / grid.chunk)) {
     detail::fail(kernel, ": k_mean ", detail::shape_string({k_mean.rows(), k_mean.cols()}), " and v_mean ",
                  detail::shape_string({v_mean.rows(), v_mean.cols()}), " must be [batch·m, ", q.cols(),
                  "] with m >= ", (T - 1) / std::max<Index>(grid.chunk, 1), " windows per batch item");
   }
   const Index tasks = grid.batch * windows.count;
   const double work = detail::attention_work(grid.batch * heads, n, m, dh, dh);
-  detail::parallel_for_each_worker<RowMatrix<Scalar>>(tasks, num_threads, work, [&](Index task, RowMatrix<Scalar>& s) {
+  detail::parallel_for_each_worker<RowMatrix<Scalar>>(tasks, options.num_threads(), work, [&](Index task, RowMatrix<Scalar>& s) {
     const Index b = task / windows.count, c = windows.first + task % windows.count;
     if (c == 0) return;  // no window before the first
     const Index w0 = c * grid.chunk, w1 = std::min(w0 + grid.chunk, T);
@@ -112,7 +115,7 @@ inline std::vector<Index> sparse_offsets(Index length, bool causal) {
   return offsets;
 }
 
-/// Query rows per task of sparse_global_attention(); fixed, so the bits do not depend on the thread count.
+/// Query rows per task of sparse_global_attention_add(); fixed, so the bits do not depend on the thread count.
 constexpr Index kSparseRowBlock = 64;
 
 /// Level 3: the query at position p attends to S(p) = {p} ∪ {p − 2^i, p + 2^i : i ≥ 0} ∩ [0, T) (with
@@ -123,11 +126,12 @@ constexpr Index kSparseRowBlock = 64;
 /// rows, so the kernel works offset by offset on contiguous rows (no gather): scores for all rows and
 /// heads at once, one softmax across offsets, then the weighted value rows.
 template <class Scalar, class KV = Scalar>
-void sparse_global_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                             const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& k,
-                             const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& v, Index batch, Index length, Index heads,
-                             bool causal, Scalar scale, Eigen::Ref<RowMatrix<Scalar>> out, int num_threads) {
-  const char* kernel = "sparse_global_attention";
+void sparse_global_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                 const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& k,
+                                 const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& v, Index batch, Index length,
+                                 Index heads, Eigen::Ref<RowMatrix<Scalar>> out, bool causal, Scalar scale,
+                                 const KernelOptions& options) {
+  const char* kernel = "sparse_global_attention_add";
   if (batch < 0 || length < 0) detail::fail(kernel, ": batch and length must be >= 0");
   const Index n = detail::check_last_queries(kernel, q, out, k, v, ChunkGrid{batch, length, 1}, heads, scale);
   const Index dim = q.cols(), dh = dim / heads, T = length, p0 = T - n;
@@ -139,7 +143,7 @@ void sparse_global_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   const Index noff = static_cast<Index>(offsets.size());
   const Index blocks_per_batch = (n + kSparseRowBlock - 1) / kSparseRowBlock;
   const double work = detail::attention_work(batch * heads, n, noff, dh, dh);
-  detail::parallel_for(batch * blocks_per_batch, num_threads, work, [&](Index task, int) {
+  detail::parallel_for(batch * blocks_per_batch, options.num_threads(), work, [&](Index task, int) {
     const Index b = task / blocks_per_batch;
     const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, n - a);
     const Index q_base = b * n + a, k_base = b * T + p0 + a;  // query a ↔ key row k_base

@@ -4,6 +4,7 @@
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/parallel.hpp"
+#include "c2f/kernels/kernel_options.hpp"
 
 #include <algorithm>
 
@@ -22,10 +23,10 @@ constexpr Index kLinearColChunk = 256;
 
 /// y = x · rhs (+ bias on every row), overwritten, for x [n, k], rhs any [k, out] Eigen matrix expression
 /// (e.g. a transposed weight), bias [out] or nullptr, y [n, out]. Tasks of row chunks (and, for few rows,
-/// column chunks) run on `num_threads` threads (0 = all).
+/// column chunks) run on options.num_threads() threads (0 = all).
 template <class Scalar, class Rhs>
 void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, const Scalar* bias,
-                 Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
+                 Eigen::Ref<RowMatrix<Scalar>> y, const KernelOptions& options) {
   if (x.cols() != rhs.rows() || y.rows() != x.rows() || y.cols() != rhs.cols()) {
     detail::fail("matmul_rows: x ", detail::shape_string({x.rows(), x.cols()}), " times ",
                  detail::shape_string({rhs.rows(), rhs.cols()}), " does not fit y ",
@@ -36,7 +37,7 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
   const Index col_width = row_chunks >= kLinearWideRows ? std::max<Index>(out_cols, 1) : kLinearColChunk;
   const Index col_chunks = std::max<Index>(1, (out_cols + col_width - 1) / col_width);
   const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
-  detail::parallel_for(row_chunks * col_chunks, num_threads, work, [&](Index task, int) {
+  detail::parallel_for(row_chunks * col_chunks, options.num_threads(), work, [&](Index task, int) {
     const Index r0 = (task / col_chunks) * kLinearRowChunk, c0 = (task % col_chunks) * col_width;
     const Index rows = std::min(kLinearRowChunk, n - r0), cols = std::min(col_width, out_cols - c0);
     typename Eigen::Ref<RowMatrix<Scalar>>::BlockXpr out = y.block(r0, c0, rows, cols);
@@ -55,9 +56,9 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
 /// [out] or nullptr, y [n, out].
 template <class Scalar>
 void linear(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const RowMatrix<Scalar>>& w,
-            const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y, int num_threads) {
+            const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y, const KernelOptions& options) {
   detail::check_linear_shapes("linear", x, w, y);
-  matmul_rows<Scalar>(x, w.transpose(), bias, y, num_threads);
+  matmul_rows<Scalar>(x, w.transpose(), bias, y, options);
 }
 
 /// Reference twin of linear(): one dot product per output element, in index order.

@@ -17,100 +17,25 @@
 #include "c2f/detail/convert.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
+#include "c2f/kernels/heads_view.hpp"
+#include "c2f/kernels/kernel_options.hpp"
 #include "c2f/mask_view.hpp"
-#include "c2f/options.hpp"
 
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace c2f {
 namespace kernels {
-
-/// A [batch, seq, heads, dim] view: head h of token i of batch b starts at
-/// data + b·batch_stride + i·row_stride + h·dim, and its `dim` values are contiguous. This is how the
-/// projected q, k and v of every head sit inside one [batch·seq, heads·dim] (or packed [.., 3·E]) matrix.
-template <class T>
-struct HeadsView {
-  using Scalar = std::remove_const_t<T>;
-  using Block = Eigen::Map<std::conditional_t<std::is_const<T>::value, const RowMatrix<Scalar>, RowMatrix<Scalar>>,
-                           0, Eigen::OuterStride<>>;
-
-  T* data = nullptr;
-  Index batch = 0, seq = 0, heads = 0, dim = 0;
-  Index row_stride = 0, batch_stride = 0;
-
-  HeadsView() = default;
-  /// A view of mutable data is also a read-only view.
-  template <class U, class = std::enable_if_t<std::is_same<const U, T>::value && !std::is_const<U>::value>>
-  HeadsView(const HeadsView<U>& o)  // NOLINT(google-explicit-constructor)
-      : data(o.data), batch(o.batch), seq(o.seq), heads(o.heads), dim(o.dim), row_stride(o.row_stride),
-        batch_stride(o.batch_stride) {}
-
-  /// Rows [i0, i0 + n) of every head of batch b, as an n × (heads · dim) matrix.
-  Block rows(Index b, Index i0, Index n) const {
-    return Block(data + b * batch_stride + i0 * row_stride, n, heads * dim, Eigen::OuterStride<>(row_stride));
-  }
-
-  /// Rows [i0, i0 + n) of head h of batch b, as an n × dim matrix.
-  Block block(Index b, Index h, Index i0, Index n) const {
-    return Block(data + b * batch_stride + i0 * row_stride + h * dim, n, dim, Eigen::OuterStride<>(row_stride));
-  }
-};
-
-/// Views the [batch·seq, cols] row-major matrix at `data` as heads of width `dim` starting at column
-/// `col0` (so the q, k and v of a packed [.., 3·E] projection are three views of one matrix).
-template <class T>
-HeadsView<T> heads_view(T* data, Index batch, Index seq, Index cols, Index col0, Index heads, Index dim) {
-  HeadsView<T> v;
-  v.data = data + col0;
-  v.batch = batch;
-  v.seq = seq;
-  v.heads = heads;
-  v.dim = dim;
-  v.row_stride = cols;
-  v.batch_stride = seq * cols;
-  return v;
-}
-
-/// The [batch·seq, heads·dim] matrix `m` as `heads` heads (seq = rows / batch, dim = cols / heads).
-template <class Scalar>
-HeadsView<const Scalar> heads_view(const RowMatrix<Scalar>& m, Index batch, Index heads) {
-  const Index seq = batch > 0 ? m.rows() / batch : 0;
-  return heads_view<const Scalar>(m.data(), batch, seq, m.cols(), 0, heads, heads > 0 ? m.cols() / heads : 0);
-}
-template <class Scalar>
-HeadsView<Scalar> heads_view(RowMatrix<Scalar>& m, Index batch, Index heads) {
-  const Index seq = batch > 0 ? m.rows() / batch : 0;
-  return heads_view<Scalar>(m.data(), batch, seq, m.cols(), 0, heads, heads > 0 ? m.cols() / heads : 0);
-}
-
-/// The usual softmax scale 1 / sqrt(head_dim).
-template <class Scalar>
-Scalar default_scale(Index head_dim) {
-  return static_cast<Scalar>(1.0 / std::sqrt(static_cast<double>(std::max<Index>(head_dim, 1))));
-}
-
-/// Blocking and threads of the sdpa kernels.
-class SdpaOptions {
-  /// Query rows per task (streaming kernel).
-  C2F_ARG(Index, query_block) = 64;
-  /// Keys per online-softmax step (streaming and split-key kernels).
-  C2F_ARG(Index, key_block) = 256;
-  /// Keys per task of the split-key kernel (fixed by the caller, never by the thread count, so that
-  /// the output bits do not depend on it).
-  C2F_ARG(Index, key_part) = 1024;
-  /// Worker threads; 0 = c2f::get_num_threads(), else a cap on it.
-  C2F_ARG(int, num_threads) = 0;
-};
 
 /// Reference kernel: out = softmax(q kᵀ · scale + mask) v (overwritten). `weights`, when not null,
 /// receives the softmax weights as a row-major [batch, heads, q.seq, k.seq] array. Tasks are
 /// (batch, head) pairs.
 template <class Scalar>
 void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale, const SdpaOptions& options,
+                const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options,
                 Scalar* weights = nullptr) {
   c2f::detail::check_sdpa("sdpa_naive", q, k, v, out, mask, scale);
   const Index lq = q.seq, lk = k.seq;
@@ -130,10 +55,21 @@ void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>&
   });
 }
 
-/// Bytes of scratch memory one worker of sdpa_streaming uses (independent of the sequence lengths).
+}  // namespace kernels
+namespace detail {
+/// The blocks sdpa_streaming works in: the options' query and key blocks, capped by the problem's lengths
+/// (a block longer than the sequence is the sequence: the same arithmetic, less scratch).
+inline std::pair<Index, Index> streaming_blocks(const kernels::KernelOptions& options, Index lq, Index lk) {
+  return {std::max<Index>(1, std::min(options.query_block(), lq)), std::max<Index>(1, std::min(options.key_block(), lk))};
+}
+}  // namespace detail
+namespace kernels {
+
+/// Bytes of scratch memory one worker of sdpa_streaming uses for lq queries over lk keys: at most
+/// query_block × key_block scores, whatever the lengths.
 template <class Scalar>
-std::size_t sdpa_streaming_workspace_bytes(const SdpaOptions& options, Index qk_dim, Index v_dim) {
-  const Index bq = std::max<Index>(1, options.query_block()), bk = std::max<Index>(1, options.key_block());
+std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index qk_dim, Index v_dim, Index lq, Index lk) {
+  const auto [bq, bk] = c2f::detail::streaming_blocks(options, lq, lk);
   return sizeof(Scalar) * static_cast<std::size_t>(bq * qk_dim + bq * bk + bq * v_dim + 3 * bq);
 }
 
@@ -145,10 +81,11 @@ template <class Scalar, class KV = Scalar>
 void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduce<HeadsView<const KV>>& k,
                     const c2f::detail::NoDeduce<HeadsView<const KV>>& v,
                     const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale,
-                    const SdpaOptions& options) {
+                    const KernelOptions& options) {
   c2f::detail::check_sdpa("sdpa_streaming", q, k, v, out, mask, scale);
-  const Index bq = std::max<Index>(1, options.query_block()), bk = std::max<Index>(1, options.key_block());
   const Index lq = q.seq, lk = k.seq, dk = q.dim, dv = v.dim;
+  const std::pair<Index, Index> blocks = c2f::detail::streaming_blocks(options, lq, lk);
+  const Index bq = blocks.first, bk = blocks.second;  // named: a lambda cannot capture a structured binding in C++17
   const Index query_blocks = (lq + bq - 1) / bq;
   const Index tasks = q.batch * q.heads * query_blocks;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
@@ -211,7 +148,7 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
 template <class Scalar, class KV = Scalar>
 void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduce<HeadsView<const KV>>& k,
                      const c2f::detail::NoDeduce<HeadsView<const KV>>& v, const HeadsView<Scalar>& out,
-                     const MaskView<Scalar>& mask, Scalar scale, const SdpaOptions& options) {
+                     const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
   c2f::detail::check_sdpa("sdpa_split_keys", q, k, v, out, mask, scale);
   const Index bk = std::max<Index>(1, options.key_block()), part_keys = std::max<Index>(1, options.key_part());
   const Index n = q.seq, lk = k.seq, dk = q.dim, dv = v.dim, heads = q.heads;

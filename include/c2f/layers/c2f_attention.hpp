@@ -10,7 +10,7 @@
 //
 //   FineAttention     tokens [B, m, k, d] and coarse context [B, m, d] → [B, m, k, d]. The query of every
 //                     token of chunk i is q_proj(coarse_context_i) (the same for the whole chunk, as in the
-//                     seed); k, v = chunks of kv_proj(tokens) (Linear d → 2d); attention only inside the
+//                     article); k, v = chunks of kv_proj(tokens) (Linear d → 2d); attention only inside the
 //                     chunk; out_proj. Optional mask [k, k] or [B·m, k, k] (PyTorch's [B, m, k, k]
 //                     flattened; broadcast over heads; a [B·m·H, k, k] mask gives each head its own).
 //
@@ -37,9 +37,10 @@
 #pragma once
 
 #include "c2f/detail/huge_pages.hpp"
-#include "c2f/detail/module.hpp"
+#include "c2f/detail/layer_support.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/chunk.hpp"
+#include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
 #include "c2f/layers/linear.hpp"
@@ -48,6 +49,7 @@
 #include "c2f/mask_view.hpp"
 #include "c2f/options.hpp"
 
+#include <array>
 #include <string>
 
 namespace c2f {
@@ -55,16 +57,18 @@ namespace c2f {
 /// The coarse-to-fine module's CoarseAttention: attention between chunk summaries, parameters
 /// `qkv_proj`, `out_proj`. Masks: attn_mask [m, m] or [n, m, m] (n = 1, B or B·H), key_padding_mask [B, m].
 template <class Scalar>
-class CoarseAttention : public detail::Module<CoarseAttention<Scalar>> {
+class CoarseAttention : public detail::LayerBase<CoarseAttention<Scalar>, Scalar> {
  public:
   /// seed: Xavier-uniform qkv_proj.weight, nn.Linear's default out_proj.weight, zero biases.
   class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
   };
 
-  CoarseAttention(Index embed_dim, Index num_heads) : CoarseAttention(embed_dim, num_heads, Options()) {}
-  CoarseAttention(Index embed_dim, Index num_heads, Options options)
+  /// attn_mask [m, m] or [n, m, m] (n = 1, B or B·H), key_padding_mask [B, m].
+  static constexpr MaskFields mask_fields = MaskFields::AttnMask | MaskFields::KeyPaddingMask;
+
+  CoarseAttention(Index embed_dim, Index num_heads, Options options = Options())
       : options_(options),
-        mha_(embed_dim, num_heads, detail::attention_options<typename MultiHeadAttention<Scalar>::Options>(options)) {}
+        mha_(embed_dim, num_heads, detail::inner_options<typename MultiHeadAttention<Scalar>::Options>(options)) {}
 
   Index embed_dim() const { return mha_.embed_dim(); }
   Index num_heads() const { return mha_.num_heads(); }
@@ -91,10 +95,13 @@ class CoarseAttention : public detail::Module<CoarseAttention<Scalar>> {
   void save(StateDict& sd, const std::string& name) const { mha_.save(sd, name, /*qkv_proj_names=*/true); }
 
   /// x [B, m, d] → [B, m, d].
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    detail::check_mask_fields(masks, "CoarseAttention", true, true, false);
-    return mha_.forward(x, masks);
+  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const { return mha_.output_shape(x); }
+  /// out [B·m, d] (overwritten).
+  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
+    detail::check_mask_fields(masks, "CoarseAttention", mask_fields);
+    mha_.forward_into(x, out, masks);
   }
+  std::size_t workspace_bytes(Index batch, Index seq) const { return mha_.workspace_bytes(batch, seq); }
 
  private:
   Options options_;
@@ -119,24 +126,24 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     C2F_ARG(FinePath, fine_path) = FinePath::Auto;
   };
 
-  FineAttention(Index embed_dim, Index num_heads) : FineAttention(embed_dim, num_heads, Options()) {}
-  FineAttention(Index embed_dim, Index num_heads, Options options)
-      : d_(embed_dim),
+  /// attn_mask [k, k] or [n, k, k] (n = 1, B·m or B·m·H) over the padded chunk grid.
+  static constexpr MaskFields mask_fields = MaskFields::AttnMask;
+
+  FineAttention(Index embed_dim, Index num_heads, Options options = Options())
+      : shape_(detail::checked_heads("FineAttention", embed_dim, num_heads)),
+        d_(embed_dim),
         heads_(num_heads),
         options_(options),
-        q_proj_(std::max<Index>(embed_dim, 1), std::max<Index>(embed_dim, 1), linear_options(options), detail::NoInit{}),
-        kv_proj_(std::max<Index>(embed_dim, 1), 2 * std::max<Index>(embed_dim, 1), linear_options(options),
-                 detail::NoInit{}),
-        out_proj_(std::max<Index>(embed_dim, 1), std::max<Index>(embed_dim, 1), linear_options(options),
-                  detail::NoInit{}) {
+        q_proj_(embed_dim, embed_dim, linear_options(options), detail::NoInit{}),
+        kv_proj_(embed_dim, 2 * embed_dim, linear_options(options), detail::NoInit{}),
+        out_proj_(embed_dim, embed_dim, linear_options(options), detail::NoInit{}) {
     detail::check_scalar<Scalar>();
-    detail::check_embed_heads("FineAttention", embed_dim, num_heads);
     reset_parameters(options.seed());
   }
 
   Index embed_dim() const { return d_; }
   Index num_heads() const { return heads_; }
-  Index head_dim() const { return d_ / heads_; }
+  Index head_dim() const { return shape_.head_dim(); }
   void set_num_threads(int n) { this->set_num_threads_of(options_, n); }
   void set_fine_path(FinePath path) { options_.fine_path(path); }
   const Options& options() const { return options_; }
@@ -192,7 +199,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// forward_chunked() into caller memory: out [B·L, embed_dim] (e.g. a buffer reused across calls).
   void forward_chunked_into(ConstTensor3Ref<Scalar> x, Index chunk, ConstTensor3Ref<Scalar> coarse_context,
                             Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    detail::check_mask_fields(masks, "FineAttention", true, false, false);
+    detail::check_mask_fields(masks, "FineAttention", mask_fields);
     const AttnMask<Scalar>& mask = masks.attn_mask();
     if (chunk < 1) detail::fail("FineAttention: chunk size must be >= 1, got ", chunk);
     detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
@@ -204,10 +211,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                    detail::shape_string({x.batch(), x.seq(), x.features()}), " and chunk ", chunk, ", got ",
                    detail::shape_string({coarse_context.batch(), coarse_context.seq(), coarse_context.features()}));
     }
-    if (out.rows() != x.batch() * x.seq() || out.cols() != d_) {
-      detail::fail("FineAttention: out must be [batch·seq, embed_dim] = ", detail::shape_string({x.batch() * x.seq(), d_}),
-                   ", got ", detail::shape_string({out.rows(), out.cols()}));
-    }
+    detail::check_out("FineAttention", out, {x.batch(), x.seq(), d_});
     if (chunks == 0) return;
 
     // Chunk c sees only its real keys: a key-length mask per chunk on top of the caller's mask.
@@ -250,17 +254,31 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     forward_folded(x, grid, q, [](Index, Index, Index) { return Scalar(0); }, out);
   }
 
-  /// Working memory (bytes) of forward_chunked on the folded path, besides the output: q, the folded
-  /// queries, the pooled tokens and the chunk outputs — O((L / chunk) · H · d).
-  std::size_t workspace_bytes(Index batch, Index seq, Index chunk) const {
+  /// Bytes of temporary memory one forward_chunked_into() holds at its peak, besides the output (and
+  /// Eigen's GEMM packing buffers, which Eigen keeps on the stack below 128 KiB). On the folded path —
+  /// FinePath::Folded, or Auto without a mask that differs inside a chunk — q, the folded queries, the
+  /// pooled tokens and the chunk outputs: O((L / chunk) · H · d). On the general path (FinePath::General,
+  /// or Auto with such a mask: ask with `general`) the article's [L, 2d] keys and values too.
+  std::size_t workspace_bytes(Index batch, Index seq, Index chunk, bool general = false) const {
     const kernels::ChunkGrid grid{batch, seq, chunk};
-    const Index c = grid.chunks();
-    return sizeof(Scalar) * static_cast<std::size_t>(c * (3 * d_ + 2 * heads_ * d_ + heads_));
+    const std::size_t s = sizeof(Scalar), c = static_cast<std::size_t>(grid.chunks());
+    const std::size_t d = static_cast<std::size_t>(d_), h = static_cast<std::size_t>(heads_), dk = d / h;
+    const std::size_t lengths = 2 * sizeof(Index) * c;  // the real keys of every chunk, and their mask
+    if (general || options_.fine_path() == FinePath::General) {
+      const std::size_t k = static_cast<std::size_t>(chunk), padded = grid.length % chunk == 0 ? 0 : c * k * d;
+      const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), grid.chunks() * heads_));
+      return lengths + s * (c * d + padded + 4 * c * k * d) +
+             workers * kernels::sdpa_streaming_workspace_bytes<Scalar>(detail::kernel_options(options_), dk, dk, chunk, chunk);
+    }
+    const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), grid.chunks()));
+    // q, o, chunk_out [c, d]; qk, pooled [c, h·d]; mass [c, h]; per worker: a scaled key projection [dk, d]
+    // and the folded kernel's scores [h, chunk], run output [h, d] and four [h] vectors.
+    return lengths + s * (c * (3 * d + 2 * h * d + h) + workers * (dk * d + h * (static_cast<std::size_t>(chunk) + d + 4)));
   }
 
  private:
   static typename Linear<Scalar>::Options linear_options(const Options& o) {
-    return detail::runtime_options<typename Linear<Scalar>::Options>(o);
+    return detail::inner_options<typename Linear<Scalar>::Options>(o);
   }
 
   /// True when, in every chunk and head, each real query row of the mask equals row 0 on the real keys.
@@ -284,7 +302,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   void forward_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, const RowMatrix<Scalar>& q,
                       const Bias& bias, Eigen::Ref<RowMatrix<Scalar>> out) const {
     const Index chunks = grid.blocks(), dk = head_dim();
-    const int threads = options_.num_threads();
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
     const Scalar scale = kernels::default_scale<Scalar>(dk);
     const typename RowMatrix<Scalar>::ConstRowsBlockXpr wk = kv_proj_.weight().topRows(d_), wv = kv_proj_.weight().bottomRows(d_);
 
@@ -297,7 +315,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     }
     RowMatrix<Scalar> pooled(chunks, heads_ * d_), mass(chunks, heads_);
     detail::prefer_huge_pages(pooled);
-    kernels::fine_attention_folded<Scalar>(x, grid, qk, heads_, bias, pooled, mass, threads);
+    kernels::fine_attention_folded<Scalar>(x, grid, qk, heads_, pooled, mass, bias, threads);
 
     // o[c, h·dk:(h+1)·dk] = pooled[c, h] W_v,hᵀ + mass[c, h] b_v,h
     RowMatrix<Scalar> o(chunks, d_), chunk_out(chunks, d_);
@@ -335,11 +353,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const kernels::HeadsView<const Scalar> kview = kernels::heads_view<const Scalar>(kv.data(), chunks, k, 2 * d_, 0, heads_, dk);
     const kernels::HeadsView<const Scalar> vview = kernels::heads_view<const Scalar>(kv.data(), chunks, k, 2 * d_, d_, heads_, dk);
     const kernels::HeadsView<Scalar> oview = kernels::heads_view<Scalar>(attn.data(), chunks, k, d_, 0, heads_, dk);
-    kernels::SdpaOptions sdpa;
-    sdpa.num_threads(options_.num_threads());
-    sdpa.query_block(options_.query_block());
-    sdpa.key_block(options_.key_block());
-    kernels::sdpa_streaming<Scalar>(qv, kview, vview, oview, plan, kernels::default_scale<Scalar>(dk), sdpa);
+    kernels::sdpa_streaming<Scalar>(qv, kview, vview, oview, plan, kernels::default_scale<Scalar>(dk),
+                                    detail::kernel_options(options_));
 
     RowMatrix<Scalar> projected(chunks * k, d_);
     detail::prefer_huge_pages(projected);
@@ -347,6 +362,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     for (Index c = 0; c < chunks; ++c) out.middleRows(grid.row(c), grid.count(c)) = projected.middleRows(c * k, grid.count(c));
   }
 
+  detail::HeadShape shape_;  // first: checked before the projections are built
   Index d_;
   Index heads_;
   Options options_;
@@ -362,21 +378,21 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 /// fine_attn_mask the fine stage's, inside chunks over the padded grid ([k, k] or [n, k, k], n = 1, B·m
 /// or B·m·H).
 template <class Scalar>
-class C2FAttention : public detail::Module<C2FAttention<Scalar>> {
+class C2FAttention : public detail::LayerBase<C2FAttention<Scalar>, Scalar> {
  public:
   /// FineAttention's options: num_threads, seed (init as the article advises, see reset_parameters),
   /// kernel, query_block and key_block (the coarse stage and the fine stage's general path), fine_path.
   using Options = typename FineAttention<Scalar>::Options;
 
-  C2FAttention(Index embed_dim, Index num_heads, Index chunk_size = 32)
-      : C2FAttention(embed_dim, num_heads, chunk_size, Options()) {}
-  C2FAttention(Index embed_dim, Index num_heads, Index chunk_size, Options options)
-      : chunk_(chunk_size),
+  /// attn_mask: the coarse stage's ([m, m] or [n, m, m], n = 1, B or B·H); fine_attn_mask: the fine
+  /// stage's ([k, k] or [n, k, k], n = 1, B·m or B·m·H, over the padded grid).
+  static constexpr MaskFields mask_fields = MaskFields::AttnMask | MaskFields::FineAttnMask;
+
+  C2FAttention(Index embed_dim, Index num_heads, Index chunk_size, Options options = Options())
+      : chunk_(detail::checked_positive("C2FAttention", "chunk_size", chunk_size)),
         options_(options),
-        coarse_(embed_dim, num_heads, detail::attention_options<typename CoarseAttention<Scalar>::Options>(options)),
-        fine_(embed_dim, num_heads, Options(options).seed(options.seed() + 1)) {
-    if (chunk_size < 1) detail::fail("C2FAttention: chunk_size must be >= 1, got ", chunk_size);
-  }
+        coarse_(embed_dim, num_heads, detail::inner_options<typename CoarseAttention<Scalar>::Options>(options)),
+        fine_(embed_dim, num_heads, Options(options).seed(options.seed() + 1)) {}
 
   Index embed_dim() const { return fine_.embed_dim(); }
   Index num_heads() const { return fine_.num_heads(); }
@@ -401,24 +417,13 @@ class C2FAttention : public detail::Module<C2FAttention<Scalar>> {
   }
 
   /// x [B, L, d] → [B, L, d]; any L ≥ 0 (see the file comment for partial chunks).
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    detail::check_mask_fields(masks, "C2FAttention", true, false, true);
-    detail::check_features(x, embed_dim(), "C2FAttention", "x", "embed_dim");
-    const Tensor3<Scalar> summaries = coarse_input(x);
-    const Tensor3<Scalar> context = coarse_.forward(summaries, Masks<Scalar>().attn_mask(masks.attn_mask()));
-    return fine_.forward_chunked(x, chunk_, context, Masks<Scalar>().attn_mask(masks.fine_attn_mask()));
+  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
+    return detail::same_length_shape(x, embed_dim(), embed_dim(), "C2FAttention");
   }
-
-  /// forward() into caller memory: out [B·L, embed_dim], e.g. a buffer reused across calls, which saves
-  /// the first-touch cost of a fresh output (the operating system maps and zeroes every page of it).
+  /// out [B·L, d] (overwritten), e.g. a buffer reused across calls, which saves the first-touch cost of a
+  /// fresh output (the operating system maps and zeroes every page of it).
   void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    detail::check_mask_fields(masks, "C2FAttention", true, false, true);
-    detail::check_features(x, embed_dim(), "C2FAttention", "x", "embed_dim");
-    if (out.rows() != x.batch() * x.seq() || out.cols() != embed_dim()) {
-      detail::fail("C2FAttention: out must be [batch·seq, embed_dim] = ",
-                   detail::shape_string({x.batch() * x.seq(), embed_dim()}), ", got ",
-                   detail::shape_string({out.rows(), out.cols()}));
-    }
+    detail::check_call("C2FAttention", masks, mask_fields, output_shape(x), out);
     const Tensor3<Scalar> summaries = coarse_input(x);
     const Tensor3<Scalar> context = coarse_.forward(summaries, Masks<Scalar>().attn_mask(masks.attn_mask()));
     fine_.forward_chunked_into(x, chunk_, context, out, Masks<Scalar>().attn_mask(masks.fine_attn_mask()));
@@ -429,8 +434,17 @@ class C2FAttention : public detail::Module<C2FAttention<Scalar>> {
     const kernels::ChunkGrid grid{x.batch(), x.seq(), chunk_};
     Tensor3<Scalar> summaries(x.batch(), grid.chunks_per_batch(), embed_dim());
     Eigen::Map<RowMatrix<Scalar>> rows(summaries.data(), grid.chunks(), embed_dim());
-    kernels::chunk_mean<Scalar>(x.rows(), grid, rows, options_.num_threads());
+    kernels::chunk_mean<Scalar>(x.rows(), grid, rows, detail::kernel_options(options_));
     return summaries;
+  }
+
+  /// Bytes of temporary memory one forward_into() holds at its peak: the chunk means and the coarse
+  /// output ([B·m, d] each), and the larger of the coarse stage's and the fine stage's working memory.
+  std::size_t workspace_bytes(Index batch, Index seq) const {
+    const kernels::ChunkGrid grid{batch, seq, chunk_};
+    const std::size_t means = 2 * sizeof(Scalar) * static_cast<std::size_t>(grid.chunks() * embed_dim());
+    return means + std::max(coarse_.workspace_bytes(batch, grid.chunks_per_batch()),
+                            fine_.workspace_bytes(batch, seq, chunk_));
   }
 
  private:

@@ -31,7 +31,7 @@
 #pragma once
 
 #include "c2f/detail/huge_pages.hpp"
-#include "c2f/detail/module.hpp"
+#include "c2f/detail/layer_support.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/block2d.hpp"
 #include "c2f/kernels/chunk.hpp"
@@ -39,6 +39,7 @@
 #include "c2f/mask.hpp"
 #include "c2f/options.hpp"
 
+#include <array>
 #include <string>
 
 namespace c2f {
@@ -59,18 +60,16 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     C2F_ARG(bool, relative_position_bias) = true;
   };
 
-  C2FAttention2D(Index embed_dim, Index num_heads, Index block_h, Index block_w)
-      : C2FAttention2D(embed_dim, num_heads, block_h, block_w, Options()) {}
-  C2FAttention2D(Index embed_dim, Index num_heads, Index block_h, Index block_w, Options options)
-      : block_h_(block_h),
-        block_w_(block_w),
+  /// C2FAttention2D takes no masks (a non-empty c2f::Masks throws).
+  static constexpr MaskFields mask_fields = MaskFields::None;
+
+  C2FAttention2D(Index embed_dim, Index num_heads, Index block_h, Index block_w, Options options = Options())
+      : block_h_(detail::checked_positive("C2FAttention2D", "block_h", block_h)),
+        block_w_(detail::checked_positive("C2FAttention2D", "block_w", block_w)),
         options_(options),
-        coarse_(embed_dim, num_heads, detail::attention_options<typename CoarseAttention<Scalar>::Options>(options)),
+        coarse_(embed_dim, num_heads, detail::inner_options<typename CoarseAttention<Scalar>::Options>(options)),
         fine_(embed_dim, num_heads,
-              detail::runtime_options<typename FineAttention<Scalar>::Options>(options, 1).fine_path(FinePath::Folded)) {
-    if (block_h < 1 || block_w < 1) {
-      detail::fail("C2FAttention2D: block_h and block_w must be >= 1, got block_h=", block_h, ", block_w=", block_w);
-    }
+              detail::inner_options<typename FineAttention<Scalar>::Options>(options, 1).fine_path(FinePath::Folded)) {
     if (options.relative_position_bias() && (options.max_blocks_h() < 1 || options.max_blocks_w() < 1)) {
       detail::fail("C2FAttention2D: relative_position_bias needs max_blocks_h >= 1 and max_blocks_w >= 1, got ",
                    options.max_blocks_h(), " and ", options.max_blocks_w());
@@ -128,24 +127,22 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   }
 
   /// x [B, height·width, embed_dim], tokens of a height × width grid flattened row-major → [B, height·width,
-  /// embed_dim]. C2FAttention2D takes no masks (a non-empty Masks throws).
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, Index height, Index width, const Masks<Scalar>& masks = {}) const {
-    detail::check_mask_fields(masks, "C2FAttention2D", false, false, false);
-    const kernels::BlockGrid2D grid = checked_grid(x, height, width);
-    Tensor3<Scalar> y(x.batch(), x.seq(), embed_dim());
-    detail::prefer_huge_pages(y);
-    run(x, grid, Eigen::Map<RowMatrix<Scalar>>(y.data(), x.batch() * x.seq(), embed_dim()));
-    return y;
+  /// embed_dim] (validates x and the grid).
+  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x, Index height, Index width) const {
+    checked_grid(x, height, width);
+    return {x.batch(), x.seq(), embed_dim()};
   }
-
-  /// forward() into caller memory: out [B·height·width, embed_dim] (e.g. a buffer reused across calls).
-  void forward_into(ConstTensor3Ref<Scalar> x, Index height, Index width, Eigen::Ref<RowMatrix<Scalar>> out) const {
+  /// forward_into on a fresh buffer.
+  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, Index height, Index width, const Masks<Scalar>& masks = {}) const {
+    return detail::fresh_output<Scalar>(output_shape(x, height, width), [&](Eigen::Ref<RowMatrix<Scalar>> out) {
+      forward_into(x, height, width, out, masks);
+    });
+  }
+  /// Into caller memory: out [B·height·width, embed_dim] (overwritten; e.g. a buffer reused across calls).
+  void forward_into(ConstTensor3Ref<Scalar> x, Index height, Index width, Eigen::Ref<RowMatrix<Scalar>> out,
+                    const Masks<Scalar>& masks = {}) const {
     const kernels::BlockGrid2D grid = checked_grid(x, height, width);
-    if (out.rows() != x.batch() * x.seq() || out.cols() != embed_dim()) {
-      detail::fail("C2FAttention2D: out must be [batch·height·width, embed_dim] = ",
-                   detail::shape_string({x.batch() * x.seq(), embed_dim()}), ", got ",
-                   detail::shape_string({out.rows(), out.cols()}));
-    }
+    detail::check_call("C2FAttention2D", masks, mask_fields, {x.batch(), x.seq(), embed_dim()}, out);
     run(x, grid, out);
   }
 
@@ -154,7 +151,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     const kernels::BlockGrid2D grid = checked_grid(x, height, width);
     Tensor3<Scalar> summaries(x.batch(), grid.blocks_per_batch(), embed_dim());
     kernels::chunk_mean<Scalar>(x.rows(), grid, Eigen::Map<RowMatrix<Scalar>>(summaries.data(), grid.blocks(), embed_dim()),
-                                options_.num_threads());
+                                detail::kernel_options(options_));
     return summaries;
   }
 
@@ -177,8 +174,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     const kernels::BlockGrid2D grid{batch, height, width, block_h_, block_w_};
     const Index m = grid.blocks(), d = embed_dim(), h = num_heads();
     const std::size_t coarse = sizeof(Scalar) * static_cast<std::size_t>(2 * m * d) +
-                               coarse_.as_multihead_attention().workspace_bytes(batch, grid.blocks_per_batch(),
-                                                                                grid.blocks_per_batch());
+                               coarse_.workspace_bytes(batch, grid.blocks_per_batch());
     // forward_blocks: q [m, d]; forward_folded: qk and pooled [m, h·d], mass [m, h], o and chunk_out [m, d];
     // the kernel's scratch per worker: [h, block_w] scores, [h, d] run output, four [h] vectors.
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), m));
@@ -213,7 +209,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     const Index d = embed_dim();
     Tensor3<Scalar> summaries(x.batch(), grid.blocks_per_batch(), d);
     kernels::chunk_mean<Scalar>(x.rows(), grid, Eigen::Map<RowMatrix<Scalar>>(summaries.data(), grid.blocks(), d),
-                                options_.num_threads());
+                                detail::kernel_options(options_));
     const Tensor3<Scalar> context =
         coarse_.forward(summaries, Masks<Scalar>().attn_mask(coarse_mask(grid.blocks_h(), grid.blocks_w())));
     fine_.forward_blocks(x.rows(), grid, Eigen::Map<const RowMatrix<Scalar>>(context.data(), grid.blocks(), d), out);

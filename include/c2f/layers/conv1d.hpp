@@ -2,11 +2,13 @@
 // C3K2Projection.
 #pragma once
 
-#include "c2f/detail/module.hpp"
+#include "c2f/detail/layer_support.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/conv1d.hpp"
+#include "c2f/mask.hpp"
 #include "c2f/options.hpp"
 
+#include <array>
 #include <string>
 
 namespace c2f {
@@ -15,7 +17,7 @@ namespace c2f {
 /// [batch, length, channels] (c2f's layout; PyTorch's Conv1d takes [batch, channels, length]).
 /// State dict: `weight` [out, in/groups, kernel_size], `bias` [out].
 template <class Scalar>
-class Conv1d : public detail::Module<Conv1d<Scalar>> {
+class Conv1d : public detail::LayerBase<Conv1d<Scalar>, Scalar> {
  public:
   /// seed: init like PyTorch, weight and bias U(±1/sqrt(in/groups · kernel_size)).
   class Options : public RuntimeOptions<Options> {
@@ -27,13 +29,14 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
     C2F_ARG(bool, causal) = false;
   };
 
-  Conv1d(Index in_channels, Index out_channels, Index kernel_size)
-      : Conv1d(in_channels, out_channels, kernel_size, Options()) {}
-  Conv1d(Index in_channels, Index out_channels, Index kernel_size, Options options)
-      : shape_{in_channels, out_channels, kernel_size, options.padding(), options.groups(), options.causal()},
+  /// Conv1d takes no masks (a non-empty c2f::Masks throws).
+  static constexpr MaskFields mask_fields = MaskFields::None;
+
+  Conv1d(Index in_channels, Index out_channels, Index kernel_size, Options options = Options())
+      : shape_(kernels::Conv1dShape{in_channels, out_channels, kernel_size, options.padding(), options.groups(),
+                                    options.causal()}.validated()),
         options_(options) {
     detail::check_scalar<Scalar>();
-    shape_.validate();
     reset_parameters(options.seed());
   }
 
@@ -71,24 +74,32 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
     if (options_.bias()) detail::store(sd, name + "bias", bias_, {shape_.out_channels});
   }
 
-  /// x [B, L, in] → [B, L + 2·padding − kernel_size + 1, out] ([B, L, out] when causal).
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x) const {
+  /// x [B, L, in] → [B, L_out, out], L_out = L + 2·padding − kernel_size + 1 (L when causal); an input
+  /// shorter than the kernel gives L_out = 0.
+  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
     detail::check_features(x, shape_.in_channels, "Conv1d", "x", "in_channels");
-    Tensor3<Scalar> y(x.batch(), std::max<Index>(0, shape_.out_length(x.seq())), shape_.out_channels);
-    Eigen::Map<RowMatrix<Scalar>> out(y.data(), y.dimension(0) * y.dimension(1), shape_.out_channels);
-    forward_rows(x.rows(), x.batch(), x.seq(), out);
-    return y;
+    return {x.batch(), out_length(x.seq()), shape_.out_channels};
   }
+  /// out [B·L_out, out] (overwritten).
+  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
+    detail::check_call("Conv1d", masks, mask_fields, output_shape(x), out);
+    forward_rows(x.rows(), x.batch(), x.seq(), out);
+  }
+  /// forward_into writes straight into out: no temporary memory.
+  std::size_t workspace_bytes(Index /*batch*/, Index /*seq*/) const { return 0; }
 
   /// The same on rows: x [B·L, in] → y [B·L_out, out] (y may be a column block of a wider matrix).
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
                     Eigen::Ref<RowMatrix<Scalar>> y) const {
+    if (out_length(length) == 0) return;  // nothing to write (an input shorter than the kernel)
     kernels::conv1d<Scalar>(x, batch, length, shape_, taps_, options_.bias() ? bias_.data() : nullptr, y,
-                            options_.num_threads());
+                            detail::kernel_options(options_));
   }
 
  private:
-  kernels::Conv1dShape shape_;
+  Index out_length(Index length) const { return std::max<Index>(0, shape_.out_length(length)); }
+
+  kernels::Conv1dShape shape_;  // first: validated before anything else is built
   Options options_;
   RowMatrix<Scalar> taps_;  ///< tap-major weights (kernels::conv1d_taps layout)
   Vector<Scalar> bias_;
@@ -103,7 +114,7 @@ class Conv1d : public detail::Module<Conv1d<Scalar>> {
 /// Parameters: 3·E·(E/2) + E·(E − E/2) + E ≈ 2·E² — about twice a Linear(E, E) (E² + E), not the
 /// "40 % fewer" the article claims (E = 512: 524,800 vs 262,656).
 template <class Scalar>
-class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
+class C3K2Projection : public detail::LayerBase<C3K2Projection<Scalar>, Scalar> {
  public:
   /// seed: PyTorch's Conv1d init for both convolutions.
   class Options : public RuntimeOptions<Options> {
@@ -111,20 +122,17 @@ class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
     C2F_ARG(bool, causal) = false;
   };
 
-  C3K2Projection(Index embed_dim, Index num_heads) : C3K2Projection(embed_dim, num_heads, Options()) {}
-  C3K2Projection(Index embed_dim, Index num_heads, Options options)
-      : embed_dim_(embed_dim),
-        num_heads_(num_heads),
-        options_(options),
-        conv3_(std::max<Index>(embed_dim, 2), std::max<Index>(embed_dim / 2, 1), 3, conv_options(options, /*padding=*/1, 0)),
-        conv2_(std::max<Index>(embed_dim, 2), std::max<Index>(embed_dim - embed_dim / 2, 1), 1,
-               conv_options(options, /*padding=*/0, 1)) {
-    if (embed_dim < 2) detail::fail("C3K2Projection needs embed_dim >= 2, got ", embed_dim);
-    detail::check_embed_heads("C3K2Projection", embed_dim, num_heads);
-  }
+  /// C3K2Projection takes no masks (a non-empty c2f::Masks throws).
+  static constexpr MaskFields mask_fields = MaskFields::None;
 
-  Index embed_dim() const { return embed_dim_; }
-  Index num_heads() const { return num_heads_; }
+  C3K2Projection(Index embed_dim, Index num_heads, Options options = Options())
+      : shape_(detail::checked_heads("C3K2Projection", embed_dim, num_heads, /*min_embed=*/2)),
+        options_(options),
+        conv3_(embed_dim, embed_dim / 2, 3, conv_options(options, /*padding=*/1, 0)),
+        conv2_(embed_dim, embed_dim - embed_dim / 2, 1, conv_options(options, /*padding=*/0, 1)) {}
+
+  Index embed_dim() const { return shape_.embed_dim; }
+  Index num_heads() const { return shape_.num_heads; }
   const Options& options() const { return options_; }
   bool causal() const { return options_.causal(); }
   void set_num_threads(int n) { this->set_num_threads_of(options_, n); }
@@ -139,31 +147,35 @@ class C3K2Projection : public detail::Module<C3K2Projection<Scalar>> {
     fn("conv2.", self.conv2_);
   }
 
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x) const {
-    detail::check_features(x, embed_dim_, "C3K2Projection", "x", "embed_dim");
-    Tensor3<Scalar> y(x.batch(), x.seq(), embed_dim_);
-    Eigen::Map<RowMatrix<Scalar>> out(y.data(), x.batch() * x.seq(), embed_dim_);
-    forward_rows(x.rows(), x.batch(), x.seq(), out);
-    return y;
+  /// x [B, L, E] → [B, L, E].
+  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
+    return detail::same_length_shape(x, embed_dim(), embed_dim(), "C3K2Projection");
   }
+  /// out [B·L, E] (overwritten).
+  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
+    detail::check_call("C3K2Projection", masks, mask_fields, output_shape(x), out);
+    forward_rows(x.rows(), x.batch(), x.seq(), out);
+  }
+  /// forward_into writes straight into out: no temporary memory.
+  std::size_t workspace_bytes(Index /*batch*/, Index /*seq*/) const { return 0; }
 
   /// x [B·L, E] → y [B·L, E]: conv3 into channels [0, E/2), conv2 into [E/2, E).
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
                     Eigen::Ref<RowMatrix<Scalar>> y) const {
-    conv3_.forward_rows(x, batch, length, y.leftCols(embed_dim_ / 2));
-    conv2_.forward_rows(x, batch, length, y.rightCols(embed_dim_ - embed_dim_ / 2));
+    const Index e = embed_dim();
+    conv3_.forward_rows(x, batch, length, y.leftCols(e / 2));
+    conv2_.forward_rows(x, batch, length, y.rightCols(e - e / 2));
   }
 
  private:
   /// Causal: every convolution pads kernel_size − 1 on the left only (a no-op for conv2's k = 1).
   static typename Conv1d<Scalar>::Options conv_options(const Options& o, Index padding, std::uint64_t seed_offset) {
-    return detail::runtime_options<typename Conv1d<Scalar>::Options>(o, seed_offset)
+    return detail::inner_options<typename Conv1d<Scalar>::Options>(o, seed_offset)
         .padding(o.causal() ? 0 : padding)
         .causal(o.causal());
   }
 
-  Index embed_dim_;
-  Index num_heads_;
+  detail::HeadShape shape_;  // first: checked before the convolutions are built
   Options options_;
   Conv1d<Scalar> conv3_;
   Conv1d<Scalar> conv2_;

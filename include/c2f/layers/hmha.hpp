@@ -21,18 +21,20 @@
 // State dict: q_proj.conv3.*, q_proj.conv2.*, k_proj.*, v_proj.*, out_proj.weight, out_proj.bias.
 #pragma once
 
+#include "c2f/detail/decoding.hpp"
 #include "c2f/detail/huge_pages.hpp"
-#include "c2f/detail/module.hpp"
+#include "c2f/detail/layer_support.hpp"
 #include "c2f/kernels/chunk.hpp"
+#include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/hierarchical.hpp"
 #include "c2f/kernels/sdpa.hpp"
-#include "c2f/kv_cache.hpp"
 #include "c2f/layers/conv1d.hpp"
 #include "c2f/layers/linear.hpp"
 #include "c2f/mask.hpp"
 #include "c2f/mask_view.hpp"
 #include "c2f/options.hpp"
 
+#include <array>
 #include <string>
 
 namespace c2f {
@@ -45,7 +47,7 @@ struct HMHALevels {
 };
 
 template <class Scalar>
-class HMHA : public detail::DecodingModule<HMHA<Scalar>, Scalar> {
+class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
  public:
   /// seed: PyTorch's Conv1d / Linear default init.
   class Options : public RuntimeOptions<Options> {
@@ -54,11 +56,12 @@ class HMHA : public detail::DecodingModule<HMHA<Scalar>, Scalar> {
     C2F_ARG(HMHALevels, levels) = HMHALevels{};
   };
 
-  HMHA(Index embed_dim, Index num_heads, Index window = 64) : HMHA(embed_dim, num_heads, window, Options()) {}
-  HMHA(Index embed_dim, Index num_heads, Index window, Options options)
-      : embed_dim_(embed_dim),
-        num_heads_(num_heads),
-        window_(window),
+  /// HMHA takes no masks (a non-empty c2f::Masks throws).
+  static constexpr MaskFields mask_fields = MaskFields::None;
+
+  HMHA(Index embed_dim, Index num_heads, Index window, Options options = Options())
+      : shape_(detail::checked_heads("HMHA", embed_dim, num_heads, /*min_embed=*/2)),
+        window_(detail::checked_positive("HMHA", "window", window)),
         options_(options),
         q_proj_(embed_dim, num_heads, projection_options(options, 0)),
         k_proj_(embed_dim, num_heads, projection_options(options, 2)),
@@ -66,12 +69,11 @@ class HMHA : public detail::DecodingModule<HMHA<Scalar>, Scalar> {
         out_proj_(embed_dim, embed_dim,
                   typename Linear<Scalar>::Options().num_threads(options.num_threads()).seed(options.seed() + 6)) {
     detail::check_scalar<Scalar>();
-    if (window < 1) detail::fail("HMHA: window must be >= 1, got ", window);
   }
 
-  Index embed_dim() const { return embed_dim_; }
-  Index num_heads() const { return num_heads_; }
-  Index head_dim() const { return embed_dim_ / num_heads_; }
+  Index embed_dim() const { return shape_.embed_dim; }
+  Index num_heads() const { return shape_.num_heads; }
+  Index head_dim() const { return shape_.embed_dim / shape_.num_heads; }
   Index window() const { return window_; }
   const Options& options() const { return options_; }
   bool causal() const { return options_.causal(); }
@@ -95,7 +97,7 @@ class HMHA : public detail::DecodingModule<HMHA<Scalar>, Scalar> {
   /// level 1 reads the current window's, level 3 the log-spaced ones, and a position stays reachable at
   /// every later power-of-two distance — and the key and value means of every complete window (level 2).
   template <class Cache = Scalar>
-  class DecodeStateOf : public DecodeStateBase<Cache> {
+  class DecodeStateOf : public detail::DecodeStateBase<Cache> {
    public:
     std::size_t memory_bytes() const {
       return this->cache_.memory_bytes() + windows_.memory_bytes() +
@@ -105,62 +107,90 @@ class HMHA : public detail::DecodingModule<HMHA<Scalar>, Scalar> {
    private:
     friend class HMHA;
     DecodeStateOf(Index batch, Index embed_dim, Index window)
-        : DecodeStateBase<Cache>(batch, embed_dim),
+        : detail::DecodeStateBase<Cache>(batch, embed_dim),
           windows_(batch, embed_dim, window, /*values=*/true),
           tail_(RowMatrix<Scalar>::Zero(2 * batch, embed_dim)) {}
-    ChunkSummaries<Scalar> windows_;
+    detail::ChunkSummaries<Scalar> windows_;
     RowMatrix<Scalar> tail_;  ///< inputs T − 2, T − 1 of batch item b at rows 2b, 2b + 1 (zeros before the start)
   };
   using DecodeState = DecodeStateOf<Scalar>;
 
-  /// x [B, L, E] → [B, L, E]. HMHA takes no masks (a non-empty Masks throws).
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    detail::check_mask_fields(masks, "HMHA", false, false, false);
-    detail::check_features(x, embed_dim_, "HMHA", "x", "embed_dim");
+  /// x [B, L, E] → [B, L, E].
+  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
+    return detail::same_length_shape(x, shape_.embed_dim, shape_.embed_dim, "HMHA");
+  }
+  /// out [B·L, E] (overwritten).
+  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
+    detail::check_call("HMHA", masks, mask_fields, output_shape(x), out);
     const Index batch = x.batch(), length = x.seq(), rows = batch * length;
-    RowMatrix<Scalar> q(rows, embed_dim_), k(rows, embed_dim_), v(rows, embed_dim_), o(rows, embed_dim_);
+    RowMatrix<Scalar> q(rows, shape_.embed_dim), k(rows, shape_.embed_dim), v(rows, shape_.embed_dim), o(rows, shape_.embed_dim);
     for (RowMatrix<Scalar>* buffer : {&q, &k, &v, &o}) detail::prefer_huge_pages(*buffer);
     q_proj_.forward_rows(x.rows(), batch, length, q);
     k_proj_.forward_rows(x.rows(), batch, length, k);
     v_proj_.forward_rows(x.rows(), batch, length, v);
     o.setZero();
     attend(q, k, v, batch, length, o);
-    Tensor3<Scalar> y(batch, length, embed_dim_);
-    detail::prefer_huge_pages(y);
-    Eigen::Map<RowMatrix<Scalar>> out(y.data(), rows, embed_dim_);
     out_proj_.forward_rows(o, out);
-    return y;
+  }
+
+  /// Bytes of temporary memory one forward_into() holds at its peak: q, k, v and the summed levels
+  /// ([B·L, E] each) and the largest level's scratch — level 1 a [window, window] score block per
+  /// worker; level 2 the window means (k̄, v̄, and q̄ and the coarse output when not causal) and its
+  /// attention's scratch; level 3 a [rows, heads · offsets] score block and a [rows, E] product per
+  /// worker (rows = min(64, L)) and the offsets.
+  std::size_t workspace_bytes(Index batch, Index seq) const {
+    const kernels::ChunkGrid windows{batch, seq, window_};
+    const std::size_t s = sizeof(Scalar), e = static_cast<std::size_t>(shape_.embed_dim);
+    const std::size_t h = static_cast<std::size_t>(shape_.num_heads), dh = e / h;
+    const std::size_t tokens = static_cast<std::size_t>(batch * seq), chunks = static_cast<std::size_t>(windows.chunks());
+    const Index m = windows.chunks_per_batch();
+    const std::size_t w = static_cast<std::size_t>(std::min(window_, std::max<Index>(seq, 1)));
+    const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), batch * seq));
+    const HMHALevels& on = options_.levels();
+    std::size_t level = 0;
+    if (on.local) level = std::max(level, s * workers * w * w);
+    if (on.cross && options_.causal()) {
+      level = std::max(level, s * (2 * chunks * e + workers * w * static_cast<std::size_t>(m)));
+    } else if (on.cross) {
+      level = std::max(level, s * 4 * chunks * e + workers * kernels::sdpa_streaming_workspace_bytes<Scalar>(
+                                                                 detail::kernel_options(options_), dh, dh, m, m));
+    }
+    if (on.global) {
+      const std::size_t offsets = kernels::sparse_offsets(seq, options_.causal()).size();
+      const std::size_t rows = static_cast<std::size_t>(std::min(kernels::kSparseRowBlock, std::max<Index>(seq, 1)));
+      level = std::max(level, s * workers * rows * (h * offsets + e) + sizeof(Index) * offsets);
+    }
+    return s * 4 * tokens * e + level;
   }
 
   /// The attention part alone on given projections q, k, v [B·L, E]: o += o1 + o2 + o3.
   void attend(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v, Index batch,
               Index length, RowMatrix<Scalar>& o) const {
     const kernels::ChunkGrid windows{batch, length, window_};
-    const int threads = options_.num_threads();
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
     const bool causal = options_.causal();
     const HMHALevels& levels = options_.levels();
     const Scalar scale = kernels::default_scale<Scalar>(head_dim());
-    if (levels.local) kernels::window_attention<Scalar>(q, k, v, windows, num_heads_, causal, scale, o, threads);
+    if (levels.local) kernels::window_attention_add<Scalar>(q, k, v, windows, shape_.num_heads, o, causal, scale, threads);
     if (levels.cross && windows.chunks() > 0) {
       const Index chunks = windows.chunks();
-      RowMatrix<Scalar> km(chunks, embed_dim_), vm(chunks, embed_dim_);
+      RowMatrix<Scalar> km(chunks, shape_.embed_dim), vm(chunks, shape_.embed_dim);
       kernels::chunk_mean<Scalar>(k, windows, km, threads);
       kernels::chunk_mean<Scalar>(v, windows, vm, threads);
       if (causal) {
-        kernels::window_summary_attention<Scalar>(q, km, vm, windows, num_heads_, scale, o, threads);
+        kernels::window_summary_attention_add<Scalar>(q, km, vm, windows, shape_.num_heads, o, scale, threads);
       } else {
-        RowMatrix<Scalar> qm(chunks, embed_dim_), c(chunks, embed_dim_);
+        RowMatrix<Scalar> qm(chunks, shape_.embed_dim), c(chunks, shape_.embed_dim);
         kernels::chunk_mean<Scalar>(q, windows, qm, threads);
-        kernels::SdpaOptions sdpa;
-        sdpa.num_threads(threads);
-        kernels::sdpa_streaming<Scalar>(kernels::heads_view(qm, batch, num_heads_), kernels::heads_view(km, batch, num_heads_),
-                                        kernels::heads_view(vm, batch, num_heads_), kernels::heads_view(c, batch, num_heads_),
-                                        MaskView<Scalar>(), scale, sdpa);
-        kernels::broadcast_chunks<Scalar>(c, windows, o, threads, /*accumulate=*/true);
+        const Index m = windows.chunks_per_batch(), h = shape_.num_heads;
+        kernels::sdpa_streaming<Scalar>(kernels::heads_view(qm, batch, m, h), kernels::heads_view(km, batch, m, h),
+                                        kernels::heads_view(vm, batch, m, h), kernels::heads_view(c, batch, m, h),
+                                        MaskView<Scalar>(), scale, threads);
+        kernels::broadcast_chunks_add<Scalar>(c, windows, o, threads);
       }
     }
     if (levels.global) {
-      kernels::sparse_global_attention<Scalar>(q, k, v, batch, length, num_heads_, causal, scale, o, threads);
+      kernels::sparse_global_attention_add<Scalar>(q, k, v, batch, length, shape_.num_heads, o, causal, scale, threads);
     }
   }
 
@@ -168,13 +198,13 @@ class HMHA : public detail::DecodingModule<HMHA<Scalar>, Scalar> {
   friend class detail::Decoder<HMHA, Scalar>;
   template <class Cache>
   DecodeStateOf<Cache> make_decode_state(Index batch) const {
-    return DecodeStateOf<Cache>(batch, embed_dim_, window_);
+    return DecodeStateOf<Cache>(batch, shape_.embed_dim, window_);
   }
 
   template <class Cache>
   Tensor3<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
-    detail::check_decode("HMHA", options_.causal(), x, state.batch(), embed_dim_);
-    const Index batch = x.batch(), n = x.seq(), e = embed_dim_, span = n + 2;
+    detail::check_decode("HMHA", options_.causal(), x, state.batch(), shape_.embed_dim);
+    const Index batch = x.batch(), n = x.seq(), e = shape_.embed_dim, span = n + 2;
     // Each sequence's new inputs behind its last two: the causal convolutions read x[t − 2 … t].
     RowMatrix<Scalar> in(batch * span, e), in_q(batch * (outputs + 2), e);
     for (Index b = 0; b < batch; ++b) {
@@ -197,7 +227,7 @@ class HMHA : public detail::DecodingModule<HMHA<Scalar>, Scalar> {
     state.windows_.update(state.cache_);
     const Index total = state.length();
     const kernels::ChunkGrid grid{1, total, window_};
-    const int threads = options_.num_threads();
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
     const HMHALevels& levels = options_.levels();
     const Scalar scale = kernels::default_scale<Scalar>(head_dim());
     RowMatrix<Scalar> o = RowMatrix<Scalar>::Zero(batch * outputs, e);
@@ -205,27 +235,24 @@ class HMHA : public detail::DecodingModule<HMHA<Scalar>, Scalar> {
       const Eigen::Ref<const RowMatrix<Scalar>> qb = q.middleRows(b * outputs, outputs);
       const Eigen::Ref<const RowMatrix<Cache>> kb = state.cache_.keys(b, 0, total), vb = state.cache_.values(b, 0, total);
       Eigen::Ref<RowMatrix<Scalar>> ob = o.middleRows(b * outputs, outputs);
-      if (levels.local) kernels::window_attention<Scalar, Cache>(qb, kb, vb, grid, num_heads_, true, scale, ob, threads);
+      if (levels.local) kernels::window_attention_add<Scalar, Cache>(qb, kb, vb, grid, shape_.num_heads, ob, true, scale, threads);
       if (levels.cross) {
-        kernels::window_summary_attention<Scalar>(qb, state.windows_.keys(b), state.windows_.values(b), grid, num_heads_,
-                                                  scale, ob, threads);
+        kernels::window_summary_attention_add<Scalar>(qb, state.windows_.keys(b), state.windows_.values(b), grid,
+                                                      shape_.num_heads, ob, scale, threads);
       }
       if (levels.global) {
-        kernels::sparse_global_attention<Scalar, Cache>(qb, kb, vb, 1, total, num_heads_, true, scale, ob, threads);
+        kernels::sparse_global_attention_add<Scalar, Cache>(qb, kb, vb, 1, total, shape_.num_heads, ob, true, scale, threads);
       }
     }
-    Tensor3<Scalar> y(batch, outputs, e);
-    Eigen::Map<RowMatrix<Scalar>> out(y.data(), batch * outputs, e);
-    out_proj_.forward_rows(o, out);
-    return y;
+    return detail::fresh_output<Scalar>({batch, outputs, e},
+                                        [&](Eigen::Ref<RowMatrix<Scalar>> out) { out_proj_.forward_rows(o, out); });
   }
 
   static typename C3K2Projection<Scalar>::Options projection_options(const Options& o, std::uint64_t seed_offset) {
-    return detail::runtime_options<typename C3K2Projection<Scalar>::Options>(o, seed_offset).causal(o.causal());
+    return detail::inner_options<typename C3K2Projection<Scalar>::Options>(o, seed_offset).causal(o.causal());
   }
 
-  Index embed_dim_;
-  Index num_heads_;
+  detail::HeadShape shape_;  // first: checked before the projections are built
   Index window_;
   Options options_;
   C3K2Projection<Scalar> q_proj_;

@@ -1,11 +1,13 @@
 // c2f layers — Linear: y = x Wᵀ + b with torch.nn.Linear's state-dict names and layout.
 #pragma once
 
-#include "c2f/detail/module.hpp"
+#include "c2f/detail/layer_support.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/linear.hpp"
+#include "c2f/mask.hpp"
 #include "c2f/options.hpp"
 
+#include <array>
 #include <string>
 
 namespace c2f {
@@ -15,29 +17,27 @@ struct NoInit {};
 }  // namespace detail
 
 template <class Scalar>
-class Linear : public detail::Module<Linear<Scalar>> {
+class Linear : public detail::LayerBase<Linear<Scalar>, Scalar> {
  public:
   class Options : public RuntimeOptions<Options> {
     C2F_ARG(bool, bias) = true;
   };
+  /// Linear takes no masks (a non-empty c2f::Masks throws).
+  static constexpr MaskFields mask_fields = MaskFields::None;
 
   /// weight [out, in] initialised like torch.nn.Linear (U(±1/sqrt(in)), here for the weight and the
-  /// bias alike) from `seed`; call load_state_dict() to use trained weights.
-  Linear(Index in_features, Index out_features, bool bias = true, std::uint64_t seed = 0)
-      : Linear(in_features, out_features, Options().bias(bias).seed(seed)) {}
-  Linear(Index in_features, Index out_features, Options options)
+  /// bias alike) from options.seed(); call load_state_dict() to use trained weights.
+  Linear(Index in_features, Index out_features, Options options = Options())
       : Linear(in_features, out_features, options, detail::NoInit{}) {
     reset_parameters(options.seed());
   }
   /// Zero weights and bias, for a layer that initialises its Linear members itself.
   Linear(Index in_features, Index out_features, Options options, detail::NoInit)
-      : options_(options),
-        weight_(RowMatrix<Scalar>::Zero(std::max<Index>(out_features, 0), std::max<Index>(in_features, 0))),
-        bias_(Vector<Scalar>::Zero(options.bias() ? std::max<Index>(out_features, 0) : 0)) {
+      : weight_(RowMatrix<Scalar>::Zero(detail::checked_positive("Linear", "out_features", out_features),
+                                        detail::checked_positive("Linear", "in_features", in_features))),
+        bias_(Vector<Scalar>::Zero(options.bias() ? out_features : 0)),
+        options_(options) {
     detail::check_scalar<Scalar>();
-    if (in_features <= 0 || out_features <= 0) {
-      detail::fail("Linear needs positive sizes, got in_features=", in_features, ", out_features=", out_features);
-    }
   }
 
   Index in_features() const { return weight_.cols(); }
@@ -70,15 +70,27 @@ class Linear : public detail::Module<Linear<Scalar>> {
     if (options_.bias()) detail::store(sd, prefix + "bias", bias_, {out_features()});
   }
 
-  /// y [n, out] = x [n, in] Wᵀ + b (overwritten), on options().num_threads() threads.
+  /// x [B, L, in] → [B, L, out].
+  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
+    return detail::same_length_shape(x, in_features(), out_features(), "Linear", "in_features");
+  }
+  /// out [B·L, out] = x Wᵀ + b (overwritten).
+  void forward_into(ConstTensor3Ref<Scalar> x, detail::OutRows<Scalar> out, const Masks<Scalar>& masks = {}) const {
+    detail::check_call("Linear", masks, mask_fields, output_shape(x), out);
+    forward_rows(x.rows(), out);
+  }
+  /// forward_into writes straight into out: no temporary memory.
+  std::size_t workspace_bytes(Index /*batch*/, Index /*seq*/) const { return 0; }
+
+  /// The product on rows: y [n, out] = x [n, in] Wᵀ + b (overwritten), on options().num_threads() threads.
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Eigen::Ref<RowMatrix<Scalar>> y) const {
-    kernels::linear<Scalar>(x, weight_, bias_data(), y, options_.num_threads());
+    kernels::linear<Scalar>(x, weight_, bias_data(), y, detail::kernel_options(options_));
   }
 
  private:
-  Options options_;
-  RowMatrix<Scalar> weight_;
+  RowMatrix<Scalar> weight_;  // first: its sizes are checked before anything else is built
   Vector<Scalar> bias_;
+  Options options_;
 };
 
 }  // namespace c2f

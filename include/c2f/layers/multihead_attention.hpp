@@ -2,16 +2,17 @@
 #pragma once
 
 #include "c2f/detail/huge_pages.hpp"
-#include "c2f/detail/module.hpp"
+#include "c2f/detail/layer_support.hpp"
 #include "c2f/detail/random.hpp"
+#include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
-#include "c2f/kv_cache.hpp"
 #include "c2f/layers/linear.hpp"
 #include "c2f/mask.hpp"
 #include "c2f/mask_view.hpp"
 #include "c2f/options.hpp"
 
+#include <array>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -43,7 +44,7 @@ struct AttnOutput {
 /// combined with any masks given to forward().
 /// forward() is const: one module may serve several threads at once.
 template <class Scalar>
-class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scalar>, Scalar> {
+class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<Scalar>, Scalar> {
  public:
   class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
     C2F_ARG(bool, bias) = true;
@@ -55,33 +56,27 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
     C2F_ARG(bool, causal) = false;
   };
 
-  MultiHeadAttention(Index embed_dim, Index num_heads) : MultiHeadAttention(embed_dim, num_heads, Options()) {}
+  /// attn_mask [Lq, Lk] or [n, Lq, Lk] (n = 1, B or B·H), key_padding_mask [B, Lk].
+  static constexpr MaskFields mask_fields = MaskFields::AttnMask | MaskFields::KeyPaddingMask;
 
-  MultiHeadAttention(Index embed_dim, Index num_heads, Options options)
-      : embed_dim_(embed_dim),
-        num_heads_(num_heads),
-        kdim_(options.kdim() > 0 ? options.kdim() : embed_dim),
-        vdim_(options.vdim() > 0 ? options.vdim() : embed_dim),
+  MultiHeadAttention(Index embed_dim, Index num_heads, Options options = Options())
+      : shape_(detail::checked_heads("MultiHeadAttention", embed_dim, num_heads)),
+        kdim_(input_dim("kdim", options.kdim(), embed_dim)),
+        vdim_(input_dim("vdim", options.vdim(), embed_dim)),
         options_(options),
-        out_proj_(std::max<Index>(embed_dim, 1), std::max<Index>(embed_dim, 1), out_proj_options(options),
-                  detail::NoInit{}) {
+        out_proj_(embed_dim, embed_dim, out_proj_options(options), detail::NoInit{}) {
     detail::check_scalar<Scalar>();
-    detail::check_embed_heads("MultiHeadAttention", embed_dim, num_heads);
-    if (options.kdim() < 0 || options.vdim() < 0) {
-      detail::fail("MultiHeadAttention: kdim and vdim must be >= 0 (0 = embed_dim), got kdim=", options.kdim(),
-                   ", vdim=", options.vdim());
-    }
     reset_parameters(options.seed());
   }
 
-  Index embed_dim() const { return embed_dim_; }
-  Index num_heads() const { return num_heads_; }
-  Index head_dim() const { return embed_dim_ / num_heads_; }
+  Index embed_dim() const { return shape_.embed_dim; }
+  Index num_heads() const { return shape_.num_heads; }
+  Index head_dim() const { return shape_.head_dim(); }
   Index kdim() const { return kdim_; }
   Index vdim() const { return vdim_; }
   bool causal() const { return options_.causal(); }
   /// True when the q, k and v weights are stored as PyTorch's one `in_proj_weight`.
-  bool packed_in_proj() const { return kdim_ == embed_dim_ && vdim_ == embed_dim_; }
+  bool packed_in_proj() const { return kdim_ == embed_dim() && vdim_ == embed_dim(); }
   const Options& options() const { return options_; }
   void set_num_threads(int n) {
     options_.num_threads(n);
@@ -98,18 +93,18 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
   /// default for out_proj.weight), drawn deterministically from `seed`.
   void reset_parameters(std::uint64_t seed) {
     detail::Rng rng(seed);
-    const Index in_dims[3] = {embed_dim_, kdim_, vdim_};
+    const Index in_dims[3] = {embed_dim(), kdim_, vdim_};
     if (packed_in_proj()) {
-      RowMatrix<Scalar> packed(3 * embed_dim_, embed_dim_);
+      RowMatrix<Scalar> packed(3 * embed_dim(), embed_dim());
       detail::xavier_uniform(packed, rng);
-      for (int i = 0; i < 3; ++i) w_[i] = packed.middleRows(i * embed_dim_, embed_dim_);
+      for (int i = 0; i < 3; ++i) w_[i] = packed.middleRows(i * embed_dim(), embed_dim());
     } else {
       for (int i = 0; i < 3; ++i) {
-        w_[i].resize(embed_dim_, in_dims[i]);
+        w_[i].resize(embed_dim(), in_dims[i]);
         detail::xavier_uniform(w_[i], rng);
       }
     }
-    b_ = Vector<Scalar>::Zero(options_.bias() ? 3 * embed_dim_ : 0);
+    b_ = Vector<Scalar>::Zero(options_.bias() ? 3 * embed_dim() : 0);
     detail::linear_default_uniform(out_proj_.weight(), rng);
     out_proj_.bias().setZero();
   }
@@ -117,7 +112,7 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
   /// Reads this module's tensors under `name` (a prefix ending in '.' or empty) from a loader shared
   /// with an enclosing module.
   void load(detail::StrictLoader& loader, const std::string& name) {
-    const Index e = embed_dim_;
+    const Index e = embed_dim();
     if (packed_in_proj()) {
       // PyTorch's name, or the C2FMultiHeadAttention module's `qkv_proj` Linear (same [3E, E] layout).
       const bool seed_names = !loader.has(name + "in_proj_weight") && loader.has(name + "qkv_proj.weight");
@@ -129,7 +124,7 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
       if (options_.bias()) loader.read(b_key, {3 * e}, b_);
     } else {
       const char* names[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
-      const Index in_dims[3] = {embed_dim_, kdim_, vdim_};
+      const Index in_dims[3] = {embed_dim(), kdim_, vdim_};
       for (int i = 0; i < 3; ++i) loader.read(name + names[i], {e, in_dims[i]}, w_[i]);
       if (options_.bias()) loader.read(name + "in_proj_bias", {3 * e}, b_);
     }
@@ -140,14 +135,14 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
   /// `qkv_proj.weight` / `qkv_proj.bias` (the coarse-to-fine modules' names) instead of
   /// `in_proj_weight` / `in_proj_bias`.
   void save(StateDict& sd, const std::string& name, bool qkv_proj_names = false) const {
-    const Index e = embed_dim_;
+    const Index e = embed_dim();
     if (packed_in_proj()) {
       RowMatrix<Scalar> packed(3 * e, e);
       for (int i = 0; i < 3; ++i) packed.middleRows(i * e, e) = w_[i];
       detail::store(sd, name + (qkv_proj_names ? "qkv_proj.weight" : "in_proj_weight"), packed, {3 * e, e});
       if (options_.bias()) detail::store(sd, name + (qkv_proj_names ? "qkv_proj.bias" : "in_proj_bias"), b_, {3 * e});
     } else {
-      detail::store(sd, name + "q_proj_weight", w_[0], {e, embed_dim_});
+      detail::store(sd, name + "q_proj_weight", w_[0], {e, embed_dim()});
       detail::store(sd, name + "k_proj_weight", w_[1], {e, kdim_});
       detail::store(sd, name + "v_proj_weight", w_[2], {e, vdim_});
       if (options_.bias()) detail::store(sd, name + "in_proj_bias", b_, {3 * e});
@@ -155,16 +150,29 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
     out_proj_.save(sd, name + "out_proj.");
   }
 
-  /// Self-attention: forward(x, x, x, masks).
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    return run(x, x, x, masks, nullptr).output;
+  /// Self-attention, forward(x, x, x, masks): x [B, L, E] → [B, L, E].
+  using detail::LayerBase<MultiHeadAttention, Scalar>::forward;
+  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
+    check_inputs(x, x, x);
+    return {x.batch(), x.seq(), embed_dim()};
+  }
+  /// Self-attention into caller memory: out [B·L, E] (overwritten).
+  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
+    forward_into(x, x, x, out, masks);
   }
 
   /// query [B, Lq, E], key [B, Lk, kdim], value [B, Lk, vdim] → [B, Lq, E]. Masks: attn_mask
   /// [Lq, Lk] or [n, Lq, Lk] (n = 1, B or B·H), key_padding_mask [B, Lk].
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key, ConstTensor3Ref<Scalar> value,
                           const Masks<Scalar>& masks = {}) const {
-    return run(query, key, value, masks, nullptr).output;
+    check_inputs(query, key, value);
+    return detail::fresh_output<Scalar>({query.batch(), query.seq(), embed_dim()},
+                                        [&](Eigen::Ref<RowMatrix<Scalar>> out) { forward_into(query, key, value, out, masks); });
+  }
+  /// forward(query, key, value, masks) into caller memory: out [B·Lq, E] (overwritten).
+  void forward_into(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key, ConstTensor3Ref<Scalar> value,
+                    Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
+    run(query, key, value, masks, out, nullptr);
   }
 
   /// Like forward(), and also returns the attention weights (PyTorch's need_weights=True). This
@@ -172,7 +180,12 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
   AttnOutput<Scalar> forward_with_weights(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key,
                                           ConstTensor3Ref<Scalar> value, const Masks<Scalar>& masks = {},
                                           AttnWeights mode = AttnWeights::Averaged) const {
-    return run(query, key, value, masks, &mode);
+    check_inputs(query, key, value);
+    AttnOutput<Scalar> result;
+    WeightsRequest request{mode, &result.weights};
+    result.output = detail::fresh_output<Scalar>({query.batch(), query.seq(), embed_dim()},
+                                                 [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(query, key, value, masks, out, &request); });
+    return result;
   }
 
   /// The in-projection alone: qp [B·Lq, E] = query W_qᵀ + b_q, kp [B·Lk, E], vp [B·Lk, E] (head h is
@@ -181,8 +194,8 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
                const ConstTensor3Ref<Scalar>& value, RowMatrix<Scalar>& qp, RowMatrix<Scalar>& kp,
                RowMatrix<Scalar>& vp) const {
     check_inputs(query, key, value);
-    const Index e = embed_dim_;
-    const int threads = options_.num_threads();
+    const Index e = embed_dim();
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
     qp.resize(query.batch() * query.seq(), e);
     kp.resize(key.batch() * key.seq(), e);
     vp.resize(value.batch() * value.seq(), e);
@@ -198,14 +211,14 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
   /// Incremental decoding state of a causal layer (new_decode_state(), decode(), prefill(): see
   /// detail::Decoder): the projected keys and values of every token so far.
   template <class Cache = Scalar>
-  class DecodeStateOf : public DecodeStateBase<Cache> {
+  class DecodeStateOf : public detail::DecodeStateBase<Cache> {
    public:
     /// Bytes the state holds.
     std::size_t memory_bytes() const { return this->cache_.memory_bytes(); }
 
    private:
     friend class MultiHeadAttention;
-    using DecodeStateBase<Cache>::DecodeStateBase;
+    using detail::DecodeStateBase<Cache>::DecodeStateBase;
   };
   using DecodeState = DecodeStateOf<Scalar>;
 
@@ -214,50 +227,55 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
   void project_last(const ConstTensor3Ref<Scalar>& x, Index outputs, RowMatrix<Scalar>& qp, RowMatrix<Scalar>& kp,
                     RowMatrix<Scalar>& vp) const {
     check_inputs(x, x, x);
-    const Index batch = x.batch(), n = x.seq(), e = embed_dim_;
+    const Index batch = x.batch(), n = x.seq(), e = embed_dim();
     if (outputs < 0 || outputs > n) detail::fail("MultiHeadAttention: outputs must lie in [0, ", n, "], got ", outputs);
     const Scalar* bias = options_.bias() ? b_.data() : nullptr;
     qp.resize(batch * outputs, e);
     kp.resize(batch * n, e);
     vp.resize(batch * n, e);
-    kernels::linear<Scalar>(x.rows(), w_[1], bias ? bias + e : nullptr, kp, options_.num_threads());
-    kernels::linear<Scalar>(x.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, options_.num_threads());
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
+    kernels::linear<Scalar>(x.rows(), w_[1], bias ? bias + e : nullptr, kp, threads);
+    kernels::linear<Scalar>(x.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads);
     for (Index b = 0; b < batch; ++b) {
       kernels::linear<Scalar>(x.rows().middleRows(b * n + n - outputs, outputs), w_[0], bias,
-                              qp.middleRows(b * outputs, outputs), options_.num_threads());
+                              qp.middleRows(b * outputs, outputs), threads);
     }
   }
 
-  /// Bytes of temporary memory one forward() without weights holds at its peak, besides the returned
-  /// [batch, lq, embed_dim] output: the projected q, k, v, the heads' output and every worker's kernel
-  /// scratch — linear in the sequence lengths.
+  /// Bytes of temporary memory one forward_into() (or forward() without weights) holds at its peak,
+  /// besides the output: the projected q, k, v, the heads' output and every worker's kernel scratch —
+  /// linear in the sequence lengths.
   std::size_t workspace_bytes(Index batch, Index lq, Index lk) const {
-    const std::size_t proj = sizeof(Scalar) * static_cast<std::size_t>(embed_dim_ * batch * (2 * lq + 2 * lk));
+    const std::size_t proj = sizeof(Scalar) * static_cast<std::size_t>(embed_dim() * batch * (2 * lq + 2 * lk));
     if (options_.kernel() == AttnKernel::Naive) {
       return proj + sizeof(Scalar) * static_cast<std::size_t>(lq * lk) * static_cast<std::size_t>(threads_for(batch));
     }
-    return proj + kernels::sdpa_streaming_workspace_bytes<Scalar>(sdpa_options(), head_dim(), head_dim()) *
-                      static_cast<std::size_t>(threads_for(batch * num_heads_ * lq));
+    return proj + kernels::sdpa_streaming_workspace_bytes<Scalar>(kernel_options(), head_dim(), head_dim(), lq, lk) *
+                      static_cast<std::size_t>(threads_for(batch * num_heads() * lq));
   }
+  /// Self-attention: workspace_bytes(batch, seq, seq).
+  std::size_t workspace_bytes(Index batch, Index seq) const { return workspace_bytes(batch, seq, seq); }
 
  private:
+  struct WeightsRequest {
+    AttnWeights mode;
+    Tensor4<Scalar>* weights;
+  };
+
+  static Index input_dim(const char* what, Index given, Index embed_dim) {
+    if (given < 0) detail::fail("MultiHeadAttention: ", what, " must be >= 0 (0 = embed_dim), got ", given);
+    return given > 0 ? given : embed_dim;
+  }
   static typename Linear<Scalar>::Options out_proj_options(const Options& o) {
-    typename Linear<Scalar>::Options l;
-    return l.bias(o.bias()).num_threads(o.num_threads());
+    return typename Linear<Scalar>::Options().bias(o.bias()).num_threads(o.num_threads());
   }
-  kernels::SdpaOptions sdpa_options() const {
-    kernels::SdpaOptions o;
-    o.query_block(options_.query_block());
-    o.key_block(options_.key_block());
-    o.num_threads(options_.num_threads());
-    return o;
-  }
+  kernels::KernelOptions kernel_options() const { return detail::kernel_options(options_); }
   int threads_for(Index tasks) const { return detail::resolve_threads(options_.num_threads(), tasks); }
 
   friend class detail::Decoder<MultiHeadAttention, Scalar>;
   template <class Cache>
   DecodeStateOf<Cache> make_decode_state(Index batch) const {
-    return DecodeStateOf<Cache>(batch, embed_dim_);
+    return DecodeStateOf<Cache>(batch, embed_dim());
   }
 
   /// decode() steps of at most this many new tokens (and every prefill()) attend with sdpa_split_keys.
@@ -267,11 +285,11 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
   /// `outputs` of them.
   template <class Cache>
   Tensor3<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
-    detail::check_decode("MultiHeadAttention", options_.causal(), x, state.batch(), embed_dim_);
-    if (kdim_ != embed_dim_ || vdim_ != embed_dim_) {
+    detail::check_decode("MultiHeadAttention", options_.causal(), x, state.batch(), embed_dim());
+    if (kdim_ != embed_dim() || vdim_ != embed_dim()) {
       detail::fail("MultiHeadAttention::decode is self-attention: kdim and vdim must equal embed_dim");
     }
-    const Index batch = x.batch(), n = x.seq(), e = embed_dim_, h = num_heads_;
+    const Index batch = x.batch(), n = x.seq(), e = embed_dim(), h = num_heads();
     RowMatrix<Scalar> q, k, v;
     project_last(x, outputs, q, k, v);
     state.cache_.append(Eigen::Ref<const RowMatrix<Scalar>>(k), Eigen::Ref<const RowMatrix<Scalar>>(v), n);
@@ -284,18 +302,16 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
     // many: the query-blocked streaming kernel.
     const auto attend = outputs <= kSplitKeysMaxQueries ? &kernels::sdpa_split_keys<Scalar, Cache>
                                                         : &kernels::sdpa_streaming<Scalar, Cache>;
-    attend(kernels::heads_view(std::as_const(q), batch, h), state.cache_.key_heads(h), state.cache_.value_heads(h),
-           kernels::heads_view(attn, batch, h), mask, kernels::default_scale<Scalar>(head_dim()), sdpa_options());
-    Tensor3<Scalar> y(batch, outputs, e);
-    Eigen::Map<RowMatrix<Scalar>> out(y.data(), batch * outputs, e);
-    out_proj_.forward_rows(attn, out);
-    return y;
+    attend(kernels::heads_view(std::as_const(q), batch, outputs, h), state.cache_.key_heads(h),
+           state.cache_.value_heads(h), kernels::heads_view(attn, batch, outputs, h), mask, kernels::default_scale<Scalar>(head_dim()), kernel_options());
+    return detail::fresh_output<Scalar>({batch, outputs, e},
+                                        [&](Eigen::Ref<RowMatrix<Scalar>> out) { out_proj_.forward_rows(attn, out); });
   }
 
   void check_inputs(const ConstTensor3Ref<Scalar>& q, const ConstTensor3Ref<Scalar>& k,
                     const ConstTensor3Ref<Scalar>& v) const {
     using detail::shape_string;
-    detail::check_features(q, embed_dim_, "MultiHeadAttention", "query", "embed_dim");
+    detail::check_features(q, embed_dim(), "MultiHeadAttention", "query", "embed_dim");
     if (k.features() != kdim_ || v.features() != vdim_) {
       detail::fail("MultiHeadAttention: key must be [batch, seq, kdim=", kdim_, "] and value [batch, seq, vdim=", vdim_,
                    "], got key ", shape_string({k.batch(), k.seq(), k.features()}), " and value ",
@@ -309,48 +325,43 @@ class MultiHeadAttention : public detail::DecodingModule<MultiHeadAttention<Scal
     }
   }
 
-  AttnOutput<Scalar> run(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
-                         const ConstTensor3Ref<Scalar>& value, const Masks<Scalar>& masks,
-                         const AttnWeights* weights_mode) const {
-    detail::check_mask_fields(masks, "MultiHeadAttention", true, true, false);
+  /// The forward pass into `out` [B·Lq, E]; with a weights request, on the naive kernel, also the
+  /// attention weights.
+  void run(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
+           const ConstTensor3Ref<Scalar>& value, const Masks<Scalar>& masks, Eigen::Ref<RowMatrix<Scalar>> out,
+           const WeightsRequest* request) const {
+    check_inputs(query, key, value);
+    const Index batch = query.batch(), lq = query.seq(), lk = key.seq(), e = embed_dim(), h = num_heads();
+    detail::check_call("MultiHeadAttention", masks, mask_fields, {batch, lq, e}, out);
+    const MaskView<Scalar> mask(masks, batch, h, lq, lk, options_.causal());
     RowMatrix<Scalar> qp, kp, vp;
-    project(query, key, value, qp, kp, vp);  // validates the shapes
-    const Index batch = query.batch(), lq = query.seq(), e = embed_dim_, h = num_heads_;
-    const MaskView<Scalar> mask(masks, batch, h, lq, key.seq(), options_.causal());
+    project(query, key, value, qp, kp, vp);
     const Scalar scale = kernels::default_scale<Scalar>(head_dim());
 
     RowMatrix<Scalar> attn(batch * lq, e);
     detail::prefer_huge_pages(attn);
-    const kernels::HeadsView<const Scalar> qv = kernels::heads_view(qp, batch, h), kv = kernels::heads_view(kp, batch, h),
-                                           vv = kernels::heads_view(vp, batch, h);
-    const kernels::HeadsView<Scalar> ov = kernels::heads_view(attn, batch, h);
-
-    AttnOutput<Scalar> result;
-    result.output = Tensor3<Scalar>(batch, lq, e);
-    detail::prefer_huge_pages(result.output);
-    if (weights_mode != nullptr) {
-      const Index lk = key.seq();
+    const kernels::HeadsView<const Scalar> qv = kernels::heads_view(qp, batch, lq, h),
+                                           kv = kernels::heads_view(kp, batch, lk, h),
+                                           vv = kernels::heads_view(vp, batch, lk, h);
+    const kernels::HeadsView<Scalar> ov = kernels::heads_view(attn, batch, lq, h);
+    if (request != nullptr) {
       Tensor4<Scalar> per_head(batch, h, lq, lk);
-      kernels::sdpa_naive<Scalar>(qv, kv, vv, ov, mask, scale, sdpa_options(), per_head.data());
-      if (*weights_mode == AttnWeights::PerHead) {
-        result.weights = std::move(per_head);
+      kernels::sdpa_naive<Scalar>(qv, kv, vv, ov, mask, scale, kernel_options(), per_head.data());
+      if (request->mode == AttnWeights::PerHead) {
+        *request->weights = std::move(per_head);
       } else {
         const Eigen::array<Index, 4> dims{batch, 1, lq, lk};
-        result.weights = per_head.mean(Eigen::array<Index, 1>{1}).reshape(dims);
+        *request->weights = per_head.mean(Eigen::array<Index, 1>{1}).reshape(dims);
       }
     } else if (options_.kernel() == AttnKernel::Naive) {
-      kernels::sdpa_naive<Scalar>(qv, kv, vv, ov, mask, scale, sdpa_options());
+      kernels::sdpa_naive<Scalar>(qv, kv, vv, ov, mask, scale, kernel_options());
     } else {
-      kernels::sdpa_streaming<Scalar>(qv, kv, vv, ov, mask, scale, sdpa_options());
+      kernels::sdpa_streaming<Scalar>(qv, kv, vv, ov, mask, scale, kernel_options());
     }
-
-    Eigen::Map<RowMatrix<Scalar>> out(result.output.data(), batch * lq, e);
     out_proj_.forward_rows(attn, out);
-    return result;
   }
 
-  Index embed_dim_;
-  Index num_heads_;
+  detail::HeadShape shape_;  // first: checked before out_proj_ is built
   Index kdim_;
   Index vdim_;
   Options options_;

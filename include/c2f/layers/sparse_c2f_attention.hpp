@@ -24,13 +24,14 @@
 // scores of the chunk summaries); no L × L buffer.
 #pragma once
 
+#include "c2f/detail/decoding.hpp"
 #include "c2f/detail/huge_pages.hpp"
-#include "c2f/detail/module.hpp"
+#include "c2f/detail/layer_support.hpp"
 #include "c2f/kernels/chunk_sparse.hpp"
-#include "c2f/kv_cache.hpp"
 #include "c2f/layers/multihead_attention.hpp"
 #include "c2f/options.hpp"
 
+#include <array>
 #include <string>
 
 namespace c2f {
@@ -50,7 +51,7 @@ struct SparseAttnOutput {
 };
 
 template <class Scalar>
-class SparseC2FAttention : public detail::DecodingModule<SparseC2FAttention<Scalar>, Scalar> {
+class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<Scalar>, Scalar> {
  public:
   /// seed: PyTorch's MultiheadAttention init. The kernel options serve as_multihead_attention().
   class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
@@ -61,18 +62,17 @@ class SparseC2FAttention : public detail::DecodingModule<SparseC2FAttention<Scal
     C2F_ARG(Gating, gating) = Gating::Auto;
   };
 
+  /// attn_mask [L, L] or [n, L, L] (n = 1, B or B·H), key_padding_mask [B, L].
+  static constexpr MaskFields mask_fields = MaskFields::AttnMask | MaskFields::KeyPaddingMask;
+
   SparseC2FAttention(Index embed_dim, Index num_heads, Index chunk_size, Index top_k, Options options = Options())
-      : chunk_(chunk_size),
-        top_k_(top_k),
+      : chunk_(detail::checked_positive("SparseC2FAttention", "chunk_size", chunk_size)),
+        top_k_(detail::checked_positive("SparseC2FAttention", "top_k", top_k)),
         options_(options),
         gating_(options.gating() == Gating::Auto ? (options.causal() ? Gating::PerToken : Gating::PerChunk)
                                                  : options.gating()),
         mha_(embed_dim, num_heads,
-             detail::attention_options<typename MultiHeadAttention<Scalar>::Options>(options).bias(options.bias())) {
-    if (chunk_size < 1 || top_k < 1) {
-      detail::fail("SparseC2FAttention needs chunk_size >= 1 and top_k >= 1, got chunk_size=", chunk_size,
-                   ", top_k=", top_k);
-    }
+             detail::inner_options<typename MultiHeadAttention<Scalar>::Options>(options).bias(options.bias())) {
     if (options.causal() && gating_ == Gating::PerChunk) {
       detail::fail("SparseC2FAttention: per-chunk gating reads every query of a chunk, so it cannot be causal; "
                    "use Gating::PerToken (or Auto) with causal = true");
@@ -81,9 +81,9 @@ class SparseC2FAttention : public detail::DecodingModule<SparseC2FAttention<Scal
 
   Index embed_dim() const { return mha_.embed_dim(); }
   Index num_heads() const { return mha_.num_heads(); }
-  /// The positional `causal` of earlier versions: the same as Options::causal.
-  SparseC2FAttention(Index embed_dim, Index num_heads, Index chunk_size, Index top_k, bool causal,
-                     Options options = Options())
+  /// The positional `causal`: the same as Options().causal(causal).
+  [[deprecated("use Options().causal(causal)")]] SparseC2FAttention(Index embed_dim, Index num_heads, Index chunk_size,
+                                                                   Index top_k, bool causal, Options options = Options())
       : SparseC2FAttention(embed_dim, num_heads, chunk_size, top_k, options.causal(causal)) {}
 
   Index head_dim() const { return mha_.head_dim(); }
@@ -93,10 +93,7 @@ class SparseC2FAttention : public detail::DecodingModule<SparseC2FAttention<Scal
   bool causal() const { return options_.causal(); }
   /// PerChunk or PerToken (Auto resolved at construction).
   Gating gating() const { return gating_; }
-  void set_top_k(Index top_k) {
-    if (top_k < 1) detail::fail("SparseC2FAttention: top_k must be >= 1, got ", top_k);
-    top_k_ = top_k;
-  }
+  void set_top_k(Index top_k) { top_k_ = detail::checked_positive("SparseC2FAttention", "top_k", top_k); }
   void set_num_threads(int n) { this->set_num_threads_of(options_, n); }
   /// The same weights as a full MultiHeadAttention (not causal: give it a causal mask to compare with
   /// a causal layer).
@@ -112,56 +109,90 @@ class SparseC2FAttention : public detail::DecodingModule<SparseC2FAttention<Scal
   /// as `Cache`: Scalar, Eigen::half or Eigen::bfloat16) and the mean key of every complete chunk, so a
   /// step scores the complete chunks without re-reading their keys.
   template <class Cache = Scalar>
-  class DecodeStateOf : public DecodeStateBase<Cache> {
+  class DecodeStateOf : public detail::DecodeStateBase<Cache> {
    public:
     std::size_t memory_bytes() const { return this->cache_.memory_bytes() + means_.memory_bytes(); }
 
    private:
     friend class SparseC2FAttention;
     DecodeStateOf(Index batch, Index embed_dim, Index chunk)
-        : DecodeStateBase<Cache>(batch, embed_dim), means_(batch, embed_dim, chunk, /*values=*/false) {}
-    ChunkSummaries<Scalar> means_;
+        : detail::DecodeStateBase<Cache>(batch, embed_dim), means_(batch, embed_dim, chunk, /*values=*/false) {}
+    detail::ChunkSummaries<Scalar> means_;
   };
   using DecodeState = DecodeStateOf<Scalar>;
 
-  /// x [B, L, E] → [B, L, E]. Masks: attn_mask [L, L] or [n, L, L] (n = 1, B or B·H), key_padding_mask
-  /// [B, L].
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    return forward_with_selection(x, masks).output;
+  /// x [B, L, E] → [B, L, E].
+  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const { return mha_.output_shape(x); }
+  /// out [B·L, E] (overwritten).
+  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
+    run(x, out, masks);
   }
 
   /// Also returns the selected key chunks of every (batch, head, query chunk) — of every (batch, head,
   /// token) with per-token gating.
   SparseAttnOutput<Scalar> forward_with_selection(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    detail::check_mask_fields(masks, "SparseC2FAttention", true, true, false);
+    SparseAttnOutput<Scalar> result;
+    result.output = detail::fresh_output<Scalar>(output_shape(x), [&](Eigen::Ref<RowMatrix<Scalar>> out) {
+      result.selection = run(x, out, masks);
+    });
+    return result;
+  }
+
+  /// Bytes of temporary memory one forward_into() holds at its peak: the projected q, k, v and the
+  /// heads' output ([B·L, E] each), the selection (Index per (batch, head, query row) × top_k), and the
+  /// scratch of the gating (chunk means, score blocks) and of the fine stage (gathered keys and values,
+  /// or per-token accumulators) — every worker's.
+  std::size_t workspace_bytes(Index batch, Index seq) const {
+    const kernels::ChunkGrid grid{batch, seq, chunk_};
+    const std::size_t s = sizeof(Scalar), ix = sizeof(Index), e = static_cast<std::size_t>(embed_dim());
+    const std::size_t h = static_cast<std::size_t>(num_heads()), dh = e / h, k = static_cast<std::size_t>(chunk_);
+    const std::size_t tokens = static_cast<std::size_t>(batch * seq), chunks = static_cast<std::size_t>(grid.chunks());
+    const std::size_t len = static_cast<std::size_t>(seq), m = static_cast<std::size_t>(grid.chunks_per_batch());
+    const std::size_t top_k = static_cast<std::size_t>(top_k_), picks = std::min(top_k, std::max<std::size_t>(m, 1));
+    const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), batch * seq));
+    const std::size_t top_picks = workers * picks * (s + ix);
+    std::size_t selection, gating, fine;
+    if (gating_ == Gating::PerToken) {
+      const std::size_t g = std::min<std::size_t>(static_cast<std::size_t>(kernels::kTokenGroupRows), std::max<std::size_t>(len, 1));
+      selection = ix * tokens * h * top_k;
+      gating = s * (chunks * e + workers * k * m) + top_picks;
+      fine = s * workers * (len * dh + 2 * g * dh + g * k + 2 * len + g) + ix * workers * (2 * m + 1 + len * picks);
+    } else {
+      selection = ix * chunks * h * top_k;
+      gating = s * (2 * chunks * e + workers * m * m) + top_picks;
+      fine = s * workers * (2 * picks * k * dh + k * picks * k);
+    }
+    return s * 4 * tokens * e + selection + gating + fine;
+  }
+
+ private:
+  kernels::ChunkSelection run(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out,
+                              const Masks<Scalar>& masks) const {
+    detail::check_call("SparseC2FAttention", masks, mask_fields, output_shape(x), out);
     RowMatrix<Scalar> q, k, v;
-    mha_.project(x, x, x, q, k, v);  // validates x
+    mha_.project(x, x, x, q, k, v);
     const Index batch = x.batch(), length = x.seq(), e = embed_dim(), heads = num_heads();
-    const int threads = options_.num_threads();
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
     const bool causal = options_.causal();
     const MaskView<Scalar> mask(masks, batch, heads, length, length);
     const Scalar scale = kernels::default_scale<Scalar>(head_dim());
     const kernels::ChunkGrid grid{batch, length, chunk_};
-    SparseAttnOutput<Scalar> result;
+    kernels::ChunkSelection selection;
     RowMatrix<Scalar> attn(batch * length, e);
     detail::prefer_huge_pages(attn);
     if (gating_ == Gating::PerToken) {
       RowMatrix<Scalar> k_means(grid.chunks(), e);
       kernels::chunk_mean<Scalar>(k, grid, k_means, threads);
-      result.selection = kernels::select_chunks_per_token<Scalar>(q, k_means, grid, heads, top_k_, causal, threads);
-      kernels::token_sparse_attention<Scalar>(q, k, v, grid, heads, result.selection, causal, mask, scale, attn, threads);
+      selection = kernels::select_chunks_per_token<Scalar>(q, k_means, grid, heads, top_k_, causal, threads);
+      kernels::token_sparse_attention<Scalar>(q, k, v, grid, heads, selection, attn, causal, mask, scale, threads);
     } else {
-      result.selection = kernels::select_chunks<Scalar>(q, k, grid, heads, top_k_, threads);
-      kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, result.selection, mask, scale, attn, threads);
+      selection = kernels::select_chunks<Scalar>(q, k, grid, heads, top_k_, threads);
+      kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, selection, attn, mask, scale, threads);
     }
-    result.output = Tensor3<Scalar>(batch, length, e);
-    detail::prefer_huge_pages(result.output);
-    Eigen::Map<RowMatrix<Scalar>> out(result.output.data(), batch * length, e);
     mha_.out_proj().forward_rows(attn, out);
-    return result;
+    return selection;
   }
 
- private:
   friend class detail::Decoder<SparseC2FAttention, Scalar>;
   template <class Cache>
   DecodeStateOf<Cache> make_decode_state(Index batch) const {
@@ -172,7 +203,7 @@ class SparseC2FAttention : public detail::DecodingModule<SparseC2FAttention<Scal
   Tensor3<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
     detail::check_decode("SparseC2FAttention", options_.causal(), x, state.batch(), embed_dim());
     const Index batch = x.batch(), n = x.seq(), e = embed_dim(), heads = num_heads();
-    const int threads = options_.num_threads();
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
     RowMatrix<Scalar> q, k, v;
     mha_.project_last(x, outputs, q, k, v);
     state.cache_.append(Eigen::Ref<const RowMatrix<Scalar>>(k), Eigen::Ref<const RowMatrix<Scalar>>(v), n);
@@ -186,13 +217,11 @@ class SparseC2FAttention : public detail::DecodingModule<SparseC2FAttention<Scal
       const kernels::ChunkSelection selection = kernels::select_chunks_per_token<Scalar>(
           qb, state.means_.keys(b), grid, heads, top_k_, /*causal=*/true, threads);
       kernels::token_sparse_attention<Scalar, Cache>(qb, state.cache_.keys(b, 0, total), state.cache_.values(b, 0, total),
-                                                     grid, heads, selection, /*causal=*/true, MaskView<Scalar>(), scale,
-                                                     attn.middleRows(b * outputs, outputs), threads);
+                                                     grid, heads, selection, attn.middleRows(b * outputs, outputs),
+                                                     /*causal=*/true, MaskView<Scalar>(), scale, threads);
     }
-    Tensor3<Scalar> y(batch, outputs, e);
-    Eigen::Map<RowMatrix<Scalar>> out(y.data(), batch * outputs, e);
-    mha_.out_proj().forward_rows(attn, out);
-    return y;
+    return detail::fresh_output<Scalar>({batch, outputs, e},
+                                        [&](Eigen::Ref<RowMatrix<Scalar>> out) { mha_.out_proj().forward_rows(attn, out); });
   }
 
   Index chunk_;

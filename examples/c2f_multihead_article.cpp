@@ -1,12 +1,12 @@
-// Seed 000's C2FMultiHeadAttention is full multi-head attention whose packed projection is called
+// The c2f multi-head attention article's C2FMultiHeadAttention is full multi-head attention whose packed projection is called
 // `qkv_proj` (a Linear d → 3d, chunked q, k, v) next to `out_proj`: the same parameters and math as
-// torch.nn.MultiheadAttention (and as seed 004's CoarseAttention). c2f::MultiHeadAttention loads those
+// torch.nn.MultiheadAttention (and as the coarse-to-fine article's CoarseAttention). c2f::MultiHeadAttention loads those
 // names directly.
 //
-//   seed000_multihead [file.safetensors [prefix]]
+//   c2f_multihead_article [file.safetensors [prefix]]
 //
-// Without arguments it loads a fixture written by PyTorch whose module (seed 004's CoarseAttention)
-// has exactly seed 000's parameter names under the prefix "coarse.".
+// Without arguments it loads a fixture written by PyTorch whose module (the coarse-to-fine article's CoarseAttention)
+// has exactly the c2f multi-head article's parameter names under the prefix "coarse.".
 #include "example_support.hpp"
 
 #include <c2f/c2f.hpp>
@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
 
     const c2f::Tensor3<float> x = example::tensor3(sd, "x");
     const c2f::Tensor3<float> y = mha.forward(x);
-    std::printf("MultiHeadAttention(%ld, %ld) with seed 000 names: y[0, 0, :4] = %+.6f %+.6f %+.6f %+.6f\n",
+    std::printf("MultiHeadAttention(%ld, %ld) with the multi-head article's names: y[0, 0, :4] = %+.6f %+.6f %+.6f %+.6f\n",
                 static_cast<long>(mha.embed_dim()), static_cast<long>(mha.num_heads()), y(0, 0, 0), y(0, 0, 1),
                 y(0, 0, 2), y(0, 0, 3));
     return example::compare_with_pytorch(sd, y);

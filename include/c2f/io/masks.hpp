@@ -1,0 +1,75 @@
+// c2f io — masks from state-dict tensors, such as a mask PyTorch saved with safetensors, beside the
+// loaders: the mask types themselves (c2f/mask.hpp) know nothing of tensors. Core target (c2f::c2f).
+//
+//   const c2f::StateDict sd = c2f::load_safetensors("masks.safetensors");
+//   const auto attn = c2f::attn_mask_from_tensor<float>(c2f::MaskKind::Ignore, sd.at("attn_mask"));
+#pragma once
+
+#include "c2f/mask.hpp"
+#include "c2f/state_dict.hpp"
+
+#include <cstdint>
+#include <vector>
+
+namespace c2f {
+namespace detail {
+
+/// The elements of a BOOL/U8 tensor as bools (non-zero = true), in an Eigen tensor of `dims`.
+template <int Rank>
+Eigen::Tensor<bool, Rank, Eigen::RowMajor> bool_tensor(const TensorData& t, const std::array<Index, Rank>& dims) {
+  if (t.dtype() != DType::BOOL && t.dtype() != DType::U8) {
+    fail("a boolean mask needs a BOOL or U8 tensor, got ", dtype_name(t.dtype()));
+  }
+  Eigen::Tensor<bool, Rank, Eigen::RowMajor> m(dims);
+  const std::vector<std::uint8_t>& bytes = t.bytes();
+  for (std::size_t i = 0; i < bytes.size(); ++i) m.data()[i] = bytes[i] != 0;
+  return m;
+}
+
+/// The elements of a floating-point tensor as Scalar, in an Eigen tensor of `dims`.
+template <class Scalar, int Rank>
+Eigen::Tensor<Scalar, Rank, Eigen::RowMajor> value_tensor(const TensorData& t, const std::array<Index, Rank>& dims) {
+  Eigen::Tensor<Scalar, Rank, Eigen::RowMajor> m(dims);
+  t.copy_to(m.data());
+  return m;
+}
+
+}  // namespace detail
+
+/// An attention mask from a tensor: `kind` Keep or Ignore reads a BOOL/U8 tensor, Additive a
+/// floating-point one. Shape [queries, keys], or [..., queries, keys] with the leading dimensions
+/// flattened into n (so PyTorch's [B, H, L, S] becomes [B·H, L, S] and the coarse-to-fine module's fine
+/// mask [B, m, k, k] becomes [B·m, k, k]).
+template <class Scalar>
+AttnMask<Scalar> attn_mask_from_tensor(MaskKind kind, const TensorData& t) {
+  const std::vector<std::int64_t>& s = t.shape();
+  if (s.size() < 2) {
+    detail::fail("an attention mask is [queries, keys] or [..., queries, keys], got ", detail::shape_string(s));
+  }
+  Index n = 1;
+  for (std::size_t i = 0; i + 2 < s.size(); ++i) n *= s[i];
+  const std::array<Index, 3> dims{n, s[s.size() - 2], s[s.size() - 1]};
+  switch (kind) {
+    case MaskKind::Keep: return AttnMask<Scalar>::keep(detail::bool_tensor<3>(t, dims));
+    case MaskKind::Ignore: return AttnMask<Scalar>::ignore(detail::bool_tensor<3>(t, dims));
+    case MaskKind::Additive: return AttnMask<Scalar>::additive(detail::value_tensor<Scalar, 3>(t, dims));
+    default: detail::fail("attn_mask_from_tensor takes MaskKind Keep, Ignore or Additive");
+  }
+}
+
+/// A key padding mask from a tensor [batch, keys]: Keep/Ignore read BOOL/U8, Additive floating point.
+template <class Scalar>
+KeyPaddingMask<Scalar> key_padding_mask_from_tensor(MaskKind kind, const TensorData& t) {
+  if (t.shape().size() != 2) {
+    detail::fail("a key padding mask is [batch, keys], got ", detail::shape_string(t.shape()));
+  }
+  const std::array<Index, 2> dims{t.shape()[0], t.shape()[1]};
+  switch (kind) {
+    case MaskKind::Keep: return KeyPaddingMask<Scalar>::keep(detail::bool_tensor<2>(t, dims));
+    case MaskKind::Ignore: return KeyPaddingMask<Scalar>::ignore(detail::bool_tensor<2>(t, dims));
+    case MaskKind::Additive: return KeyPaddingMask<Scalar>::additive(detail::value_tensor<Scalar, 2>(t, dims));
+    default: detail::fail("key_padding_mask_from_tensor takes MaskKind Keep, Ignore or Additive");
+  }
+}
+
+}  // namespace c2f

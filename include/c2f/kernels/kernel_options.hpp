@@ -1,0 +1,36 @@
+// c2f kernels — KernelOptions: the one options argument every public kernel takes last.
+//
+// The calling convention of the kernels (c2f/kernels/*.hpp): the operands and the problem's shape (a
+// chunk grid, the head count, a selection) and the outputs, then the mask or the causal flag, then the
+// softmax scale, then `const KernelOptions&` last. A kernel overwrites its output, unless its name ends
+// in `_add`: then it adds to it.
+#pragma once
+
+#include "c2f/core.hpp"
+#include "c2f/detail/arg.hpp"
+
+namespace c2f {
+namespace kernels {
+
+/// Blocking and threads of the kernels. Each kernel reads the fields it uses; the block sizes are
+/// fixed by the caller, never by the thread count, so the output bits do not depend on it.
+class KernelOptions {
+  /// Worker threads; 0 = c2f::get_num_threads(), else a cap on it.
+  C2F_ARG(int, num_threads) = 0;
+  /// Query rows per task (streaming attention).
+  C2F_ARG(Index, query_block) = 64;
+  /// Keys per online-softmax step (streaming and split-key attention).
+  C2F_ARG(Index, key_block) = 256;
+  /// Keys per task of the split-key attention.
+  C2F_ARG(Index, key_part) = 1024;
+};
+
+/// KernelOptions with only the thread count set (the kernels that have no blocking).
+inline KernelOptions with_threads(int num_threads) {
+  KernelOptions o;
+  o.num_threads(num_threads);
+  return o;
+}
+
+}  // namespace kernels
+}  // namespace c2f

@@ -1,0 +1,2 @@
+// The layer the violating kernel includes.
+#pragma once

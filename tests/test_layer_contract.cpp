@@ -1,0 +1,635 @@
+// The layer contract (docs/layers.md, "The layer contract"), tested once for every layer. Each layer is
+// one entry — one C2F_LAYER line — in the list below; every property of the contract is a typed test
+// over that list:
+//   output bits independent of the thread count (1, 2, 3), with and without the masks it takes;
+//   forward_into = forward, writing exactly its rows of the caller's buffer; output_shape = forward's;
+//   workspace_bytes bounds the heap memory of forward_into (measured);
+//   state_dict round trip, and strict loading that names the key (missing, unexpected, shape, dtype);
+//   empty batch, empty sequence and length 1;
+//   mask fields the layer does not take are refused, naming the layer and the field;
+//   concurrent callers on one shared module get a single caller's bits;
+//   decode = the causal forward for the causal layers (decode refused by the non-causal ones).
+// Layers that each break one property (the Broken list at the end) show that each test can fail: the
+// ctests contract.catches_* run them and pass only when the matching test fails.
+#include "support/eigen_assert_throws.hpp"
+
+#include "c2f/c2f.hpp"
+#include "support/compare.hpp"
+#include "support/random.hpp"
+#include "tools/malloc_counter.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using c2f::Index;
+using c2f::MaskFields;
+using c2f::Masks;
+using c2f::RowMatrix;
+using c2f::StateDict;
+using c2f::Tensor3;
+using c2f_test::error_of;
+using c2f_test::same_bits;
+using c2f_test::TestRng;
+
+constexpr Index kWidth = 8;                // input features of every entry
+constexpr Index kBatch = 2, kLength = 35;  // partial chunks and windows; a 5 × 7 grid of partial 2-D blocks
+
+// ------------------------------------------------------------------------------------------------
+// How the tests call a layer. The default is the contract's [batch, seq, features] form; the two
+// layers whose input is more than one tensor (FineAttention: tokens + coarse context; C2FAttention2D:
+// a grid) adapt it.
+
+template <class L, class S>
+struct Calls {
+  static std::array<Index, 3> output_shape(const L& l, const Tensor3<S>& x) { return l.output_shape(x); }
+  static Tensor3<S> forward(const L& l, const Tensor3<S>& x, const Masks<S>& m) { return l.forward(x, m); }
+  static void forward_into(const L& l, const Tensor3<S>& x, Eigen::Ref<RowMatrix<S>> out, const Masks<S>& m) {
+    l.forward_into(x, out, m);
+  }
+  static std::size_t workspace_bytes(const L& l, Index batch, Index seq) { return l.workspace_bytes(batch, seq); }
+};
+
+// FineAttention on chunks of 4 tokens; the coarse context is the chunk means of x (any [B, m, d] would do).
+template <class S>
+struct Calls<c2f::FineAttention<S>, S> {
+  using L = c2f::FineAttention<S>;
+  static constexpr Index kChunk = 4;
+  static Tensor3<S> context(const Tensor3<S>& x) {
+    const c2f::kernels::ChunkGrid grid{x.dimension(0), x.dimension(1), kChunk};
+    Tensor3<S> c(x.dimension(0), grid.chunks_per_batch(), x.dimension(2));
+    c2f::kernels::chunk_mean<S>(c2f::ConstTensor3Ref<S>(x).rows(), grid,
+                                Eigen::Map<RowMatrix<S>>(c.data(), grid.chunks(), x.dimension(2)),
+                                c2f::kernels::with_threads(1));
+    return c;
+  }
+  static std::array<Index, 3> output_shape(const L& l, const Tensor3<S>& x) {
+    return {x.dimension(0), x.dimension(1), l.embed_dim()};
+  }
+  static Tensor3<S> forward(const L& l, const Tensor3<S>& x, const Masks<S>& m) {
+    return l.forward_chunked(x, kChunk, context(x), m);
+  }
+  static void forward_into(const L& l, const Tensor3<S>& x, Eigen::Ref<RowMatrix<S>> out, const Masks<S>& m) {
+    l.forward_chunked_into(x, kChunk, context(x), out, m);
+  }
+  static std::size_t workspace_bytes(const L& l, Index batch, Index seq) {
+    const Index chunks = batch * ((seq + kChunk - 1) / kChunk);
+    return l.workspace_bytes(batch, seq, kChunk) + sizeof(S) * static_cast<std::size_t>(chunks * l.embed_dim());
+  }
+};
+
+// C2FAttention2D on the height × width grid with height the largest divisor of L up to sqrt(L).
+template <class S>
+struct Calls<c2f::C2FAttention2D<S>, S> {
+  using L = c2f::C2FAttention2D<S>;
+  static std::pair<Index, Index> grid(Index seq) {
+    Index h = 1;
+    for (Index d = 1; d * d <= seq; ++d) {
+      if (seq % d == 0) h = d;
+    }
+    return {h, seq == 0 ? 0 : seq / h};
+  }
+  static std::array<Index, 3> output_shape(const L& l, const Tensor3<S>& x) {
+    const auto [h, w] = grid(x.dimension(1));
+    return l.output_shape(x, h, w);
+  }
+  static Tensor3<S> forward(const L& l, const Tensor3<S>& x, const Masks<S>& m) {
+    const auto [h, w] = grid(x.dimension(1));
+    return l.forward(x, h, w, m);
+  }
+  static void forward_into(const L& l, const Tensor3<S>& x, Eigen::Ref<RowMatrix<S>> out, const Masks<S>& m) {
+    const auto [h, w] = grid(x.dimension(1));
+    l.forward_into(x, h, w, out, m);
+  }
+  static std::size_t workspace_bytes(const L& l, Index batch, Index seq) {
+    const auto [h, w] = grid(seq);
+    return l.workspace_bytes(batch, h, w);
+  }
+};
+
+/// "c2f::HMHA<float>" → "HMHA": the name a layer's messages use.
+std::string layer_name(std::string type) {
+  const std::size_t colons = type.rfind("::", type.find('<'));
+  if (colons != std::string::npos) type = type.substr(colons + 2);
+  return type.substr(0, type.find('<'));
+}
+
+/// The Scalar of a layer template instance (float for the broken layers below, which are not templates).
+template <class T>
+struct ScalarOf {
+  using type = float;
+};
+template <template <class> class L, class S>
+struct ScalarOf<L<S>> {
+  using type = S;
+};
+
+/// One entry of the list: the layer type and how to build it from options (seed, threads) — the
+/// sizes are the entry's. Everything else comes from the contract. `Named` is the class the layer's
+/// messages name.
+#define C2F_LAYER_NAMED(Entry, Type, Named, ...)                                   \
+  struct Entry : Calls<Type, ScalarOf<Type>::type> {                               \
+    using Layer = Type;                                                            \
+    using Scalar = ScalarOf<Type>::type;                                           \
+    using Options = Layer::Options;                                                \
+    static constexpr const char* name = #Entry;                                    \
+    static std::string class_name() { return layer_name(#Named); }                 \
+    static Layer make(Options o) { return Layer(__VA_ARGS__); }                    \
+  }
+#define C2F_LAYER(Entry, Type, ...) C2F_LAYER_NAMED(Entry, Type, Type, __VA_ARGS__)
+
+// clang-format off
+C2F_LAYER(Linear, c2f::Linear<float>, kWidth, 5, o);
+C2F_LAYER(Conv1d, c2f::Conv1d<float>, kWidth, 6, 3, o.groups(2));
+C2F_LAYER(CausalConv1d, c2f::Conv1d<float>, kWidth, 6, 3, o.causal(true));
+C2F_LAYER(C3K2Projection, c2f::C3K2Projection<float>, kWidth, 2, o);
+C2F_LAYER(MultiHeadAttention, c2f::MultiHeadAttention<float>, kWidth, 2, o);
+C2F_LAYER(MultiHeadAttentionF64, c2f::MultiHeadAttention<double>, kWidth, 4, o.query_block(5).key_block(7));
+C2F_LAYER(CausalMultiHeadAttention, c2f::MultiHeadAttention<float>, kWidth, 2, o.causal(true).key_block(16));
+C2F_LAYER(CoarseAttention, c2f::CoarseAttention<float>, kWidth, 2, o);
+C2F_LAYER(FineAttention, c2f::FineAttention<float>, kWidth, 2, o);
+C2F_LAYER(C2FAttention, c2f::C2FAttention<float>, kWidth, 2, 4, o);
+C2F_LAYER(C2FAttentionGeneralPath, c2f::C2FAttention<double>, kWidth, 2, 6, o.fine_path(c2f::FinePath::General));
+C2F_LAYER(C2FAttention2D, c2f::C2FAttention2D<float>, kWidth, 2, 2, 3, o);
+C2F_LAYER(HMHA, c2f::HMHA<float>, kWidth, 2, 4, o);
+C2F_LAYER(CausalHMHA, c2f::HMHA<double>, kWidth, 2, 6, o.causal(true));
+C2F_LAYER(SparseC2FAttention, c2f::SparseC2FAttention<float>, kWidth, 2, 4, 3, o);
+C2F_LAYER(CausalSparseC2FAttention, c2f::SparseC2FAttention<float>, kWidth, 2, 4, 16, o.causal(true));
+// clang-format on
+
+// ------------------------------------------------------------------------------------------------
+// Helpers
+
+template <class T, class = void>
+struct HasDecode : std::false_type {};
+template <class T>
+struct HasDecode<T, std::void_t<decltype(std::declval<const T&>().new_decode_state(1))>> : std::true_type {};
+
+template <class S>
+bool all_nan(const Eigen::Ref<const RowMatrix<S>>& m) {
+  return m.array().isNaN().all();
+}
+
+/// Every field of c2f::Masks set to a mask of valid shape for any self-attention-like layer whose
+/// attention problems are square: causal attention masks (inside chunks for fine_attn_mask) and key
+/// padding by lengths (batch item b keeps L − 1 − b keys, down to none).
+template <class S>
+Masks<S> every_mask(Index batch, Index seq, MaskFields fields) {
+  Masks<S> m;
+  if (c2f::takes(fields, MaskFields::AttnMask)) m.attn_mask(c2f::AttnMask<S>::causal());
+  if (c2f::takes(fields, MaskFields::KeyPaddingMask)) {
+    std::vector<Index> lengths;
+    for (Index b = 0; b < batch; ++b) lengths.push_back(std::max<Index>(0, seq - 1 - b));
+    m.key_padding_mask(c2f::KeyPaddingMask<S>::lengths(lengths));
+  }
+  if (c2f::takes(fields, MaskFields::FineAttnMask)) m.fine_attn_mask(c2f::AttnMask<S>::causal());
+  return m;
+}
+
+template <class E>
+class LayerContract : public ::testing::Test {
+ protected:
+  using LayerType = typename E::Layer;
+  using ScalarType = typename E::Scalar;
+  using OptionsType = typename E::Options;
+
+  void SetUp() override {
+    saved_work_ = c2f::get_min_parallel_work();
+    c2f::set_num_threads(4);          // so that a layer's cap of 3 threads really gives 3
+    c2f::set_min_parallel_work(0);    // every loop with several tasks runs on several threads
+  }
+  void TearDown() override {
+    c2f::set_num_threads(0);
+    c2f::set_min_parallel_work(saved_work_);
+  }
+
+  /// A layer with random parameters (biases too), drawn from `seed`.
+  static LayerType random_layer(std::uint64_t seed, int threads = 0) {
+    LayerType layer = E::make(OptionsType().seed(seed).num_threads(threads));
+    TestRng rng(seed);
+    c2f_test::randomize(layer, rng);
+    return layer;
+  }
+  static Tensor3<ScalarType> input(TestRng& rng, Index batch, Index seq) { return rng.tensor<ScalarType>(batch, seq, kWidth); }
+  /// No masks, and every mask the layer takes.
+  static std::vector<Masks<ScalarType>> mask_sets(Index batch, Index seq) {
+    std::vector<Masks<ScalarType>> sets{Masks<ScalarType>()};
+    if (LayerType::mask_fields != MaskFields::None) sets.push_back(every_mask<ScalarType>(batch, seq, LayerType::mask_fields));
+    return sets;
+  }
+  static std::string what(const char* property, std::size_t mask_set) {
+    return std::string(E::name) + ": " + property + (mask_set ? " (with masks)" : "");
+  }
+
+ private:
+  double saved_work_ = 0;
+};
+
+TYPED_TEST_SUITE_P(LayerContract);
+
+// ------------------------------------------------------------------------------------------------
+// The contract
+
+TYPED_TEST_P(LayerContract, OutputBitsDoNotDependOnThreadCount) {
+  using S = typename TestFixture::ScalarType;
+  TestRng rng(1001);
+  typename TestFixture::LayerType layer = TestFixture::random_layer(11);
+  const Tensor3<S> x = TestFixture::input(rng, kBatch, kLength);
+  const std::vector<Masks<S>> sets = TestFixture::mask_sets(kBatch, kLength);
+  for (std::size_t m = 0; m < sets.size(); ++m) {
+    layer.set_num_threads(1);
+    const Tensor3<S> one = TypeParam::forward(layer, x, sets[m]);
+    for (int threads : {2, 3}) {
+      layer.set_num_threads(threads);
+      EXPECT_TRUE(same_bits(TypeParam::forward(layer, x, sets[m]), one))
+          << TestFixture::what("the output bits differ between 1 and ", m) << threads << " threads";
+    }
+  }
+}
+
+TYPED_TEST_P(LayerContract, ForwardIntoWritesExactlyTheForwardOutput) {
+  using S = typename TestFixture::ScalarType;
+  TestRng rng(1002);
+  const typename TestFixture::LayerType layer = TestFixture::random_layer(12);
+  const Tensor3<S> x = TestFixture::input(rng, kBatch, kLength);
+  const std::vector<Masks<S>> sets = TestFixture::mask_sets(kBatch, kLength);
+  for (std::size_t m = 0; m < sets.size(); ++m) {
+    const Tensor3<S> want = TypeParam::forward(layer, x, sets[m]);
+    const std::array<Index, 3> dims = TypeParam::output_shape(layer, x);
+    ASSERT_EQ(want.dimensions(), (Eigen::array<Index, 3>{dims[0], dims[1], dims[2]})) << TestFixture::what("output_shape", m);
+    // The caller's rows are a block of a wider buffer (outer stride ≠ width); the rest stays NaN.
+    RowMatrix<S> wide = RowMatrix<S>::Constant(dims[0] * dims[1], dims[2] + 3, std::numeric_limits<S>::quiet_NaN());
+    TypeParam::forward_into(layer, x, wide.leftCols(dims[2]), sets[m]);
+    const RowMatrix<S> got = wide.leftCols(dims[2]);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), sizeof(S) * static_cast<std::size_t>(want.size())), 0)
+        << TestFixture::what("forward_into differs from forward", m);
+    EXPECT_TRUE(all_nan<S>(wide.rightCols(3))) << TestFixture::what("forward_into wrote outside its rows", m);
+  }
+  RowMatrix<S> wrong(kBatch * kLength + 1, 4);
+  EXPECT_NE(error_of([&] { TypeParam::forward_into(layer, x, wrong, {}); }).find("out must be"), std::string::npos)
+      << TypeParam::name << ": a wrongly shaped out is refused";
+}
+
+// workspace_bytes is an upper bound of what forward_into holds on the heap at its peak (output excluded:
+// it is the caller's), and not a loose one.
+TYPED_TEST_P(LayerContract, WorkspaceBytesBoundTheMeasuredPeak) {
+  if (!c2f_memory::available()) GTEST_SKIP() << "malloc counting is unavailable under sanitizers";
+  using S = typename TestFixture::ScalarType;
+  TestRng rng(1003);
+  typename TestFixture::LayerType layer = TestFixture::random_layer(13);
+  for (const auto& [batch, seq] : std::vector<std::pair<Index, Index>>{{kBatch, kLength}, {1, 200}}) {
+    const Tensor3<S> x = TestFixture::input(rng, batch, seq);
+    const std::array<Index, 3> dims = TypeParam::output_shape(layer, x);
+    RowMatrix<S> out(dims[0] * dims[1], dims[2]);
+    for (int threads : {1, 2}) {
+      layer.set_num_threads(threads);
+      const long long bound = static_cast<long long>(TypeParam::workspace_bytes(layer, batch, seq));
+      TypeParam::forward_into(layer, x, out, {});  // the pool's threads and queues are created on first use
+      c2f_memory::reset();
+      TypeParam::forward_into(layer, x, out, {});
+      c2f_memory::stop();
+      const long long peak = c2f_memory::peak_bytes();
+      // Slack for what no formula counts: the pool's per-loop state and malloc's rounding.
+      EXPECT_LE(peak, bound + 16 * 1024) << TypeParam::name << ": B=" << batch << " L=" << seq << " threads=" << threads;
+      EXPECT_LE(bound, 2 * peak + 16 * 1024) << TypeParam::name << ": B=" << batch << " L=" << seq << " threads=" << threads;
+    }
+  }
+}
+
+TYPED_TEST_P(LayerContract, StateDictRoundTrip) {
+  using S = typename TestFixture::ScalarType;
+  TestRng rng(1004);
+  const typename TestFixture::LayerType a = TestFixture::random_layer(14);
+  typename TestFixture::LayerType b = TypeParam::make(typename TestFixture::OptionsType().seed(99));
+  const StateDict sd = a.state_dict();
+  ASSERT_FALSE(sd.empty());
+  b.load_state_dict(sd);
+  const StateDict back = b.state_dict();
+  ASSERT_EQ(back.keys(), sd.keys()) << TypeParam::name;
+  for (const auto& [key, t] : sd) {
+    EXPECT_EQ(back.at(key).dtype(), c2f::dtype_of<S>()) << TypeParam::name << " " << key;
+    EXPECT_EQ(back.at(key).shape(), t.shape()) << TypeParam::name << " " << key;
+    EXPECT_EQ(back.at(key).bytes(), t.bytes()) << TypeParam::name << " " << key;
+  }
+  const Tensor3<S> x = TestFixture::input(rng, kBatch, kLength);
+  EXPECT_TRUE(same_bits(TypeParam::forward(b, x, {}), TypeParam::forward(a, x, {}))) << TypeParam::name;
+  // Under a prefix, "m" and "m." alike.
+  typename TestFixture::LayerType c = TypeParam::make(typename TestFixture::OptionsType().seed(98));
+  c.load_state_dict(a.state_dict("m"), "m.");
+  EXPECT_TRUE(same_bits(TypeParam::forward(c, x, {}), TypeParam::forward(a, x, {}))) << TypeParam::name;
+}
+
+TYPED_TEST_P(LayerContract, StrictLoadingNamesTheKey) {
+  typename TestFixture::LayerType layer = TestFixture::random_layer(15);
+  const StateDict good = layer.state_dict();
+  const std::string key = good.keys().back();
+  const c2f::TensorData& t = good.at(key);
+  const auto load = [&](const StateDict& sd) { return error_of([&] { layer.load_state_dict(sd); }); };
+
+  StateDict missing;
+  for (const auto& [k, v] : good) {
+    if (k != key) missing.set(k, v);
+  }
+  const std::string e_missing = load(missing);
+  EXPECT_NE(e_missing.find("missing key '" + key + "'"), std::string::npos) << TypeParam::name << ": " << e_missing;
+
+  StateDict extra = good;
+  extra.set("unexpected.weight", t);
+  const std::string e_extra = load(extra);
+  EXPECT_NE(e_extra.find("unexpected key 'unexpected.weight'"), std::string::npos) << TypeParam::name << ": " << e_extra;
+
+  StateDict misshapen = good;
+  std::vector<std::int64_t> shape = t.shape();
+  shape.push_back(1);
+  misshapen.set(key, c2f::TensorData(t.dtype(), shape, t.bytes()));
+  const std::string e_shape = load(misshapen);
+  EXPECT_NE(e_shape.find("'" + key + "' has shape"), std::string::npos) << TypeParam::name << ": " << e_shape;
+
+  StateDict integer = good;
+  integer.set(key, c2f::TensorData(c2f::DType::I32, t.shape(), std::vector<std::uint8_t>(4 * t.numel())));
+  const std::string e_dtype = load(integer);
+  EXPECT_NE(e_dtype.find("'" + key + "'"), std::string::npos) << TypeParam::name << ": " << e_dtype;
+  EXPECT_NE(e_dtype.find("I32"), std::string::npos) << TypeParam::name << ": " << e_dtype;
+
+  // Keys outside the prefix are not the layer's business; without a prefix every key is.
+  StateDict nested = layer.state_dict("inner.");
+  nested.set("other.weight", t);
+  EXPECT_NO_THROW(layer.load_state_dict(nested, "inner.")) << TypeParam::name;
+  EXPECT_NE(load(nested), "<no std::invalid_argument thrown>") << TypeParam::name;
+}
+
+TYPED_TEST_P(LayerContract, EmptyBatchEmptySequenceAndLengthOne) {
+  using S = typename TestFixture::ScalarType;
+  TestRng rng(1006);
+  const typename TestFixture::LayerType layer = TestFixture::random_layer(16);
+  for (const auto& [batch, seq] : std::vector<std::pair<Index, Index>>{{0, kLength}, {kBatch, 0}, {0, 0}, {3, 1}}) {
+    const Tensor3<S> x = TestFixture::input(rng, batch, seq);
+    const std::array<Index, 3> dims = TypeParam::output_shape(layer, x);
+    const Tensor3<S> y = TypeParam::forward(layer, x, {});
+    EXPECT_EQ(y.dimensions(), (Eigen::array<Index, 3>{dims[0], dims[1], dims[2]})) << TypeParam::name;
+    EXPECT_EQ(dims[0], batch) << TypeParam::name;
+    EXPECT_TRUE((Eigen::Map<const Eigen::Array<S, Eigen::Dynamic, 1>>(y.data(), y.size()).allFinite()))
+        << TypeParam::name << ": B=" << batch << " L=" << seq;
+  }
+}
+
+// A wrong feature size is an error naming the expected width and the given shape.
+TYPED_TEST_P(LayerContract, WrongFeaturesNameBothShapes) {
+  using S = typename TestFixture::ScalarType;
+  TestRng rng(1010);
+  const typename TestFixture::LayerType layer = TestFixture::random_layer(20);
+  const Tensor3<S> x = rng.tensor<S>(2, 5, kWidth - 2);
+  const std::string msg = error_of([&] { TypeParam::forward(layer, x, {}); });
+  EXPECT_NE(msg.find("[2, 5, 6]"), std::string::npos) << TypeParam::name << ": " << msg;
+  EXPECT_NE(msg.find("=8]"), std::string::npos) << TypeParam::name << ": " << msg;
+}
+
+// A NaN in an input that takes part reaches the output (it is not mistaken for a masked position).
+TYPED_TEST_P(LayerContract, NanInAnInputReachesTheOutput) {
+  using S = typename TestFixture::ScalarType;
+  TestRng rng(1011);
+  const typename TestFixture::LayerType layer = TestFixture::random_layer(21);
+  Tensor3<S> x = TestFixture::input(rng, kBatch, kLength);
+  x(1, 6, 3) = std::numeric_limits<S>::quiet_NaN();
+  const Tensor3<S> y = TypeParam::forward(layer, x, {});
+  EXPECT_TRUE((Eigen::Map<const Eigen::Array<S, Eigen::Dynamic, 1>>(y.data(), y.size()).isNaN().any())) << TypeParam::name;
+}
+
+TYPED_TEST_P(LayerContract, RefusesMaskFieldsItDoesNotTake) {
+  using S = typename TestFixture::ScalarType;
+  using Layer = typename TestFixture::LayerType;
+  TestRng rng(1007);
+  const Layer layer = TestFixture::random_layer(17);
+  const Tensor3<S> x = TestFixture::input(rng, kBatch, kLength);
+  const std::pair<MaskFields, const char*> fields[] = {{MaskFields::AttnMask, "attn_mask"},
+                                                       {MaskFields::KeyPaddingMask, "key_padding_mask"},
+                                                       {MaskFields::FineAttnMask, "fine_attn_mask"}};
+  for (const auto& [field, field_name] : fields) {
+    const Masks<S> masks = every_mask<S>(kBatch, kLength, field);
+    if (c2f::takes(Layer::mask_fields, field)) {
+      EXPECT_NO_THROW(TypeParam::forward(layer, x, masks)) << TypeParam::name << " takes " << field_name;
+      continue;
+    }
+    const std::string want = TypeParam::class_name() + " takes no " + field_name;
+    EXPECT_NE(error_of([&] { TypeParam::forward(layer, x, masks); }).find(want), std::string::npos)
+        << TypeParam::name << ": forward must refuse " << field_name;
+    const std::array<Index, 3> dims = TypeParam::output_shape(layer, x);
+    RowMatrix<S> out(dims[0] * dims[1], dims[2]);
+    EXPECT_NE(error_of([&] { TypeParam::forward_into(layer, x, out, masks); }).find(want), std::string::npos)
+        << TypeParam::name << ": forward_into must refuse " << field_name;
+  }
+}
+
+// Several threads calling forward() on one shared const module at once get exactly the bits of a
+// single-threaded call, also when callers × threads per call exceed the CPUs. Each caller has its own
+// input, so a result leaking from one call into another shows.
+TYPED_TEST_P(LayerContract, ConcurrentCallersShareOneModule) {
+  using S = typename TestFixture::ScalarType;
+  TestRng rng(1008);
+  typename TestFixture::LayerType layer = TestFixture::random_layer(18, 1);
+  const int callers = c2f::detail::available_cpus() + 2;
+  std::vector<Tensor3<S>> inputs, expected;
+  const std::vector<Masks<S>> sets = TestFixture::mask_sets(kBatch, kLength);
+  for (int k = 0; k < callers; ++k) {
+    inputs.push_back(TestFixture::input(rng, kBatch, kLength));
+    expected.push_back(TypeParam::forward(layer, inputs.back(), sets[static_cast<std::size_t>(k) % sets.size()]));
+  }
+  for (int threads : {2, 0}) {
+    layer.set_num_threads(threads);
+    const typename TestFixture::LayerType& shared = layer;
+    std::vector<int> wrong(static_cast<std::size_t>(callers), 0);
+    std::vector<std::thread> pool;
+    for (int k = 0; k < callers; ++k) {
+      pool.emplace_back([&, k] {
+        const std::size_t i = static_cast<std::size_t>(k);
+        for (int call = 0; call < 3; ++call) {
+          if (!same_bits(TypeParam::forward(shared, inputs[i], sets[i % sets.size()]), expected[i])) ++wrong[i];
+        }
+      });
+    }
+    for (std::thread& t : pool) t.join();
+    int total = 0;
+    for (int w : wrong) total += w;
+    EXPECT_EQ(total, 0) << TypeParam::name << ": " << callers << " callers, " << threads << " threads per call";
+  }
+}
+
+/// The causal layers decode: the tokens fed in pieces give the causal forward's rows; prefill gives the
+/// last row. The non-causal ones refuse to decode. Layers without decoding skip.
+TYPED_TEST_P(LayerContract, DecodeEqualsTheCausalForward) {
+  using Layer = typename TestFixture::LayerType;
+  using S = typename TestFixture::ScalarType;
+  if constexpr (!HasDecode<Layer>::value) {
+    GTEST_SKIP() << TypeParam::name << " does not decode";
+  } else {
+    TestRng rng(1009);
+    const Layer layer = TestFixture::random_layer(19);
+    const Tensor3<S> x = TestFixture::input(rng, kBatch, kLength);
+    auto state = layer.new_decode_state(kBatch);
+    if (!layer.causal()) {
+      EXPECT_NE(error_of([&] { layer.decode(x, state); }).find("needs a causal layer"), std::string::npos) << TypeParam::name;
+      return;
+    }
+    const Tensor3<S> want = TypeParam::forward(layer, x, {});
+    const double tol = std::is_same<S, float>::value ? 1e-5 : 1e-12;
+    Index done = 0;
+    for (Index piece : {Index(1), Index(5), kLength - 6}) {
+      const Eigen::array<Index, 3> at{0, done, 0}, size{kBatch, piece, kWidth};
+      const Tensor3<S> part = x.slice(at, size), want_part = want.slice(at, size);
+      const Tensor3<S> got = layer.decode(part, state);
+      c2f_test::expect_close(got.data(), want_part.data(), got.size(), tol, tol, std::string(TypeParam::name) + " decode");
+      done += piece;
+    }
+    auto fresh = layer.new_decode_state(kBatch);
+    const Tensor3<S> last = layer.prefill(x, fresh);
+    const Tensor3<S> want_last = want.slice(Eigen::array<Index, 3>{0, kLength - 1, 0}, Eigen::array<Index, 3>{kBatch, 1, kWidth});
+    c2f_test::expect_close(last.data(), want_last.data(), last.size(), tol, tol, std::string(TypeParam::name) + " prefill");
+  }
+}
+
+REGISTER_TYPED_TEST_SUITE_P(LayerContract, OutputBitsDoNotDependOnThreadCount, ForwardIntoWritesExactlyTheForwardOutput,
+                            WorkspaceBytesBoundTheMeasuredPeak, StateDictRoundTrip, StrictLoadingNamesTheKey,
+                            EmptyBatchEmptySequenceAndLengthOne, WrongFeaturesNameBothShapes,
+                            NanInAnInputReachesTheOutput, RefusesMaskFieldsItDoesNotTake,
+                            ConcurrentCallersShareOneModule, DecodeEqualsTheCausalForward);
+
+struct EntryNames {
+  template <class E>
+  static std::string GetName(int) {
+    return E::name;
+  }
+};
+
+using Layers = ::testing::Types<Linear, Conv1d, CausalConv1d, C3K2Projection, MultiHeadAttention, MultiHeadAttentionF64,
+                                CausalMultiHeadAttention, CoarseAttention, FineAttention, C2FAttention,
+                                C2FAttentionGeneralPath, C2FAttention2D, HMHA, CausalHMHA, SparseC2FAttention,
+                                CausalSparseC2FAttention>;
+INSTANTIATE_TYPED_TEST_SUITE_P(Layers, LayerContract, Layers, EntryNames);
+
+// Different modules and thread counts at the same time, with the default small-work threshold.
+TEST(SharedModule, MixedModulesAtOnce) {
+  TestRng rng(903);
+  c2f::MultiHeadAttention<float> mha(32, 4);
+  c2f::C2FAttention<float> attn(32, 4, 8);
+  c2f_test::randomize(mha, rng);
+  c2f_test::randomize(attn, rng);
+  const Tensor3<float> x = rng.tensor<float>(2, 97, 32);
+  mha.set_num_threads(1);
+  attn.set_num_threads(1);
+  const Tensor3<float> mha_ref = mha.forward(x), c2f_ref = attn.forward(x);
+  mha.set_num_threads(0);
+  attn.set_num_threads(2);
+  std::vector<int> wrong(4, 0);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 4; ++k) {
+    threads.emplace_back([&, k] {
+      for (int call = 0; call < 3; ++call) {
+        const bool is_mha = k % 2 == 0;
+        const Tensor3<float> y = is_mha ? mha.forward(x) : attn.forward(x);
+        if (!same_bits(y, is_mha ? mha_ref : c2f_ref)) ++wrong[static_cast<std::size_t>(k)];
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int k = 0; k < 4; ++k) EXPECT_EQ(wrong[static_cast<std::size_t>(k)], 0) << "caller " << k;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Broken layers: each breaks one property of the contract, so the matching test must fail on it (the
+// ctests contract.catches_* check that it does). They are MultiHeadAttention with one thing changed.
+
+using Mha = c2f::MultiHeadAttention<float>;
+using Out = Eigen::Ref<RowMatrix<float>>;
+
+/// Adds 1e-6 × its thread count to every output.
+struct ThreadDependentLayer : Mha {
+  using Mha::Mha;
+  void forward_into(c2f::ConstTensor3Ref<float> x, Out out, const Masks<float>& m = {}) const {
+    Mha::forward_into(x, out, m);
+    out.array() += 1e-6f * static_cast<float>(c2f::detail::resolve_threads(options().num_threads(), 1 << 20));
+  }
+  Tensor3<float> forward(c2f::ConstTensor3Ref<float> x, const Masks<float>& m = {}) const {
+    return c2f::detail::fresh_output<float>(output_shape(x), [&](Out out) { forward_into(x, out, m); });
+  }
+};
+
+/// forward_into leaves the last row alone.
+struct IntoSkipsARowLayer : Mha {
+  using Mha::Mha;
+  void forward_into(c2f::ConstTensor3Ref<float> x, Out out, const Masks<float>& m = {}) const {
+    const RowMatrix<float> last = out.bottomRows(1);
+    Mha::forward_into(x, out, m);
+    out.bottomRows(1) = last;
+  }
+};
+
+/// state_dict() saves out_proj.bias as zeros.
+struct LossyStateDictLayer : Mha {
+  using Mha::Mha;
+  StateDict state_dict(std::string_view prefix = "") const {
+    StateDict sd = Mha::state_dict(prefix);
+    const std::string key = c2f::detail::normalize_prefix(prefix) + "out_proj.bias";
+    const std::vector<float> zeros(static_cast<std::size_t>(embed_dim()), 0.0f);
+    sd.set(key, c2f::TensorData::from_values(zeros.data(), {embed_dim()}));
+    return sd;
+  }
+};
+
+/// Says it takes no masks but ignores them instead of refusing them.
+struct IgnoresMasksLayer : Mha {
+  using Mha::Mha;
+  static constexpr MaskFields mask_fields = MaskFields::None;
+  Tensor3<float> forward(c2f::ConstTensor3Ref<float> x, const Masks<float>& = {}) const { return Mha::forward(x); }
+  void forward_into(c2f::ConstTensor3Ref<float> x, Out out, const Masks<float>& = {}) const { Mha::forward_into(x, out); }
+};
+
+/// Keeps its output in a member buffer between the computation and the copy out: concurrent callers
+/// overwrite each other's (the buffer never reallocates, so this stays memory-safe).
+struct SharedScratchLayer : Mha {
+  using Mha::Mha;
+  Tensor3<float> forward(c2f::ConstTensor3Ref<float> x, const Masks<float>& m = {}) const {
+    Tensor3<float> y = Mha::forward(x, m);
+    std::copy(y.data(), y.data() + y.size(), scratch_.begin());
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::copy(scratch_.begin(), scratch_.begin() + y.size(), y.data());
+    return y;
+  }
+  mutable std::vector<float> scratch_ = std::vector<float>(std::size_t(1) << 16);
+};
+
+/// A causal layer whose decode() drifts by 1e-3.
+struct DriftingDecodeLayer : Mha {
+  using Mha::Mha;
+  template <class State>
+  Tensor3<float> decode(c2f::ConstTensor3Ref<float> x, State& state) const {
+    Tensor3<float> y = Mha::decode(x, state);
+    y = y + y.constant(1e-3f);
+    return y;
+  }
+};
+
+// clang-format off
+C2F_LAYER_NAMED(ThreadDependent, ThreadDependentLayer, MultiHeadAttention, kWidth, 2, o);
+C2F_LAYER_NAMED(IntoSkipsARow, IntoSkipsARowLayer, MultiHeadAttention, kWidth, 2, o);
+C2F_LAYER_NAMED(LossyStateDict, LossyStateDictLayer, MultiHeadAttention, kWidth, 2, o);
+C2F_LAYER_NAMED(IgnoresMasks, IgnoresMasksLayer, MultiHeadAttention, kWidth, 2, o);
+C2F_LAYER_NAMED(SharedScratch, SharedScratchLayer, MultiHeadAttention, kWidth, 2, o);
+C2F_LAYER_NAMED(DriftingDecode, DriftingDecodeLayer, MultiHeadAttention, kWidth, 2, o.causal(true));
+// clang-format on
+
+using Broken = ::testing::Types<ThreadDependent, IntoSkipsARow, LossyStateDict, IgnoresMasks, SharedScratch, DriftingDecode>;
+INSTANTIATE_TYPED_TEST_SUITE_P(Broken, LayerContract, Broken, EntryNames);
+
+}  // namespace
