@@ -105,18 +105,7 @@ void check_fixture(const nlohmann::json& c) {
 }
 
 // One gtest entry per fixture file: Fixtures/C2FFixture.MatchesPyTorchModules/<case>_<f32|f64>.
-class C2FFixture : public ::testing::TestWithParam<c2f_test::FixtureParam> {};
-TEST_P(C2FFixture, MatchesPyTorchModules) {
-  const c2f_test::FixtureParam& p = GetParam();
-  SCOPED_TRACE(p.trace());
-  if (p.is_f32()) {
-    check_fixture<float>(p.meta);
-  } else {
-    check_fixture<double>(p.meta);
-  }
-}
-INSTANTIATE_TEST_SUITE_P(Fixtures, C2FFixture, ::testing::ValuesIn(c2f_test::fixture_params("c2f")),
-                         c2f_test::fixture_param_name);
+C2F_FIXTURE_TEST(C2FFixture, MatchesPyTorchModules, "c2f", check_fixture);
 
 // The required (L, chunk) pairs are all in the fixture set.
 TEST(C2FFixtureCoverage, CoversTheRequiredShapes) {

@@ -98,31 +98,9 @@ void check_hmha_case(const nlohmann::json& c) {
 }
 
 // One gtest entry per fixture file: Fixtures/<Family>Fixture.<test>/<case>_<f32|f64>.
-class ConvFixture : public ::testing::TestWithParam<c2f_test::FixtureParam> {};
-TEST_P(ConvFixture, Conv1dAndC3K2MatchTorch) {
-  const c2f_test::FixtureParam& p = GetParam();
-  SCOPED_TRACE(p.trace());
-  if (p.is_f32()) {
-    check_conv_case<float>(p.meta);
-  } else {
-    check_conv_case<double>(p.meta);
-  }
-}
-INSTANTIATE_TEST_SUITE_P(Fixtures, ConvFixture, ::testing::ValuesIn(c2f_test::fixture_params("conv1d")),
-                         c2f_test::fixture_param_name);
+C2F_FIXTURE_TEST(ConvFixture, Conv1dAndC3K2MatchTorch, "conv1d", check_conv_case);
 
-class HmhaFixture : public ::testing::TestWithParam<c2f_test::FixtureParam> {};
-TEST_P(HmhaFixture, MatchesDenseTorchFormulation) {
-  const c2f_test::FixtureParam& p = GetParam();
-  SCOPED_TRACE(p.trace());
-  if (p.is_f32()) {
-    check_hmha_case<float>(p.meta);
-  } else {
-    check_hmha_case<double>(p.meta);
-  }
-}
-INSTANTIATE_TEST_SUITE_P(Fixtures, HmhaFixture, ::testing::ValuesIn(c2f_test::fixture_params("hmha")),
-                         c2f_test::fixture_param_name);
+C2F_FIXTURE_TEST(HmhaFixture, MatchesDenseTorchFormulation, "hmha", check_hmha_case);
 
 TEST(HmhaFixtureCoverage, CoversTheRequiredGrid) {
   ASSERT_GE(c2f_test::manifest_cases("conv1d").size(), 10u);

@@ -119,13 +119,6 @@ struct Calls<c2f::C2FAttention2D<S>, S> {
   }
 };
 
-/// "c2f::HMHA<float>" → "HMHA": the name a layer's messages use.
-std::string layer_name(std::string type) {
-  const std::size_t colons = type.rfind("::", type.find('<'));
-  if (colons != std::string::npos) type = type.substr(colons + 2);
-  return type.substr(0, type.find('<'));
-}
-
 /// The Scalar of a layer template instance (float for the broken layers below, which are not templates).
 template <class T>
 struct ScalarOf {
@@ -137,18 +130,15 @@ struct ScalarOf<L<S>> {
 };
 
 /// One entry of the list: the layer type and how to build it from options (seed, threads) — the
-/// sizes are the entry's. Everything else comes from the contract. `Named` is the class the layer's
-/// messages name.
-#define C2F_LAYER_NAMED(Entry, Type, Named, ...)                                   \
+/// sizes are the entry's. Everything else comes from the contract.
+#define C2F_LAYER(Entry, Type, ...)                                                \
   struct Entry : Calls<Type, ScalarOf<Type>::type> {                               \
     using Layer = Type;                                                            \
     using Scalar = ScalarOf<Type>::type;                                           \
     using Options = Layer::Options;                                                \
     static constexpr const char* name = #Entry;                                    \
-    static std::string class_name() { return layer_name(#Named); }                 \
     static Layer make(Options o) { return Layer(__VA_ARGS__); }                    \
   }
-#define C2F_LAYER(Entry, Type, ...) C2F_LAYER_NAMED(Entry, Type, Type, __VA_ARGS__)
 
 // clang-format off
 C2F_LAYER(Linear, c2f::Linear<float>, kWidth, 5, o);
@@ -422,7 +412,7 @@ TYPED_TEST_P(LayerContract, RefusesMaskFieldsItDoesNotTake) {
       EXPECT_NO_THROW(TypeParam::forward(layer, x, masks)) << TypeParam::name << " takes " << field_name;
       continue;
     }
-    const std::string want = TypeParam::class_name() + " takes no " + field_name;
+    const std::string want = std::string(Layer::type_name) + " takes no " + field_name;
     EXPECT_NE(error_of([&] { TypeParam::forward(layer, x, masks); }).find(want), std::string::npos)
         << TypeParam::name << ": forward must refuse " << field_name;
     const std::array<Index, 3> dims = TypeParam::output_shape(layer, x);
@@ -621,12 +611,12 @@ struct DriftingDecodeLayer : Mha {
 };
 
 // clang-format off
-C2F_LAYER_NAMED(ThreadDependent, ThreadDependentLayer, MultiHeadAttention, kWidth, 2, o);
-C2F_LAYER_NAMED(IntoSkipsARow, IntoSkipsARowLayer, MultiHeadAttention, kWidth, 2, o);
-C2F_LAYER_NAMED(LossyStateDict, LossyStateDictLayer, MultiHeadAttention, kWidth, 2, o);
-C2F_LAYER_NAMED(IgnoresMasks, IgnoresMasksLayer, MultiHeadAttention, kWidth, 2, o);
-C2F_LAYER_NAMED(SharedScratch, SharedScratchLayer, MultiHeadAttention, kWidth, 2, o);
-C2F_LAYER_NAMED(DriftingDecode, DriftingDecodeLayer, MultiHeadAttention, kWidth, 2, o.causal(true));
+C2F_LAYER(ThreadDependent, ThreadDependentLayer, kWidth, 2, o);
+C2F_LAYER(IntoSkipsARow, IntoSkipsARowLayer, kWidth, 2, o);
+C2F_LAYER(LossyStateDict, LossyStateDictLayer, kWidth, 2, o);
+C2F_LAYER(IgnoresMasks, IgnoresMasksLayer, kWidth, 2, o);
+C2F_LAYER(SharedScratch, SharedScratchLayer, kWidth, 2, o);
+C2F_LAYER(DriftingDecode, DriftingDecodeLayer, kWidth, 2, o.causal(true));
 // clang-format on
 
 using Broken = ::testing::Types<ThreadDependent, IntoSkipsARow, LossyStateDict, IgnoresMasks, SharedScratch, DriftingDecode>;

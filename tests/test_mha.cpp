@@ -165,18 +165,7 @@ void check_case(const nlohmann::json& c) {
 }
 
 // One gtest entry per fixture file: Fixtures/MhaFixture.MatchesTorchMultiheadAttention/<case>_<f32|f64>.
-class MhaFixture : public ::testing::TestWithParam<c2f_test::FixtureParam> {};
-TEST_P(MhaFixture, MatchesTorchMultiheadAttention) {
-  const c2f_test::FixtureParam& p = GetParam();
-  SCOPED_TRACE(p.trace());
-  if (p.is_f32()) {
-    check_case<float>(p.meta);
-  } else {
-    check_case<double>(p.meta);
-  }
-}
-INSTANTIATE_TEST_SUITE_P(Fixtures, MhaFixture, ::testing::ValuesIn(c2f_test::fixture_params("mha")),
-                         c2f_test::fixture_param_name);
+C2F_FIXTURE_TEST(MhaFixture, MatchesTorchMultiheadAttention, "mha", check_case);
 
 // The fixture set covers the required cases; a test so that a trimmed generator cannot pass silently.
 TEST(MhaFixtureCoverage, CoversTheRequiredCases) {

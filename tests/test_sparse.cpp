@@ -72,18 +72,7 @@ void check_case(const nlohmann::json& c) {
 }
 
 // One gtest entry per fixture file: Fixtures/SparseFixture.MatchesTorchSelectionSemantics/<case>_<f32|f64>.
-class SparseFixture : public ::testing::TestWithParam<c2f_test::FixtureParam> {};
-TEST_P(SparseFixture, MatchesTorchSelectionSemantics) {
-  const c2f_test::FixtureParam& p = GetParam();
-  SCOPED_TRACE(p.trace());
-  if (p.is_f32()) {
-    check_case<float>(p.meta);
-  } else {
-    check_case<double>(p.meta);
-  }
-}
-INSTANTIATE_TEST_SUITE_P(Fixtures, SparseFixture, ::testing::ValuesIn(c2f_test::fixture_params("sparse")),
-                         c2f_test::fixture_param_name);
+C2F_FIXTURE_TEST(SparseFixture, MatchesTorchSelectionSemantics, "sparse", check_case);
 
 // Per-chunk gating (non-causal), per-token gating non-causal and causal, each over
 // top_k ∈ {1, 2, 4} × chunk ∈ {8, 16} × L ∈ {37, 128}; and top_k covering everything for each.

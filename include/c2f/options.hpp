@@ -33,6 +33,21 @@ class RuntimeOptions {
   C2F_SHARED_ARG(std::uint64_t, seed) = 0;
 };
 
+/// The `bias` option of the layers with learned biases (Linear, Conv1d, MultiHeadAttention,
+/// SparseC2FAttention): with false, no bias tensor exists.
+template <class Derived>
+class BiasOption {
+  C2F_SHARED_ARG(bool, bias) = true;
+};
+
+/// The `causal` option (MultiHeadAttention, SparseC2FAttention, HMHA, Conv1d, C3K2Projection): every
+/// output depends only on the inputs up to its own position; each layer's comment says how. Fixed at
+/// construction.
+template <class Derived>
+class CausalOption {
+  C2F_SHARED_ARG(bool, causal) = false;
+};
+
 /// Options of the dense softmax-attention kernel, on every layer built on MultiHeadAttention.
 template <class Derived>
 class AttnKernelOptions {

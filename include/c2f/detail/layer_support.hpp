@@ -80,6 +80,12 @@ To inner_options(const From& from, std::uint64_t seed_offset = 0) {
   return to;
 }
 
+/// The contract's static members of a layer: its name (the one its messages use) and the fields of
+/// c2f::Masks it takes.
+#define C2F_LAYER_TRAITS(name, fields)          \
+  static constexpr const char* type_name = name; \
+  static constexpr ::c2f::MaskFields mask_fields = fields
+
 /// Rows of the caller's output: [batch·seq, features], row-major.
 template <class Scalar>
 using OutRows = Eigen::Ref<RowMatrix<Scalar>>;
@@ -97,8 +103,8 @@ void check_out(const char* layer, const OutRows<Scalar>& out, const std::array<I
 /// The entry checks of a forward_into: only the mask fields the layer takes (`fields`), the output's
 /// shape (`dims`, from output_shape(x), which validated x) and out's. Returns dims.
 template <class Scalar>
-const std::array<Index, 3>& check_call(const char* layer, const Masks<Scalar>& masks, MaskFields fields,
-                                       const std::array<Index, 3>& dims, const OutRows<Scalar>& out) {
+std::array<Index, 3> check_call(const char* layer, const Masks<Scalar>& masks, MaskFields fields,
+                                const std::array<Index, 3>& dims, const OutRows<Scalar>& out) {
   check_mask_fields(masks, layer, fields);
   check_out(layer, out, dims);
   return dims;
@@ -113,22 +119,61 @@ Tensor3<Scalar> fresh_output(const std::array<Index, 3>& dims, Fill&& fill) {
   return y;
 }
 
-/// The contract's CRTP base of a layer on [batch, seq, features] input: state dicts (Module) and
-/// forward(x, masks) = forward_into(x, fresh buffer, masks). Derived provides
-///   std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>&) const   (validates x)
+/// output_shape() of a layer that keeps the sequence: checks x's features and returns [batch, seq, width].
+template <class Scalar>
+std::array<Index, 3> same_length_shape(const ConstTensor3Ref<Scalar>& x, Index in_features, Index out_features,
+                                       const char* layer, const char* width_name = "embed_dim") {
+  check_features(x, in_features, layer, "x", width_name);
+  return {x.batch(), x.seq(), out_features};
+}
+
+/// The contract's CRTP base of a layer on [batch, seq, features] input: state dicts (Module),
+/// forward(x, masks) = forward_into(x, fresh buffer, masks), and — for a layer that maps [B, L,
+/// embed_dim] to [B, L, embed_dim] — output_shape(x). Derived provides
+///   static constexpr const char* type_name;  static constexpr MaskFields mask_fields;
 ///   void forward_into(ConstTensor3Ref<Scalar>, OutRows<Scalar>, const Masks<Scalar>&) const
-/// A layer with more forward overloads brings this one in with `using LayerBase<…>::forward;`.
+/// and embed_dim(), or its own output_shape(x) (which validates x). A layer with more forward overloads
+/// brings this one in with `using LayerBase<…>::forward;`.
 template <class Derived, class Scalar>
 class LayerBase : public Module<Derived> {
  public:
   /// x [batch, seq, features] → a fresh output of output_shape(x); see Derived::forward_into.
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    const Derived& self = static_cast<const Derived&>(*this);
+    const Derived& self = derived();
     return fresh_output<Scalar>(self.output_shape(x), [&](OutRows<Scalar> out) { self.forward_into(x, out, masks); });
+  }
+  /// x [B, L, embed_dim] → [B, L, embed_dim].
+  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
+    return same_length_shape(x, derived().embed_dim(), derived().embed_dim(), Derived::type_name);
   }
 
  protected:
   LayerBase() = default;
+  /// The entry checks of forward_into — the mask fields the layer takes, x, out — in the layer's name;
+  /// returns output_shape(x).
+  std::array<Index, 3> check_call(const ConstTensor3Ref<Scalar>& x, const OutRows<Scalar>& out,
+                                  const Masks<Scalar>& masks) const {
+    return detail::check_call(Derived::type_name, masks, Derived::mask_fields, derived().output_shape(x), out);
+  }
+
+ private:
+  const Derived& derived() const { return static_cast<const Derived&>(*this); }
+};
+
+/// A layer that works row block by row block (Linear, Conv1d, C3K2Projection): forward_into is
+/// Derived::forward_rows(x rows, batch, seq, out), straight into out — no temporary memory.
+template <class Derived, class Scalar>
+class RowLayerBase : public LayerBase<Derived, Scalar> {
+ public:
+  /// out [B·L_out, features] (overwritten).
+  void forward_into(ConstTensor3Ref<Scalar> x, OutRows<Scalar> out, const Masks<Scalar>& masks = {}) const {
+    this->check_call(x, out, masks);
+    static_cast<const Derived&>(*this).forward_rows(x.rows(), x.batch(), x.seq(), out);
+  }
+  std::size_t workspace_bytes(Index /*batch*/, Index /*seq*/) const { return 0; }
+
+ protected:
+  RowLayerBase() = default;
 };
 
 /// A causal-capable layer: LayerBase and the decoding interface (Decoder).
@@ -138,13 +183,6 @@ class DecodingLayerBase : public LayerBase<Derived, Scalar>, public Decoder<Deri
   DecodingLayerBase() = default;
 };
 
-/// output_shape() of a layer that keeps the sequence: checks x's features and returns [batch, seq, width].
-template <class Scalar>
-std::array<Index, 3> same_length_shape(const ConstTensor3Ref<Scalar>& x, Index in_features, Index out_features,
-                                       const char* layer, const char* width_name = "embed_dim") {
-  check_features(x, in_features, layer, "x", width_name);
-  return {x.batch(), x.seq(), out_features};
-}
 
 }  // namespace detail
 }  // namespace c2f

@@ -64,7 +64,7 @@ class CoarseAttention : public detail::LayerBase<CoarseAttention<Scalar>, Scalar
   };
 
   /// attn_mask [m, m] or [n, m, m] (n = 1, B or B·H), key_padding_mask [B, m].
-  static constexpr MaskFields mask_fields = MaskFields::AttnMask | MaskFields::KeyPaddingMask;
+  C2F_LAYER_TRAITS("CoarseAttention", MaskFields::AttnMask | MaskFields::KeyPaddingMask);
 
   CoarseAttention(Index embed_dim, Index num_heads, Options options = Options())
       : options_(options),
@@ -94,11 +94,9 @@ class CoarseAttention : public detail::LayerBase<CoarseAttention<Scalar>, Scalar
   }
   void save(StateDict& sd, const std::string& name) const { mha_.save(sd, name, /*qkv_proj_names=*/true); }
 
-  /// x [B, m, d] → [B, m, d].
-  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const { return mha_.output_shape(x); }
-  /// out [B·m, d] (overwritten).
+  /// x [B, m, d] → out [B·m, d] (overwritten).
   void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    detail::check_mask_fields(masks, "CoarseAttention", mask_fields);
+    this->check_call(x, out, masks);
     mha_.forward_into(x, out, masks);
   }
   std::size_t workspace_bytes(Index batch, Index seq) const { return mha_.workspace_bytes(batch, seq); }
@@ -127,7 +125,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   };
 
   /// attn_mask [k, k] or [n, k, k] (n = 1, B·m or B·m·H) over the padded chunk grid.
-  static constexpr MaskFields mask_fields = MaskFields::AttnMask;
+  C2F_LAYER_TRAITS("FineAttention", MaskFields::AttnMask);
 
   FineAttention(Index embed_dim, Index num_heads, Options options = Options())
       : shape_(detail::checked_heads("FineAttention", embed_dim, num_heads)),
@@ -386,7 +384,7 @@ class C2FAttention : public detail::LayerBase<C2FAttention<Scalar>, Scalar> {
 
   /// attn_mask: the coarse stage's ([m, m] or [n, m, m], n = 1, B or B·H); fine_attn_mask: the fine
   /// stage's ([k, k] or [n, k, k], n = 1, B·m or B·m·H, over the padded grid).
-  static constexpr MaskFields mask_fields = MaskFields::AttnMask | MaskFields::FineAttnMask;
+  C2F_LAYER_TRAITS("C2FAttention", MaskFields::AttnMask | MaskFields::FineAttnMask);
 
   C2FAttention(Index embed_dim, Index num_heads, Index chunk_size, Options options = Options())
       : chunk_(detail::checked_positive("C2FAttention", "chunk_size", chunk_size)),
@@ -416,14 +414,11 @@ class C2FAttention : public detail::LayerBase<C2FAttention<Scalar>, Scalar> {
     fn("fine_attn.", self.fine_);
   }
 
-  /// x [B, L, d] → [B, L, d]; any L ≥ 0 (see the file comment for partial chunks).
-  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
-    return detail::same_length_shape(x, embed_dim(), embed_dim(), "C2FAttention");
-  }
-  /// out [B·L, d] (overwritten), e.g. a buffer reused across calls, which saves the first-touch cost of a
-  /// fresh output (the operating system maps and zeroes every page of it).
+  /// x [B, L, d] → out [B·L, d] (overwritten); any L ≥ 0 (see the file comment for partial chunks). A
+  /// buffer reused across calls saves the first-touch cost of a fresh output (the operating system maps
+  /// and zeroes every page of it).
   void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    detail::check_call("C2FAttention", masks, mask_fields, output_shape(x), out);
+    this->check_call(x, out, masks);
     const Tensor3<Scalar> summaries = coarse_input(x);
     const Tensor3<Scalar> context = coarse_.forward(summaries, Masks<Scalar>().attn_mask(masks.attn_mask()));
     fine_.forward_chunked_into(x, chunk_, context, out, Masks<Scalar>().attn_mask(masks.fine_attn_mask()));

@@ -60,8 +60,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     C2F_ARG(bool, relative_position_bias) = true;
   };
 
-  /// C2FAttention2D takes no masks (a non-empty c2f::Masks throws).
-  static constexpr MaskFields mask_fields = MaskFields::None;
+  C2F_LAYER_TRAITS("C2FAttention2D", MaskFields::None);  // takes no masks
 
   C2FAttention2D(Index embed_dim, Index num_heads, Index block_h, Index block_w, Options options = Options())
       : block_h_(detail::checked_positive("C2FAttention2D", "block_h", block_h)),
@@ -142,7 +141,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   void forward_into(ConstTensor3Ref<Scalar> x, Index height, Index width, Eigen::Ref<RowMatrix<Scalar>> out,
                     const Masks<Scalar>& masks = {}) const {
     const kernels::BlockGrid2D grid = checked_grid(x, height, width);
-    detail::check_call("C2FAttention2D", masks, mask_fields, {x.batch(), x.seq(), embed_dim()}, out);
+    detail::check_call(type_name, masks, mask_fields, {x.batch(), x.seq(), embed_dim()}, out);
     run(x, grid, out);
   }
 

@@ -17,20 +17,17 @@ namespace c2f {
 /// [batch, length, channels] (c2f's layout; PyTorch's Conv1d takes [batch, channels, length]).
 /// State dict: `weight` [out, in/groups, kernel_size], `bias` [out].
 template <class Scalar>
-class Conv1d : public detail::LayerBase<Conv1d<Scalar>, Scalar> {
+class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
  public:
   /// seed: init like PyTorch, weight and bias U(±1/sqrt(in/groups · kernel_size)).
-  class Options : public RuntimeOptions<Options> {
+  /// causal: pad kernel_size − 1 zeros on the left only (output i reads x[i − kernel_size + 1 … i]);
+  /// padding must be 0. PyTorch: conv(F.pad(x, (kernel_size − 1, 0))) on a Conv1d with padding 0.
+  class Options : public RuntimeOptions<Options>, public BiasOption<Options>, public CausalOption<Options> {
     C2F_ARG(Index, padding) = 0;
     C2F_ARG(Index, groups) = 1;
-    C2F_ARG(bool, bias) = true;
-    /// Pad kernel_size − 1 zeros on the left only (output i reads x[i − kernel_size + 1 … i]); padding
-    /// must be 0. PyTorch: conv(F.pad(x, (kernel_size − 1, 0))) on a Conv1d with padding 0.
-    C2F_ARG(bool, causal) = false;
   };
 
-  /// Conv1d takes no masks (a non-empty c2f::Masks throws).
-  static constexpr MaskFields mask_fields = MaskFields::None;
+  C2F_LAYER_TRAITS("Conv1d", MaskFields::None);  // takes no masks
 
   Conv1d(Index in_channels, Index out_channels, Index kernel_size, Options options = Options())
       : shape_(kernels::Conv1dShape{in_channels, out_channels, kernel_size, options.padding(), options.groups(),
@@ -80,15 +77,7 @@ class Conv1d : public detail::LayerBase<Conv1d<Scalar>, Scalar> {
     detail::check_features(x, shape_.in_channels, "Conv1d", "x", "in_channels");
     return {x.batch(), out_length(x.seq()), shape_.out_channels};
   }
-  /// out [B·L_out, out] (overwritten).
-  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    detail::check_call("Conv1d", masks, mask_fields, output_shape(x), out);
-    forward_rows(x.rows(), x.batch(), x.seq(), out);
-  }
-  /// forward_into writes straight into out: no temporary memory.
-  std::size_t workspace_bytes(Index /*batch*/, Index /*seq*/) const { return 0; }
-
-  /// The same on rows: x [B·L, in] → y [B·L_out, out] (y may be a column block of a wider matrix).
+  /// The same on rows (forward_into(x, out, masks) is this on x's rows): x [B·L, in] → y [B·L_out, out] (y may be a column block of a wider matrix).
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
                     Eigen::Ref<RowMatrix<Scalar>> y) const {
     if (out_length(length) == 0) return;  // nothing to write (an input shorter than the kernel)
@@ -114,16 +103,13 @@ class Conv1d : public detail::LayerBase<Conv1d<Scalar>, Scalar> {
 /// Parameters: 3·E·(E/2) + E·(E − E/2) + E ≈ 2·E² — about twice a Linear(E, E) (E² + E), not the
 /// "40 % fewer" the article claims (E = 512: 524,800 vs 262,656).
 template <class Scalar>
-class C3K2Projection : public detail::LayerBase<C3K2Projection<Scalar>, Scalar> {
+class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scalar> {
  public:
-  /// seed: PyTorch's Conv1d init for both convolutions.
-  class Options : public RuntimeOptions<Options> {
-    /// conv3 reads x[i−2 … i] instead of x[i−1 … i+1].
-    C2F_ARG(bool, causal) = false;
-  };
+  /// seed: PyTorch's Conv1d init for both convolutions; causal: conv3 reads x[i−2 … i] instead of
+  /// x[i−1 … i+1].
+  class Options : public RuntimeOptions<Options>, public CausalOption<Options> {};
 
-  /// C3K2Projection takes no masks (a non-empty c2f::Masks throws).
-  static constexpr MaskFields mask_fields = MaskFields::None;
+  C2F_LAYER_TRAITS("C3K2Projection", MaskFields::None);  // takes no masks
 
   C3K2Projection(Index embed_dim, Index num_heads, Options options = Options())
       : shape_(detail::checked_heads("C3K2Projection", embed_dim, num_heads, /*min_embed=*/2)),
@@ -147,19 +133,7 @@ class C3K2Projection : public detail::LayerBase<C3K2Projection<Scalar>, Scalar> 
     fn("conv2.", self.conv2_);
   }
 
-  /// x [B, L, E] → [B, L, E].
-  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
-    return detail::same_length_shape(x, embed_dim(), embed_dim(), "C3K2Projection");
-  }
-  /// out [B·L, E] (overwritten).
-  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    detail::check_call("C3K2Projection", masks, mask_fields, output_shape(x), out);
-    forward_rows(x.rows(), x.batch(), x.seq(), out);
-  }
-  /// forward_into writes straight into out: no temporary memory.
-  std::size_t workspace_bytes(Index /*batch*/, Index /*seq*/) const { return 0; }
-
-  /// x [B·L, E] → y [B·L, E]: conv3 into channels [0, E/2), conv2 into [E/2, E).
+  /// x [B·L, E] → y [B·L, E] (forward_into(x, out, masks) is this on x's rows): conv3 into channels [0, E/2), conv2 into [E/2, E).
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
                     Eigen::Ref<RowMatrix<Scalar>> y) const {
     const Index e = embed_dim();

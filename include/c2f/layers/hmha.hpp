@@ -50,14 +50,12 @@ template <class Scalar>
 class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
  public:
   /// seed: PyTorch's Conv1d / Linear default init.
-  class Options : public RuntimeOptions<Options> {
-    /// Every output depends only on x[0 … i] (see the file comment); fixed at construction.
-    C2F_ARG(bool, causal) = false;
+  /// causal: every output depends only on x[0 … i] (see the file comment).
+  class Options : public RuntimeOptions<Options>, public CausalOption<Options> {
     C2F_ARG(HMHALevels, levels) = HMHALevels{};
   };
 
-  /// HMHA takes no masks (a non-empty c2f::Masks throws).
-  static constexpr MaskFields mask_fields = MaskFields::None;
+  C2F_LAYER_TRAITS("HMHA", MaskFields::None);  // takes no masks
 
   HMHA(Index embed_dim, Index num_heads, Index window, Options options = Options())
       : shape_(detail::checked_heads("HMHA", embed_dim, num_heads, /*min_embed=*/2)),
@@ -115,13 +113,9 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   };
   using DecodeState = DecodeStateOf<Scalar>;
 
-  /// x [B, L, E] → [B, L, E].
-  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
-    return detail::same_length_shape(x, shape_.embed_dim, shape_.embed_dim, "HMHA");
-  }
-  /// out [B·L, E] (overwritten).
+  /// x [B, L, E] → out [B·L, E] (overwritten).
   void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    detail::check_call("HMHA", masks, mask_fields, output_shape(x), out);
+    this->check_call(x, out, masks);
     const Index batch = x.batch(), length = x.seq(), rows = batch * length;
     RowMatrix<Scalar> q(rows, shape_.embed_dim), k(rows, shape_.embed_dim), v(rows, shape_.embed_dim), o(rows, shape_.embed_dim);
     for (RowMatrix<Scalar>* buffer : {&q, &k, &v, &o}) detail::prefer_huge_pages(*buffer);

@@ -17,20 +17,11 @@ struct NoInit {};
 }  // namespace detail
 
 template <class Scalar>
-class Linear : public detail::LayerBase<Linear<Scalar>, Scalar> {
+class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
  public:
-  class Options : public RuntimeOptions<Options> {
-    C2F_ARG(bool, bias) = true;
-  };
-  /// Linear takes no masks (a non-empty c2f::Masks throws).
-  static constexpr MaskFields mask_fields = MaskFields::None;
+  class Options : public RuntimeOptions<Options>, public BiasOption<Options> {};
+  C2F_LAYER_TRAITS("Linear", MaskFields::None);  // takes no masks
 
-  /// weight [out, in] initialised like torch.nn.Linear (U(±1/sqrt(in)), here for the weight and the
-  /// bias alike) from options.seed(); call load_state_dict() to use trained weights.
-  Linear(Index in_features, Index out_features, Options options = Options())
-      : Linear(in_features, out_features, options, detail::NoInit{}) {
-    reset_parameters(options.seed());
-  }
   /// Zero weights and bias, for a layer that initialises its Linear members itself.
   Linear(Index in_features, Index out_features, Options options, detail::NoInit)
       : weight_(RowMatrix<Scalar>::Zero(detail::checked_positive("Linear", "out_features", out_features),
@@ -38,6 +29,12 @@ class Linear : public detail::LayerBase<Linear<Scalar>, Scalar> {
         bias_(Vector<Scalar>::Zero(options.bias() ? out_features : 0)),
         options_(options) {
     detail::check_scalar<Scalar>();
+  }
+  /// weight [out, in] initialised like torch.nn.Linear (U(±1/sqrt(in)), here for the weight and the
+  /// bias alike) from options.seed(); call load_state_dict() to use trained weights.
+  Linear(Index in_features, Index out_features, Options options = Options())
+      : Linear(in_features, out_features, options, detail::NoInit{}) {
+    reset_parameters(options.seed());
   }
 
   Index in_features() const { return weight_.cols(); }
@@ -74,17 +71,14 @@ class Linear : public detail::LayerBase<Linear<Scalar>, Scalar> {
   std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
     return detail::same_length_shape(x, in_features(), out_features(), "Linear", "in_features");
   }
-  /// out [B·L, out] = x Wᵀ + b (overwritten).
-  void forward_into(ConstTensor3Ref<Scalar> x, detail::OutRows<Scalar> out, const Masks<Scalar>& masks = {}) const {
-    detail::check_call("Linear", masks, mask_fields, output_shape(x), out);
-    forward_rows(x.rows(), out);
-  }
-  /// forward_into writes straight into out: no temporary memory.
-  std::size_t workspace_bytes(Index /*batch*/, Index /*seq*/) const { return 0; }
-
   /// The product on rows: y [n, out] = x [n, in] Wᵀ + b (overwritten), on options().num_threads() threads.
+  /// (forward_into(x, out, masks) is this on x's rows.)
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Eigen::Ref<RowMatrix<Scalar>> y) const {
     kernels::linear<Scalar>(x, weight_, bias_data(), y, detail::kernel_options(options_));
+  }
+  void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index /*batch*/, Index /*length*/,
+                    Eigen::Ref<RowMatrix<Scalar>> y) const {
+    forward_rows(x, y);
   }
 
  private:

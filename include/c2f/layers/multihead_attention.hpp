@@ -46,18 +46,17 @@ struct AttnOutput {
 template <class Scalar>
 class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<Scalar>, Scalar> {
  public:
-  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
-    C2F_ARG(bool, bias) = true;
+  /// causal: query i attends only to keys j <= i.
+  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public BiasOption<Options>,
+                  public CausalOption<Options> {
     /// Key features; 0 = embed_dim.
     C2F_ARG(Index, kdim) = 0;
     /// Value features; 0 = embed_dim.
     C2F_ARG(Index, vdim) = 0;
-    /// Query i attends only to keys j <= i.
-    C2F_ARG(bool, causal) = false;
   };
 
   /// attn_mask [Lq, Lk] or [n, Lq, Lk] (n = 1, B or B·H), key_padding_mask [B, Lk].
-  static constexpr MaskFields mask_fields = MaskFields::AttnMask | MaskFields::KeyPaddingMask;
+  C2F_LAYER_TRAITS("MultiHeadAttention", MaskFields::AttnMask | MaskFields::KeyPaddingMask);
 
   MultiHeadAttention(Index embed_dim, Index num_heads, Options options = Options())
       : shape_(detail::checked_heads("MultiHeadAttention", embed_dim, num_heads)),
@@ -332,7 +331,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
            const WeightsRequest* request) const {
     check_inputs(query, key, value);
     const Index batch = query.batch(), lq = query.seq(), lk = key.seq(), e = embed_dim(), h = num_heads();
-    detail::check_call("MultiHeadAttention", masks, mask_fields, {batch, lq, e}, out);
+    detail::check_call(type_name, masks, mask_fields, {batch, lq, e}, out);
     const MaskView<Scalar> mask(masks, batch, h, lq, lk, options_.causal());
     RowMatrix<Scalar> qp, kp, vp;
     project(query, key, value, qp, kp, vp);

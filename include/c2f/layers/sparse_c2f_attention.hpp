@@ -53,17 +53,16 @@ struct SparseAttnOutput {
 template <class Scalar>
 class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<Scalar>, Scalar> {
  public:
-  /// seed: PyTorch's MultiheadAttention init. The kernel options serve as_multihead_attention().
-  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
-    C2F_ARG(bool, bias) = true;
-    /// Token t attends only to keys <= t, chosen from the chunks before its own (per-token gating).
-    C2F_ARG(bool, causal) = false;
+  /// seed: PyTorch's MultiheadAttention init. The kernel options serve as_multihead_attention(). causal:
+  /// token t attends only to keys <= t, chosen from the chunks before its own (per-token gating).
+  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public BiasOption<Options>,
+                  public CausalOption<Options> {
     /// PerChunk cannot be causal.
     C2F_ARG(Gating, gating) = Gating::Auto;
   };
 
   /// attn_mask [L, L] or [n, L, L] (n = 1, B or B·H), key_padding_mask [B, L].
-  static constexpr MaskFields mask_fields = MaskFields::AttnMask | MaskFields::KeyPaddingMask;
+  C2F_LAYER_TRAITS("SparseC2FAttention", MaskFields::AttnMask | MaskFields::KeyPaddingMask);
 
   SparseC2FAttention(Index embed_dim, Index num_heads, Index chunk_size, Index top_k, Options options = Options())
       : chunk_(detail::checked_positive("SparseC2FAttention", "chunk_size", chunk_size)),
@@ -121,9 +120,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   };
   using DecodeState = DecodeStateOf<Scalar>;
 
-  /// x [B, L, E] → [B, L, E].
-  std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const { return mha_.output_shape(x); }
-  /// out [B·L, E] (overwritten).
+  /// x [B, L, E] → out [B·L, E] (overwritten).
   void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
     run(x, out, masks);
   }
@@ -132,7 +129,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   /// token) with per-token gating.
   SparseAttnOutput<Scalar> forward_with_selection(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
     SparseAttnOutput<Scalar> result;
-    result.output = detail::fresh_output<Scalar>(output_shape(x), [&](Eigen::Ref<RowMatrix<Scalar>> out) {
+    result.output = detail::fresh_output<Scalar>(this->output_shape(x), [&](Eigen::Ref<RowMatrix<Scalar>> out) {
       result.selection = run(x, out, masks);
     });
     return result;
@@ -168,7 +165,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
  private:
   kernels::ChunkSelection run(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out,
                               const Masks<Scalar>& masks) const {
-    detail::check_call("SparseC2FAttention", masks, mask_fields, output_shape(x), out);
+    this->check_call(x, out, masks);
     RowMatrix<Scalar> q, k, v;
     mha_.project(x, x, x, q, k, v);
     const Index batch = x.batch(), length = x.seq(), e = embed_dim(), heads = num_heads();
