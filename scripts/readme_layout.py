@@ -23,7 +23,7 @@ DESCRIPTIONS = {
     ".ci/": "CI entry point: runs scripts/test.sh",
     "benchmarks/": "Google Benchmark binaries, the PyTorch peer and the sweep (sweep.py: tables, plots); README.md: how to run and compare",
     "cmake/": "package config template (find_package(c2f [COMPONENTS safetensors]))",
-    "docs/": "documentation (layers, threads, decoding, benchmarks) and the tables and plots of a measured run",
+    "docs/": "documentation (layers, errors, threads, decoding, benchmarks) and the tables and plots of a measured run",
     "examples/": "programs that load PyTorch weights and compare with PyTorch (and their export scripts), a 2-D pyramid, token-by-token decoding",
     "scripts/": "install-deps.sh (the one package list), run.sh (examples, benchmarks), test.sh (tests), doc checks",
     "tests/": "GoogleTest suites (one executable per area)",

@@ -15,6 +15,7 @@
 
 #include "c2f/c2f.hpp"
 #include "support/compare.hpp"
+#include "support/layer_entries.hpp"
 #include "support/random.hpp"
 #include "tools/malloc_counter.hpp"
 
@@ -44,148 +45,18 @@ using c2f_test::error_of;
 using c2f_test::same_bits;
 using c2f_test::TestRng;
 
-constexpr Index kWidth = 8;                // input features of every entry
+using c2f_test::Calls;
+using c2f_test::every_mask;
+using c2f_test::HasDecode;
+using c2f_test::kWidth;
+using c2f_test::ScalarOf;
+using namespace c2f_test;  // NOLINT: the entries of support/layer_entries.hpp
+
 constexpr Index kBatch = 2, kLength = 35;  // partial chunks and windows; a 5 × 7 grid of partial 2-D blocks
-
-// ------------------------------------------------------------------------------------------------
-// How the tests call a layer. The default is the contract's [batch, seq, features] form; the two
-// layers whose input is more than one tensor (FineAttention: tokens + coarse context; C2FAttention2D:
-// a grid) adapt it.
-
-template <class L, class S>
-struct Calls {
-  static std::array<Index, 3> output_shape(const L& l, const Tensor3<S>& x) { return l.output_shape(x); }
-  static Tensor3<S> forward(const L& l, const Tensor3<S>& x, const Masks<S>& m) { return l.forward(x, m); }
-  static void forward_into(const L& l, const Tensor3<S>& x, Eigen::Ref<RowMatrix<S>> out, const Masks<S>& m) {
-    l.forward_into(x, out, m);
-  }
-  static std::size_t workspace_bytes(const L& l, Index batch, Index seq) { return l.workspace_bytes(batch, seq); }
-};
-
-// FineAttention on chunks of 4 tokens; the coarse context is the chunk means of x (any [B, m, d] would do).
-template <class S>
-struct Calls<c2f::FineAttention<S>, S> {
-  using L = c2f::FineAttention<S>;
-  static constexpr Index kChunk = 4;
-  static Tensor3<S> context(const Tensor3<S>& x) {
-    const c2f::kernels::ChunkGrid grid{x.dimension(0), x.dimension(1), kChunk};
-    Tensor3<S> c(x.dimension(0), grid.chunks_per_batch(), x.dimension(2));
-    c2f::kernels::chunk_mean<S>(c2f::ConstTensor3Ref<S>(x).rows(), grid,
-                                Eigen::Map<RowMatrix<S>>(c.data(), grid.chunks(), x.dimension(2)),
-                                c2f::kernels::with_threads(1));
-    return c;
-  }
-  static std::array<Index, 3> output_shape(const L& l, const Tensor3<S>& x) {
-    return {x.dimension(0), x.dimension(1), l.embed_dim()};
-  }
-  static Tensor3<S> forward(const L& l, const Tensor3<S>& x, const Masks<S>& m) {
-    return l.forward_chunked(x, kChunk, context(x), m);
-  }
-  static void forward_into(const L& l, const Tensor3<S>& x, Eigen::Ref<RowMatrix<S>> out, const Masks<S>& m) {
-    l.forward_chunked_into(x, kChunk, context(x), out, m);
-  }
-  static std::size_t workspace_bytes(const L& l, Index batch, Index seq) {
-    const Index chunks = batch * ((seq + kChunk - 1) / kChunk);
-    return l.workspace_bytes(batch, seq, kChunk) + sizeof(S) * static_cast<std::size_t>(chunks * l.embed_dim());
-  }
-};
-
-// C2FAttention2D on the height × width grid with height the largest divisor of L up to sqrt(L).
-template <class S>
-struct Calls<c2f::C2FAttention2D<S>, S> {
-  using L = c2f::C2FAttention2D<S>;
-  static std::pair<Index, Index> grid(Index seq) {
-    Index h = 1;
-    for (Index d = 1; d * d <= seq; ++d) {
-      if (seq % d == 0) h = d;
-    }
-    return {h, seq == 0 ? 0 : seq / h};
-  }
-  static std::array<Index, 3> output_shape(const L& l, const Tensor3<S>& x) {
-    const auto [h, w] = grid(x.dimension(1));
-    return l.output_shape(x, h, w);
-  }
-  static Tensor3<S> forward(const L& l, const Tensor3<S>& x, const Masks<S>& m) {
-    const auto [h, w] = grid(x.dimension(1));
-    return l.forward(x, h, w, m);
-  }
-  static void forward_into(const L& l, const Tensor3<S>& x, Eigen::Ref<RowMatrix<S>> out, const Masks<S>& m) {
-    const auto [h, w] = grid(x.dimension(1));
-    l.forward_into(x, h, w, out, m);
-  }
-  static std::size_t workspace_bytes(const L& l, Index batch, Index seq) {
-    const auto [h, w] = grid(seq);
-    return l.workspace_bytes(batch, h, w);
-  }
-};
-
-/// The Scalar of a layer template instance (float for the broken layers below, which are not templates).
-template <class T>
-struct ScalarOf {
-  using type = float;
-};
-template <template <class> class L, class S>
-struct ScalarOf<L<S>> {
-  using type = S;
-};
-
-/// One entry of the list: the layer type and how to build it from options (seed, threads) — the
-/// sizes are the entry's. Everything else comes from the contract.
-#define C2F_LAYER(Entry, Type, ...)                                                \
-  struct Entry : Calls<Type, ScalarOf<Type>::type> {                               \
-    using Layer = Type;                                                            \
-    using Scalar = ScalarOf<Type>::type;                                           \
-    using Options = Layer::Options;                                                \
-    static constexpr const char* name = #Entry;                                    \
-    static Layer make(Options o) { return Layer(__VA_ARGS__); }                    \
-  }
-
-// clang-format off
-C2F_LAYER(Linear, c2f::Linear<float>, kWidth, 5, o);
-C2F_LAYER(Conv1d, c2f::Conv1d<float>, kWidth, 6, 3, o.groups(2));
-C2F_LAYER(CausalConv1d, c2f::Conv1d<float>, kWidth, 6, 3, o.causal(true));
-C2F_LAYER(C3K2Projection, c2f::C3K2Projection<float>, kWidth, 2, o);
-C2F_LAYER(MultiHeadAttention, c2f::MultiHeadAttention<float>, kWidth, 2, o);
-C2F_LAYER(MultiHeadAttentionF64, c2f::MultiHeadAttention<double>, kWidth, 4, o.query_block(5).key_block(7));
-C2F_LAYER(CausalMultiHeadAttention, c2f::MultiHeadAttention<float>, kWidth, 2, o.causal(true).key_block(16));
-C2F_LAYER(CoarseAttention, c2f::CoarseAttention<float>, kWidth, 2, o);
-C2F_LAYER(FineAttention, c2f::FineAttention<float>, kWidth, 2, o);
-C2F_LAYER(C2FAttention, c2f::C2FAttention<float>, kWidth, 2, 4, o);
-C2F_LAYER(C2FAttentionGeneralPath, c2f::C2FAttention<double>, kWidth, 2, 6, o.fine_path(c2f::FinePath::General));
-C2F_LAYER(C2FAttention2D, c2f::C2FAttention2D<float>, kWidth, 2, 2, 3, o);
-C2F_LAYER(HMHA, c2f::HMHA<float>, kWidth, 2, 4, o);
-C2F_LAYER(CausalHMHA, c2f::HMHA<double>, kWidth, 2, 6, o.causal(true));
-C2F_LAYER(SparseC2FAttention, c2f::SparseC2FAttention<float>, kWidth, 2, 4, 3, o);
-C2F_LAYER(CausalSparseC2FAttention, c2f::SparseC2FAttention<float>, kWidth, 2, 4, 16, o.causal(true));
-// clang-format on
-
-// ------------------------------------------------------------------------------------------------
-// Helpers
-
-template <class T, class = void>
-struct HasDecode : std::false_type {};
-template <class T>
-struct HasDecode<T, std::void_t<decltype(std::declval<const T&>().new_decode_state(1))>> : std::true_type {};
 
 template <class S>
 bool all_nan(const Eigen::Ref<const RowMatrix<S>>& m) {
   return m.array().isNaN().all();
-}
-
-/// Every field of c2f::Masks set to a mask of valid shape for any self-attention-like layer whose
-/// attention problems are square: causal attention masks (inside chunks for fine_attn_mask) and key
-/// padding by lengths (batch item b keeps L − 1 − b keys, down to none).
-template <class S>
-Masks<S> every_mask(Index batch, Index seq, MaskFields fields) {
-  Masks<S> m;
-  if (c2f::takes(fields, MaskFields::AttnMask)) m.attn_mask(c2f::AttnMask<S>::causal());
-  if (c2f::takes(fields, MaskFields::KeyPaddingMask)) {
-    std::vector<Index> lengths;
-    for (Index b = 0; b < batch; ++b) lengths.push_back(std::max<Index>(0, seq - 1 - b));
-    m.key_padding_mask(c2f::KeyPaddingMask<S>::lengths(lengths));
-  }
-  if (c2f::takes(fields, MaskFields::FineAttnMask)) m.fine_attn_mask(c2f::AttnMask<S>::causal());
-  return m;
 }
 
 template <class E>
@@ -495,18 +366,8 @@ REGISTER_TYPED_TEST_SUITE_P(LayerContract, OutputBitsDoNotDependOnThreadCount, F
                             NanInAnInputReachesTheOutput, RefusesMaskFieldsItDoesNotTake,
                             ConcurrentCallersShareOneModule, DecodeEqualsTheCausalForward);
 
-struct EntryNames {
-  template <class E>
-  static std::string GetName(int) {
-    return E::name;
-  }
-};
-
-using Layers = ::testing::Types<Linear, Conv1d, CausalConv1d, C3K2Projection, MultiHeadAttention, MultiHeadAttentionF64,
-                                CausalMultiHeadAttention, CoarseAttention, FineAttention, C2FAttention,
-                                C2FAttentionGeneralPath, C2FAttention2D, HMHA, CausalHMHA, SparseC2FAttention,
-                                CausalSparseC2FAttention>;
-INSTANTIATE_TYPED_TEST_SUITE_P(Layers, LayerContract, Layers, EntryNames);
+using c2f_test::EntryNames;
+INSTANTIATE_TYPED_TEST_SUITE_P(Layers, LayerContract, c2f_test::AllLayers, EntryNames);
 
 // Different modules and thread counts at the same time, with the default small-work threshold.
 TEST(SharedModule, MixedModulesAtOnce) {
@@ -551,7 +412,7 @@ struct ThreadDependentLayer : Mha {
     out.array() += 1e-6f * static_cast<float>(c2f::detail::resolve_threads(options().num_threads(), 1 << 20));
   }
   Tensor3<float> forward(c2f::ConstTensor3Ref<float> x, const Masks<float>& m = {}) const {
-    return c2f::detail::fresh_output<float>(output_shape(x), [&](Out out) { forward_into(x, out, m); });
+    return c2f::detail::fresh_output<float>("ThreadDependentLayer", output_shape(x), [&](Out out) { forward_into(x, out, m); });
   }
 };
 

@@ -31,6 +31,15 @@ class SparseTyped : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(SparseTyped, Scalars);
 
+/// A selection's rows widened to `top_k` entries (−1 after its own, which stop at the number of chunks).
+std::vector<Index> widened(const c2f::kernels::ChunkSelection& s, Index top_k) {
+  std::vector<Index> out;
+  for (std::size_t r = 0; r * static_cast<std::size_t>(s.top_k) < s.index.size(); ++r) {
+    for (Index i = 0; i < top_k; ++i) out.push_back(i < s.top_k ? s.index[r * static_cast<std::size_t>(s.top_k) + static_cast<std::size_t>(i)] : -1);
+  }
+  return out;
+}
+
 template <class Scalar>
 void check_case(const nlohmann::json& c) {
   const std::string name = c.at("name");
@@ -51,9 +60,10 @@ void check_case(const nlohmann::json& c) {
   for (int threads : {1, 2}) {
     sparse.set_num_threads(threads);
     const c2f::SparseAttnOutput<Scalar> r = sparse.forward_with_selection(x, masks);
-    ASSERT_EQ(r.selection.index.size(), want_sel.size());
+    const std::vector<Index> got_sel = widened(r.selection, meta_index(sd, "top_k"));
+    ASSERT_EQ(got_sel.size(), want_sel.size());
     for (std::size_t i = 0; i < want_sel.size(); ++i) {
-      ASSERT_EQ(r.selection.index[i], want_sel[i]) << "selection entry " << i;
+      ASSERT_EQ(got_sel[i], want_sel[i]) << "selection entry " << i;
     }
     ASSERT_EQ(static_cast<std::size_t>(r.output.size()), want.size());
     expect_close(r.output.data(), want.data(), r.output.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
@@ -204,7 +214,7 @@ TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
     const c2f::kernels::ChunkSelection sel =
         per_token ? c2f::kernels::select_chunks_per_token<Scalar>(q, chunk_means(k, grid), grid, heads, top_k, causal, c2f::kernels::with_threads(threads))
                   : c2f::kernels::select_chunks<Scalar>(q, k, grid, heads, top_k, c2f::kernels::with_threads(threads));
-    EXPECT_EQ(sel.index, brute_force_selection(q, k, batch, length, heads, chunk, top_k, per_token, causal));
+    EXPECT_EQ(widened(sel, top_k), brute_force_selection(q, k, batch, length, heads, chunk, top_k, per_token, causal));
     RowMatrix<Scalar> fast(batch * length, heads * dh);
     const Scalar scale = c2f::kernels::default_scale<Scalar>(dh);
     if (per_token) {
@@ -213,13 +223,46 @@ TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
       c2f::kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, sel, fast, plan, scale, c2f::kernels::with_threads(threads));
     }
     const RowMatrix<Scalar> dense =
-        dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, top_k, per_token, causal, lengths);
+        dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, sel.top_k, per_token, causal, lengths);
     const double tol = std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
     expect_close(fast.data(), dense.data(), fast.size(), tol, tol, what.str());
   }
 }
 
 // A selection of the wrong kind or shape is refused by the fine kernels.
+// chunk_mean_where against the definition (the mean of the kept tokens, NaN without one), and with every
+// token kept, chunk_mean bit for bit.
+TEST(SparseKernels, ChunkMeanWhereMatchesItsDefinition) {
+  TestRng rng(74);
+  for (int rep = 0; rep < 20; ++rep) {
+    const c2f::kernels::ChunkGrid grid{rng.uniform_int(1, 3), rng.uniform_int(0, 41), rng.pick(std::vector<Index>{1, 4, 7, 64})};
+    const RowMatrix<double> x = rng.matrix<double>(grid.tokens(), 5);
+    std::vector<char> keep(static_cast<std::size_t>(grid.tokens()));
+    for (char& k : keep) k = rng.coin(0.6);
+    const auto kept = [&](Index c, Index j) { return keep[static_cast<std::size_t>(grid.row(c) + j)] != 0; };
+    RowMatrix<double> got(grid.chunks(), 5), all(grid.chunks(), 5), plain(grid.chunks(), 5);
+    c2f::kernels::chunk_mean_where<double>(x, grid, kept, got, c2f::kernels::with_threads(2));
+    for (Index c = 0; c < grid.chunks(); ++c) {
+      Eigen::RowVectorXd sum = Eigen::RowVectorXd::Zero(5);
+      Index n = 0;
+      for (Index j = 0; j < grid.count(c); ++j) {
+        if (kept(c, j)) {
+          sum += x.row(grid.row(c) + j);
+          ++n;
+        }
+      }
+      if (n == 0) {
+        EXPECT_TRUE(got.row(c).array().isNaN().all()) << "chunk " << c;
+      } else {
+        c2f_test::expect_close(got.row(c).data(), Eigen::RowVectorXd(sum / double(n)).data(), 5, 1e-14, 1e-14, "chunk_mean_where");
+      }
+    }
+    c2f::kernels::chunk_mean_where<double>(x, grid, [](Index, Index) { return true; }, all, c2f::kernels::with_threads(1));
+    c2f::kernels::chunk_mean<double>(x, grid, plain, c2f::kernels::with_threads(1));
+    EXPECT_EQ(std::memcmp(all.data(), plain.data(), sizeof(double) * static_cast<std::size_t>(all.size())), 0);
+  }
+}
+
 TEST(SparseKernels, FineStagesRefuseAMismatchedSelection) {
   TestRng rng(74);
   const RowMatrix<float> q = rng.matrix<float>(20, 8), k = q, v = q;

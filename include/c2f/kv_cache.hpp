@@ -9,6 +9,7 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <utility>
 
 namespace c2f {
 
@@ -25,6 +26,25 @@ class KVCache {
     k_.resize(0, width_);
     v_.resize(0, width_);
   }
+  KVCache(const KVCache&) = default;
+  KVCache& operator=(const KVCache&) = default;
+  /// A moved-from cache is empty (length and capacity 0) and still usable.
+  KVCache(KVCache&& o) noexcept : batch_(o.batch_), width_(o.width_) {
+    k_.resize(0, width_);
+    v_.resize(0, width_);
+    swap_contents(o);
+  }
+  KVCache& operator=(KVCache&& o) noexcept {
+    if (this != &o) {
+      batch_ = o.batch_;
+      width_ = o.width_;
+      k_.resize(0, width_);
+      v_.resize(0, width_);
+      length_ = capacity_ = 0;
+      swap_contents(o);
+    }
+    return *this;
+  }
 
   Index batch() const { return batch_; }
   Index width() const { return width_; }
@@ -33,9 +53,12 @@ class KVCache {
   /// Bytes held by the keys and values (capacity, not length).
   std::size_t memory_bytes() const { return 2 * sizeof(Storage) * static_cast<std::size_t>(k_.size()); }
 
-  /// Room for `tokens` tokens per batch item without reallocation.
+  /// Room for `tokens` tokens per batch item without reallocation. Refused (std::invalid_argument) when
+  /// the keys and values would exceed the largest buffer c2f allocates (c2f/core.hpp).
   void reserve(Index tokens) {
     if (tokens <= capacity_) return;
+    detail::check_buffer_of<Storage>("decode state: the keys (and as many values) of [batch, tokens, width]",
+                                     {batch_, tokens, width_});
     Matrix k(batch_ * tokens, width_), v(batch_ * tokens, width_);
     for (Index b = 0; b < batch_; ++b) {
       k.middleRows(b * tokens, length_) = k_.middleRows(b * capacity_, length_);
@@ -57,7 +80,8 @@ class KVCache {
                    detail::shape_string({v_new.rows(), v_new.cols()}), " must be [batch·n, width] = ",
                    detail::shape_string({batch_ * n, width_}));
     }
-    if (length_ + n > capacity_) reserve(std::max(length_ + n, 2 * capacity_));
+    const Index need = detail::checked_add(length_, n, "decode state: tokens so far + new tokens");
+    if (need > capacity_) reserve(capacity_ <= need / 2 ? need : 2 * capacity_);  // max(need, 2·capacity), no overflow
     for (Index b = 0; b < batch_; ++b) {
       k_.middleRows(b * capacity_ + length_, n) = k_new.middleRows(b * n, n).template cast<Storage>();
       v_.middleRows(b * capacity_ + length_, n) = v_new.middleRows(b * n, n).template cast<Storage>();
@@ -79,6 +103,13 @@ class KVCache {
         kernels::heads_view<const Storage>(m.data(), batch_, length_, width_, 0, heads, width_ / heads);
     h.batch_stride = capacity_ * width_;
     return h;
+  }
+
+  void swap_contents(KVCache& o) noexcept {
+    k_.swap(o.k_);
+    v_.swap(o.v_);
+    std::swap(length_, o.length_);
+    std::swap(capacity_, o.capacity_);
   }
 
   Index batch_, width_;

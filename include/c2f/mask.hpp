@@ -39,6 +39,7 @@
 #include "c2f/detail/arg.hpp"
 
 #include <array>
+#include <cmath>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -68,10 +69,16 @@ std::vector<T> tensor_values(const Eigen::Tensor<T, Rank, Eigen::RowMajor>& t) {
 /// Additive mask values at or below float's lowest (torch.finfo(torch.float32).min, used as "-inf" by
 /// Hugging Face) become -inf: such a key is masked, exactly as with -inf. Without this, a row whose
 /// every key carried lowest() would softmax to a uniform average instead of the zeros of a masked row.
+/// +inf and NaN have no meaning as a score bias (+inf would make the softmax inf/inf = NaN) and are
+/// refused with std::invalid_argument.
 template <class Scalar>
 std::vector<Scalar> normalize_additive(std::vector<Scalar> v) {
   const Scalar threshold = static_cast<Scalar>(std::numeric_limits<float>::lowest());
-  for (Scalar& x : v) {
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    Scalar& x = v[i];
+    if (std::isnan(x) || x == std::numeric_limits<Scalar>::infinity()) {
+      fail("an additive mask's values must be finite or -inf, got ", x, " at element ", i);
+    }
     if (x <= threshold) x = -std::numeric_limits<Scalar>::infinity();
   }
   return v;
@@ -235,6 +242,17 @@ class KeyPaddingMask {
   const std::vector<std::uint8_t>& keep_flags() const { return keep_; }
   const std::vector<Scalar>& additive_values() const { return add_; }
   const std::vector<Index>& valid_lengths() const { return lengths_; }
+  /// Whether key j of batch item b is masked out (a length, a false keep flag, −inf), on a mask checked
+  /// against the problem's [batch, keys] (c2f::MaskView's constructor checks it).
+  bool hides(Index b, Index j) const {
+    switch (kind_) {
+      case MaskKind::None: return false;
+      case MaskKind::Lengths: return j >= lengths_[static_cast<std::size_t>(b)];
+      case MaskKind::Additive:
+        return add_[static_cast<std::size_t>(b * dims_[1] + j)] == -std::numeric_limits<Scalar>::infinity();
+      default: return keep_[static_cast<std::size_t>(b * dims_[1] + j)] == 0;
+    }
+  }
 
  private:
   static KeyPaddingMask flags(MaskKind kind, const BoolTensor2& m, bool invert) {

@@ -62,9 +62,9 @@ class MaskView {
     if (pad_) {
       const std::array<Index, 2>& d = padding.dims();
       if (padding.kind() == MaskKind::Lengths) {
-        if (d[0] != batch) detail::fail("key padding lengths must have one entry per batch (", batch, "), got ", d[0]);
+        if (d[0] != batch) detail::fail("key padding lengths must be one per batch item (", batch, "), got ", d[0]);
         for (Index len : padding.valid_lengths()) {
-          if (len < 0 || len > keys) detail::fail("key padding length ", len, " is outside [0, ", keys, "]");
+          if (len < 0 || len > keys) detail::fail("key padding lengths must lie in [0, keys = ", keys, "], got ", len);
         }
       } else if (d[0] != batch || d[1] != keys) {
         detail::fail("key padding mask must be [batch, keys] = ", detail::shape_string({batch, keys}), ", got ",
@@ -84,10 +84,11 @@ class MaskView {
   Index queries() const { return queries_; }
   Index keys() const { return keys_; }
 
-  /// What is added to score (b, h, i, j): 0, an additive value, or -inf when masked.
+  /// What is added to score (b, h, i, j): 0, an additive value, or -inf when masked (add it with
+  /// detail::add_bias, so that −inf masks a NaN score too).
   Scalar bias(Index b, Index h, Index i, Index j) const {
     Scalar out = Scalar(0);
-    if (causal_ && j > i + diagonal_) return kMasked;
+    if (causal_ && j - i > diagonal_) return kMasked;
     if (attn_) {
       switch (attn_->kind()) {
         case MaskKind::Additive: out += attn_->additive_values()[attn_index(b, h, i, j)]; break;
@@ -113,9 +114,9 @@ class MaskView {
   BlockMask classify(Index b, Index i0, Index ni, Index j0, Index nj) const {
     BlockMask out = BlockMask::Clear;
     if (causal_) {
-      const Index last_row_edge = i0 + ni - 1 + diagonal_;  // last visible key of the last row
-      if (j0 > last_row_edge) return BlockMask::Skip;
-      if (j0 + nj - 1 > i0 + diagonal_) out = BlockMask::Partial;
+      // Key j is visible from row i when j − i <= diagonal (no sum can overflow: |diagonal| <= 2^62).
+      if (j0 - (i0 + ni - 1) > diagonal_) return BlockMask::Skip;  // past the last row's edge
+      if (j0 + nj - 1 - i0 > diagonal_) out = BlockMask::Partial;
     }
     if (attn_) out = BlockMask::Partial;
     if (pad_) {
@@ -137,7 +138,9 @@ class MaskView {
     const Index cols = S.cols();
     if (causal_) {
       for (Index r = 0; r < rows; ++r) {
-        const Index first = std::min(cols, std::max<Index>(0, i0 + r + diagonal_ + 1 - j0));
+        // The first hidden column: key i0 + r + diagonal + 1, clamped to [0, cols].
+        const Index edge = i0 + r - j0;  // |edge| < 2^62
+        const Index first = diagonal_ >= cols - edge ? cols : std::max<Index>(0, edge + diagonal_ + 1);
         for (Index c = first; c < cols; ++c) S(r, c) = kMasked;
       }
     }
@@ -146,7 +149,7 @@ class MaskView {
         case MaskKind::Additive:
           for (Index r = 0; r < rows; ++r) {
             const Scalar* add = attn_->additive_values().data() + attn_index(b, h, i0 + r, j0);
-            for (Index c = 0; c < cols; ++c) S(r, c) += add[c];
+            for (Index c = 0; c < cols; ++c) S(r, c) = add[c] == kMasked ? kMasked : S(r, c) + add[c];
           }
           break;
         case MaskKind::RelativePosition: apply_relative_position(h, i0, j0, S); break;
@@ -171,7 +174,7 @@ class MaskView {
         case MaskKind::Additive: {
           const Scalar* add = pad_->additive_values().data() + pad_index(b, j0);
           for (Index r = 0; r < rows; ++r) {
-            for (Index c = 0; c < cols; ++c) S(r, c) += add[c];
+            for (Index c = 0; c < cols; ++c) S(r, c) = add[c] == kMasked ? kMasked : S(r, c) + add[c];
           }
           break;
         }
@@ -188,7 +191,11 @@ class MaskView {
   }
 
  private:
+  /// A diagonal beyond ±2^62 hides (or shows) every key of any problem c2f can index: clamped there, so
+  /// that no index arithmetic on it can overflow.
   void causal_edge(Index diagonal) {
+    constexpr Index kFar = Index(1) << 62;
+    diagonal = std::max(-kFar, std::min(kFar, diagonal));
     diagonal_ = causal_ ? std::min(diagonal_, diagonal) : diagonal;
     causal_ = true;
   }

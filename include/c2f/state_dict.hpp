@@ -78,7 +78,8 @@ constexpr DType dtype_of() {
 }
 
 namespace detail {
-/// Product of `shape`, or std::nullopt when it is negative or overflows `limit`.
+/// Product of `shape`, formed left to right as the reference reader does, or std::nullopt when a size is
+/// negative or a partial product overflows `limit`.
 inline std::optional<std::uint64_t> checked_numel(const std::vector<std::int64_t>& shape,
                                                   std::uint64_t limit = std::numeric_limits<std::uint64_t>::max()) {
   std::uint64_t n = 1;
@@ -102,9 +103,11 @@ class TensorData {
   /// numel(shape) × dtype_size(dtype).
   TensorData(DType dtype, std::vector<std::int64_t> shape, std::vector<std::uint8_t> bytes)
       : dtype_(dtype), shape_(std::move(shape)), bytes_(std::move(bytes)) {
-    const std::optional<std::uint64_t> n =
-        detail::checked_numel(shape_, std::numeric_limits<std::uint64_t>::max() / dtype_size(dtype_));
-    if (!n) detail::fail("tensor shape ", detail::shape_string(shape_), " is negative or overflows");
+    // The element count, then the byte count, each within 64 bits ([2^63 − 1, 0] holds 0 elements).
+    const std::optional<std::uint64_t> n = detail::checked_numel(shape_);
+    if (!n || *n > std::numeric_limits<std::uint64_t>::max() / dtype_size(dtype_)) {
+      detail::fail("tensor shape ", detail::shape_string(shape_), " is negative or overflows");
+    }
     if (*n * dtype_size(dtype_) != bytes_.size()) {
       detail::fail("tensor of dtype ", dtype_name(dtype_), " and shape ", detail::shape_string(shape_),
                    " needs ", *n * dtype_size(dtype_), " bytes, got ", bytes_.size());

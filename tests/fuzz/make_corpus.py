@@ -63,6 +63,12 @@ PARSE = {
         {"a": entry("F32", [1], 4, 8), "b\u20ac": entry("F32", [1], 0, 4), "c": entry("U8", [0], 8, 8)},
         struct.pack("<2f", 10.0, 20.0)),
     "bad_shape_wraps_to_zero": st_file({"w": entry("U8", [4294967296, 4294967296], 0, 0)}),
+    # Shapes near 2^63 that hold no element parse, as in the reference reader; what uses them checks
+    # its own products (a mask made from [2, 2^62, 0, 1] is refused: tests/test_bad_input.cpp).
+    "ok_empty_shape_past_2_63": st_file({"w": entry("BOOL", [2, 4611686018427387904, 0, 1], 0, 0)}),
+    "ok_empty_shape_dim_2_63_minus_1_twice": st_file(
+        {"w": entry("F32", [9223372036854775807, 0, 9223372036854775807], 0, 0)}),
+    "ok_empty_shape_dim_2_63_minus_1": st_file({"w": entry("F32", [9223372036854775807, 0], 0, 0)}),
     "bad_overlap": st_file({"a": entry("F32", [2], 0, 8), "b": entry("F32", [1], 4, 8)}, bytes(8)),
     "bad_trailing_bytes": st_file({"w": entry("U8", [1], 0, 1)}, b"\x01\x02"),
     "bad_metadata_not_string_map": st_file({"__metadata__": {"n": 1}}),

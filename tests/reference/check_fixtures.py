@@ -570,7 +570,8 @@ def sparse_loops(np, t, md):
     """float64 SparseC2FAttention from a fixture's tensors, by explicit loops over batch items, heads, query
     chunks and positions (no masks, no rank tensor): per query chunk (gating "chunk") or per query position
     (gating "token") the candidates are sorted by (-score, index), the key list of every query position is
-    enumerated chunk by chunk, and each list gets its own softmax. Returns selected [B, H, R, top_k] (R = m
+    enumerated chunk by chunk, and each list gets its own softmax. The chunk means are over the unpadded
+    positions; a chunk without one scores -inf (and so does every candidate of its own query row). Returns selected [B, H, R, top_k] (R = m
     or L), output [B, L, E], the smallest relative selection margin with its location, and whether some
     query row had no allowed key."""
     f = lambda name: t[name].astype(np.float64)  # noqa: E731
@@ -589,24 +590,26 @@ def sparse_loops(np, t, md):
     for bi in range(B):
         for h in range(H):
             cs = slice(h * dh, (h + 1) * dh)
-            qbar, kbar = [], []
+            qbar, kbar = [], []  # None: the chunk has no unpadded position
             for ch in chunks:
+                real = [p for p in ch if pad is None or not pad[bi, p]]
                 sq, sk = np.zeros(dh), np.zeros(dh)
-                for p in ch:
+                for p in real:
                     sq += q[bi, p, cs]
                     sk += k[bi, p, cs]
-                qbar.append(sq / len(ch))
-                kbar.append(sk / len(ch))
+                qbar.append(sq / len(real) if real else None)
+                kbar.append(sk / len(real) if real else None)
 
             def choose(row, query, own):
                 """own + the K - 1 best candidates for one selection row; records the margin."""
                 nonlocal margin, where
-                score = {j: float(query @ kbar[j]) for j in range(m) if j != own and (not causal or j < own)}
+                score = {j: (-np.inf if query is None or kbar[j] is None else float(query @ kbar[j]))
+                         for j in range(m) if j != own and (not causal or j < own)}
                 ranked = sorted(score, key=lambda j: (-score[j], j))
                 n_pick = K - 1
                 if 0 < n_pick < len(ranked):
                     a, b = score[ranked[n_pick - 1]], score[ranked[n_pick]]
-                    rel = (a - b) / (1.0 + max(abs(a), abs(b)))
+                    rel = np.inf if np.isinf(a) or np.isinf(b) else (a - b) / (1.0 + max(abs(a), abs(b)))
                     if rel < margin:
                         margin, where = rel, (bi, h, row)
                 S = sorted([own] + ranked[:n_pick])

@@ -1172,13 +1172,19 @@ def _sparse_cases() -> List[SparseCase]:
     cases += [
         SparseCase("sparse_kpm_l37_c8_k2", 10100,
                    "SparseC2FAttention L = 37, chunk 8, top_k 2, per-chunk gating, bool key_padding_mask "
-                   "(lengths 37, 29): chunk 4 of batch 1 is entirely padded; the selection ignores the padding",
+                   "(lengths 37, 29): chunk 4 of batch 1 is entirely padded: the chunk means leave the padded "
+                   "tokens out, no chunk selects chunk 4, and chunk 4's own row scores -inf everywhere",
                    37, 8, 2, False, lengths=(37, 29)),
         SparseCase("sparse_tok_kpm_l37_c8_k2_causal", 10200,
                    "SparseC2FAttention L = 37, chunk 8, top_k 2, per-token gating, causal, bool "
-                   "key_padding_mask (lengths 37, 20): in batch 1 some tokens of chunks 3 and 4 select the "
-                   "entirely padded chunk 3 and see no allowed key (zero attention, not NaN)",
-                   37, 8, 2, True, lengths=(37, 20), require_empty_rows=True, gating="token"),
+                   "key_padding_mask (lengths 37, 20): chunk 2 of batch 1 is partly padded (its mean is over "
+                   "positions 16-19), chunk 3 entirely, so no token selects chunk 3",
+                   37, 8, 2, True, lengths=(37, 20), gating="token"),
+        SparseCase("sparse_tok_kpm_l37_c8_k1_causal", 10900,
+                   "SparseC2FAttention L = 37, chunk 8, top_k 1 (own chunk only), per-token gating, causal, "
+                   "bool key_padding_mask (lengths 37, 20): the padded tokens of chunks 3 and 4 of batch 1 "
+                   "see no allowed key (zero attention, not NaN)",
+                   37, 8, 1, True, lengths=(37, 20), require_empty_rows=True, gating="token"),
     ]
     for k_all, seeds in ((5, (10300, 10400, 10700)), (100, (10500, 10600, 10800))):
         for (gating, causal), seed in zip((("chunk", False), ("token", True), ("token", False)), seeds):
@@ -1241,7 +1247,8 @@ def _sparse_try_seed(c: SparseCase, seed: int, kpm: Optional[np.ndarray]):
         p = {k: v.astype(vals_dt).astype(arith_dt) for k, v in params.items()}
         mha = _sparse_mha(c, p, arith_dt)
         results[label] = sparse_ref.selection(mha, torch.from_numpy(x.astype(vals_dt).astype(arith_dt)),
-                                              c.chunk, c.top_k, c.gating, c.causal)
+                                              c.chunk, c.top_k, c.gating, c.causal,
+                                              None if kpm is None else torch.from_numpy(kpm))
     keep, selected, margin = results["f64"]
     for label, (k2, s2, m2) in results.items():
         if not torch.equal(keep, k2) or not torch.equal(selected, s2):

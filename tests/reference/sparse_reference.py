@@ -13,7 +13,10 @@ Definition (x is [B, L, E], self-attention only; dh = E / H, head h = columns [h
 
 * q, k, v = x W_q^T + b_q, x W_k^T + b_k, x W_v^T + b_v (the three blocks of in_proj), split in heads.
 * Chunks: m = ceil(L / c); chunk j = positions [j*c, min((j+1)*c, L)) (the last one may be partial).
-  qbar_i, kbar_j = means of the PROJECTED queries / keys of head h over the positions of the chunk.
+  qbar_i, kbar_j = means of the PROJECTED queries / keys of head h over the positions of the chunk that
+  are real tokens: a key padding mask (True = padding) leaves its positions out of the means. A chunk
+  without a real token has no mean: its score is -inf for every query row, and the row of such a query
+  chunk (gating "chunk") scores -inf everywhere (it then keeps the lowest candidates, by the tie rule).
 * Gating "chunk" (never causal): a selection row per query chunk i; scores s_ij = qbar_i . kbar_j (no
   scaling: it would not change the order); candidates = all chunks j != i; S_i = {i} U the (top_k - 1)
   candidates with the highest s_ij, ties to the lower index; when top_k - 1 >= the number of candidates,
@@ -24,7 +27,7 @@ Definition (x is [B, L, E], self-attention only; dh = E / H, head h = columns [h
 * Fine stage: query position t attends, with ONE softmax (scale 1/sqrt(dh)), to every key position u of
   the chunks in its selection, with causal additionally u <= t, and with a key padding mask (bool
   [B, L], True = ignore, torch's convention) only to keys that are not padded. A row without any allowed
-  key gives zero attention (not NaN). The selection ignores the padding mask.
+  key gives zero attention (not NaN).
 * y = out_proj(concat_heads(attention)).
 
 With top_k >= m the layer is nn.MultiheadAttention itself (causal: with attn_mask = triu(ones, 1)).
@@ -70,15 +73,32 @@ def project_heads(mha: nn.MultiheadAttention, x: torch.Tensor) -> Tuple[torch.Te
     return tuple(t.reshape(B, L, H, E // H).transpose(1, 2) for t in (q, k, v))
 
 
-def chunk_means(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """[..., m, dh]: the chunk means of x [..., L, dh]."""
-    return chunk_averaging(x.shape[-2], chunk_size, x.dtype) @ x
+def chunk_means(x: torch.Tensor, chunk_size: int, real: Optional[torch.Tensor] = None):
+    """The chunk means of x [B, H, L, dh] over its real positions (real [B, L] bool; None: every
+    position): ([B, H, m, dh] means, [B, 1, m] bool "the chunk has a real position"). A chunk without
+    one gets a zero mean (its scores are replaced by -inf)."""
+    B, L = x.shape[0], x.shape[-2]
+    member = chunk_membership(L, chunk_size).t().to(x.dtype)  # [m, L]
+    weight = member.expand(B, 1, *member.shape)
+    if real is not None:
+        weight = weight * real.to(x.dtype).view(B, 1, 1, L)
+    count = weight.sum(dim=-1, keepdim=True)
+    return (weight / count.clamp(min=1)) @ x, count[..., 0] > 0
 
 
-def gating_scores(q: torch.Tensor, k: torch.Tensor, chunk_size: int, gating: str) -> torch.Tensor:
-    """Chunk scores: [B, H, m, m] = qbar kbar^T (gating "chunk") or [B, H, L, m] = q kbar^T ("token")."""
-    queries = chunk_means(q, chunk_size) if gating == "chunk" else q
-    return queries @ chunk_means(k, chunk_size).transpose(-2, -1)
+def gating_scores(q: torch.Tensor, k: torch.Tensor, chunk_size: int, gating: str,
+                  key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Chunk scores: [B, H, m, m] = qbar kbar^T (gating "chunk") or [B, H, L, m] = q kbar^T ("token");
+    -inf for a key chunk without a real position (and for the rows of such a query chunk)."""
+    real = None if key_padding_mask is None else ~key_padding_mask
+    kbar, k_real = chunk_means(k, chunk_size, real)
+    if gating == "chunk":
+        qbar, q_real = chunk_means(q, chunk_size, real)
+        scores = qbar @ kbar.transpose(-2, -1)
+        scores = scores.masked_fill(~q_real.unsqueeze(-1), float("-inf"))
+    else:
+        scores = q @ kbar.transpose(-2, -1)
+    return scores.masked_fill(~k_real.unsqueeze(-2), float("-inf"))
 
 
 def own_and_candidates(seq_len: int, chunk_size: int, gating: str, causal: bool):
@@ -138,6 +158,8 @@ def select_chunks(scores: torch.Tensor, top_k: int, own: torch.Tensor, cand: tor
     a = torch.where(last_in, s64, zero).sum(dim=-1)
     b = torch.where(first_out, s64, zero).sum(dim=-1)
     rel = (a - b) / (1.0 + torch.maximum(a.abs(), b.abs()))
+    # A -inf score (a chunk without a real token) cannot move by rounding: no margin to keep there.
+    rel = torch.where(torch.isinf(a) | torch.isinf(b), torch.full_like(rel, math.inf), rel)
     margin = torch.where(has, rel, torch.full_like(rel, math.inf))
     return keep, srt.to(torch.int64), margin
 
@@ -157,13 +179,14 @@ def allowed_mask(keep: torch.Tensor, seq_len: int, chunk_size: int, gating: str,
 
 
 def selection(mha: nn.MultiheadAttention, x: torch.Tensor, chunk_size: int, top_k: int, gating: str,
-              causal: bool):
+              causal: bool, key_padding_mask: Optional[torch.Tensor] = None):
     """select_chunks on the gating scores of mha's own projections of x, in x's dtype (call it with a
-    float64 module and x for the fixtures' selection)."""
+    float64 module and x for the fixtures' selection); the padded positions (key_padding_mask True) are
+    left out of the chunk means."""
     with torch.no_grad():
         q, k, _ = project_heads(mha, x)
         own, cand = own_and_candidates(x.shape[1], chunk_size, gating, causal)
-        return select_chunks(gating_scores(q, k, chunk_size, gating), top_k, own, cand)
+        return select_chunks(gating_scores(q, k, chunk_size, gating, key_padding_mask), top_k, own, cand)
 
 
 def sparse_c2f_attention(mha: nn.MultiheadAttention, x: torch.Tensor, chunk_size: int, top_k: int,
@@ -178,7 +201,7 @@ def sparse_c2f_attention(mha: nn.MultiheadAttention, x: torch.Tensor, chunk_size
     dh = E // H
     with torch.no_grad():
         if keep is None:
-            keep, _, _ = selection(mha, x, chunk_size, top_k, gating, causal)
+            keep, _, _ = selection(mha, x, chunk_size, top_k, gating, causal, key_padding_mask)
         q, k, v = project_heads(mha, x)
         allowed = allowed_mask(keep, L, chunk_size, gating, causal, key_padding_mask)
         s = (q @ k.transpose(-2, -1)) / math.sqrt(dh)

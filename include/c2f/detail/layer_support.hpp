@@ -26,6 +26,8 @@
 
 #include <array>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 namespace c2f {
@@ -38,8 +40,10 @@ struct HeadShape {
 };
 
 /// "<layer> needs embed_dim >= min_embed and num_heads > 0 dividing it": the check of every layer with
-/// heads, for its first member (so that no member is built from invalid sizes).
-inline HeadShape checked_heads(const char* layer, Index embed_dim, Index num_heads, Index min_embed = 1) {
+/// heads, for its first member (so that no member is built from invalid sizes); and its weights, about
+/// `matrices` of [embed_dim, embed_dim] Scalars, must be allocatable (c2f/core.hpp, kMaxBufferBytes).
+template <class Scalar>
+HeadShape checked_heads(const char* layer, Index embed_dim, Index num_heads, Index min_embed, Index matrices) {
   if (embed_dim < min_embed || num_heads <= 0) {
     fail(layer, " needs embed_dim >= ", min_embed, " and num_heads > 0, got embed_dim=", embed_dim,
          ", num_heads=", num_heads);
@@ -47,6 +51,9 @@ inline HeadShape checked_heads(const char* layer, Index embed_dim, Index num_hea
   if (embed_dim % num_heads != 0) {
     fail(layer, ": embed_dim (", embed_dim, ") must be divisible by num_heads (", num_heads, ")");
   }
+  check_buffer_of<Scalar>((std::string(layer) + ": its weights (about " + std::to_string(matrices) +
+                           " x embed_dim x embed_dim values)").c_str(),
+                          {matrices, embed_dim, embed_dim});
   return {embed_dim, num_heads};
 }
 
@@ -110,9 +117,12 @@ std::array<Index, 3> check_call(const char* layer, const Masks<Scalar>& masks, M
   return dims;
 }
 
-/// A fresh [dims] output (huge pages advised when large) filled by fill(rows of it).
+/// A fresh [dims] output (huge pages advised when large) filled by fill(rows of it); refused before it
+/// is allocated when it would exceed kMaxBufferBytes.
 template <class Scalar, class Fill>
-Tensor3<Scalar> fresh_output(const std::array<Index, 3>& dims, Fill&& fill) {
+Tensor3<Scalar> fresh_output(const char* layer, const std::array<Index, 3>& dims, Fill&& fill) {
+  check_buffer_of<Scalar>((std::string(layer) + ": an output " + shape_string({dims[0], dims[1], dims[2]})).c_str(),
+                          {dims[0], dims[1], dims[2]});
   Tensor3<Scalar> y(dims[0], dims[1], dims[2]);
   prefer_huge_pages(y);
   fill(OutRows<Scalar>(Eigen::Map<RowMatrix<Scalar>>(y.data(), dims[0] * dims[1], dims[2])));
@@ -127,20 +137,32 @@ std::array<Index, 3> same_length_shape(const ConstTensor3Ref<Scalar>& x, Index i
   return {x.batch(), x.seq(), out_features};
 }
 
-/// The contract's CRTP base of a layer on [batch, seq, features] input: state dicts (Module),
-/// forward(x, masks) = forward_into(x, fresh buffer, masks), and — for a layer that maps [B, L,
-/// embed_dim] to [B, L, embed_dim] — output_shape(x). Derived provides
-///   static constexpr const char* type_name;  static constexpr MaskFields mask_fields;
-///   void forward_into(ConstTensor3Ref<Scalar>, OutRows<Scalar>, const Masks<Scalar>&) const
+/// The contract's CRTP base of a layer on [batch, seq, features] input: state dicts (Module), and
+/// forward(x, masks) and forward_into(x, out, masks), which check the mask fields, x and out, then run
+/// Derived::compute(x, out, masks), with every error in the layer's name. For a layer that maps [B, L,
+/// embed_dim] to [B, L, embed_dim] also output_shape(x). Derived provides
+///   C2F_LAYER_TRAITS(name, fields);
+///   void compute(const ConstTensor3Ref<Scalar>&, OutRows<Scalar>, const Masks<Scalar>&) const  (private;
+///        friend LayerBase: the checks have run)
 /// and embed_dim(), or its own output_shape(x) (which validates x). A layer with more forward overloads
-/// brings this one in with `using LayerBase<…>::forward;`.
+/// brings these in with `using LayerBase<…>::forward;`.
 template <class Derived, class Scalar>
 class LayerBase : public Module<Derived> {
  public:
-  /// x [batch, seq, features] → a fresh output of output_shape(x); see Derived::forward_into.
+  /// x [batch, seq, features] → a fresh output of output_shape(x) (the same bits as forward_into).
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    const Derived& self = derived();
-    return fresh_output<Scalar>(self.output_shape(x), [&](OutRows<Scalar> out) { self.forward_into(x, out, masks); });
+    return named(Derived::type_name, [&] {
+      const std::array<Index, 3> dims = derived().output_shape(x);
+      check_mask_fields(masks, Derived::type_name, Derived::mask_fields);
+      return fresh_output<Scalar>(Derived::type_name, dims, [&](OutRows<Scalar> out) { derived().compute(x, out, masks); });
+    });
+  }
+  /// Into the caller's out [batch·seq, features] (overwritten; nothing outside it is written).
+  void forward_into(ConstTensor3Ref<Scalar> x, OutRows<Scalar> out, const Masks<Scalar>& masks = {}) const {
+    named(Derived::type_name, [&] {
+      check_call(Derived::type_name, masks, Derived::mask_fields, derived().output_shape(x), out);
+      derived().compute(x, out, masks);
+    });
   }
   /// x [B, L, embed_dim] → [B, L, embed_dim].
   std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
@@ -149,12 +171,6 @@ class LayerBase : public Module<Derived> {
 
  protected:
   LayerBase() = default;
-  /// The entry checks of forward_into — the mask fields the layer takes, x, out — in the layer's name;
-  /// returns output_shape(x).
-  std::array<Index, 3> check_call(const ConstTensor3Ref<Scalar>& x, const OutRows<Scalar>& out,
-                                  const Masks<Scalar>& masks) const {
-    return detail::check_call(Derived::type_name, masks, Derived::mask_fields, derived().output_shape(x), out);
-  }
 
  private:
   const Derived& derived() const { return static_cast<const Derived&>(*this); }
@@ -165,15 +181,16 @@ class LayerBase : public Module<Derived> {
 template <class Derived, class Scalar>
 class RowLayerBase : public LayerBase<Derived, Scalar> {
  public:
-  /// out [B·L_out, features] (overwritten).
-  void forward_into(ConstTensor3Ref<Scalar> x, OutRows<Scalar> out, const Masks<Scalar>& masks = {}) const {
-    this->check_call(x, out, masks);
-    static_cast<const Derived&>(*this).forward_rows(x.rows(), x.batch(), x.seq(), out);
-  }
   std::size_t workspace_bytes(Index /*batch*/, Index /*seq*/) const { return 0; }
 
  protected:
   RowLayerBase() = default;
+
+ private:
+  friend class LayerBase<Derived, Scalar>;
+  void compute(const ConstTensor3Ref<Scalar>& x, OutRows<Scalar> out, const Masks<Scalar>&) const {
+    static_cast<const Derived&>(*this).forward_rows(x.rows(), x.batch(), x.seq(), out);
+  }
 };
 
 /// A causal-capable layer: LayerBase and the decoding interface (Decoder).

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace c2f {
 namespace detail {
@@ -44,12 +45,18 @@ class Module {
   }
 
   /// Strict load (PyTorch's strict=True): a missing key, a wrong shape, a dtype that is not floating
-  /// point, or an unexpected key under `prefix` throws std::invalid_argument naming the key.
-  /// "name" and "name." are the same prefix.
+  /// point, or an unexpected key under `prefix` throws std::invalid_argument naming the layer and the
+  /// key. All or nothing: the tensors are read into a copy of the layer, which replaces it only when
+  /// every key, shape and dtype checked out — a failed load leaves the layer as it was (at the cost of
+  /// its weights held twice during the load). "name" and "name." are the same prefix.
   void load_state_dict(const StateDict& sd, std::string_view prefix = "") {
-    StrictLoader loader(sd, prefix);
-    static_cast<Derived&>(*this).load(loader, "");
-    loader.finish();
+    named(Derived::type_name, [&] {
+      Derived staged = static_cast<const Derived&>(*this);
+      StrictLoader loader(sd, prefix);
+      staged.load(loader, "");
+      loader.finish();
+      static_cast<Derived&>(*this) = std::move(staged);
+    });
   }
 
   /// PyTorch's names under `prefix`, F32 or F64 as the layer's Scalar.

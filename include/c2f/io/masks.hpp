@@ -47,7 +47,7 @@ AttnMask<Scalar> attn_mask_from_tensor(MaskKind kind, const TensorData& t) {
     detail::fail("an attention mask is [queries, keys] or [..., queries, keys], got ", detail::shape_string(s));
   }
   Index n = 1;
-  for (std::size_t i = 0; i + 2 < s.size(); ++i) n *= s[i];
+  for (std::size_t i = 0; i + 2 < s.size(); ++i) n = detail::checked_mul(n, s[i], "attn_mask_from_tensor: the leading dimensions");
   const std::array<Index, 3> dims{n, s[s.size() - 2], s[s.size() - 1]};
   switch (kind) {
     case MaskKind::Keep: return AttnMask<Scalar>::keep(detail::bool_tensor<3>(t, dims));

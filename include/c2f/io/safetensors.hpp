@@ -345,13 +345,14 @@ inline SafetensorsEntry parse_safetensors_entry(const std::string& name, const n
   // Bound the element count so that numel × dtype_size cannot wrap (a plain product of [2^32, 2^32]
   // would wrap to 0 and look like an empty tensor).
   const std::uint64_t elem = dtype_size(e.dtype);
-  const std::optional<std::uint64_t> numel =
-      checked_numel(e.shape, std::numeric_limits<std::uint64_t>::max() / elem);
-  if (!numel) {
+  const std::optional<std::uint64_t> numel = checked_numel(e.shape);  // left to right, as the reference
+  if (!numel || *numel > std::numeric_limits<std::uint64_t>::max() / elem) {
     safetensors_fail(tensor, ": shape ", shape_string(e.shape), " of dtype ", dtype_name(e.dtype),
                      " overflows (the byte count numel × ", elem, " does not fit 64 bits)");
   }
   e.nbytes = *numel * elem;
+  // A shape with a 0 holds nothing, whatever its other dimensions (the reference reader accepts
+  // [2, 2^62, 0, 1]); every use of a shape in c2f checks its own products (c2f/core.hpp).
   return e;
 }
 

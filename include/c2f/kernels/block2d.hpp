@@ -14,6 +14,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/masked_values.hpp"
 #include "c2f/detail/softmax.hpp"
 
 #include <algorithm>
@@ -26,8 +27,8 @@ namespace kernels {
 struct BlockGrid2D {
   Index batch = 0, height = 0, width = 0, block_h = 1, block_w = 1;
 
-  Index blocks_h() const { return height == 0 || width == 0 ? 0 : (height + block_h - 1) / block_h; }
-  Index blocks_w() const { return height == 0 || width == 0 ? 0 : (width + block_w - 1) / block_w; }
+  Index blocks_h() const { return height == 0 || width == 0 ? 0 : detail::ceil_div(height, block_h); }
+  Index blocks_w() const { return height == 0 || width == 0 ? 0 : detail::ceil_div(width, block_w); }
   Index blocks_per_batch() const { return blocks_h() * blocks_w(); }
   /// Block c = b·Mh·Mw + r·Mw + col: its block row r and block column col.
   Index block_row(Index c) const { return (c % blocks_per_batch()) / blocks_w(); }
@@ -102,7 +103,7 @@ void fine_attention_folded_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, c
       for (std::size_t j = 0; j < tokens.size(); ++j) {
         Scalar s = 0;
         for (Index k = 0; k < d; ++k) s += qk(c, h * d + k) * x(tokens[j], k);
-        p[static_cast<Index>(j)] = s + bias(c, h, static_cast<Index>(j));
+        p[static_cast<Index>(j)] = detail::add_bias(s, bias(c, h, static_cast<Index>(j)));
       }
       mass(c, h) = detail::softmax_row(p) ? Scalar(1) : Scalar(0);
       for (Index k = 0; k < d; ++k) {

@@ -13,6 +13,7 @@
 
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
+#include "c2f/detail/masked_values.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/small_gemm.hpp"
 #include "c2f/detail/softmax.hpp"
@@ -30,7 +31,7 @@ namespace kernels {
 struct ChunkGrid {
   Index batch = 0, length = 0, chunk = 1;
 
-  Index chunks_per_batch() const { return length == 0 ? 0 : (length + chunk - 1) / chunk; }
+  Index chunks_per_batch() const { return detail::ceil_div(length, chunk); }
   Index chunks() const { return batch * chunks_per_batch(); }
   /// First token (within its batch) and number of real tokens of chunk c = b·m + i.
   Index first(Index c) const { return (c % chunks_per_batch()) * chunk; }
@@ -82,6 +83,36 @@ void chunk_mean(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, 
       for (Index r = r0; r < r0 + n; ++r) o += x.row(r);
     }
     o /= static_cast<Scalar>(grid.count(c));
+  });
+}
+
+/// chunk_mean over the tokens `keep(c, j)` accepts (token j of block c, in the block's order): the mean of
+/// those, or NaN in every feature when a block keeps none (a summary that ranks below every other in a
+/// selection). With keep always true, the bits of chunk_mean.
+template <class Scalar, class Grid, class Keep>
+void chunk_mean_where(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, Keep&& keep,
+                      Eigen::Ref<RowMatrix<Scalar>> out, const KernelOptions& options) {
+  grid.check("chunk_mean_where");
+  detail::check_shape("chunk_mean_where", "x", x, grid.tokens(), x.cols());
+  detail::check_shape("chunk_mean_where", "out", out, grid.blocks(), x.cols());
+  const double work = detail::kElementWork * static_cast<double>(grid.tokens() * x.cols());
+  detail::parallel_for(grid.blocks(), options.num_threads(), work, [&](Index c, int) {
+    typename Eigen::Ref<RowMatrix<Scalar>>::RowXpr o = out.row(c);
+    o.setZero();
+    Index kept = 0;
+    for (Index s = 0, j = 0; s < grid.segments(c); ++s) {
+      const Index r0 = grid.segment_row(c, s), n = grid.segment_length(c, s);
+      for (Index r = r0; r < r0 + n; ++r, ++j) {
+        if (!keep(c, j)) continue;
+        o += x.row(r);
+        ++kept;
+      }
+    }
+    if (kept == 0) {
+      o.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+    } else {
+      o /= static_cast<Scalar>(kept);
+    }
   });
 }
 
@@ -175,7 +206,7 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
                        more ? x.data() + grid.segment_row(c, s + 1) * x.outerStride() : nullptr,
                        more ? grid.segment_length(c, s + 1) : 0);  // p = q xsᵀ
       for (Index h = 0; h < heads; ++h) {
-        for (Index j = 0; j < n; ++j) ws.p(h, j) += bias(c, h, j0 + j);
+        for (Index j = 0; j < n; ++j) ws.p(h, j) = detail::add_bias(ws.p(h, j), bias(c, h, j0 + j));
         const bool visible = detail::softmax_row(ws.p.row(h), &ws.run_max[h], &ws.run_sum[h]);
         if (s == 0) mass(c, h) = visible ? Scalar(1) : Scalar(0);
       }

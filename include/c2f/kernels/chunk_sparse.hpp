@@ -15,6 +15,7 @@
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
+#include "c2f/detail/masked_values.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/detail/top_picks.hpp"
@@ -32,7 +33,8 @@ namespace c2f {
 namespace kernels {
 
 /// Selected key chunks of every (batch, head, query row), ascending, −1 where fewer than top_k chunks
-/// are eligible: a row-major [batch, heads, queries, top_k] array. A query row is a query chunk
+/// are eligible: a row-major [batch, heads, queries, top_k] array. top_k is the one asked for, capped at
+/// the number of chunks (no row can select more). A query row is a query chunk
 /// (per-chunk gating, queries = chunks per batch item) or a query token (per-token gating, queries =
 /// sequence length).
 struct ChunkSelection {
@@ -61,19 +63,47 @@ struct ChunkSelection {
 };
 
 
+/// A selection of `rows` query rows per (batch, head) with every entry −1, top_k capped at the m chunks.
+inline ChunkSelection empty_selection(const char* kernel, Index batch, Index heads, Index rows, Index top_k, Index m,
+                                      bool per_token) {
+  const Index k = std::max<Index>(1, std::min(top_k, m));
+  const Index entries = detail::checked_product(kernel, {batch, heads, rows, k});
+  detail::check_buffer(kernel, entries, sizeof(Index));
+  return ChunkSelection{batch, heads, rows, k, per_token, std::vector<Index>(static_cast<std::size_t>(entries), -1)};
+}
+
 /// Per-chunk gating (non-causal): per (batch, head), q̄_i and k̄_j are the means of the projected queries
 /// and keys of chunk i and j; query chunk i keeps itself and the (top_k − 1) chunks j ≠ i with the
 /// highest q̄_i·k̄_j (ties to the lower index; all of them when fewer exist).
 template <class Scalar>
+ChunkSelection select_chunks_from_means(const Eigen::Ref<const RowMatrix<Scalar>>& qm,
+                                        const Eigen::Ref<const RowMatrix<Scalar>>& km, const ChunkGrid& grid,
+                                        Index heads, Index top_k, const KernelOptions& options);
+
+template <class Scalar>
 ChunkSelection select_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
                              const ChunkGrid& grid, Index heads, Index top_k, const KernelOptions& options) {
   detail::check_selection_inputs("select_chunks", q, k, grid, heads, top_k);
-  const Index m = grid.chunks_per_batch(), dim = q.cols(), dh = dim / heads;
-  ChunkSelection sel{grid.batch, heads, m, top_k, false,
-                     std::vector<Index>(static_cast<std::size_t>(grid.batch * heads * m * top_k), -1)};
-  RowMatrix<Scalar> qm(grid.chunks(), dim), km(grid.chunks(), dim);
+  RowMatrix<Scalar> qm(grid.chunks(), q.cols()), km(grid.chunks(), q.cols());
   chunk_mean<Scalar>(q, grid, qm, options);
   chunk_mean<Scalar>(k, grid, km, options);
+  return select_chunks_from_means<Scalar>(qm, km, grid, heads, top_k, options);
+}
+
+/// select_chunks from the chunk means q̄, k̄ [batch·m, cols] themselves (e.g. means over the tokens a
+/// key padding mask keeps; a NaN mean ranks below every other chunk).
+template <class Scalar>
+ChunkSelection select_chunks_from_means(const Eigen::Ref<const RowMatrix<Scalar>>& qm,
+                                        const Eigen::Ref<const RowMatrix<Scalar>>& km, const ChunkGrid& grid,
+                                        Index heads, Index top_k, const KernelOptions& options) {
+  const char* kernel = "select_chunks_from_means";
+  detail::check_grid(kernel, grid);
+  detail::check_heads(kernel, qm.cols(), heads);
+  detail::check_shape(kernel, "qm", qm, grid.chunks(), qm.cols());
+  detail::check_shape(kernel, "km", km, grid.chunks(), qm.cols());
+  if (top_k < 1) detail::fail(kernel, ": top_k must be >= 1, got ", top_k);
+  const Index m = grid.chunks_per_batch(), dim = qm.cols(), dh = dim / heads;
+  ChunkSelection sel = empty_selection(kernel, grid.batch, heads, m, top_k, m, false);
   const double work = 2.0 * static_cast<double>(grid.batch * m * m * dim);
   detail::parallel_for(grid.batch * heads, options.num_threads(), work, [&](Index task, int) {
     const Index b = task / heads, h = task % heads;
@@ -115,8 +145,7 @@ ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>
     detail::fail(kernel, ": k_means ", detail::shape_string({k_means.rows(), k_means.cols()}),
                  " must be [batch·m, ", dim, "] with m >= ", needed, " chunk means per batch item");
   }
-  ChunkSelection sel{grid.batch, heads, n, top_k, true,
-                     std::vector<Index>(static_cast<std::size_t>(grid.batch * heads * n * top_k), -1)};
+  ChunkSelection sel = empty_selection(kernel, grid.batch, heads, n, top_k, m, true);
   const Index tasks = grid.batch * chunks.count;
   const double work = 2.0 * static_cast<double>(grid.batch * n * m * dim);
   detail::parallel_for_each_worker<RowMatrix<Scalar>>(tasks, options.num_threads(), work, [&](Index task, RowMatrix<Scalar>& s) {
@@ -156,6 +185,7 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k;
   struct Workspace {
     RowMatrix<Scalar> kg, vg, s;
+    detail::MaskedValues<Scalar> masked;
   };
   const Index tasks = grid.batch * heads * m;
   const double work = detail::attention_work(grid.batch * heads, grid.length, std::min(top_k, m) * grid.chunk, dh, dh);
@@ -185,8 +215,15 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
         filled += count;
       }
     }
+    // Keys the mask hides may hold non-finite values: leave them out (masked_values.hpp).
+    const bool guard = !mask.empty() && ws.masked.find(ws.vg);
+    if (guard) ws.masked.remember_hidden(ws.s);
     for (Index r = 0; r < rows; ++r) detail::softmax_row(ws.s.row(r));
-    out.block(q_row, h * dh, rows, dh).noalias() = ws.s * ws.vg;
+    if (guard) {
+      ws.masked.template product<false>(out.block(q_row, h * dh, rows, dh), ws.s, ws.vg);
+    } else {
+      out.block(q_row, h * dh, rows, dh).noalias() = ws.s * ws.vg;
+    }
   });
 }
 
@@ -223,6 +260,7 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
     std::vector<Index> start, members, fill;  // queries per key chunk: members[start[j] .. start[j+1])
     RowMatrix<Scalar> acc, qg, s, pv, kv;
     Vector<Scalar> run_max, run_sum, alpha;
+    detail::MaskedValues<Scalar> masked;
   };
   const Index tasks = grid.batch * heads;
   const double work = detail::attention_work(grid.batch * heads, n, std::min(top_k, m) * grid.chunk, dh, dh);
@@ -262,21 +300,33 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                           [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
         for (Index r = 0; r < rows; ++r) {
           const Index qi = queries[r], t = p0 + qi;
-          typename RowMatrix<Scalar>::RowXpr row = ws.s.row(r);
-          if (causal && t - j0 < count - 1) row.tail(count - 1 - std::max<Index>(t - j0, -1)).setConstant(kNegInf);
+          if (causal && t - j0 < count - 1) ws.s.row(r).tail(count - 1 - std::max<Index>(t - j0, -1)).setConstant(kNegInf);
           if (!mask.empty()) {
             Eigen::Block<RowMatrix<Scalar>> one = ws.s.block(r, 0, 1, count);
             mask.apply(b, h, qi, j0, one);
           }
-          const Scalar m_old = ws.run_max[qi], m_new = std::max(m_old, row.maxCoeff());
-          const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;  // all hidden so far: no −inf − −inf
-          ws.alpha[r] = std::exp(m_old - shift);
-          detail::exp_shifted(row, shift);
-          ws.run_sum[qi] = ws.alpha[r] * ws.run_sum[qi] + row.sum();
-          ws.run_max[qi] = m_new;
         }
-        if (rows < G) ws.s.bottomRows(G - rows).setZero();
-        detail::as_scalar(v.block(key_row, h * dh, count, dh), ws.kv, [&](const auto& vb) { ws.pv.noalias() = ws.s * vb; });
+        detail::as_scalar(v.block(key_row, h * dh, count, dh), ws.kv, [&](const auto& vb) {
+          // Keys hidden from a row (future ones, masked ones) may hold non-finite values: leave them out.
+          const bool guard = (causal || !mask.empty()) && ws.masked.find(vb);
+          if (guard) ws.masked.remember_hidden(ws.s);
+          for (Index r = 0; r < rows; ++r) {
+            const Index qi = queries[r];
+            typename RowMatrix<Scalar>::RowXpr row = ws.s.row(r);
+            const Scalar m_old = ws.run_max[qi], m_new = std::max(m_old, row.maxCoeff());
+            const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;  // all hidden so far: no −inf − −inf
+            ws.alpha[r] = std::exp(m_old - shift);
+            detail::exp_shifted(row, shift);
+            ws.run_sum[qi] = ws.alpha[r] * ws.run_sum[qi] + row.sum();
+            ws.run_max[qi] = m_new;
+          }
+          if (rows < G) ws.s.bottomRows(G - rows).setZero();
+          if (guard) {
+            ws.masked.template product<false>(ws.pv, ws.s, vb);
+          } else {
+            ws.pv.noalias() = ws.s * vb;
+          }
+        });
         for (Index r = 0; r < rows; ++r) {
           const Index qi = queries[r];
           ws.acc.row(qi) = ws.alpha[r] * ws.acc.row(qi) + ws.pv.row(r);

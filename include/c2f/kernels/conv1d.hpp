@@ -24,17 +24,12 @@ struct Conv1dShape {
   /// Output length for an input of `length` (stride 1): length + left + right padding − kernel + 1.
   Index out_length(Index length) const { return length + left_padding() + right_padding() - kernel + 1; }
 
-  /// This shape after validate().
-  Conv1dShape validated() const {
-    validate();
-    return *this;
-  }
-
   void validate() const {
     if (in_channels <= 0 || out_channels <= 0 || kernel <= 0 || padding < 0 || groups <= 0) {
       detail::fail("Conv1d: in_channels, out_channels, kernel_size and groups must be positive and padding >= 0, got in=",
                    in_channels, " out=", out_channels, " kernel_size=", kernel, " padding=", padding, " groups=", groups);
     }
+    if (padding > (Index(1) << 40)) detail::fail("Conv1d: padding must be at most 2^40, got ", padding);
     if (causal && padding != 0) {
       detail::fail("Conv1d: causal padding adds kernel_size - 1 zeros on the left; padding must be 0, got ", padding);
     }

@@ -13,6 +13,7 @@
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
+#include "c2f/detail/masked_values.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/kernels/chunk.hpp"
@@ -40,6 +41,7 @@ void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   struct Workspace {
     RowMatrix<Scalar> s, kv;
+    detail::MaskedValues<Scalar> masked;
   };
   const Index tasks = grid.batch * windows.count;
   const double work = detail::attention_work(grid.batch * heads, n, std::min(grid.chunk, T), dh, dh);
@@ -53,13 +55,23 @@ void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
     for (Index h = 0; h < heads; ++h) {
       detail::as_scalar(k.block(k_row, h * dh, nk, dh), ws.kv,
                         [&](const auto& kb) { ws.s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * kb.transpose(); });
-      for (Index i = 0; i < nq; ++i) {
-        const Index visible = p0 - w0 + i + 1;  // keys w0 … p0 + i
-        if (causal && visible < nk) ws.s.row(i).tail(nk - visible).setConstant(kNegInf);
-        detail::softmax_row(ws.s.row(i));
+      if (causal) {
+        for (Index i = 0; i < nq; ++i) {
+          const Index visible = p0 - w0 + i + 1;  // keys w0 … p0 + i
+          if (visible < nk) ws.s.row(i).tail(nk - visible).setConstant(kNegInf);
+        }
       }
-      detail::as_scalar(v.block(k_row, h * dh, nk, dh), ws.kv,
-                        [&](const auto& vb) { out.block(q_row, h * dh, nq, dh).noalias() += ws.s * vb; });
+      detail::as_scalar(v.block(k_row, h * dh, nk, dh), ws.kv, [&](const auto& vb) {
+        // Future keys of the window may hold non-finite values: leave them out (masked_values.hpp).
+        const bool guard = causal && ws.masked.find(vb);
+        if (guard) ws.masked.remember_hidden(ws.s);
+        for (Index i = 0; i < nq; ++i) detail::softmax_row(ws.s.row(i));
+        if (guard) {
+          ws.masked.template product<true>(out.block(q_row, h * dh, nq, dh), ws.s, vb);
+        } else {
+          out.block(q_row, h * dh, nq, dh).noalias() += ws.s * vb;
+        }
+      });
     }
   });
 }

@@ -9,12 +9,14 @@
 // Both OVERWRITE `out`, run (batch, head[, query block]) tasks on a caller-chosen number of threads, and
 // check their arguments at entry (std::invalid_argument, in every build type). Every task's arithmetic
 // depends only on its index, so the output bits do not depend on the thread count.
-// A query row with no visible key outputs zeros (and zero weights).
+// A query row with no visible key outputs zeros (and zero weights). A masked key never reaches an
+// output, NaN or Inf in its key or value included (c2f/detail/masked_values.hpp).
 #pragma once
 
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
+#include "c2f/detail/masked_values.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/kernels/heads_view.hpp"
@@ -45,10 +47,18 @@ void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>&
     RowMatrix<Scalar> s(lq, lk);
     s.noalias() = (q.block(b, h, 0, lq) * scale) * k.block(b, h, 0, lk).transpose();
     for (Index i = 0; i < lq; ++i) {
-      for (Index j = 0; j < lk; ++j) s(i, j) += mask.bias(b, h, i, j);
-      c2f::detail::softmax_row(s.row(i));
+      for (Index j = 0; j < lk; ++j) s(i, j) = c2f::detail::add_bias(s(i, j), mask.bias(b, h, i, j));
     }
-    out.block(b, h, 0, lq).noalias() = s * v.block(b, h, 0, lk);
+    const typename HeadsView<const Scalar>::Block vb = v.block(b, h, 0, lk);
+    c2f::detail::MaskedValues<Scalar> masked;
+    const bool guard = masked.find(vb);
+    if (guard) masked.remember_hidden(s);
+    for (Index i = 0; i < lq; ++i) c2f::detail::softmax_row(s.row(i));
+    if (guard) {
+      masked.template product<false>(out.block(b, h, 0, lq), s, vb);
+    } else {
+      out.block(b, h, 0, lq).noalias() = s * vb;
+    }
     if (weights != nullptr) {
       Eigen::Map<RowMatrix<Scalar>>(weights + task * lq * lk, lq, lk) = s;
     }
@@ -93,6 +103,7 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
   struct Workspace {
     RowMatrix<Scalar> q, s, acc, kv;  // kv: a converted key or value block (KV ≠ Scalar)
     Vector<Scalar> m, l, alpha;
+    c2f::detail::MaskedValues<Scalar> masked;
   };
   // Work: the key blocks a causal or length mask skips are not counted (an upper bound).
   const double work = c2f::detail::attention_work(q.batch * q.heads, lq, lk, dk, dv);
@@ -124,8 +135,17 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
       Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
       c2f::detail::as_scalar(k.block(b, h, j0, nj), ws.kv, [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
       if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
-      if (c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
-      c2f::detail::as_scalar(v.block(b, h, j0, nj), ws.kv, [&](const auto& vb) { acc.noalias() += s * vb; });
+      c2f::detail::as_scalar(v.block(b, h, j0, nj), ws.kv, [&](const auto& vb) {
+        // A block the mask cuts through may hide non-finite values: leave them out (masked_values.hpp).
+        const bool guard = status == BlockMask::Partial && ws.masked.find(vb);
+        if (guard) ws.masked.remember_hidden(s);
+        if (c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
+        if (guard) {
+          ws.masked.template product<true>(acc, s, vb);
+        } else {
+          acc.noalias() += s * vb;
+        }
+      });
     }
     typename HeadsView<Scalar>::Block dst = out.block(b, h, i0, ni);
     for (Index r = 0; r < ni; ++r) {
@@ -152,7 +172,7 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
   c2f::detail::check_sdpa("sdpa_split_keys", q, k, v, out, mask, scale);
   const Index bk = std::max<Index>(1, options.key_block()), part_keys = std::max<Index>(1, options.key_part());
   const Index n = q.seq, lk = k.seq, dk = q.dim, dv = v.dim, heads = q.heads;
-  const Index parts = std::max<Index>(1, (lk + part_keys - 1) / part_keys);
+  const Index parts = std::max<Index>(1, c2f::detail::ceil_div(lk, part_keys));
   const Index rows = heads * n;  // (head, query) rows of one task
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   // Per task: the accumulators [rows, dv] and each row's running max and sum.
@@ -162,6 +182,7 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
   struct Workspace {
     RowMatrix<Scalar> q, s, kb, vb;  // kb, vb: converted key and value blocks of every head (KV ≠ Scalar)
     Vector<Scalar> alpha;
+    c2f::detail::MaskedValues<Scalar> masked;
   };
   // Work: the products and exps, and every cached key and value element read once from memory.
   const double work = c2f::detail::attention_work(q.batch * heads, n, lk, dk, dv) +
@@ -198,11 +219,20 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
         if (status == BlockMask::Partial) mask.apply(b, h, 0, j0, s);
         Eigen::VectorBlock<Eigen::Map<Vector<Scalar>>> mh = m.segment(h * n, n), lh = l.segment(h * n, n);
         typename Eigen::Map<RowMatrix<Scalar>>::RowsBlockXpr ah = acc.middleRows(h * n, n);
-        if (c2f::detail::online_softmax_step(s, mh, lh, ws.alpha)) ah = ws.alpha.asDiagonal() * ah;
+        const auto add_values = [&](const auto& vblock) {
+          const bool guard = status == BlockMask::Partial && ws.masked.find(vblock);  // masked_values.hpp
+          if (guard) ws.masked.remember_hidden(s);
+          if (c2f::detail::online_softmax_step(s, mh, lh, ws.alpha)) ah = ws.alpha.asDiagonal() * ah;
+          if (guard) {
+            ws.masked.template product<true>(ah, s, vblock);
+          } else {
+            ah.noalias() += s * vblock;
+          }
+        };
         if constexpr (std::is_same<KV, Scalar>::value) {
-          ah.noalias() += s * v.block(b, h, j0, nj);
+          add_values(v.block(b, h, j0, nj));
         } else {
-          ah.noalias() += s * ws.vb.middleCols(h * dv, dv);
+          add_values(ws.vb.middleCols(h * dv, dv));
         }
       }
     }

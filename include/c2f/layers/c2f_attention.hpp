@@ -67,7 +67,8 @@ class CoarseAttention : public detail::LayerBase<CoarseAttention<Scalar>, Scalar
   C2F_LAYER_TRAITS("CoarseAttention", MaskFields::AttnMask | MaskFields::KeyPaddingMask);
 
   CoarseAttention(Index embed_dim, Index num_heads, Options options = Options())
-      : options_(options),
+      : shape_(detail::checked_heads<Scalar>("CoarseAttention", embed_dim, num_heads, 1, 4)),
+        options_(options),
         mha_(embed_dim, num_heads, detail::inner_options<typename MultiHeadAttention<Scalar>::Options>(options)) {}
 
   Index embed_dim() const { return mha_.embed_dim(); }
@@ -94,14 +95,16 @@ class CoarseAttention : public detail::LayerBase<CoarseAttention<Scalar>, Scalar
   }
   void save(StateDict& sd, const std::string& name) const { mha_.save(sd, name, /*qkv_proj_names=*/true); }
 
-  /// x [B, m, d] → out [B·m, d] (overwritten).
-  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    this->check_call(x, out, masks);
-    mha_.forward_into(x, out, masks);
-  }
+  /// forward(x, masks), forward_into(x, out, masks): x [B, m, d] → [B, m, d] (detail::LayerBase).
   std::size_t workspace_bytes(Index batch, Index seq) const { return mha_.workspace_bytes(batch, seq); }
 
  private:
+  friend class detail::LayerBase<CoarseAttention, Scalar>;
+  void compute(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks) const {
+    mha_.forward_into(x, out, masks);
+  }
+
+  detail::HeadShape shape_;  // first: checked before the wrapped layer is built
   Options options_;
   MultiHeadAttention<Scalar> mha_;
 };
@@ -128,7 +131,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   C2F_LAYER_TRAITS("FineAttention", MaskFields::AttnMask);
 
   FineAttention(Index embed_dim, Index num_heads, Options options = Options())
-      : shape_(detail::checked_heads("FineAttention", embed_dim, num_heads)),
+      : shape_(detail::checked_heads<Scalar>("FineAttention", embed_dim, num_heads, 1, 4)),
         d_(embed_dim),
         heads_(num_heads),
         options_(options),
@@ -169,18 +172,19 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// The module's interface: x [B, m, k, d], coarse_context [B, m, d] → [B, m, k, d].
   Tensor4<Scalar> forward(ConstTensor4Ref<Scalar> x, ConstTensor3Ref<Scalar> coarse_context,
                           const Masks<Scalar>& masks = {}) const {
-    const Index b = x.dimension(0), m = x.dimension(1), k = x.dimension(2), f = x.dimension(3);
-    if (coarse_context.batch() != b || coarse_context.seq() != m) {
-      detail::fail("FineAttention: coarse_context must be [batch, chunks, d] = ",
-                   detail::shape_string({b, m, d_}), " for x ", detail::shape_string({b, m, k, f}), ", got ",
-                   detail::shape_string({coarse_context.batch(), coarse_context.seq(), coarse_context.features()}));
-    }
-    if (k == 0 && m > 0) detail::fail("FineAttention: chunks of length 0 in x ", detail::shape_string({b, m, k, f}));
-    const Tensor3<Scalar> y =
-        forward_chunked(ConstTensor3Ref<Scalar>(x.data(), {b, m * k, f}), std::max<Index>(k, 1), coarse_context, masks);
-    Tensor4<Scalar> out(b, m, k, d_);
-    std::copy(y.data(), y.data() + y.size(), out.data());
-    return out;
+    return detail::named(type_name, [&] {
+      const Index b = x.dimension(0), m = x.dimension(1), k = x.dimension(2), f = x.dimension(3);
+      if (coarse_context.batch() != b || coarse_context.seq() != m) {
+        detail::fail("FineAttention: coarse_context must be [batch, chunks, d] = ",
+                     detail::shape_string({b, m, d_}), " for x ", detail::shape_string({b, m, k, f}), ", got ",
+                     detail::shape_string({coarse_context.batch(), coarse_context.seq(), coarse_context.features()}));
+      }
+      if (k == 0 && m > 0) detail::fail("FineAttention: chunks of length 0 in x ", detail::shape_string({b, m, k, f}));
+      Tensor4<Scalar> out(b, m, k, d_);
+      forward_chunked_into(ConstTensor3Ref<Scalar>(x.data(), {b, m * k, f}), std::max<Index>(k, 1), coarse_context,
+                           Eigen::Map<RowMatrix<Scalar>>(out.data(), b * m * k, d_), masks);
+      return out;
+    });
   }
 
   /// Tokens x [B, L, d] cut into chunks of `chunk` (the last one may be partial), coarse_context
@@ -188,20 +192,30 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// n = 1, B·m or B·m·H; entries at padded positions are ignored) → [B, L, d].
   Tensor3<Scalar> forward_chunked(ConstTensor3Ref<Scalar> x, Index chunk, ConstTensor3Ref<Scalar> coarse_context,
                                   const Masks<Scalar>& masks = {}) const {
-    Tensor3<Scalar> y(x.batch(), x.seq(), d_);
-    detail::prefer_huge_pages(y);
-    forward_chunked_into(x, chunk, coarse_context, Eigen::Map<RowMatrix<Scalar>>(y.data(), x.batch() * x.seq(), d_), masks);
-    return y;
+    return detail::named(type_name, [&] {
+      detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
+      return detail::fresh_output<Scalar>(type_name, {x.batch(), x.seq(), d_}, [&](Eigen::Ref<RowMatrix<Scalar>> out) {
+        forward_chunked_into(x, chunk, coarse_context, out, masks);
+      });
+    });
   }
 
   /// forward_chunked() into caller memory: out [B·L, embed_dim] (e.g. a buffer reused across calls).
   void forward_chunked_into(ConstTensor3Ref<Scalar> x, Index chunk, ConstTensor3Ref<Scalar> coarse_context,
                             Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
+    detail::named(type_name, [&] { run_chunked(x, chunk, coarse_context, out, masks); });
+  }
+
+ private:
+  void run_chunked(const ConstTensor3Ref<Scalar>& x, Index chunk, const ConstTensor3Ref<Scalar>& coarse_context,
+                   Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks) const {
     detail::check_mask_fields(masks, "FineAttention", mask_fields);
-    const AttnMask<Scalar>& mask = masks.attn_mask();
     if (chunk < 1) detail::fail("FineAttention: chunk size must be >= 1, got ", chunk);
     detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
-    const kernels::ChunkGrid grid{x.batch(), x.seq(), chunk};
+    // A chunk longer than the sequence is the sequence: the grid, and the general path's padded grid,
+    // use k = min(chunk, L) (the mask, over the user's chunk, is checked against it and cropped).
+    const Index k = std::min(chunk, std::max<Index>(x.seq(), 1));
+    const kernels::ChunkGrid grid{x.batch(), x.seq(), k};
     const Index m = grid.chunks_per_batch(), chunks = grid.chunks();
     if (coarse_context.batch() != x.batch() || coarse_context.seq() != m || coarse_context.features() != d_) {
       detail::fail("FineAttention: coarse_context must be [batch, ceil(seq / chunk), embed_dim] = ",
@@ -210,13 +224,14 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                    detail::shape_string({coarse_context.batch(), coarse_context.seq(), coarse_context.features()}));
     }
     detail::check_out("FineAttention", out, {x.batch(), x.seq(), d_});
+    const AttnMask<Scalar> mask = fine_mask(masks.attn_mask(), chunks, chunk, k);
     if (chunks == 0) return;
 
     // Chunk c sees only its real keys: a key-length mask per chunk on top of the caller's mask.
     std::vector<Index> real_keys(static_cast<std::size_t>(chunks));
     for (Index c = 0; c < chunks; ++c) real_keys[static_cast<std::size_t>(c)] = grid.count(c);
     const KeyPaddingMask<Scalar> padding = KeyPaddingMask<Scalar>::lengths(real_keys);
-    const MaskView<Scalar> plan(mask, padding, chunks, heads_, chunk, chunk);
+    const MaskView<Scalar> plan(mask, padding, chunks, heads_, k, k);
 
     RowMatrix<Scalar> q(chunks, d_);
     q_proj_.forward_rows(coarse_context.rows(), q);
@@ -232,6 +247,40 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     }
   }
 
+  /// The fine mask, checked against the chunk grid (B·m chunks of `chunk` positions): [chunk, chunk] or
+  /// [n, chunk, chunk] with n = 1, B·m or B·m·H; cropped to [n, k, k] when the chunk is longer than the
+  /// sequence (k = L).
+  AttnMask<Scalar> fine_mask(const AttnMask<Scalar>& mask, Index chunks, Index chunk, Index k) const {
+    const MaskKind kind = mask.kind();
+    if (kind == MaskKind::None || kind == MaskKind::Causal) return mask;
+    const std::array<Index, 3>& d = mask.dims();
+    const bool n_ok = d[0] == 1 || d[0] == chunks || d[0] == detail::checked_mul(chunks, heads_, "FineAttention: B·m·H");
+    if (kind == MaskKind::RelativePosition || !n_ok || d[1] != chunk || d[2] != chunk) {
+      detail::fail("FineAttention: the fine attention mask must be [chunk, chunk] = ", detail::shape_string({chunk, chunk}),
+                   " or [n, chunk, chunk] with n = 1, B·m (", chunks, " chunks) or B·m·H (", chunks * heads_,
+                   "), got ", d[0] == 1 ? detail::shape_string({d[1], d[2]}) : detail::shape_string({d[0], d[1], d[2]}));
+    }
+    if (k == chunk) return mask;
+    if (kind == MaskKind::Additive) {
+      Tensor3<Scalar> cropped(d[0], k, k);
+      for (Index n = 0; n < d[0]; ++n) {
+        for (Index i = 0; i < k; ++i) {
+          for (Index j = 0; j < k; ++j) cropped(n, i, j) = mask.additive_values()[static_cast<std::size_t>((n * chunk + i) * chunk + j)];
+        }
+      }
+      return AttnMask<Scalar>::additive(cropped);
+    }
+    BoolTensor3 keep(d[0], k, k);
+    for (Index n = 0; n < d[0]; ++n) {
+      for (Index i = 0; i < k; ++i) {
+        for (Index j = 0; j < k; ++j) keep(n, i, j) = mask.keep_flags()[static_cast<std::size_t>((n * chunk + i) * chunk + j)] != 0;
+      }
+    }
+    return AttnMask<Scalar>::keep(keep);
+  }
+
+ public:
+
   /// The folded fine stage, without a mask, on any block grid of c2f/kernels/chunk.hpp (a ChunkGrid, a
   /// kernels::BlockGrid2D, ...): tokens x [rows, embed_dim], coarse_context [blocks, embed_dim] (one row
   /// per block) → out [rows, embed_dim], where every real token of block c gets block c's output row. x is
@@ -239,6 +288,13 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   template <class Grid>
   void forward_blocks(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
                       const Eigen::Ref<const RowMatrix<Scalar>>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out) const {
+    detail::named(type_name, [&] { run_blocks(x, grid, coarse_context, out); });
+  }
+
+ private:
+  template <class Grid>
+  void run_blocks(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
+                  const Eigen::Ref<const RowMatrix<Scalar>>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out) const {
     if (x.cols() != d_ || out.cols() != d_ || out.rows() != x.rows() || coarse_context.rows() != grid.blocks() ||
         coarse_context.cols() != d_) {
       detail::fail("FineAttention: forward_blocks needs x [rows, embed_dim=", d_, "], coarse_context [blocks=",
@@ -252,12 +308,15 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     forward_folded(x, grid, q, [](Index, Index, Index) { return Scalar(0); }, out);
   }
 
+ public:
+
   /// Bytes of temporary memory one forward_chunked_into() holds at its peak, besides the output (and
   /// Eigen's GEMM packing buffers, which Eigen keeps on the stack below 128 KiB). On the folded path —
   /// FinePath::Folded, or Auto without a mask that differs inside a chunk — q, the folded queries, the
   /// pooled tokens and the chunk outputs: O((L / chunk) · H · d). On the general path (FinePath::General,
   /// or Auto with such a mask: ask with `general`) the article's [L, 2d] keys and values too.
   std::size_t workspace_bytes(Index batch, Index seq, Index chunk, bool general = false) const {
+    chunk = std::min(std::max<Index>(chunk, 1), std::max<Index>(seq, 1));  // as the forward pass: k = min(chunk, L)
     const kernels::ChunkGrid grid{batch, seq, chunk};
     const std::size_t s = sizeof(Scalar), c = static_cast<std::size_t>(grid.chunks());
     const std::size_t d = static_cast<std::size_t>(d_), h = static_cast<std::size_t>(heads_), dk = d / h;
@@ -387,7 +446,8 @@ class C2FAttention : public detail::LayerBase<C2FAttention<Scalar>, Scalar> {
   C2F_LAYER_TRAITS("C2FAttention", MaskFields::AttnMask | MaskFields::FineAttnMask);
 
   C2FAttention(Index embed_dim, Index num_heads, Index chunk_size, Options options = Options())
-      : chunk_(detail::checked_positive("C2FAttention", "chunk_size", chunk_size)),
+      : shape_(detail::checked_heads<Scalar>("C2FAttention", embed_dim, num_heads, 1, 8)),
+        chunk_(detail::checked_positive("C2FAttention", "chunk_size", chunk_size)),
         options_(options),
         coarse_(embed_dim, num_heads, detail::inner_options<typename CoarseAttention<Scalar>::Options>(options)),
         fine_(embed_dim, num_heads, Options(options).seed(options.seed() + 1)) {}
@@ -414,15 +474,9 @@ class C2FAttention : public detail::LayerBase<C2FAttention<Scalar>, Scalar> {
     fn("fine_attn.", self.fine_);
   }
 
-  /// x [B, L, d] → out [B·L, d] (overwritten); any L ≥ 0 (see the file comment for partial chunks). A
-  /// buffer reused across calls saves the first-touch cost of a fresh output (the operating system maps
-  /// and zeroes every page of it).
-  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    this->check_call(x, out, masks);
-    const Tensor3<Scalar> summaries = coarse_input(x);
-    const Tensor3<Scalar> context = coarse_.forward(summaries, Masks<Scalar>().attn_mask(masks.attn_mask()));
-    fine_.forward_chunked_into(x, chunk_, context, out, Masks<Scalar>().attn_mask(masks.fine_attn_mask()));
-  }
+  /// forward(x, masks), forward_into(x, out, masks) (detail::LayerBase): x [B, L, d] → [B, L, d]; any
+  /// L ≥ 0 (see the file comment for partial chunks). forward_into into a buffer reused across calls
+  /// saves the first-touch cost of a fresh output (the operating system maps and zeroes every page of it).
 
   /// The coarse stage's input: the mean of the real tokens of every chunk, [B, ceil(L / chunk), d].
   Tensor3<Scalar> coarse_input(ConstTensor3Ref<Scalar> x) const {
@@ -443,6 +497,14 @@ class C2FAttention : public detail::LayerBase<C2FAttention<Scalar>, Scalar> {
   }
 
  private:
+  friend class detail::LayerBase<C2FAttention, Scalar>;
+  void compute(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks) const {
+    const Tensor3<Scalar> summaries = coarse_input(x);
+    const Tensor3<Scalar> context = coarse_.forward(summaries, Masks<Scalar>().attn_mask(masks.attn_mask()));
+    fine_.forward_chunked_into(x, chunk_, context, out, Masks<Scalar>().attn_mask(masks.fine_attn_mask()));
+  }
+
+  detail::HeadShape shape_;  // first: checked before the stages are built
   Index chunk_;
   Options options_;
   CoarseAttention<Scalar> coarse_;

@@ -63,16 +63,14 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   C2F_LAYER_TRAITS("C2FAttention2D", MaskFields::None);  // takes no masks
 
   C2FAttention2D(Index embed_dim, Index num_heads, Index block_h, Index block_w, Options options = Options())
-      : block_h_(detail::checked_positive("C2FAttention2D", "block_h", block_h)),
+      : shape_(detail::checked_heads<Scalar>("C2FAttention2D", embed_dim, num_heads, 1, 8)),
+        block_h_(detail::checked_positive("C2FAttention2D", "block_h", block_h)),
         block_w_(detail::checked_positive("C2FAttention2D", "block_w", block_w)),
         options_(options),
+        table_entries_(checked_table_entries(options, num_heads)),
         coarse_(embed_dim, num_heads, detail::inner_options<typename CoarseAttention<Scalar>::Options>(options)),
         fine_(embed_dim, num_heads,
               detail::inner_options<typename FineAttention<Scalar>::Options>(options, 1).fine_path(FinePath::Folded)) {
-    if (options.relative_position_bias() && (options.max_blocks_h() < 1 || options.max_blocks_w() < 1)) {
-      detail::fail("C2FAttention2D: relative_position_bias needs max_blocks_h >= 1 and max_blocks_w >= 1, got ",
-                   options.max_blocks_h(), " and ", options.max_blocks_w());
-    }
     reset_parameters(options.seed());
   }
 
@@ -128,26 +126,31 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   /// x [B, height·width, embed_dim], tokens of a height × width grid flattened row-major → [B, height·width,
   /// embed_dim] (validates x and the grid).
   std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x, Index height, Index width) const {
-    checked_grid(x, height, width);
+    detail::named(type_name, [&] { checked_grid(x, height, width); });
     return {x.batch(), x.seq(), embed_dim()};
   }
   /// forward_into on a fresh buffer.
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, Index height, Index width, const Masks<Scalar>& masks = {}) const {
-    return detail::fresh_output<Scalar>(output_shape(x, height, width), [&](Eigen::Ref<RowMatrix<Scalar>> out) {
-      forward_into(x, height, width, out, masks);
+    return detail::named(type_name, [&] {
+      const kernels::BlockGrid2D grid = checked_grid(x, height, width);
+      detail::check_mask_fields(masks, type_name, mask_fields);
+      return detail::fresh_output<Scalar>(type_name, {x.batch(), x.seq(), embed_dim()},
+                                          [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(x, grid, out); });
     });
   }
   /// Into caller memory: out [B·height·width, embed_dim] (overwritten; e.g. a buffer reused across calls).
   void forward_into(ConstTensor3Ref<Scalar> x, Index height, Index width, Eigen::Ref<RowMatrix<Scalar>> out,
                     const Masks<Scalar>& masks = {}) const {
-    const kernels::BlockGrid2D grid = checked_grid(x, height, width);
-    detail::check_call(type_name, masks, mask_fields, {x.batch(), x.seq(), embed_dim()}, out);
-    run(x, grid, out);
+    detail::named(type_name, [&] {
+      const kernels::BlockGrid2D grid = checked_grid(x, height, width);
+      detail::check_call(type_name, masks, mask_fields, {x.batch(), x.seq(), embed_dim()}, out);
+      run(x, grid, out);
+    });
   }
 
   /// The coarse stage's input: the mean of each block's real tokens, [B, Mh·Mw, embed_dim].
   Tensor3<Scalar> coarse_input(ConstTensor3Ref<Scalar> x, Index height, Index width) const {
-    const kernels::BlockGrid2D grid = checked_grid(x, height, width);
+    const kernels::BlockGrid2D grid = detail::named(type_name, [&] { return checked_grid(x, height, width); });
     Tensor3<Scalar> summaries(x.batch(), grid.blocks_per_batch(), embed_dim());
     kernels::chunk_mean<Scalar>(x.rows(), grid, Eigen::Map<RowMatrix<Scalar>>(summaries.data(), grid.blocks(), embed_dim()),
                                 detail::kernel_options(options_));
@@ -183,12 +186,27 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   }
 
  private:
-  Index table_entries() const { return (2 * options_.max_blocks_h() - 1) * (2 * options_.max_blocks_w() - 1); }
+  Index table_entries() const { return table_entries_; }
+  /// (2·Gh − 1)·(2·Gw − 1) rows of the bias table (0 without the bias), refused when the table could not
+  /// be allocated.
+  static Index checked_table_entries(const Options& o, Index heads) {
+    if (!o.relative_position_bias()) return 0;
+    if (o.max_blocks_h() < 1 || o.max_blocks_w() < 1) {
+      detail::fail("C2FAttention2D: relative_position_bias needs max_blocks_h >= 1 and max_blocks_w >= 1, got ",
+                   o.max_blocks_h(), " and ", o.max_blocks_w());
+    }
+    const char* what = "C2FAttention2D: the relative position bias table";
+    const Index entries = detail::checked_mul(detail::checked_mul(2, o.max_blocks_h(), what) - 1,
+                                              detail::checked_mul(2, o.max_blocks_w(), what) - 1, what);
+    detail::check_buffer_of<Scalar>(what, {entries, heads});
+    return entries;
+  }
 
   kernels::BlockGrid2D checked_grid(const ConstTensor3Ref<Scalar>& x, Index height, Index width) const {
     detail::check_features(x, embed_dim(), "C2FAttention2D", "x", "embed_dim");
-    if (height < 0 || width < 0 || x.seq() != height * width) {
-      detail::fail("C2FAttention2D: x must be [batch, height·width = ", height, "·", width, " = ", height * width,
+    const Index tokens = detail::checked_mul(height, width, "C2FAttention2D: the grid height x width");
+    if (x.seq() != tokens) {
+      detail::fail("C2FAttention2D: x must be [batch, height·width = ", height, "·", width, " = ", tokens,
                    ", embed_dim] for a ", height, " x ", width, " grid, got ",
                    detail::shape_string({x.batch(), x.seq(), x.features()}));
     }
@@ -214,9 +232,11 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     fine_.forward_blocks(x.rows(), grid, Eigen::Map<const RowMatrix<Scalar>>(context.data(), grid.blocks(), d), out);
   }
 
+  detail::HeadShape shape_;  // first: checked before the stages are built
   Index block_h_;
   Index block_w_;
   Options options_;
+  Index table_entries_;
   CoarseAttention<Scalar> coarse_;
   FineAttention<Scalar> fine_;
   RowMatrix<Scalar> table_;  ///< [(2·Gh − 1)·(2·Gw − 1), num_heads]

@@ -30,8 +30,8 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
   C2F_LAYER_TRAITS("Conv1d", MaskFields::None);  // takes no masks
 
   Conv1d(Index in_channels, Index out_channels, Index kernel_size, Options options = Options())
-      : shape_(kernels::Conv1dShape{in_channels, out_channels, kernel_size, options.padding(), options.groups(),
-                                    options.causal()}.validated()),
+      : shape_(checked_shape(kernels::Conv1dShape{in_channels, out_channels, kernel_size, options.padding(),
+                                                  options.groups(), options.causal()})),
         options_(options) {
     detail::check_scalar<Scalar>();
     reset_parameters(options.seed());
@@ -86,6 +86,12 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
   }
 
  private:
+  static kernels::Conv1dShape checked_shape(const kernels::Conv1dShape& s) {
+    s.validate();
+    detail::check_buffer_of<Scalar>("Conv1d: the weight [out_channels, in_channels / groups, kernel_size]",
+                                    {s.out_channels, s.in_per_group(), s.kernel});
+    return s;
+  }
   Index out_length(Index length) const { return std::max<Index>(0, shape_.out_length(length)); }
 
   kernels::Conv1dShape shape_;  // first: validated before anything else is built
@@ -112,7 +118,7 @@ class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scala
   C2F_LAYER_TRAITS("C3K2Projection", MaskFields::None);  // takes no masks
 
   C3K2Projection(Index embed_dim, Index num_heads, Options options = Options())
-      : shape_(detail::checked_heads("C3K2Projection", embed_dim, num_heads, /*min_embed=*/2)),
+      : shape_(detail::checked_heads<Scalar>("C3K2Projection", embed_dim, num_heads, /*min_embed=*/2, 2)),
         options_(options),
         conv3_(embed_dim, embed_dim / 2, 3, conv_options(options, /*padding=*/1, 0)),
         conv2_(embed_dim, embed_dim - embed_dim / 2, 1, conv_options(options, /*padding=*/0, 1)) {}

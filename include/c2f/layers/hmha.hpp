@@ -58,7 +58,7 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   C2F_LAYER_TRAITS("HMHA", MaskFields::None);  // takes no masks
 
   HMHA(Index embed_dim, Index num_heads, Index window, Options options = Options())
-      : shape_(detail::checked_heads("HMHA", embed_dim, num_heads, /*min_embed=*/2)),
+      : shape_(detail::checked_heads<Scalar>("HMHA", embed_dim, num_heads, /*min_embed=*/2, 7)),
         window_(detail::checked_positive("HMHA", "window", window)),
         options_(options),
         q_proj_(embed_dim, num_heads, projection_options(options, 0)),
@@ -104,8 +104,8 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
 
    private:
     friend class HMHA;
-    DecodeStateOf(Index batch, Index embed_dim, Index window)
-        : detail::DecodeStateBase<Cache>(batch, embed_dim),
+    DecodeStateOf(Index batch, Index embed_dim, Index window, std::string made_by)
+        : detail::DecodeStateBase<Cache>(batch, embed_dim, std::move(made_by)),
           windows_(batch, embed_dim, window, /*values=*/true),
           tail_(RowMatrix<Scalar>::Zero(2 * batch, embed_dim)) {}
     detail::ChunkSummaries<Scalar> windows_;
@@ -113,19 +113,7 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   };
   using DecodeState = DecodeStateOf<Scalar>;
 
-  /// x [B, L, E] → out [B·L, E] (overwritten).
-  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    this->check_call(x, out, masks);
-    const Index batch = x.batch(), length = x.seq(), rows = batch * length;
-    RowMatrix<Scalar> q(rows, shape_.embed_dim), k(rows, shape_.embed_dim), v(rows, shape_.embed_dim), o(rows, shape_.embed_dim);
-    for (RowMatrix<Scalar>* buffer : {&q, &k, &v, &o}) detail::prefer_huge_pages(*buffer);
-    q_proj_.forward_rows(x.rows(), batch, length, q);
-    k_proj_.forward_rows(x.rows(), batch, length, k);
-    v_proj_.forward_rows(x.rows(), batch, length, v);
-    o.setZero();
-    attend(q, k, v, batch, length, o);
-    out_proj_.forward_rows(o, out);
-  }
+  /// forward(x, masks), forward_into(x, out, masks) (detail::LayerBase): x [B, L, E] → [B, L, E].
 
   /// Bytes of temporary memory one forward_into() holds at its peak: q, k, v and the summed levels
   /// ([B·L, E] each) and the largest level's scratch — level 1 a [window, window] score block per
@@ -189,10 +177,28 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   }
 
  private:
+  friend class detail::LayerBase<HMHA, Scalar>;
+  void compute(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>&) const {
+    const Index batch = x.batch(), length = x.seq(), rows = batch * length, e = shape_.embed_dim;
+    RowMatrix<Scalar> q(rows, e), k(rows, e), v(rows, e), o(rows, e);
+    for (RowMatrix<Scalar>* buffer : {&q, &k, &v, &o}) detail::prefer_huge_pages(*buffer);
+    q_proj_.forward_rows(x.rows(), batch, length, q);
+    k_proj_.forward_rows(x.rows(), batch, length, k);
+    v_proj_.forward_rows(x.rows(), batch, length, v);
+    o.setZero();
+    attend(q, k, v, batch, length, o);
+    out_proj_.forward_rows(o, out);
+  }
+
   friend class detail::Decoder<HMHA, Scalar>;
   template <class Cache>
   DecodeStateOf<Cache> make_decode_state(Index batch) const {
-    return DecodeStateOf<Cache>(batch, shape_.embed_dim, window_);
+    return DecodeStateOf<Cache>(batch, shape_.embed_dim, window_, decode_config());
+  }
+  /// What shapes a decoding state: a state made by another configuration is refused.
+  std::string decode_config() const {
+    return "HMHA(embed_dim=" + std::to_string(shape_.embed_dim) + ", num_heads=" + std::to_string(shape_.num_heads) +
+           ", window=" + std::to_string(window_) + ")";
   }
 
   template <class Cache>
@@ -238,7 +244,7 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
         kernels::sparse_global_attention_add<Scalar, Cache>(qb, kb, vb, 1, total, shape_.num_heads, ob, true, scale, threads);
       }
     }
-    return detail::fresh_output<Scalar>({batch, outputs, e},
+    return detail::fresh_output<Scalar>(type_name, {batch, outputs, e},
                                         [&](Eigen::Ref<RowMatrix<Scalar>> out) { out_proj_.forward_rows(o, out); });
   }
 

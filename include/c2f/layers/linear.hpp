@@ -24,8 +24,7 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
 
   /// Zero weights and bias, for a layer that initialises its Linear members itself.
   Linear(Index in_features, Index out_features, Options options, detail::NoInit)
-      : weight_(RowMatrix<Scalar>::Zero(detail::checked_positive("Linear", "out_features", out_features),
-                                        detail::checked_positive("Linear", "in_features", in_features))),
+      : weight_(zero_weight(in_features, out_features)),
         bias_(Vector<Scalar>::Zero(options.bias() ? out_features : 0)),
         options_(options) {
     detail::check_scalar<Scalar>();
@@ -82,6 +81,13 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   }
 
  private:
+  static RowMatrix<Scalar> zero_weight(Index in_features, Index out_features) {
+    detail::checked_positive("Linear", "in_features", in_features);
+    detail::checked_positive("Linear", "out_features", out_features);
+    detail::check_buffer_of<Scalar>("Linear: the weight [out_features, in_features]", {out_features, in_features});
+    return RowMatrix<Scalar>::Zero(out_features, in_features);
+  }
+
   RowMatrix<Scalar> weight_;  // first: its sizes are checked before anything else is built
   Vector<Scalar> bias_;
   Options options_;

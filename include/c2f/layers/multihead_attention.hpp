@@ -59,7 +59,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   C2F_LAYER_TRAITS("MultiHeadAttention", MaskFields::AttnMask | MaskFields::KeyPaddingMask);
 
   MultiHeadAttention(Index embed_dim, Index num_heads, Options options = Options())
-      : shape_(detail::checked_heads("MultiHeadAttention", embed_dim, num_heads)),
+      : shape_(detail::checked_heads<Scalar>("MultiHeadAttention", embed_dim, num_heads, 1, 4)),
         kdim_(input_dim("kdim", options.kdim(), embed_dim)),
         vdim_(input_dim("vdim", options.vdim(), embed_dim)),
         options_(options),
@@ -149,29 +149,29 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     out_proj_.save(sd, name + "out_proj.");
   }
 
-  /// Self-attention, forward(x, x, x, masks): x [B, L, E] → [B, L, E].
+  /// Self-attention, forward(x, masks) and forward_into(x, out, masks) (detail::LayerBase): forward(x, x, x,
+  /// masks), x [B, L, E] → [B, L, E].
   using detail::LayerBase<MultiHeadAttention, Scalar>::forward;
+  using detail::LayerBase<MultiHeadAttention, Scalar>::forward_into;
   std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x) const {
     check_inputs(x, x, x);
     return {x.batch(), x.seq(), embed_dim()};
-  }
-  /// Self-attention into caller memory: out [B·L, E] (overwritten).
-  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    forward_into(x, x, x, out, masks);
   }
 
   /// query [B, Lq, E], key [B, Lk, kdim], value [B, Lk, vdim] → [B, Lq, E]. Masks: attn_mask
   /// [Lq, Lk] or [n, Lq, Lk] (n = 1, B or B·H), key_padding_mask [B, Lk].
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key, ConstTensor3Ref<Scalar> value,
                           const Masks<Scalar>& masks = {}) const {
-    check_inputs(query, key, value);
-    return detail::fresh_output<Scalar>({query.batch(), query.seq(), embed_dim()},
-                                        [&](Eigen::Ref<RowMatrix<Scalar>> out) { forward_into(query, key, value, out, masks); });
+    return detail::named(type_name, [&] {
+      check_inputs(query, key, value);
+      return detail::fresh_output<Scalar>(type_name, {query.batch(), query.seq(), embed_dim()},
+                                          [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(query, key, value, masks, out, nullptr); });
+    });
   }
   /// forward(query, key, value, masks) into caller memory: out [B·Lq, E] (overwritten).
   void forward_into(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key, ConstTensor3Ref<Scalar> value,
                     Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    run(query, key, value, masks, out, nullptr);
+    detail::named(type_name, [&] { run(query, key, value, masks, out, nullptr); });
   }
 
   /// Like forward(), and also returns the attention weights (PyTorch's need_weights=True). This
@@ -179,12 +179,16 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   AttnOutput<Scalar> forward_with_weights(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key,
                                           ConstTensor3Ref<Scalar> value, const Masks<Scalar>& masks = {},
                                           AttnWeights mode = AttnWeights::Averaged) const {
-    check_inputs(query, key, value);
-    AttnOutput<Scalar> result;
-    WeightsRequest request{mode, &result.weights};
-    result.output = detail::fresh_output<Scalar>({query.batch(), query.seq(), embed_dim()},
-                                                 [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(query, key, value, masks, out, &request); });
-    return result;
+    return detail::named(type_name, [&] {
+      check_inputs(query, key, value);
+      detail::check_buffer_of<Scalar>("MultiHeadAttention: the attention weights",
+                                      {query.batch(), num_heads(), query.seq(), key.seq()});
+      AttnOutput<Scalar> result;
+      WeightsRequest request{mode, &result.weights};
+      result.output = detail::fresh_output<Scalar>(type_name, {query.batch(), query.seq(), embed_dim()},
+                                                   [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(query, key, value, masks, out, &request); });
+      return result;
+    });
   }
 
   /// The in-projection alone: qp [B·Lq, E] = query W_qᵀ + b_q, kp [B·Lk, E], vp [B·Lk, E] (head h is
@@ -263,6 +267,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
 
   static Index input_dim(const char* what, Index given, Index embed_dim) {
     if (given < 0) detail::fail("MultiHeadAttention: ", what, " must be >= 0 (0 = embed_dim), got ", given);
+    if (given > 0) detail::check_buffer_of<Scalar>("MultiHeadAttention: a key or value projection", {embed_dim, given});
     return given > 0 ? given : embed_dim;
   }
   static typename Linear<Scalar>::Options out_proj_options(const Options& o) {
@@ -271,10 +276,19 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   kernels::KernelOptions kernel_options() const { return detail::kernel_options(options_); }
   int threads_for(Index tasks) const { return detail::resolve_threads(options_.num_threads(), tasks); }
 
+  friend class detail::LayerBase<MultiHeadAttention, Scalar>;
+  void compute(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks) const {
+    run(x, x, x, masks, out, nullptr);
+  }
+
   friend class detail::Decoder<MultiHeadAttention, Scalar>;
   template <class Cache>
   DecodeStateOf<Cache> make_decode_state(Index batch) const {
-    return DecodeStateOf<Cache>(batch, embed_dim());
+    return DecodeStateOf<Cache>(batch, embed_dim(), decode_config());
+  }
+  /// What shapes a decoding state: a state made by another configuration is refused.
+  std::string decode_config() const {
+    return "MultiHeadAttention(embed_dim=" + std::to_string(embed_dim()) + ", num_heads=" + std::to_string(num_heads()) + ")";
   }
 
   /// decode() steps of at most this many new tokens (and every prefill()) attend with sdpa_split_keys.
@@ -303,7 +317,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
                                                         : &kernels::sdpa_streaming<Scalar, Cache>;
     attend(kernels::heads_view(std::as_const(q), batch, outputs, h), state.cache_.key_heads(h),
            state.cache_.value_heads(h), kernels::heads_view(attn, batch, outputs, h), mask, kernels::default_scale<Scalar>(head_dim()), kernel_options());
-    return detail::fresh_output<Scalar>({batch, outputs, e},
+    return detail::fresh_output<Scalar>(type_name, {batch, outputs, e},
                                         [&](Eigen::Ref<RowMatrix<Scalar>> out) { out_proj_.forward_rows(attn, out); });
   }
 

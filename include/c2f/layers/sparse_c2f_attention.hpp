@@ -65,7 +65,8 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   C2F_LAYER_TRAITS("SparseC2FAttention", MaskFields::AttnMask | MaskFields::KeyPaddingMask);
 
   SparseC2FAttention(Index embed_dim, Index num_heads, Index chunk_size, Index top_k, Options options = Options())
-      : chunk_(detail::checked_positive("SparseC2FAttention", "chunk_size", chunk_size)),
+      : shape_(detail::checked_heads<Scalar>("SparseC2FAttention", embed_dim, num_heads, 1, 4)),
+        chunk_(detail::checked_positive("SparseC2FAttention", "chunk_size", chunk_size)),
         top_k_(detail::checked_positive("SparseC2FAttention", "top_k", top_k)),
         options_(options),
         gating_(options.gating() == Gating::Auto ? (options.causal() ? Gating::PerToken : Gating::PerChunk)
@@ -114,25 +115,27 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
 
    private:
     friend class SparseC2FAttention;
-    DecodeStateOf(Index batch, Index embed_dim, Index chunk)
-        : detail::DecodeStateBase<Cache>(batch, embed_dim), means_(batch, embed_dim, chunk, /*values=*/false) {}
+    DecodeStateOf(Index batch, Index embed_dim, Index chunk, std::string made_by)
+        : detail::DecodeStateBase<Cache>(batch, embed_dim, std::move(made_by)),
+          means_(batch, embed_dim, chunk, /*values=*/false) {}
     detail::ChunkSummaries<Scalar> means_;
   };
   using DecodeState = DecodeStateOf<Scalar>;
 
-  /// x [B, L, E] → out [B·L, E] (overwritten).
-  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    run(x, out, masks);
-  }
+  /// forward(x, masks), forward_into(x, out, masks) (detail::LayerBase): x [B, L, E] → [B, L, E].
 
-  /// Also returns the selected key chunks of every (batch, head, query chunk) — of every (batch, head,
-  /// token) with per-token gating.
+  /// forward(), and also the selected key chunks of every (batch, head, query chunk) — of every (batch,
+  /// head, token) with per-token gating.
   SparseAttnOutput<Scalar> forward_with_selection(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    SparseAttnOutput<Scalar> result;
-    result.output = detail::fresh_output<Scalar>(this->output_shape(x), [&](Eigen::Ref<RowMatrix<Scalar>> out) {
-      result.selection = run(x, out, masks);
+    return detail::named(type_name, [&] {
+      const std::array<Index, 3> dims = this->output_shape(x);
+      detail::check_mask_fields(masks, type_name, mask_fields);
+      SparseAttnOutput<Scalar> result;
+      result.output = detail::fresh_output<Scalar>(type_name, dims, [&](Eigen::Ref<RowMatrix<Scalar>> out) {
+        result.selection = run(x, out, masks);
+      });
+      return result;
     });
-    return result;
   }
 
   /// Bytes of temporary memory one forward_into() holds at its peak: the projected q, k, v and the
@@ -163,9 +166,14 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   }
 
  private:
+  friend class detail::LayerBase<SparseC2FAttention, Scalar>;
+  void compute(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks) const {
+    run(x, out, masks);
+  }
+
+  /// The forward pass into out, after the checks; returns the selection.
   kernels::ChunkSelection run(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out,
                               const Masks<Scalar>& masks) const {
-    this->check_call(x, out, masks);
     RowMatrix<Scalar> q, k, v;
     mha_.project(x, x, x, q, k, v);
     const Index batch = x.batch(), length = x.seq(), e = embed_dim(), heads = num_heads();
@@ -177,13 +185,27 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
     kernels::ChunkSelection selection;
     RowMatrix<Scalar> attn(batch * length, e);
     detail::prefer_huge_pages(attn);
+    // The chunk summaries leave out the tokens key padding hides: a padded token is no token, so its
+    // values cannot change which chunks a real token selects (a chunk with none ranks last).
+    const KeyPaddingMask<Scalar>& padding = masks.key_padding_mask();
+    const auto means = [&](const RowMatrix<Scalar>& rows, RowMatrix<Scalar>& out_means) {
+      out_means.resize(grid.chunks(), e);
+      if (padding.is_none()) {
+        kernels::chunk_mean<Scalar>(rows, grid, out_means, threads);
+      } else {
+        const Index m = grid.chunks_per_batch();
+        kernels::chunk_mean_where<Scalar>(
+            rows, grid, [&](Index c, Index j) { return !padding.hides(c / m, grid.first(c) + j); }, out_means, threads);
+      }
+    };
+    RowMatrix<Scalar> k_means, q_means;
+    means(k, k_means);
     if (gating_ == Gating::PerToken) {
-      RowMatrix<Scalar> k_means(grid.chunks(), e);
-      kernels::chunk_mean<Scalar>(k, grid, k_means, threads);
       selection = kernels::select_chunks_per_token<Scalar>(q, k_means, grid, heads, top_k_, causal, threads);
       kernels::token_sparse_attention<Scalar>(q, k, v, grid, heads, selection, attn, causal, mask, scale, threads);
     } else {
-      selection = kernels::select_chunks<Scalar>(q, k, grid, heads, top_k_, threads);
+      means(q, q_means);
+      selection = kernels::select_chunks_from_means<Scalar>(q_means, k_means, grid, heads, top_k_, threads);
       kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, selection, attn, mask, scale, threads);
     }
     mha_.out_proj().forward_rows(attn, out);
@@ -193,7 +215,12 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   friend class detail::Decoder<SparseC2FAttention, Scalar>;
   template <class Cache>
   DecodeStateOf<Cache> make_decode_state(Index batch) const {
-    return DecodeStateOf<Cache>(batch, embed_dim(), chunk_);
+    return DecodeStateOf<Cache>(batch, embed_dim(), chunk_, decode_config());
+  }
+  /// What shapes a decoding state: a state made by another configuration is refused.
+  std::string decode_config() const {
+    return "SparseC2FAttention(embed_dim=" + std::to_string(embed_dim()) + ", num_heads=" + std::to_string(num_heads()) +
+           ", chunk_size=" + std::to_string(chunk_) + ")";
   }
 
   template <class Cache>
@@ -217,10 +244,11 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
                                                      grid, heads, selection, attn.middleRows(b * outputs, outputs),
                                                      /*causal=*/true, MaskView<Scalar>(), scale, threads);
     }
-    return detail::fresh_output<Scalar>({batch, outputs, e},
+    return detail::fresh_output<Scalar>(type_name, {batch, outputs, e},
                                         [&](Eigen::Ref<RowMatrix<Scalar>> out) { mha_.out_proj().forward_rows(attn, out); });
   }
 
+  detail::HeadShape shape_;  // first: checked before the wrapped layer is built
   Index chunk_;
   Index top_k_;
   Options options_;
