@@ -6,7 +6,7 @@ set -euo pipefail
 
 PACKAGES=(
   # build
-  g++ cmake make libeigen3-dev nlohmann-json3-dev
+  g++ cmake make ninja-build libeigen3-dev nlohmann-json3-dev
   # tests: GoogleTest, and PyTorch + numpy to regenerate and check the reference fixtures
   libgtest-dev python3 python3-numpy python3-torch
   # benchmarks: Google Benchmark, matplotlib for the plots, libtorch for the libtorch peer, and OpenBLAS
