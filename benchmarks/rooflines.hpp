@@ -1,5 +1,6 @@
 // Shared by the benchmark binaries: the thread count, fast deterministic inputs, the common counters and
-// the machine's memory rooflines measured in the same run as the entries they are compared with.
+// the machine's rooflines measured in the same run as the entries they are compared with: the FMA peaks
+// (fp32 and, where the CPU has AVX512_BF16, bf16 dot products) and the memory bandwidths.
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -12,6 +13,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define C2F_BENCH_X86 1
+#else
+#define C2F_BENCH_X86 0
+#endif
 
 namespace c2f_bench {
 
@@ -90,6 +101,127 @@ inline void BM_Read(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   set_counters(state, 0.0, double(n) * sizeof(float), 0);
+}
+
+// The compute roofline: register-only loops of independent multiply-adds, the widest the CPU has (checked
+// at run time, so a portable build measures the same peak as a native one). kAccumulators independent
+// chains hide the FMA latency on two FMA pipes (latency 4–5 cycles × 2 pipes ≤ 12); the values stay
+// finite (x ← x·a + b with a < 1) and are summed at the end so the loop cannot be removed.
+namespace peak {
+constexpr int kAccumulators = 12;
+
+#if C2F_BENCH_X86
+__attribute__((target("avx512f"))) inline float fma_avx512(std::int64_t iterations) {
+  __m512 acc[kAccumulators];
+  for (int i = 0; i < kAccumulators; ++i) acc[i] = _mm512_set1_ps(0.001f * float(i));
+  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-6f);
+  for (std::int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kAccumulators; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  }
+  __m512 sum = acc[0];
+  for (int i = 1; i < kAccumulators; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  return _mm512_reduce_add_ps(sum);
+}
+
+__attribute__((target("avx2,fma"))) inline float fma_avx2(std::int64_t iterations) {
+  __m256 acc[kAccumulators];
+  for (int i = 0; i < kAccumulators; ++i) acc[i] = _mm256_set1_ps(0.001f * float(i));
+  const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-6f);
+  for (std::int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kAccumulators; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+  }
+  __m256 sum = acc[0];
+  for (int i = 1; i < kAccumulators; ++i) sum = _mm256_add_ps(sum, acc[i]);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  float total = 0.0f;
+  for (float v : lanes) total += v;
+  return total;
+}
+
+// vdpbf16ps: 16 lanes × 2 bf16 products summed into fp32 — 64 FLOP per instruction.
+__attribute__((target("avx512f,avx512bf16"))) inline float bf16_avx512(std::int64_t iterations) {
+  __m512 acc[kAccumulators];
+  for (int i = 0; i < kAccumulators; ++i) acc[i] = _mm512_set1_ps(0.001f * float(i));
+  const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(-1e-3f));
+  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.5f), _mm512_set1_ps(0.25f));
+  for (std::int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kAccumulators; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  }
+  __m512 sum = acc[0];
+  for (int i = 1; i < kAccumulators; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  return _mm512_reduce_add_ps(sum);
+}
+#endif
+
+/// The widest fp32 FMA this CPU runs: "avx512f" (16 lanes), "avx2+fma" (8 lanes), or "" (none).
+inline std::string fp32_isa() {
+#if C2F_BENCH_X86
+  if (__builtin_cpu_supports("avx512f")) return "avx512f";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2+fma";
+#endif
+  return "";
+}
+
+/// Whether the CPU has AVX512_BF16's vdpbf16ps.
+inline bool has_bf16_dot() {
+#if C2F_BENCH_X86
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+/// FLOP of one loop iteration of `kind` ("fp32" or "bf16") on this CPU, and runs `iterations` of it.
+inline double run(const std::string& kind, std::int64_t iterations, float* sink) {
+#if C2F_BENCH_X86
+  const std::string isa = fp32_isa();
+  if (kind == "bf16") {
+    *sink += bf16_avx512(iterations);
+    return 64.0 * kAccumulators;
+  }
+  if (isa == "avx512f") {
+    *sink += fma_avx512(iterations);
+    return 32.0 * kAccumulators;
+  }
+  *sink += fma_avx2(iterations);
+  return 16.0 * kAccumulators;
+#else
+  (void)kind;
+  (void)iterations;
+  (void)sink;
+  return 0.0;
+#endif
+}
+}  // namespace peak
+
+/// The FMA peak of `kind` ("fp32", "bf16") on range(0) threads: each thread runs the register-only loop
+/// for the same number of iterations at once. Skipped (with the reason) where the CPU lacks the ISA.
+inline void BM_Peak(benchmark::State& state, const std::string& kind) {
+  const int threads = static_cast<int>(state.range(0));
+  if (kind == "bf16" ? !peak::has_bf16_dot() : peak::fp32_isa().empty()) {
+    state.SkipWithError(kind == "bf16" ? "this CPU has no AVX512_BF16 (vdpbf16ps)" : "this CPU has no AVX2+FMA or AVX-512");
+    return;
+  }
+  constexpr std::int64_t kIterations = 1 << 24;
+  std::vector<float> sinks(static_cast<std::size_t>(threads), 0.0f);
+  double flop_per_iteration = 0.0;
+  for (auto _ : state) {
+    // One std::thread per loop (not the pool, whose workers claim tasks: one could run both).
+    std::vector<std::thread> team;
+    for (int t = 1; t < threads; ++t) team.emplace_back([&, t] { peak::run(kind, kIterations, &sinks[std::size_t(t)]); });
+    flop_per_iteration = peak::run(kind, kIterations, &sinks[0]);
+    for (std::thread& member : team) member.join();
+    benchmark::DoNotOptimize(sinks.data());
+  }
+  const double flop = flop_per_iteration * double(kIterations) * threads;
+  state.counters["FLOP"] = flop;
+  state.counters["GFLOPS"] = benchmark::Counter(flop * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = threads;
+  state.SetLabel(kind == "bf16" ? "avx512bf16" : peak::fp32_isa());
 }
 
 }  // namespace c2f_bench
