@@ -75,6 +75,75 @@ TYPED_TEST(KernelTest, LinearMatchesNaiveOnAwkwardShapes) {
   }
 }
 
+// detail::packed_gemm, the fast path of matmul_rows where the build has FMA vectors, called directly so
+// that every build tests it (on its own packets): shapes one either side of the micro-kernel's rows
+// (kMR), columns (kNR) and k-block (kKC), primes and 1; column ranges starting at panel boundaries; with
+// and without bias. Each element is the same sum whatever the partition: two different partitions of
+// the rows and columns give the same bits.
+TYPED_TEST(KernelTest, PackedGemmMatchesNaiveOnAwkwardShapes) {
+  using Scalar = TypeParam;
+  using B = c2f::detail::GemmBlocking<Scalar>;
+  TestRng rng(17);
+  const std::vector<Index> rows = {1, 2, B::kMR - 1, B::kMR, B::kMR + 1, 2 * B::kMR + 1, 37, 121};
+  const std::vector<Index> depths = {1, 3, 31, B::kKC - 1, B::kKC, B::kKC + 1, 2 * B::kKC + 7};
+  const std::vector<Index> widths = {1, B::kNR - 1, B::kNR, B::kNR + 1, 3 * B::kNR + 5, 97};
+  std::vector<Scalar> scratch;
+  for (int rep = 0; rep < 40; ++rep) {
+    const Index n = rng.pick(rows), k = rng.pick(depths), out = rng.pick(widths);
+    const bool with_bias = rng.coin();
+    const RowMatrix<Scalar> x = rng.matrix<Scalar>(n, k), w = rng.matrix<Scalar>(out, k);
+    const c2f::Vector<Scalar> b = rng.matrix<Scalar>(out, 1);
+    const Scalar* bias = with_bias ? b.data() : nullptr;
+    RowMatrix<Scalar> naive(n, out), whole(n, out), split(n, out);
+    c2f::kernels::linear_naive<Scalar>(x, w, bias, naive);
+    c2f::detail::PackedB<Scalar> packed;
+    packed.pack(w.transpose());
+    c2f::detail::packed_gemm<Scalar>(x.data(), k, n, packed, 0, out, bias, whole.data(), out, scratch);
+    // The same product in pieces: rows split after r, columns after the panel boundary c.
+    const Index r = n / 2, c = std::min<Index>(out, B::kNR * ((out / B::kNR + 1) / 2));
+    for (const auto& [r0, nr] : {std::pair<Index, Index>{0, r}, std::pair<Index, Index>{r, n - r}}) {
+      if (nr == 0) continue;
+      for (const auto& [c0, nc] : {std::pair<Index, Index>{0, c}, std::pair<Index, Index>{c, out - c}}) {
+        if (nc > 0) {
+          c2f::detail::packed_gemm<Scalar>(x.data() + r0 * k, k, nr, packed, c0, nc, with_bias ? bias + c0 : nullptr,
+                                           split.data() + r0 * out + c0, out, scratch);
+        }
+      }
+    }
+    std::ostringstream what;
+    what << "packed_gemm n=" << n << " k=" << k << " out=" << out << " bias=" << with_bias << " (kMR " << B::kMR
+         << ", kNR " << B::kNR << ")";
+    expect_close(whole, naive, tolerance<Scalar>() * std::sqrt(double(k)), tolerance<Scalar>(), what.str());
+    EXPECT_TRUE(bitwise_equal(whole, split)) << what.str() << ": a different partition gave other bits";
+  }
+}
+
+// The packed right-hand side of an expression that is not a plain matrix (matmul_rows' callers pass
+// scaled and transposed blocks) and of a row-major one: the same panels as the matrix it evaluates to.
+TYPED_TEST(KernelTest, PackedGemmPacksExpressions) {
+  using Scalar = TypeParam;
+  TestRng rng(18);
+  const RowMatrix<Scalar> x = rng.matrix<Scalar>(45, 70), w = rng.matrix<Scalar>(70, 29);
+  RowMatrix<Scalar> want(45, 29), got(45, 29);
+  want.noalias() = x * (w * Scalar(0.5));
+  std::vector<Scalar> scratch;
+  c2f::detail::PackedB<Scalar> packed;
+  packed.pack(w * Scalar(0.5));
+  c2f::detail::packed_gemm<Scalar>(x.data(), 70, 45, packed, 0, 29, nullptr, got.data(), 29, scratch);
+  expect_close(got, want, tolerance<Scalar>() * std::sqrt(70.0), tolerance<Scalar>(), "row-major scaled B");
+  packed.pack(w.transpose().transpose());
+  c2f::detail::packed_gemm<Scalar>(x.data(), 70, 45, packed, 0, 29, nullptr, got.data(), 29, scratch);
+  want.noalias() = x * w;
+  expect_close(got, want, tolerance<Scalar>() * std::sqrt(70.0), tolerance<Scalar>(), "row-major B");
+  // k = 0: the bias alone.
+  const RowMatrix<Scalar> x0(3, 0), w0(0, 5);
+  const c2f::Vector<Scalar> b = rng.matrix<Scalar>(5, 1);
+  RowMatrix<Scalar> y0(3, 5);
+  packed.pack(w0);
+  c2f::detail::packed_gemm<Scalar>(x0.data(), 0, 3, packed, 0, 5, b.data(), y0.data(), 5, scratch);
+  for (Index i = 0; i < 3; ++i) EXPECT_EQ(RowMatrix<Scalar>(y0.row(i)), RowMatrix<Scalar>(b.transpose()));
+}
+
 TYPED_TEST(KernelTest, LinearRejectsMismatchedShapes) {
   using Scalar = TypeParam;
   RowMatrix<Scalar> x(4, 3), w(5, 2), y(4, 5);
@@ -422,8 +491,11 @@ TEST(KernelWorkspace, StreamingScratchDoesNotGrowWithSequenceLength) {
   c2f::kernels::KernelOptions opt;
   // query_block·dk + query_block·key_block + query_block·dv + 3·query_block floats, whatever the lengths…
   for (Index length : {Index(256), Index(100000)}) {
+    // (+ on the packed path, the last, partial tile of the micro-kernel's rows, packed: kMR × 256 keys)
+    using B = c2f::detail::GemmBlocking<float>;
+    const Index tiles = c2f::detail::kPackedGemm ? B::kMR * 256 : 0;
     EXPECT_EQ(c2f::kernels::sdpa_streaming_workspace_bytes<float>(opt, 64, 64, length, length),
-              sizeof(float) * (64 * 64 + 64 * 256 + 64 * 64 + 3 * 64));
+              sizeof(float) * (64 * 64 + 64 * 256 + 64 * 64 + 3 * 64 + tiles));
   }
   // …and blocks longer than the sequence are the sequence (a query_block of 2^20 on 5 queries).
   opt.query_block(Index(1) << 20);

@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+
 namespace {
 
 using c2f::Index;
@@ -50,6 +52,13 @@ TEST_F(MemoryTest, CounterSeesTheScoreMatrixWhenWeightsAreRequested) {
   EXPECT_GE(m.peak, static_cast<long long>(5 * L * L * sizeof(float)));
 }
 
+// The largest allocation is one block of `bytes`: Eigen adds its alignment to a request where malloc's
+// alignment is less than the build's vectors need (32 bytes with AVX, 64 with AVX-512).
+void expect_one_block(long long largest, std::size_t bytes, const std::string& what) {
+  EXPECT_GE(largest, static_cast<long long>(bytes)) << what;
+  EXPECT_LE(largest, static_cast<long long>(bytes) + EIGEN_MAX_ALIGN_BYTES) << what;
+}
+
 TEST_F(MemoryTest, StreamingForwardAllocatesNoQueryKeyBuffer) {
   c2f::MultiHeadAttention<float> mha(64, 4);
   c2f_test::TestRng rng(22);
@@ -62,7 +71,7 @@ TEST_F(MemoryTest, StreamingForwardAllocatesNoQueryKeyBuffer) {
       const c2f::Tensor3<float> x = rng.tensor<float>(1, L, 64);
       at[i] = measure_forward(mha, x, /*weights=*/false);
       // The largest block is one [L, E] activation (E = 64 ≪ L), never an [L, L] score matrix...
-      EXPECT_EQ(at[i].largest, static_cast<long long>(L * 64 * sizeof(float))) << "L=" << L << " threads=" << threads;
+      expect_one_block(at[i].largest, L * 64 * sizeof(float), "L=" + std::to_string(L) + " threads=" + std::to_string(threads));
       // ...and the total held at once is what workspace_bytes() reports, plus the output (and
       // malloc's rounding and the threads' bookkeeping).
       const long long predicted = static_cast<long long>(mha.workspace_bytes(1, L, L)) + L * 64 * 4;
@@ -97,7 +106,7 @@ TEST_F(MemoryTest, C2FFoldedPathHasNoTokenLevelKeyValueTensor) {
       if (path == c2f::FinePath::General) {
         EXPECT_GE(c2f_memory::largest_allocation(), kv_bytes) << "the counter must see the general path's kv";
       } else {
-        EXPECT_EQ(c2f_memory::largest_allocation(), static_cast<long long>(L * d * sizeof(float))) << "L=" << L;
+        expect_one_block(c2f_memory::largest_allocation(), L * d * sizeof(float), "L=" + std::to_string(L));
         // Output + (summaries, context, q, out per chunk) + per-chunk folded queries and pooled tokens.
         const long long predicted = static_cast<long long>(L * d * sizeof(float) +
                                                            m.fine_attn().workspace_bytes(1, L, chunk));

@@ -3,6 +3,7 @@
 
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
+#include "c2f/detail/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 
@@ -20,6 +21,12 @@ constexpr Index kLinearRowChunk = 128;
 /// the shape, so the bits still do not depend on the thread count.
 constexpr Index kLinearWideRows = 4;
 constexpr Index kLinearColChunk = 256;
+/// From this many rows on, matmul_rows packs the right-hand side once and runs detail::packed_gemm
+/// (where the build has it: detail::kPackedGemm); below, Eigen's product (packing would cost as much
+/// as the multiply-adds of so few rows).
+constexpr Index kPackedGemmMinRows = 32;
+/// Rows per task of the packed path: a multiple of the micro-kernel's 6 or 12 rows.
+constexpr Index kPackedRowChunk = 120;
 
 /// y = x · rhs (+ bias on every row), overwritten, for x [n, k], rhs any [k, out] Eigen matrix expression
 /// (e.g. a transposed weight), bias [out] or nullptr, y [n, out]. Tasks of row chunks (and, for few rows,
@@ -33,10 +40,26 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
                  detail::shape_string({y.rows(), y.cols()}));
   }
   const Index n = x.rows(), out_cols = rhs.cols();
+  const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
+  if (detail::kPackedGemm && n >= kPackedGemmMinRows) {
+    detail::PackedB<Scalar> packed;
+    packed.pack(rhs, options.num_threads());
+    const Index row_chunks = (n + kPackedRowChunk - 1) / kPackedRowChunk;
+    const Index col_width = row_chunks >= kLinearWideRows ? std::max<Index>(out_cols, 1) : kLinearColChunk;
+    const Index col_chunks = std::max<Index>(1, (out_cols + col_width - 1) / col_width);
+    detail::parallel_for_each_worker<std::vector<Scalar>>(
+        row_chunks * col_chunks, options.num_threads(), work, [&](Index task, std::vector<Scalar>& scratch) {
+          const Index r0 = (task / col_chunks) * kPackedRowChunk, c0 = (task % col_chunks) * col_width;
+          const Index rows = std::min(kPackedRowChunk, n - r0), cols = std::min(col_width, out_cols - c0);
+          detail::packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
+                                      bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0,
+                                      y.outerStride(), scratch);
+        });
+    return;
+  }
   const Index row_chunks = (n + kLinearRowChunk - 1) / kLinearRowChunk;
   const Index col_width = row_chunks >= kLinearWideRows ? std::max<Index>(out_cols, 1) : kLinearColChunk;
   const Index col_chunks = std::max<Index>(1, (out_cols + col_width - 1) / col_width);
-  const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
   detail::parallel_for(row_chunks * col_chunks, options.num_threads(), work, [&](Index task, int) {
     const Index r0 = (task / col_chunks) * kLinearRowChunk, c0 = (task % col_chunks) * col_width;
     const Index rows = std::min(kLinearRowChunk, n - r0), cols = std::min(col_width, out_cols - c0);

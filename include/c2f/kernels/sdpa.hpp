@@ -17,6 +17,7 @@
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
 #include "c2f/detail/masked_values.hpp"
+#include "c2f/detail/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/kernels/heads_view.hpp"
@@ -72,15 +73,44 @@ namespace detail {
 inline std::pair<Index, Index> streaming_blocks(const kernels::KernelOptions& options, Index lq, Index lk) {
   return {std::max<Index>(1, std::min(options.query_block(), lq)), std::max<Index>(1, std::min(options.key_block(), lk))};
 }
+
+/// From this many queries on, sdpa_streaming packs each head's keys and values once (where the build has
+/// detail::packed_gemm): below, packing would cost more than the products it speeds up.
+constexpr Index kPackedAttentionMinQueries = 32;
+
+/// Whether sdpa_streaming takes its packed path: the build has packed_gemm, keys and values are Scalar,
+/// enough queries, and key blocks that start on the packed panels' k-blocks.
+template <class Scalar, class KV = Scalar>
+bool streaming_packed(const kernels::KernelOptions& options, Index lq, Index lk) {
+  const Index bk = streaming_blocks(options, lq, lk).second;
+  return kPackedGemm && std::is_same<KV, Scalar>::value && lq >= kPackedAttentionMinQueries &&
+         (bk % GemmBlocking<Scalar>::kKC == 0 || bk >= lk);
+}
 }  // namespace detail
 namespace kernels {
 
 /// Bytes of scratch memory one worker of sdpa_streaming uses for lq queries over lk keys: at most
-/// query_block × key_block scores, whatever the lengths.
+/// query_block × key_block scores (and, on the packed path, a packed tile of rows), whatever the
+/// lengths.
 template <class Scalar>
 std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index qk_dim, Index v_dim, Index lq, Index lk) {
   const auto [bq, bk] = c2f::detail::streaming_blocks(options, lq, lk);
-  return sizeof(Scalar) * static_cast<std::size_t>(bq * qk_dim + bq * bk + bq * v_dim + 3 * bq);
+  Index floats = bq * qk_dim + bq * bk + bq * v_dim + 3 * bq;
+  if (c2f::detail::streaming_packed<Scalar>(options, lq, lk)) {
+    using B = c2f::detail::GemmBlocking<Scalar>;
+    floats += B::kMR * std::min(std::max(qk_dim, bk), B::kKC);  // the last, partial row tile, packed
+  }
+  return sizeof(Scalar) * static_cast<std::size_t>(floats);
+}
+
+/// Bytes sdpa_streaming holds once per call, shared by its workers, for `pairs` (batch, head) pairs: on
+/// the packed path every head's keys and values in the micro-kernel's panels (linear in lk); else 0.
+template <class Scalar>
+std::size_t sdpa_streaming_shared_bytes(const KernelOptions& options, Index pairs, Index qk_dim, Index v_dim, Index lq,
+                                        Index lk) {
+  if (!c2f::detail::streaming_packed<Scalar>(options, lq, lk)) return 0;
+  return static_cast<std::size_t>(pairs) *
+         (c2f::detail::PackedB<Scalar>::bytes(qk_dim, lk) + c2f::detail::PackedB<Scalar>::bytes(lk, v_dim));
 }
 
 /// Streaming kernel: out = softmax(q kᵀ · scale + mask) v (overwritten). Tasks are (batch, head, query
@@ -104,9 +134,26 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
     RowMatrix<Scalar> q, s, acc, kv;  // kv: a converted key or value block (KV ≠ Scalar)
     Vector<Scalar> m, l, alpha;
     c2f::detail::MaskedValues<Scalar> masked;
+    std::vector<Scalar> tiles;  // the packed path's A tiles
   };
   // Work: the key blocks a causal or length mask skips are not counted (an upper bound).
   const double work = c2f::detail::attention_work(q.batch * q.heads, lq, lk, dk, dv);
+  // The packed path (detail::packed_gemm, where the build has it): each head's keys and values packed
+  // once into the micro-kernel's panels, shared by all of its query blocks; the products of a block are
+  // then QKᵀ and PV on those panels. Key blocks must start on the panels' k-blocks.
+  const bool packed = c2f::detail::streaming_packed<Scalar, KV>(options, lq, lk);
+  std::vector<c2f::detail::PackedB<Scalar>> packed_k, packed_v;
+  if (packed) {
+    packed_k.resize(static_cast<std::size_t>(q.batch * q.heads));
+    packed_v.resize(packed_k.size());
+    c2f::detail::parallel_for(q.batch * q.heads, options.num_threads(), work, [&](Index bh, int) {
+      if constexpr (std::is_same<KV, Scalar>::value) {
+        const Index b = bh / q.heads, h = bh % q.heads;
+        packed_k[static_cast<std::size_t>(bh)].pack(k.block(b, h, 0, lk).transpose());
+        packed_v[static_cast<std::size_t>(bh)].pack(v.block(b, h, 0, lk));
+      }
+    });
+  }
   c2f::detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
     if (ws.q.size() == 0) {
       ws.q.resize(bq, dk);
@@ -133,7 +180,12 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
       const BlockMask status = mask.classify(b, i0, ni, j0, nj);
       if (status == BlockMask::Skip) continue;
       Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
-      c2f::detail::as_scalar(k.block(b, h, j0, nj), ws.kv, [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
+      if (packed) {
+        c2f::detail::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)], 0, dk, j0, nj,
+                                               nullptr, false, s.data(), s.outerStride(), ws.tiles);
+      } else {
+        c2f::detail::as_scalar(k.block(b, h, j0, nj), ws.kv, [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
+      }
       if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
       c2f::detail::as_scalar(v.block(b, h, j0, nj), ws.kv, [&](const auto& vb) {
         // A block the mask cuts through may hide non-finite values: leave them out (masked_values.hpp).
@@ -142,6 +194,9 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
         if (c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
         if (guard) {
           ws.masked.template product<true>(acc, s, vb);
+        } else if (packed) {
+          c2f::detail::packed_gemm_range<Scalar>(s.data(), s.outerStride(), ni, packed_v[static_cast<std::size_t>(bh)], j0,
+                                                 j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride(), ws.tiles);
         } else {
           acc.noalias() += s * vb;
         }

@@ -253,8 +253,10 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     if (options_.kernel() == AttnKernel::Naive) {
       return proj + sizeof(Scalar) * static_cast<std::size_t>(lq * lk) * static_cast<std::size_t>(threads_for(batch));
     }
-    return proj + kernels::sdpa_streaming_workspace_bytes<Scalar>(kernel_options(), head_dim(), head_dim(), lq, lk) *
-                      static_cast<std::size_t>(threads_for(batch * num_heads() * lq));
+    return proj +
+           kernels::sdpa_streaming_workspace_bytes<Scalar>(kernel_options(), head_dim(), head_dim(), lq, lk) *
+               static_cast<std::size_t>(threads_for(batch * num_heads() * lq)) +
+           kernels::sdpa_streaming_shared_bytes<Scalar>(kernel_options(), batch * num_heads(), head_dim(), head_dim(), lq, lk);
   }
   /// Self-attention: workspace_bytes(batch, seq, seq).
   std::size_t workspace_bytes(Index batch, Index seq) const { return workspace_bytes(batch, seq, seq); }

@@ -1,0 +1,266 @@
+// c2f — a register-blocked GEMM on packed panels (the BLIS / MLAS structure), on Eigen's packet
+// primitives: C [m, n] = A [m, k] · B [k, n] (+ bias on every row), A row-major.
+//
+// B is packed once per call into panels of kNR columns (k-block by k-block, kKC deep); A is read in place
+// (only its last, partial tile of rows is copied, zero-padded); the micro-kernel keeps a kMR × kNR tile of C in registers (kMR · kNP packets) and
+// per k step loads kNP packets of B and broadcasts kMR values of A: kMR · kNP multiply-adds per
+// kNP + kMR loads. The blocking follows the build's vector registers: 16 (SSE, AVX2): 6 × 2 packets =
+// 12 accumulators; 32 (AVX-512): 12 × 2 packets = 24. Every element of C is the same sum whatever tile,
+// task or thread computes it: per k-block a multiply-add chain from 0 in k order, the blocks added to C
+// (the first to the bias, or to nothing) in order — so the bits depend on the shape only.
+//
+// This is the fast path of kernels::matmul_rows (projections); Eigen's product stays the portable path
+// and, with kernels::linear_naive, its tested twin (tests/test_kernels.cpp, GemmMicroKernel).
+#pragma once
+
+#include "c2f/core.hpp"
+#include "c2f/detail/parallel.hpp"
+
+#include <algorithm>
+#include <memory>
+#include <vector>
+
+namespace c2f {
+namespace detail {
+
+/// The blocking of packed_gemm for Scalar on this build's SIMD.
+template <class Scalar>
+struct GemmBlocking {
+  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
+  static constexpr int kP = Eigen::internal::unpacket_traits<Packet>::size;
+  static constexpr int kMR = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 12 : 6;
+  static constexpr int kNP = 2;
+  static constexpr int kNR = kNP * kP;
+  /// Depth of a k-block: a B panel (kKC × kNR) stays in L1, a task's A block in L2.
+  static constexpr Index kKC = 256;
+};
+
+/// Whether kernels::matmul_rows uses packed_gemm: builds with fused multiply-add vectors (AVX2+FMA,
+/// AVX-512, NEON), unless C2F_NO_MICROKERNELS is defined (then Eigen's product everywhere).
+#if !defined(C2F_NO_MICROKERNELS) && (defined(EIGEN_VECTORIZE_FMA) || defined(EIGEN_VECTORIZE_AVX512) || \
+                                      defined(EIGEN_VECTORIZE_NEON))
+constexpr bool kPackedGemm = true;
+#else
+constexpr bool kPackedGemm = false;
+#endif
+
+/// B [k, n] packed into k-blocks of kKC rows, each a run of panels of kNR columns, each panel
+/// [kc][kNR] row by row (columns past n are zero).
+template <class Scalar>
+class PackedB {
+ public:
+  using B = GemmBlocking<Scalar>;
+
+  /// Packs any Eigen expression `rhs` [k, n] (evaluated once; a matrix with direct access — a weight
+  /// in torch's [out, in] layout, transposed, or a block of keys — is read through its pointer, the
+  /// contiguous way), the panels split over `threads` (a copy: the bits do not depend on it).
+  template <class Rhs>
+  void pack(const Rhs& rhs, int threads = 1) {
+    k_ = rhs.rows();
+    n_ = rhs.cols();
+    panels_ = (n_ + B::kNR - 1) / B::kNR;
+    const std::size_t size = static_cast<std::size_t>(k_ * panels_ * B::kNR);
+    if (size > capacity_) {  // not zeroed: every element is written below
+      data_.reset(new Scalar[size]);
+      capacity_ = size;
+    }
+    const Index kblocks = (k_ + B::kKC - 1) / B::kKC;
+    const Eigen::internal::evaluator<Rhs> ev(rhs);
+    parallel_for(kblocks * panels_, threads, 2.0 * static_cast<double>(size), [&](Index task, int) {
+      const Index k0 = (task / panels_) * B::kKC, p = task % panels_;
+      const Index kc = std::min(B::kKC, k_ - k0), j0 = p * B::kNR, nr = std::min<Index>(B::kNR, n_ - j0);
+      Scalar* dst = data_.get() + k0 * panels_ * B::kNR + p * kc * B::kNR;
+      if (nr < B::kNR) {
+        for (Index kk = 0; kk < kc; ++kk) std::fill(dst + kk * B::kNR + nr, dst + (kk + 1) * B::kNR, Scalar(0));
+      }
+      copy_panel(rhs, ev, k0, kc, j0, nr, dst);
+    });
+  }
+
+  Index rows() const { return k_; }
+  Index cols() const { return n_; }
+  /// The panel of columns [p·kNR, (p+1)·kNR) in the k-block starting at row k0.
+  const Scalar* panel(Index k0, Index p) const {
+    return data_.get() + k0 * panels_ * B::kNR + p * std::min(B::kKC, k_ - k0) * B::kNR;
+  }
+
+  /// Bytes pack() holds for a [k, n] operand.
+  static std::size_t bytes(Index k, Index n) {
+    return sizeof(Scalar) * static_cast<std::size_t>(k * ((n + B::kNR - 1) / B::kNR) * B::kNR);
+  }
+
+ private:
+  /// dst[kk·kNR + j] = rhs(k0 + kk, j0 + j) for kk < kc, j < nr.
+  template <class Rhs>
+  static void copy_panel(const Rhs& rhs, const Eigen::internal::evaluator<Rhs>& ev, Index k0, Index kc, Index j0,
+                         Index nr, Scalar* dst) {
+    constexpr bool kRowMajor = (Eigen::internal::traits<Rhs>::Flags & Eigen::RowMajorBit) != 0;
+    if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) {
+      if (rhs.innerStride() == 1) {
+        const Scalar* src = rhs.data();
+        const Index stride = rhs.outerStride();
+        if constexpr (kRowMajor) {  // row kk of the panel is contiguous in rhs
+          for (Index kk = 0; kk < kc; ++kk) std::copy_n(src + (k0 + kk) * stride + j0, nr, dst + kk * B::kNR);
+        } else {  // column j is contiguous in rhs: kP × kP blocks transposed in registers
+          using Packet = typename B::Packet;
+          constexpr int kP = B::kP;
+          Index kk = 0;
+          if (nr == B::kNR) {
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // PacketBlock<__m256, 8>: as in Eigen's own code
+#endif
+            for (; kk + kP <= kc; kk += kP) {
+              for (int g = 0; g < B::kNP; ++g) {
+                Eigen::internal::PacketBlock<Packet, kP> block;
+                for (int j = 0; j < kP; ++j) {
+                  block.packet[j] = Eigen::internal::ploadu<Packet>(src + (j0 + g * kP + j) * stride + k0 + kk);
+                }
+                Eigen::internal::ptranspose(block);
+                for (int i = 0; i < kP; ++i) Eigen::internal::pstoreu(dst + (kk + i) * B::kNR + g * kP, block.packet[i]);
+              }
+            }
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+          }
+          for (Index j = 0; j < nr; ++j) {
+            const Scalar* col = src + (j0 + j) * stride + k0;
+            for (Index r = kk; r < kc; ++r) dst[r * B::kNR + j] = col[r];
+          }
+        }
+        return;
+      }
+    }
+    if constexpr (kRowMajor) {
+      for (Index kk = 0; kk < kc; ++kk) {
+        for (Index j = 0; j < nr; ++j) dst[kk * B::kNR + j] = ev.coeff(k0 + kk, j0 + j);
+      }
+    } else {
+      for (Index j = 0; j < nr; ++j) {
+        for (Index kk = 0; kk < kc; ++kk) dst[kk * B::kNR + j] = ev.coeff(k0 + kk, j0 + j);
+      }
+    }
+  }
+
+  Index k_ = 0, n_ = 0, panels_ = 0;
+  std::unique_ptr<Scalar[]> data_;
+  std::size_t capacity_ = 0;
+};
+
+/// Rows [0, rows) (rows ≤ kMR) × columns [k0, k0 + kc) of a row-major A packed into one tile [kc][kMR]
+/// (rows past the end are zero): the last, partial row tile of a product, which the micro-kernel cannot
+/// read in place without reading past A.
+template <class Scalar>
+void pack_a_tile(const Scalar* a, Index lda, Index rows, Index k0, Index kc, std::vector<Scalar>& out) {
+  constexpr int kMR = GemmBlocking<Scalar>::kMR;
+  out.resize(static_cast<std::size_t>(kc * kMR));
+  for (Index kk = 0; kk < kc; ++kk) {
+    for (Index i = 0; i < kMR; ++i) out[static_cast<std::size_t>(kk * kMR + i)] = i < rows ? a[i * lda + k0 + kk] : Scalar(0);
+  }
+}
+
+/// The micro-kernel: the kMR × kNR tile Σ_kk A[i, kk] · b[kk][j] over kc steps of a packed B panel, A's
+/// row i read in place at a + i·lda (lda > 0: kMR rows that exist) or, lda = 0, from a packed tile
+/// a[kk·kMR + i]; then c[i, j] = (first ? bias[j] (or 0) : c[i, j]) + tile for i < rows, j < cols.
+template <class Scalar>
+void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c, Index ldc, Index rows, Index cols,
+               bool first, const Scalar* bias) {
+  using B = GemmBlocking<Scalar>;
+  using Packet = typename B::Packet;
+  constexpr int kMR = B::kMR, kNP = B::kNP, kP = B::kP, kNR = B::kNR;
+  Packet acc[kMR][kNP];
+#pragma GCC unroll 12
+  for (int i = 0; i < kMR; ++i) {
+    for (int p = 0; p < kNP; ++p) acc[i][p] = Eigen::internal::pset1<Packet>(Scalar(0));
+  }
+  // The same multiply-adds in the same order for both layouts of A.
+  const auto steps = [&](auto a_at) {
+    for (Index kk = 0; kk < kc; ++kk) {
+      Packet bv[kNP];
+      for (int p = 0; p < kNP; ++p) bv[p] = Eigen::internal::ploadu<Packet>(b + kk * kNR + p * kP);
+#pragma GCC unroll 12
+      for (int i = 0; i < kMR; ++i) {
+        const Packet av = Eigen::internal::pset1<Packet>(a_at(i, kk));
+        for (int p = 0; p < kNP; ++p) acc[i][p] = Eigen::internal::pmadd(av, bv[p], acc[i][p]);
+      }
+    }
+  };
+  if (lda > 0) {
+    steps([a, lda](int i, Index kk) { return a[i * lda + kk]; });
+  } else {
+    steps([a](int i, Index kk) { return a[kk * kMR + i]; });
+  }
+  if (rows == kMR && cols == kNR) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kMR; ++i) {
+      for (int p = 0; p < kNP; ++p) {
+        Scalar* dst = c + i * ldc + p * kP;
+        Packet base = first ? (bias != nullptr ? Eigen::internal::ploadu<Packet>(bias + p * kP)
+                                               : Eigen::internal::pset1<Packet>(Scalar(0)))
+                            : Eigen::internal::ploadu<Packet>(dst);
+        Eigen::internal::pstoreu(dst, Eigen::internal::padd(base, acc[i][p]));
+      }
+    }
+    return;
+  }
+  // An edge tile: the same additions, element by element, on the rows and columns that exist.
+  Scalar tile[kMR][kNR];
+  for (int i = 0; i < kMR; ++i) {
+    for (int p = 0; p < kNP; ++p) Eigen::internal::pstoreu(&tile[i][p * kP], acc[i][p]);
+  }
+  for (Index i = 0; i < rows; ++i) {
+    for (Index j = 0; j < cols; ++j) {
+      Scalar& dst = c[i * ldc + j];
+      const Scalar base = first ? (bias != nullptr ? bias[j] : Scalar(0)) : dst;
+      dst = base + tile[i][j];
+    }
+  }
+}
+
+/// The product of rows of A with the columns [c0, c0 + cols) (c0 a multiple of kNR) of the packed B,
+/// over B's rows [k_begin, k_end) (k_begin a multiple of kKC, or the whole of B):
+///   c[i·ldc + j] (= or +=) Σ_{kk ∈ [k_begin, k_end)} a[i·lda + kk − k_begin] · B[kk, c0 + j] (+ bias[j])
+/// for i < rows, j < cols — "=" (with the bias, if not nullptr) unless `accumulate`. `a` points to
+/// A's column k_begin, `c` and `bias` to column c0. A's full row tiles are read in place; `scratch`
+/// holds the last, partial one packed.
+template <class Scalar>
+void packed_gemm_range(const Scalar* a, Index lda, Index rows, const PackedB<Scalar>& b, Index k_begin, Index k_end,
+                       Index c0, Index cols, const Scalar* bias, bool accumulate, Scalar* c, Index ldc,
+                       std::vector<Scalar>& scratch) {
+  using B = GemmBlocking<Scalar>;
+  const Index p0 = c0 / B::kNR, p1 = (c0 + cols + B::kNR - 1) / B::kNR;
+  if (k_end <= k_begin && !accumulate) {  // an empty sum: the bias (or 0)
+    for (Index i = 0; i < rows; ++i) {
+      for (Index j = 0; j < cols; ++j) c[i * ldc + j] = bias != nullptr ? bias[j] : Scalar(0);
+    }
+    return;
+  }
+  const Index full = rows / B::kMR, rest = rows - full * B::kMR;
+  for (Index k0 = k_begin; k0 < k_end; k0 += B::kKC) {
+    const Index kc = std::min(B::kKC, k_end - k0);
+    if (rest > 0) pack_a_tile(a + full * B::kMR * lda, lda, rest, k0 - k_begin, kc, scratch);
+    const bool first = k0 == k_begin && !accumulate;
+    for (Index p = p0; p < p1; ++p) {
+      const Scalar* panel = b.panel(k0, p);
+      const Index j = p * B::kNR - c0, nr = std::min<Index>(B::kNR, cols - j);
+      const Scalar* bias_j = bias != nullptr ? bias + j : nullptr;
+      for (Index t = 0; t < full; ++t) {
+        gemm_tile<Scalar>(kc, a + t * B::kMR * lda + (k0 - k_begin), lda, panel, c + t * B::kMR * ldc + j, ldc, B::kMR, nr,
+                          first, bias_j);
+      }
+      if (rest > 0) gemm_tile<Scalar>(kc, scratch.data(), 0, panel, c + full * B::kMR * ldc + j, ldc, rest, nr, first, bias_j);
+    }
+  }
+}
+
+/// c [rows, cols] (rows `ldc` apart) = a [rows, k] (rows `lda` apart) · B[:, c0 : c0 + cols] (+ bias
+/// [cols] on every row, or nullptr), B packed (c0 a multiple of kNR; `c` and `bias` point to column c0).
+template <class Scalar>
+void packed_gemm(const Scalar* a, Index lda, Index rows, const PackedB<Scalar>& b, Index c0, Index cols,
+                 const Scalar* bias, Scalar* c, Index ldc, std::vector<Scalar>& scratch) {
+  packed_gemm_range<Scalar>(a, lda, rows, b, 0, b.rows(), c0, cols, bias, false, c, ldc, scratch);
+}
+
+}  // namespace detail
+}  // namespace c2f
