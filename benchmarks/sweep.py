@@ -5,17 +5,21 @@
                                          [--only attention|runtime|c2f2d|decode ...]
 
 Parts (all by default; `--only` picks some), each streaming its progress:
+    machine     bench_machine: the rooflines — fp32 FMA and bf16 dot peaks (register-only loops, 1 and n
+                threads), STREAM copy, and Eigen's, c2f's and (when built with it) oneDNN's GEMM
     attention   bench_attention: the layers against the GEMM and copy-bandwidth rooflines (and a second,
                 one-thread run of GEMM and MHA); the peers on OpenBLAS, same threads: bench_libtorch (when
-                built) and benchmarks/torch_peer.py (PyTorch modules on c2f's weights and inputs)
+                built) and benchmarks/torch_peer.py (PyTorch modules on c2f's weights and inputs); then
+                benchmarks/ort_peer.py (ONNX Runtime's CPU runtime on the same weights and inputs, when
+                python3-onnx and onnxruntime-node are installed)
     runtime     bench_runtime* (threads, OpenMP builds, latency, concurrent callers, SIMD flags)
     c2f2d       bench_c2f2d: two-dimensional C2F against the copy-bandwidth and GEMM rooflines
     decode      bench_decode: per-token decode latency from 1k to 128k context (MHA, SparseC2F, HMHA)
 The output folder receives each binary's Google Benchmark JSON (bench_attention_1thread.json for the
-one-thread run), torch_peer.json and torch_peer.md (the PyTorch peer), summary.md (the tables printed at
-the end, and the target checks) and the plots (time_vs_length.png, speedup_vs_chunk.png,
-memory_vs_length.png, sparse_error_vs_speedup.png, decode_latency.png). Every ratio is taken between
-entries of the same run.
+one-thread run), torch_peer.json and torch_peer.md (the PyTorch peer), ort_peer.json and ort_peer.md (the
+ONNX Runtime peer), summary.md (the tables printed at the end, and the target checks) and the plots
+(time_vs_length.png, speedup_vs_chunk.png, memory_vs_length.png, sparse_error_vs_speedup.png,
+decode_latency.png). Every ratio is taken between entries of the same run.
 
 This script runs the binaries and writes the files; the tables, targets and plots are built by the
 package benchmarks/report/ (one module per part: attention, runtime, c2f2d, decode; plots; common).
@@ -29,14 +33,14 @@ import sys
 import time
 from pathlib import Path
 
-from report import attention, c2f2d, decode, plots, runtime
+from report import attention, c2f2d, decode, machine, plots, runtime
 from report.common import entries, ms, table  # torch_peer.py imports these from sweep (see __all__)
 from report.runtime import RUNTIME_VARIANTS
 
 __all__ = ["main", "run_benchmark", "run_runtime", "entries", "ms", "table"]
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ["attention", "runtime", "c2f2d", "decode"]  # the main job's parts, in the order they run
+PARTS = ["machine", "attention", "runtime", "c2f2d", "decode"]  # the main job's parts, in the order they run
 
 
 def run_benchmark(binary, out_json, extra_args):
@@ -70,9 +74,9 @@ def run_benchmark(binary, out_json, extra_args):
         return json.load(f)
 
 
-def run_attention(build, out_dir, extra):
-    """The attention part: bench_attention (all threads, then one thread), bench_libtorch when built, and
-    torch_peer.py. Returns (summary section, JSON files written, plot files)."""
+def run_attention(build, out_dir, extra, fma_peak=None):
+    """The attention part: bench_attention (all threads, then one thread), bench_libtorch when built,
+    torch_peer.py and ort_peer.py. Returns (summary section, JSON files written, plot files)."""
     attn_bin = build / "benchmarks" / "bench_attention"
     attn = run_benchmark(attn_bin, out_dir / "bench_attention.json", extra)
     written = ["bench_attention.json"]
@@ -101,7 +105,10 @@ def run_attention(build, out_dir, extra):
     peers = run_torch_peer(build, out_dir)
     if peers is not None:
         written += ["torch_peer.json", "torch_peer.md"]
-    text, e, lengths = attention.summarize(attn, torch_result, one_thread, peers)
+    ort = run_ort_peer(build, out_dir)
+    if ort is not None:
+        written += ["ort_peer.json", "ort_peer.md"]
+    text, e, lengths = attention.summarize(attn, torch_result, one_thread, peers, ort, fma_peak)
     return text, written, plots.attention_plots(e, lengths, out_dir)
 
 
@@ -118,6 +125,23 @@ def run_torch_peer(build, out_dir):
     if r.returncode != 0:
         sys.exit(f"torch_peer.py failed with exit code {r.returncode}")
     return json.loads((out_dir / "torch_peer.json").read_text())
+
+
+def run_ort_peer(build, out_dir):
+    """Runs benchmarks/ort_peer.py (ONNX Runtime through onnxruntime-node); returns its JSON, or None when
+    it is skipped (exit code 77: python3-onnx, torch, node or onnxruntime-node missing; it says which)."""
+    # The graphs are written with Debian's python3-onnx and python3-torch, like the PyTorch peer's modules.
+    python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+    print(f"== ort_peer.py ({python})", flush=True)
+    r = subprocess.run([python, str(REPO / "benchmarks" / "ort_peer.py"), "--build", str(build),
+                        "--out", str(out_dir)])
+    if r.returncode == 77:
+        print("skipping the ONNX Runtime peer (scripts/install-deps.sh installs python3-onnx, and onnxruntime-node "
+              "into benchmarks/ort/ when npm is there)")
+        return None
+    if r.returncode != 0:
+        sys.exit(f"ort_peer.py failed with exit code {r.returncode}")
+    return json.loads((out_dir / "ort_peer.json").read_text())
 
 
 def run_runtime(build, out_dir, repetitions, set_name):
@@ -144,8 +168,8 @@ def parse_args(argv):
     p.add_argument("--out", default=str(REPO / "results" / "latest"), help="output folder")
     p.add_argument("--repetitions", type=int, default=1, help="Google Benchmark repetitions (median reported)")
     p.add_argument("--only", choices=PARTS, action="append",
-                   help="run only these parts (repeatable; default: all): attention = bench_attention and "
-                        "bench_libtorch, runtime = bench_runtime* (threads, OpenMP), c2f2d = bench_c2f2d, "
+                   help="run only these parts (repeatable; default: all): machine = bench_machine (rooflines), attention = bench_attention, "
+                        "bench_libtorch and the PyTorch and ONNX Runtime peers, runtime = bench_runtime* (threads, OpenMP), c2f2d = bench_c2f2d, "
                         "decode = bench_decode")
     p.add_argument("--runtime-repetitions", type=int, default=3,
                    help="repetitions of the runtime sweeps (bench_runtime*; median reported)")
@@ -166,8 +190,16 @@ def main(argv=None):
     if args.repetitions > 1:
         extra += [f"--benchmark_repetitions={args.repetitions}"]
     sections, written, files = [], [], []
+    fma_peak = None
+    if "machine" in parts:
+        result = run_benchmark(build / "benchmarks" / "bench_machine", out_dir / "bench_machine.json", [])
+        written.append("bench_machine.json")
+        sections.append(machine.machine_section(result))
+        p = machine.peaks(result)
+        fma_peak = p["fp32"].get(int(os.environ.get("C2F_BENCH_THREADS", "2")))
     if "attention" in parts:
-        text, written, files = run_attention(build, out_dir, extra)
+        text, more, files = run_attention(build, out_dir, extra, fma_peak)
+        written += more
         sections.append(text)
     if "runtime" in parts:
         results = run_runtime(build, out_dir, args.runtime_repetitions, "all")

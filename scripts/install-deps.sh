@@ -2,7 +2,10 @@
 # Installs c2f's dependencies from Debian packages — the one list used by the README commands
 # (scripts/test.sh, scripts/run.sh) and by CI (.ci/run).
 # Packages already installed are not touched; `apt-get update` runs once, only when something is missing.
+# Then, when npm is there, the ONNX Runtime peer's one npm package (benchmarks/ort/package-lock.json).
 set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 PACKAGES=(
   # build
@@ -15,6 +18,11 @@ PACKAGES=(
   libbenchmark-dev python3-matplotlib libtorch-dev libopenblas0-pthread
   # comparing two benchmark runs: Google Benchmark's compare.py (/usr/share/benchmark/), which needs scipy
   libbenchmark-tools python3-scipy
+  # the ONNX Runtime peer (benchmarks/ort_peer.py): python3-onnx writes its graphs; the runtime itself is
+  # the npm package onnxruntime-node (install_ort below), skipped when npm is missing
+  python3-onnx
+  # the machine's rooflines (bench_machine): oneDNN's matmul as a GEMM reference point (it runs on OpenMP)
+  libdnnl-dev
   # hardening: clang with libFuzzer (the sanitizer runtimes of g++ come with it)
   clang libclang-rt-14-dev
 )
@@ -41,9 +49,31 @@ report_blas() {
   esac
 }
 
+# The ONNX Runtime peer's runtime: onnxruntime-node's prebuilt CPU library, from the npm registry, pinned by
+# benchmarks/ort/package-lock.json. --ignore-scripts: its install script would download a GPU add-on (not
+# needed, and not reachable offline). Without npm the peer is skipped, which is not an error.
+install_ort() {
+  local dir="$REPO/benchmarks/ort" want have
+  want=$(sed -n 's/.*"onnxruntime-node": *"\([^"]*\)".*/\1/p' "$dir/package.json")
+  have=$(sed -n 's/^  "version": *"\([^"]*\)".*/\1/p' "$dir/node_modules/onnxruntime-node/package.json" \
+         2>/dev/null || true)
+  if [ -n "$have" ] && [ "$have" = "$want" ]; then
+    echo "install-deps: onnxruntime-node $have present ($dir/node_modules)"
+  elif ! command -v npm >/dev/null 2>&1; then
+    echo "install-deps: note: npm is not installed: the ONNX Runtime peer (benchmarks/ort_peer.py) will be" \
+         "skipped; 'apt-get install nodejs npm', then run this script again, installs it"
+  else
+    echo "install-deps: installing onnxruntime-node $want into $dir/node_modules (npm ci --ignore-scripts)"
+    if ! (cd "$dir" && npm ci --ignore-scripts --no-audit --no-fund); then
+      echo "install-deps: warning: npm ci failed in $dir: the ONNX Runtime peer will be skipped" >&2
+    fi
+  fi
+}
+
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#PACKAGES[@]} packages present"
   report_blas
+  install_ort
   exit 0
 fi
 
@@ -59,3 +89,4 @@ export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update
 $SUDO apt-get install -y --no-install-recommends "${missing[@]}"
 report_blas
+install_ort

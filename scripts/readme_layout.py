@@ -21,7 +21,7 @@ BEGIN, END = "<!-- layout:begin (scripts/readme_layout.py --write) -->", "<!-- l
 
 DESCRIPTIONS = {
     ".ci/": "CI entry point: runs scripts/test.sh",
-    "benchmarks/": "Google Benchmark binaries, the PyTorch peer and the sweep (sweep.py: tables, plots); README.md: how to run and compare",
+    "benchmarks/": "Google Benchmark binaries (bench_machine: the FMA peaks, copy bandwidth and reference GEMMs), the PyTorch and ONNX Runtime peers and the sweep (sweep.py: tables, plots); README.md: how to run and compare",
     "cmake/": "package config template (find_package(c2f [COMPONENTS safetensors]))",
     "docs/": "documentation (layers, errors, threads, decoding, benchmarks) and the tables and plots of a measured run",
     "examples/": "programs that load PyTorch weights and compare with PyTorch (and their export scripts), a 2-D pyramid, token-by-token decoding",

@@ -1,10 +1,13 @@
 """The attention part's tables and targets: bench_attention against the GEMM and copy-bandwidth rooflines,
 C2F and SparseC2F against MHA, the coarse-to-fine attention article's table, the libtorch peer, the
-one-thread run and the PyTorch peer (torch_peer.py). Every ratio is between entries of the same sweep."""
+one-thread run, the PyTorch peer (torch_peer.py) and the ONNX Runtime peer (ort_peer.py, report/ort.py).
+Every ratio is between entries of the same sweep."""
 
 import platform
 
 from .common import entries, fmt_bytes, ms, slope, table, targets_table
+from .ort import ort_table
+from .ort import peer_table as ort_peer_table
 
 CHUNKS = [8, 16, 32, 64, 128, 256]
 SPARSE_MODES = {"sparse": 0, "sparse_token": 1, "sparse_token_causal": 2}  # bench_attention's 4th argument
@@ -12,11 +15,13 @@ ROOFLINE_ORDER = {"gemm": 0, "mha_streaming": 1, "mha_naive": 2, "c2f": 3, "c2f_
                   "sparse_token": 7, "sparse_token_causal": 8}  # the rows of the roofline table, in this order
 
 
-def summarize(attn, torch_result, one_thread=None, peers=None):
+def summarize(attn, torch_result, one_thread=None, peers=None, ort=None, fma_peak=None):
     """The attention part's tables and targets. attn: bench_attention's JSON; torch_result:
     bench_libtorch's (or None); one_thread: bench_attention's gemm and mha_streaming entries run with
-    C2F_BENCH_THREADS=1 (or None); peers: torch_peer.py's JSON (or None). Every ratio is between entries
-    of this sweep. Returns (markdown, bench_attention's entries, the MHA lengths)."""
+    C2F_BENCH_THREADS=1 (or None); peers: torch_peer.py's JSON (or None); ort: ort_peer.py's JSON (or
+    None); fma_peak: the fp32 FMA peak (GFLOPS) at c2f's thread count from bench_machine of this sweep (or
+    None: the fastest GEMM entry is the compute roofline). Every ratio is between entries of this sweep. Returns (markdown, bench_attention's entries, the
+    MHA lengths)."""
     e = entries(attn)
     lengths = sorted({k[1] for k in e if k[0] == "mha_streaming"})
     ctx = attn["context"]
@@ -29,14 +34,16 @@ def summarize(attn, torch_result, one_thread=None, peers=None):
     checks = length_checks(e, lengths)
     if torch_result is not None:
         out += libtorch_table(torch_result)
-    lines, more = roofline_section(e, lengths, ctx)
+    lines, more = roofline_section(e, lengths, ctx, fma_peak)
     out, checks = out + lines, checks + more
     if one_thread is not None:
         lines, more = one_thread_table(one_thread)
         out, checks = out + lines, checks + more
     if peers is not None:
-        lines, more = peers_section(peers, attn, torch_result)
+        lines, more = peers_section(peers, attn, torch_result, ort)
         out, checks = out + lines, checks + more
+    elif ort is not None:
+        out += ["", ort_table(ort, attn)]
     out += ["", "### Targets", "", targets_table(checks)]
     return "\n".join(out), e, lengths
 
@@ -182,8 +189,9 @@ def libtorch_table(torch_result):
     return out
 
 
-def roofline_section(e, lengths, ctx):
-    """Rooflines: every entry against the fastest GEMM and the STREAM copy bandwidth of this run. Returns
+def roofline_section(e, lengths, ctx, fma_peak=None):
+    """Rooflines: every entry against the compute roofline — the machine's fp32 FMA peak when bench_machine
+    measured it (`fma_peak`), else the fastest GEMM of this run — and the STREAM copy bandwidth. Returns
     (lines, checks); nothing without the copy entry or the GEMMs' byte counts."""
     copy, triad = next((b for k, b in e.items() if k[0] == "copy"), None), next(
         (b for k, b in e.items() if k[0] == "triad"), None)
@@ -191,18 +199,24 @@ def roofline_section(e, lengths, ctx):
     if not (copy is not None and gemms and all("bytes" in e[("gemm", L)] for _, L in gemms)):
         return [], []
     bw = copy["GB/s"]
-    peak, peak_L = max(gemms)
+    gemm_peak, peak_L = max(gemms)
+    peak = fma_peak if fma_peak else gemm_peak
+    name = "FMA peak" if fma_peak else "GEMM"
     balance = peak / bw
     llc = max((c["size"] for c in ctx.get("caches", []) if c.get("type") in ("Unified", "Data")), default=0)
     out = ["", "### Rooflines (same run)", ""]
     threads = ctx.get("c2f_threads")
+    compute_text = (f"the fp32 FMA peak of a register-only loop on {threads} threads (bench_machine, same sweep), "
+                    f"{peak:.1f} GFLOPS; c2f's GEMM of the projection shape reaches {gemm_peak:.1f} "
+                    f"({100 * gemm_peak / peak:.0f} % of it, [{peak_L}, 512] × [512, 512])" if fma_peak else
+                    f"the fastest GEMM entry of the run, {peak:.1f} GFLOPS ([{peak_L}, 512] × [512, 512], "
+                    f"{threads} threads; bench_machine was not run, so the FMA peak is unknown)")
     out.append(
         f"Memory roofline: STREAM copy {bw:.1f} GB/s" + (f" (triad {triad['GB/s']:.1f} GB/s)" if triad else "") +
-        f", {threads} threads, 256 MiB arrays, STREAM's byte counts. Compute roofline: the fastest GEMM entry "
-        f"of the run, {peak:.1f} GFLOPS ([{peak_L}, 512] × [512, 512], {threads} threads; the GEMM entries "
-        f"ranged {min(gemms)[0]:.1f} … {peak:.1f}). Machine balance = {peak:.1f} / {bw:.1f} = {balance:.1f} "
+        f", {threads} threads, 256 MiB arrays, STREAM's byte counts. Compute roofline: {compute_text}. Machine "
+        f"balance = {peak:.1f} / {bw:.1f} = {balance:.1f} "
         f"FLOP/byte. Bytes = what a forward must move: read x and the weights, write y. An entry whose intensity "
-        f"(FLOP / bytes) is above the balance is bound by the GEMM roofline (fraction = its GFLOPS ÷ "
+        f"(FLOP / bytes) is above the balance is bound by the compute roofline (fraction = its GFLOPS ÷ "
         f"{peak:.1f}), below it by memory (fraction = its GB/s ÷ {bw:.1f}). Entries marked \"in cache\" move "
         f"less than the {fmt_bytes(llc)} last-level cache: their data stays there between calls, so they can "
         f"pass the copy roofline. Cores = the process's CPU time ÷ wall time during the entry: {threads} on a "
@@ -218,11 +232,23 @@ def roofline_section(e, lengths, ctx):
                      f"{100 * b['GFLOPS'] / peak:.0f} %",
                      fmt_bytes(b["bytes"]) + (" (in cache)" if b["bytes"] < llc else ""), f"{b['GB/s']:.2f}",
                      f"{100 * b['GB/s'] / bw:.1f} %", f"{b['intensity']:.0f}",
-                     f"{'GEMM' if compute else 'memory'}, {100 * frac:.0f} %",
+                     f"{name if compute else 'memory'}, {100 * frac:.0f} %",
                      f"{b['cpu_time'] / b['real_time']:.2f}" if "/process_time" in b["name"] else "?"])
-    out.append(table(["entry", "ms", "GFLOPS", "% of GEMM", "bytes", "GB/s", "% of copy BW", "FLOP/byte",
+    out.append(table(["entry", "ms", "GFLOPS", f"% of {name}", "bytes", "GB/s", "% of copy BW", "FLOP/byte",
                       "binding roofline, fraction", "cores"], rows))
-    return out, roofline_checks(e, lengths, ctx, peak)
+    checks = roofline_checks(e, lengths, ctx, gemm_peak)
+    if fma_peak:
+        mha = [(e[("mha_streaming", L)]["GFLOPS"] / peak, L) for L in lengths if 1024 <= L <= 8192
+               and ("mha_streaming", L) in e]
+        if mha:
+            checks.append((f"MHA fp32, L = 1024 … 8192, ≥ 80 % of the {threads}-thread FMA peak ({peak:.1f})",
+                           ", ".join(f"{L}: {100 * f:.0f} %" for f, L in mha), min(mha)[0] >= 0.80))
+        if ("c2f", 16384, 32) in e:
+            b = e[("c2f", 16384, 32)]
+            frac = b["GFLOPS"] / peak if b["intensity"] >= balance else b["GB/s"] / bw
+            checks.append(("C2F chunk 32, L = 16384, ≥ 60 % of its binding roofline", f"{100 * frac:.0f} %",
+                           frac >= 0.60))
+    return out, checks
 
 
 def roofline_checks(e, lengths, ctx, peak):
@@ -273,23 +299,26 @@ def one_thread_table(one_thread):
     return out, checks
 
 
-def peers_section(peers, attn, torch_result):
-    """torch_peer.py's peer table (its peer_table()), what it skipped, and the targets against the peers.
-    Returns (lines, checks)."""
-    from torch_peer import peer_table
-    peer_text, by_key = peer_table(peers, attn, torch_result)
+def peers_section(peers, attn, torch_result, ort=None):
+    """The peer table (torch_peer.py's peer_table(), with ORT's columns when ort_peer.py ran: report/ort.py),
+    what the peers skipped, ORT's own table (its kernels), and the targets against the peers. Returns
+    (lines, checks)."""
+    peer_text, by_key = ort_peer_table(peers, attn, torch_result, ort)
     out, checks = ["", peer_text], []
     skipped = [f"{r['label']} at L = {r['L']} ({r['skipped']})" for r in peers["results"] if "skipped" in r]
     if skipped:
         out.append("")
         out.append("Not run in PyTorch: " + "; ".join(skipped) + ".")
+    if ort is not None:
+        out += ["", ort_table(ort, attn)]
     row = by_key.get(("mha", 2048))
     if row and row.get("torch_ms") and row.get("c2f_ms"):
         r = row["torch_ms"] / row["c2f_ms"]
         checks.append(("MHA ≥ 3× PyTorch's nn.MultiheadAttention at L = 2048 (2 threads each)", f"{r:.1f}×",
                        r >= 3))
     if row and row.get("best") and row.get("c2f_ms"):
-        checks.append(("MHA ≥ 3× the best MHA peer (PyTorch nn.MultiheadAttention, libtorch) at L = 2048",
+        names = "PyTorch nn.MultiheadAttention, libtorch" + (", ONNX Runtime" if ort is not None else "")
+        checks.append((f"MHA ≥ 3× the best MHA peer ({names}) at L = 2048",
                        f"{row['speedup']:.1f}× ({row['best'][1]})", row["speedup"] >= 3))
     row = by_key.get(("c2f32", 16384))
     if row and row.get("torch_ms") and row.get("c2f_ms"):
