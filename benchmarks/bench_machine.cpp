@@ -69,10 +69,26 @@ void gemm_counters(benchmark::State& state, Index length, int threads, double er
 // The bound of the output check: fp32 sums of 512 products of values in [-1, 1).
 constexpr double kGemmTolerance = 1e-3;
 
-bool check(benchmark::State& state, double error) {
-  if (error <= kGemmTolerance) return true;
+bool check(benchmark::State& state, double error, double tolerance) {
+  if (error <= tolerance) return true;
   state.SkipWithError(("output differs from the double product by " + std::to_string(error)).c_str());
   return false;
+}
+
+// Runs `once` (the product into d.y) once, checks it against the double product, then times it.
+// Returns false when the check failed (the entry is then skipped with the error).
+template <class Once>
+bool timed_gemm(benchmark::State& state, const GemmData& d, Index length, int threads, const Once& once,
+                double tolerance = kGemmTolerance) {
+  once();
+  const double error = d.error();
+  if (!check(state, error, tolerance)) return false;
+  for (auto _ : state) {
+    once();
+    benchmark::DoNotOptimize(d.y.data());
+  }
+  gemm_counters(state, length, threads, error);
+  return true;
 }
 
 void BM_GemmEigen(benchmark::State& state) {
@@ -87,14 +103,7 @@ void BM_GemmEigen(benchmark::State& state) {
       if (rows > 0) d.y.middleRows(r0, rows).noalias() = d.x.middleRows(r0, rows) * d.w.transpose();
     });
   };
-  once();
-  const double error = d.error();
-  if (!check(state, error)) return;
-  for (auto _ : state) {
-    once();
-    benchmark::DoNotOptimize(d.y.data());
-  }
-  gemm_counters(state, length, threads, error);
+  if (!timed_gemm(state, d, length, threads, once)) return;
   state.SetLabel("Eigen " EIGEN_MAKESTRING(EIGEN_WORLD_VERSION) "." EIGEN_MAKESTRING(EIGEN_MAJOR_VERSION) "." EIGEN_MAKESTRING(
       EIGEN_MINOR_VERSION));
 }
@@ -104,14 +113,7 @@ void BM_GemmC2F(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(1));
   GemmData d(length);
   const auto once = [&] { c2f::kernels::linear<float>(d.x, d.w, nullptr, d.y, c2f::kernels::with_threads(threads)); };
-  once();
-  const double error = d.error();
-  if (!check(state, error)) return;
-  for (auto _ : state) {
-    once();
-    benchmark::DoNotOptimize(d.y.data());
-  }
-  gemm_counters(state, length, threads, error);
+  timed_gemm(state, d, length, threads, once);
 }
 
 #if C2F_BENCH_ONEDNN
@@ -147,19 +149,8 @@ void BM_GemmOneDnn(benchmark::State& state, bool bf16) {
       matmul.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
       stream.wait();
     };
-    once();
-    // bf16 inputs: the rounding (2^-9 relative per input) bounds the error, not the fp32 check.
-    const double error = d.error();
-    if (!bf16 && !check(state, error)) return;
-    if (bf16 && error > 0.5) {
-      state.SkipWithError(("bf16 output differs from the double product by " + std::to_string(error)).c_str());
-      return;
-    }
-    for (auto _ : state) {
-      once();
-      benchmark::DoNotOptimize(d.y.data());
-    }
-    gemm_counters(state, length, threads, error);
+    // bf16 inputs: the rounding (2^-9 relative per input) bounds the error, not the fp32 tolerance.
+    if (!timed_gemm(state, d, length, threads, once, bf16 ? 0.5 : kGemmTolerance)) return;
     state.SetLabel(std::string("oneDNN ") + std::to_string(dnnl_version()->major) + "." +
                    std::to_string(dnnl_version()->minor) + " " + pd.impl_info_str());
   } catch (const dnnl::error& e) {

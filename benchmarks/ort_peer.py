@@ -46,7 +46,6 @@ the same sweep when it is there: c2f is not timed here). Exit codes: 0 done, 1 a
 77 torch, onnx, node or onnxruntime-node is missing (the peer is skipped).
 """
 
-import argparse
 import json
 import math
 import os
@@ -422,10 +421,8 @@ def run(args):
                     g.timed.append((L, row["ort_ms"] / 1e3))
                     print(f"  {g.label}, L = {L}: {row['ort_ms']:.2f} ms (median of {len(runs)}; "
                           f"{time.time() - start:.0f} s so far)", flush=True)
-    doc = {"setup": setup, "tolerance": {"atol": ATOL, "rtol": RTOL}, "embed_dim": EMBED, "num_heads": HEADS,
-           "reps": args.reps, "budget_s": budget, "check_only": args.check_only, "perturb": args.perturb,
-           "graphs": {g.key: g.label for g in graphs}, "results": results,
-           "seconds": time.time() - start, "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
+    doc = torch_peer.peer_document(setup, (ATOL, RTOL), args, budget, results, start, load_start, perturb=args.perturb,
+                                   graphs={g.key: g.label for g in graphs})
     if args.check_only:
         print(f"ort_peer: all {sum('max_abs_diff' in r for r in results)} checks OK ({doc['seconds']:.0f} s)")
         return 0
@@ -443,22 +440,9 @@ def run(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--build", default=str(REPO / "build" / "release-native"), help="build folder with benchmarks/")
-    p.add_argument("--c2f-binary", help="bench_attention to run (default: BUILD/benchmarks/bench_attention)")
-    p.add_argument("--out", default=str(REPO / "results" / "latest"), help="output folder (the sweep's)")
-    p.add_argument("--lengths", default=",".join(map(str, MHA_LENGTHS)),
-                   help="comma-separated sequence lengths of the MHA graphs")
+    p = torch_peer.peer_arguments(__doc__, MHA_LENGTHS, "graph", "ORT against c2f")
     p.add_argument("--c2f-lengths", default=",".join(map(str, C2F_LENGTHS)),
                    help="comma-separated sequence lengths of the exported C2F module")
-    p.add_argument("--reps", type=int, default=5, help="timed runs per (graph, L) after the check run (median)")
-    p.add_argument("--budget", type=float, default=20.0,
-                   help="seconds allowed for one (graph, L): the check and the runs (predicted from the last L)")
-    p.add_argument("--max-gib", type=float, default=8.0, help="predicted memory allowed for one graph run")
-    p.add_argument("--check-only", action="store_true",
-                   help=f"only check ORT against c2f at L in {CHECK_LENGTHS}, every graph, no timing")
-    p.add_argument("--perturb", action="store_true",
-                   help="test of the check itself: give ORT one weight off by 1e-3 (the check must fail, exit 1)")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")

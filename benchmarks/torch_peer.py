@@ -353,9 +353,7 @@ def run(args):
                 timed.append((L, statistics.median(times)))
                 print(f"  {layer.label}, L = {L}: {row['torch_ms']:.2f} ms (median of {reps}; "
                       f"{time.time() - start:.0f} s so far)", flush=True)
-    doc = {"setup": setup, "tolerance": {"atol": ATOL, "rtol": RTOL}, "embed_dim": EMBED, "num_heads": HEADS,
-           "reps": args.reps, "budget_s": budget, "check_only": args.check_only, "results": results,
-           "seconds": time.time() - start, "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
+    doc = peer_document(setup, (ATOL, RTOL), args, budget, results, start, load_start)
     if args.check_only:
         print(f"torch_peer: all {len(results)} checks OK ({doc['seconds']:.0f} s)")
         return 0
@@ -448,20 +446,36 @@ def peer_table(peers, attn, libtorch=None):
     return "\n".join(lines), by_key
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def peer_document(setup, tolerance, args, budget, results, start, load_start, **more):
+    """The JSON document a peer writes (torch_peer.json, ort_peer.json): setup, tolerance (atol, rtol),
+    the run's settings, its results, its duration and the load average before and after; `more` adds
+    fields."""
+    return {"setup": setup, "tolerance": {"atol": tolerance[0], "rtol": tolerance[1]}, "embed_dim": EMBED, "num_heads": HEADS,
+            "reps": args.reps, "budget_s": budget, "check_only": args.check_only, **more, "results": results,
+            "seconds": time.time() - start, "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
+
+
+def peer_arguments(doc, lengths, what, check_what):
+    """The command line both peers take (torch_peer.py, ort_peer.py): `what` names the timed thing
+    ("module", "graph"), `check_what` what --check-only and --perturb compare. Returns the parser."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build", default=str(REPO / "build" / "release-native"), help="build folder with benchmarks/")
     p.add_argument("--c2f-binary", help="bench_attention to run (default: BUILD/benchmarks/bench_attention)")
     p.add_argument("--out", default=str(REPO / "results" / "latest"), help="output folder (the sweep's)")
-    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated sequence lengths")
-    p.add_argument("--reps", type=int, default=5, help="timed runs per (module, L) after the warm-up (median)")
+    p.add_argument("--lengths", default=",".join(map(str, lengths)), help="comma-separated sequence lengths")
+    p.add_argument("--reps", type=int, default=5, help=f"timed runs per ({what}, L) after the warm-up (median)")
     p.add_argument("--budget", type=float, default=20.0,
-                   help="seconds allowed for one (module, L): the check and the runs (predicted from the last L)")
-    p.add_argument("--max-gib", type=float, default=8.0, help="predicted memory allowed for one module call")
+                   help=f"seconds allowed for one ({what}, L): the check and the runs (predicted from the last L)")
+    p.add_argument("--max-gib", type=float, default=8.0, help=f"predicted memory allowed for one {what} call")
     p.add_argument("--check-only", action="store_true",
-                   help=f"only check c2f against PyTorch at L in {CHECK_LENGTHS}, every module, no timing")
+                   help=f"only check {check_what} at L in {CHECK_LENGTHS}, every {what}, no timing")
     p.add_argument("--perturb", action="store_true",
-                   help="test of the check itself: give c2f one weight off by 1e-3 (the check must fail, exit 1)")
+                   help="test of the check itself: one weight off by 1e-3 (the check must fail, exit 1)")
+    return p
+
+
+def main(argv=None):
+    p = peer_arguments(__doc__, LENGTHS, "module", "c2f against PyTorch")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
