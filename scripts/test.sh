@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh Debian machine: install what is missing, then
 #   1. the dev preset: configure, build (warnings as errors), run every test;
-#   2. the asan preset: the unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
+#   2. the asan preset: the memory-safety tests (bad input, safetensors, kernels, edge cases) again under
+#      AddressSanitizer + UndefinedBehaviorSanitizer;
 #   3. the tsan preset (clang): the thread runtime and concurrent-callers tests under
 #      ThreadSanitizer;
 #   4. libFuzzer on the safetensors reader, each target for C2F_FUZZ_SECONDS seconds (default 45 here).

@@ -134,7 +134,7 @@ TYPED_TEST_P(LayerContract, ForwardIntoWritesExactlyTheForwardOutput) {
     RowMatrix<S> wide = RowMatrix<S>::Constant(dims[0] * dims[1], dims[2] + 3, std::numeric_limits<S>::quiet_NaN());
     TypeParam::forward_into(layer, x, wide.leftCols(dims[2]), sets[m]);
     const RowMatrix<S> got = wide.leftCols(dims[2]);
-    EXPECT_EQ(std::memcmp(got.data(), want.data(), sizeof(S) * static_cast<std::size_t>(want.size())), 0)
+    EXPECT_TRUE(c2f_test::same_bits(got.data(), want.data(), want.size()))
         << TestFixture::what("forward_into differs from forward", m);
     EXPECT_TRUE(all_nan<S>(wide.rightCols(3))) << TestFixture::what("forward_into wrote outside its rows", m);
   }

@@ -2,7 +2,7 @@
 // primitives: C [m, n] = A [m, k] · B [k, n] (+ bias on every row), A row-major.
 //
 // B is packed once per call into panels of kNR columns (k-block by k-block, kKC deep); A is read in place
-// (only its last, partial tile of rows is copied, zero-padded); the micro-kernel keeps a kMR × kNR tile of C in registers (kMR · kNP packets) and
+// (the last rows of a product by a kernel of that many rows); the micro-kernel keeps a kMR × kNR tile of C in registers (kMR · kNP packets) and
 // per k step loads kNP packets of B and broadcasts kMR values of A: kMR · kNP multiply-adds per
 // kNP + kMR loads. The blocking follows the build's vector registers: 16 (SSE, AVX2): 6 × 2 packets =
 // 12 accumulators; 32 (AVX-512): 12 × 2 packets = 24. Every element of C is the same sum whatever tile,
@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <new>
 #include <vector>
 
 namespace c2f {
@@ -60,8 +61,11 @@ class PackedB {
     n_ = rhs.cols();
     panels_ = (n_ + B::kNR - 1) / B::kNR;
     const std::size_t size = static_cast<std::size_t>(k_ * panels_ * B::kNR);
-    if (size > capacity_) {  // not zeroed: every element is written below
-      data_.reset(new Scalar[size]);
+    if (size > capacity_) {  // not zeroed: every element is written below; panels start on cache lines
+      // Through malloc (Eigen's hand-made aligned allocation), like every other c2f buffer.
+      void* p = Eigen::internal::handmade_aligned_malloc(size * sizeof(Scalar), kAlign);
+      if (p == nullptr) throw std::bad_alloc();
+      data_.reset(static_cast<Scalar*>(p));
       capacity_ = size;
     }
     const Index kblocks = (k_ + B::kKC - 1) / B::kKC;
@@ -144,76 +148,75 @@ class PackedB {
   }
 
   Index k_ = 0, n_ = 0, panels_ = 0;
-  std::unique_ptr<Scalar[]> data_;
+  static constexpr std::size_t kAlign = 64;
+  struct Free {
+    void operator()(Scalar* p) const { Eigen::internal::handmade_aligned_free(p); }
+  };
+  std::unique_ptr<Scalar, Free> data_;
   std::size_t capacity_ = 0;
 };
 
-/// Rows [0, rows) (rows ≤ kMR) × columns [k0, k0 + kc) of a row-major A packed into one tile [kc][kMR]
-/// (rows past the end are zero): the last, partial row tile of a product, which the micro-kernel cannot
-/// read in place without reading past A.
-template <class Scalar>
-void pack_a_tile(const Scalar* a, Index lda, Index rows, Index k0, Index kc, std::vector<Scalar>& out) {
-  constexpr int kMR = GemmBlocking<Scalar>::kMR;
-  out.resize(static_cast<std::size_t>(kc * kMR));
-  for (Index kk = 0; kk < kc; ++kk) {
-    for (Index i = 0; i < kMR; ++i) out[static_cast<std::size_t>(kk * kMR + i)] = i < rows ? a[i * lda + k0 + kk] : Scalar(0);
-  }
-}
-
-/// The micro-kernel: the kMR × kNR tile Σ_kk A[i, kk] · b[kk][j] over kc steps of a packed B panel, A's
-/// row i read in place at a + i·lda (lda > 0: kMR rows that exist) or, lda = 0, from a packed tile
-/// a[kk·kMR + i]; then c[i, j] = (first ? bias[j] (or 0) : c[i, j]) + tile for i < rows, j < cols.
-template <class Scalar>
-void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c, Index ldc, Index rows, Index cols,
-               bool first, const Scalar* bias) {
+/// The micro-kernel: the MR × kNR tile Σ_kk A[i, kk] · b[kk][j] over kc steps of a packed B panel, A's
+/// row i read in place at a + i·lda; then c[i, j] = (first ? bias[j] (or 0) : c[i, j]) + tile for
+/// j < cols. MR = kMR for the full tiles, fewer for the last rows of a product: the same multiply-adds
+/// per element in the same order, whatever MR.
+template <class Scalar, int MR>
+void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c, Index ldc, Index cols, bool first,
+               const Scalar* bias) {
   using B = GemmBlocking<Scalar>;
   using Packet = typename B::Packet;
-  constexpr int kMR = B::kMR, kNP = B::kNP, kP = B::kP, kNR = B::kNR;
-  Packet acc[kMR][kNP];
+  constexpr int kNP = B::kNP, kP = B::kP, kNR = B::kNR;
+  Packet acc[MR][kNP];
 #pragma GCC unroll 12
-  for (int i = 0; i < kMR; ++i) {
+  for (int i = 0; i < MR; ++i) {
     for (int p = 0; p < kNP; ++p) acc[i][p] = Eigen::internal::pset1<Packet>(Scalar(0));
   }
-  // The same multiply-adds in the same order for both layouts of A.
-  const auto steps = [&](auto a_at) {
-    for (Index kk = 0; kk < kc; ++kk) {
-      Packet bv[kNP];
-      for (int p = 0; p < kNP; ++p) bv[p] = Eigen::internal::ploadu<Packet>(b + kk * kNR + p * kP);
+  for (Index kk = 0; kk < kc; ++kk) {
+    Packet bv[kNP];
+    for (int p = 0; p < kNP; ++p) bv[p] = Eigen::internal::ploadu<Packet>(b + kk * kNR + p * kP);
 #pragma GCC unroll 12
-      for (int i = 0; i < kMR; ++i) {
-        const Packet av = Eigen::internal::pset1<Packet>(a_at(i, kk));
-        for (int p = 0; p < kNP; ++p) acc[i][p] = Eigen::internal::pmadd(av, bv[p], acc[i][p]);
-      }
+    for (int i = 0; i < MR; ++i) {
+      const Packet av = Eigen::internal::pset1<Packet>(a[i * lda + kk]);
+      for (int p = 0; p < kNP; ++p) acc[i][p] = Eigen::internal::pmadd(av, bv[p], acc[i][p]);
     }
-  };
-  if (lda > 0) {
-    steps([a, lda](int i, Index kk) { return a[i * lda + kk]; });
-  } else {
-    steps([a](int i, Index kk) { return a[kk * kMR + i]; });
   }
-  if (rows == kMR && cols == kNR) {
+  if (cols == kNR) {
 #pragma GCC unroll 12
-    for (int i = 0; i < kMR; ++i) {
+    for (int i = 0; i < MR; ++i) {
       for (int p = 0; p < kNP; ++p) {
         Scalar* dst = c + i * ldc + p * kP;
-        Packet base = first ? (bias != nullptr ? Eigen::internal::ploadu<Packet>(bias + p * kP)
-                                               : Eigen::internal::pset1<Packet>(Scalar(0)))
-                            : Eigen::internal::ploadu<Packet>(dst);
-        Eigen::internal::pstoreu(dst, Eigen::internal::padd(base, acc[i][p]));
+        if (first && bias == nullptr) {
+          Eigen::internal::pstoreu(dst, acc[i][p]);
+        } else {
+          const Packet base = first ? Eigen::internal::ploadu<Packet>(bias + p * kP) : Eigen::internal::ploadu<Packet>(dst);
+          Eigen::internal::pstoreu(dst, Eigen::internal::padd(base, acc[i][p]));
+        }
       }
     }
     return;
   }
-  // An edge tile: the same additions, element by element, on the rows and columns that exist.
-  Scalar tile[kMR][kNR];
-  for (int i = 0; i < kMR; ++i) {
+  // The last panel of a product: the same additions, element by element, on the columns that exist.
+  Scalar tile[MR][kNR];
+  for (int i = 0; i < MR; ++i) {
     for (int p = 0; p < kNP; ++p) Eigen::internal::pstoreu(&tile[i][p * kP], acc[i][p]);
   }
-  for (Index i = 0; i < rows; ++i) {
+  for (int i = 0; i < MR; ++i) {
     for (Index j = 0; j < cols; ++j) {
       Scalar& dst = c[i * ldc + j];
-      const Scalar base = first ? (bias != nullptr ? bias[j] : Scalar(0)) : dst;
-      dst = base + tile[i][j];
+      dst = first ? (bias != nullptr ? bias[j] + tile[i][j] : tile[i][j]) : dst + tile[i][j];
+    }
+  }
+}
+
+/// gemm_tile for the last `rows` (< kMR) rows of a product: the kernel of exactly that many rows.
+template <class Scalar, int MR = GemmBlocking<Scalar>::kMR - 1>
+void gemm_tile_rows(Index rows, Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c, Index ldc, Index cols,
+                    bool first, const Scalar* bias) {
+  if constexpr (MR >= 1) {
+    if (rows == MR) {
+      gemm_tile<Scalar, MR>(kc, a, lda, b, c, ldc, cols, first, bias);
+    } else {
+      gemm_tile_rows<Scalar, MR - 1>(rows, kc, a, lda, b, c, ldc, cols, first, bias);
     }
   }
 }
@@ -222,12 +225,10 @@ void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c,
 /// over B's rows [k_begin, k_end) (k_begin a multiple of kKC, or the whole of B):
 ///   c[i·ldc + j] (= or +=) Σ_{kk ∈ [k_begin, k_end)} a[i·lda + kk − k_begin] · B[kk, c0 + j] (+ bias[j])
 /// for i < rows, j < cols — "=" (with the bias, if not nullptr) unless `accumulate`. `a` points to
-/// A's column k_begin, `c` and `bias` to column c0. A's full row tiles are read in place; `scratch`
-/// holds the last, partial one packed.
+/// A's column k_begin, `c` and `bias` to column c0. A is read in place.
 template <class Scalar>
 void packed_gemm_range(const Scalar* a, Index lda, Index rows, const PackedB<Scalar>& b, Index k_begin, Index k_end,
-                       Index c0, Index cols, const Scalar* bias, bool accumulate, Scalar* c, Index ldc,
-                       std::vector<Scalar>& scratch) {
+                       Index c0, Index cols, const Scalar* bias, bool accumulate, Scalar* c, Index ldc) {
   using B = GemmBlocking<Scalar>;
   const Index p0 = c0 / B::kNR, p1 = (c0 + cols + B::kNR - 1) / B::kNR;
   if (k_end <= k_begin && !accumulate) {  // an empty sum: the bias (or 0)
@@ -239,17 +240,19 @@ void packed_gemm_range(const Scalar* a, Index lda, Index rows, const PackedB<Sca
   const Index full = rows / B::kMR, rest = rows - full * B::kMR;
   for (Index k0 = k_begin; k0 < k_end; k0 += B::kKC) {
     const Index kc = std::min(B::kKC, k_end - k0);
-    if (rest > 0) pack_a_tile(a + full * B::kMR * lda, lda, rest, k0 - k_begin, kc, scratch);
     const bool first = k0 == k_begin && !accumulate;
+    const Scalar* a_k = a + (k0 - k_begin);
     for (Index p = p0; p < p1; ++p) {
       const Scalar* panel = b.panel(k0, p);
       const Index j = p * B::kNR - c0, nr = std::min<Index>(B::kNR, cols - j);
       const Scalar* bias_j = bias != nullptr ? bias + j : nullptr;
       for (Index t = 0; t < full; ++t) {
-        gemm_tile<Scalar>(kc, a + t * B::kMR * lda + (k0 - k_begin), lda, panel, c + t * B::kMR * ldc + j, ldc, B::kMR, nr,
-                          first, bias_j);
+        gemm_tile<Scalar, B::kMR>(kc, a_k + t * B::kMR * lda, lda, panel, c + t * B::kMR * ldc + j, ldc, nr, first, bias_j);
       }
-      if (rest > 0) gemm_tile<Scalar>(kc, scratch.data(), 0, panel, c + full * B::kMR * ldc + j, ldc, rest, nr, first, bias_j);
+      if (rest > 0) {
+        gemm_tile_rows<Scalar>(rest, kc, a_k + full * B::kMR * lda, lda, panel, c + full * B::kMR * ldc + j, ldc, nr, first,
+                               bias_j);
+      }
     }
   }
 }
@@ -258,8 +261,8 @@ void packed_gemm_range(const Scalar* a, Index lda, Index rows, const PackedB<Sca
 /// [cols] on every row, or nullptr), B packed (c0 a multiple of kNR; `c` and `bias` point to column c0).
 template <class Scalar>
 void packed_gemm(const Scalar* a, Index lda, Index rows, const PackedB<Scalar>& b, Index c0, Index cols,
-                 const Scalar* bias, Scalar* c, Index ldc, std::vector<Scalar>& scratch) {
-  packed_gemm_range<Scalar>(a, lda, rows, b, 0, b.rows(), c0, cols, bias, false, c, ldc, scratch);
+                 const Scalar* bias, Scalar* c, Index ldc) {
+  packed_gemm_range<Scalar>(a, lda, rows, b, 0, b.rows(), c0, cols, bias, false, c, ldc);
 }
 
 }  // namespace detail

@@ -12,6 +12,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/packed_gemm.hpp"
 
 #include <algorithm>
 
@@ -20,8 +21,8 @@ namespace detail {
 
 template <class Scalar>
 struct SmallGemm {
-  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
-  static constexpr Index kP = Eigen::internal::unpacket_traits<Packet>::size;
+  using Packet = typename GemmBlocking<Scalar>::Packet;
+  static constexpr Index kP = GemmBlocking<Scalar>::kP;
 
   /// s[i·lds + j] = Σ_k q[(h0+i)·d + k] · x[(j0+j)·ldx + k] for i < MR, j < NR.
   template <int MR, int NR>

@@ -63,40 +63,17 @@ struct QueryChunks {
   }
 };
 
-/// out[c] = mean of the real tokens of block c. x [rows, d], out [blocks, d]; `grid` is a ChunkGrid or
-/// another block grid (see the file comment). Rows are added one after the other in token order,
-/// streaming through memory (2.4× the bandwidth of Eigen's column-by-column colwise().sum() on a
-/// 64-row run at d = 512).
-/// Overwrites out.
-template <class Scalar, class Grid>
-void chunk_mean(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, Eigen::Ref<RowMatrix<Scalar>> out,
-                const KernelOptions& options) {
-  grid.check("chunk_mean");
-  detail::check_shape("chunk_mean", "x", x, grid.tokens(), x.cols());
-  detail::check_shape("chunk_mean", "out", out, grid.blocks(), x.cols());
-  const double work = detail::kElementWork * static_cast<double>(grid.tokens() * x.cols());
-  detail::parallel_for(grid.blocks(), options.num_threads(), work, [&](Index c, int) {
-    typename Eigen::Ref<RowMatrix<Scalar>>::RowXpr o = out.row(c);
-    o.setZero();
-    for (Index s = 0; s < grid.segments(c); ++s) {
-      const Index r0 = grid.segment_row(c, s), n = grid.segment_length(c, s);
-      for (Index r = r0; r < r0 + n; ++r) o += x.row(r);
-    }
-    o /= static_cast<Scalar>(grid.count(c));
-  });
-}
-
-/// chunk_mean over the tokens `keep(c, j)` accepts (token j of block c, in the block's order): the mean of
-/// those, or NaN in every feature when a block keeps none (a summary that ranks below every other in a
-/// selection). With keep always true, the bits of chunk_mean.
+}  // namespace kernels
+namespace detail {
+/// chunk_mean and chunk_mean_where: the mean of the tokens `keep(c, j)` accepts, NaN where none.
 template <class Scalar, class Grid, class Keep>
-void chunk_mean_where(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, Keep&& keep,
-                      Eigen::Ref<RowMatrix<Scalar>> out, const KernelOptions& options) {
-  grid.check("chunk_mean_where");
-  detail::check_shape("chunk_mean_where", "x", x, grid.tokens(), x.cols());
-  detail::check_shape("chunk_mean_where", "out", out, grid.blocks(), x.cols());
-  const double work = detail::kElementWork * static_cast<double>(grid.tokens() * x.cols());
-  detail::parallel_for(grid.blocks(), options.num_threads(), work, [&](Index c, int) {
+void chunk_mean_of(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, const Keep& keep,
+                   Eigen::Ref<RowMatrix<Scalar>> out, const kernels::KernelOptions& options) {
+  grid.check(kernel);
+  check_shape(kernel, "x", x, grid.tokens(), x.cols());
+  check_shape(kernel, "out", out, grid.blocks(), x.cols());
+  const double work = kElementWork * static_cast<double>(grid.tokens() * x.cols());
+  parallel_for(grid.blocks(), options.num_threads(), work, [&](Index c, int) {
     typename Eigen::Ref<RowMatrix<Scalar>>::RowXpr o = out.row(c);
     o.setZero();
     Index kept = 0;
@@ -114,6 +91,28 @@ void chunk_mean_where(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& 
       o /= static_cast<Scalar>(kept);
     }
   });
+}
+}  // namespace detail
+namespace kernels {
+
+/// out[c] = mean of the real tokens of block c. x [rows, d], out [blocks, d]; `grid` is a ChunkGrid or
+/// another block grid (see the file comment). Rows are added one after the other in token order,
+/// streaming through memory (2.4× the bandwidth of Eigen's column-by-column colwise().sum() on a
+/// 64-row run at d = 512).
+/// Overwrites out.
+template <class Scalar, class Grid>
+void chunk_mean(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, Eigen::Ref<RowMatrix<Scalar>> out,
+                const KernelOptions& options) {
+  detail::chunk_mean_of("chunk_mean", x, grid, [](Index, Index) { return true; }, out, options);
+}
+
+/// chunk_mean over the tokens `keep(c, j)` accepts (token j of block c, in the block's order): the mean of
+/// those, or NaN in every feature when a block keeps none (a summary that ranks below every other in a
+/// selection). With keep always true, the bits of chunk_mean.
+template <class Scalar, class Grid, class Keep>
+void chunk_mean_where(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, Keep&& keep,
+                      Eigen::Ref<RowMatrix<Scalar>> out, const KernelOptions& options) {
+  detail::chunk_mean_of("chunk_mean_where", x, grid, keep, out, options);
 }
 
 }  // namespace kernels

@@ -28,6 +28,24 @@ constexpr Index kPackedGemmMinRows = 32;
 /// Rows per task of the packed path: a multiple of the micro-kernel's 6 or 12 rows.
 constexpr Index kPackedRowChunk = 120;
 
+}  // namespace kernels
+namespace detail {
+/// The tasks of matmul_rows over an [n, out_cols] output: row chunks of `row_chunk` rows and, with fewer
+/// than kLinearWideRows of them, column chunks of kLinearColChunk; fn(r0, rows, c0, cols) per task.
+template <class Fn>
+void row_col_tasks(Index n, Index out_cols, Index row_chunk, const kernels::KernelOptions& options, double work,
+                   Fn&& fn) {
+  const Index row_chunks = (n + row_chunk - 1) / row_chunk;
+  const Index col_width = row_chunks >= kernels::kLinearWideRows ? std::max<Index>(out_cols, 1) : kernels::kLinearColChunk;
+  const Index col_chunks = std::max<Index>(1, (out_cols + col_width - 1) / col_width);
+  parallel_for(row_chunks * col_chunks, options.num_threads(), work, [&](Index task, int) {
+    const Index r0 = (task / col_chunks) * row_chunk, c0 = (task % col_chunks) * col_width;
+    fn(r0, std::min(row_chunk, n - r0), c0, std::min(col_width, out_cols - c0));
+  });
+}
+}  // namespace detail
+namespace kernels {
+
 /// y = x · rhs (+ bias on every row), overwritten, for x [n, k], rhs any [k, out] Eigen matrix expression
 /// (e.g. a transposed weight), bias [out] or nullptr, y [n, out]. Tasks of row chunks (and, for few rows,
 /// column chunks) run on options.num_threads() threads (0 = all).
@@ -44,25 +62,14 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
   if (detail::kPackedGemm && n >= kPackedGemmMinRows) {
     detail::PackedB<Scalar> packed;
     packed.pack(rhs, options.num_threads());
-    const Index row_chunks = (n + kPackedRowChunk - 1) / kPackedRowChunk;
-    const Index col_width = row_chunks >= kLinearWideRows ? std::max<Index>(out_cols, 1) : kLinearColChunk;
-    const Index col_chunks = std::max<Index>(1, (out_cols + col_width - 1) / col_width);
-    detail::parallel_for_each_worker<std::vector<Scalar>>(
-        row_chunks * col_chunks, options.num_threads(), work, [&](Index task, std::vector<Scalar>& scratch) {
-          const Index r0 = (task / col_chunks) * kPackedRowChunk, c0 = (task % col_chunks) * col_width;
-          const Index rows = std::min(kPackedRowChunk, n - r0), cols = std::min(col_width, out_cols - c0);
-          detail::packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
-                                      bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0,
-                                      y.outerStride(), scratch);
-        });
+    detail::row_col_tasks(n, out_cols, kPackedRowChunk, options, work, [&](Index r0, Index rows, Index c0, Index cols) {
+      detail::packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
+                                  bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0,
+                                  y.outerStride());
+    });
     return;
   }
-  const Index row_chunks = (n + kLinearRowChunk - 1) / kLinearRowChunk;
-  const Index col_width = row_chunks >= kLinearWideRows ? std::max<Index>(out_cols, 1) : kLinearColChunk;
-  const Index col_chunks = std::max<Index>(1, (out_cols + col_width - 1) / col_width);
-  detail::parallel_for(row_chunks * col_chunks, options.num_threads(), work, [&](Index task, int) {
-    const Index r0 = (task / col_chunks) * kLinearRowChunk, c0 = (task % col_chunks) * col_width;
-    const Index rows = std::min(kLinearRowChunk, n - r0), cols = std::min(col_width, out_cols - c0);
+  detail::row_col_tasks(n, out_cols, kLinearRowChunk, options, work, [&](Index r0, Index rows, Index c0, Index cols) {
     typename Eigen::Ref<RowMatrix<Scalar>>::BlockXpr out = y.block(r0, c0, rows, cols);
     if (cols == out_cols) {
       out.noalias() = x.middleRows(r0, rows) * rhs;

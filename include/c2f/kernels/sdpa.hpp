@@ -90,17 +90,11 @@ bool streaming_packed(const kernels::KernelOptions& options, Index lq, Index lk)
 namespace kernels {
 
 /// Bytes of scratch memory one worker of sdpa_streaming uses for lq queries over lk keys: at most
-/// query_block × key_block scores (and, on the packed path, a packed tile of rows), whatever the
-/// lengths.
+/// query_block × key_block scores, whatever the lengths.
 template <class Scalar>
 std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index qk_dim, Index v_dim, Index lq, Index lk) {
   const auto [bq, bk] = c2f::detail::streaming_blocks(options, lq, lk);
-  Index floats = bq * qk_dim + bq * bk + bq * v_dim + 3 * bq;
-  if (c2f::detail::streaming_packed<Scalar>(options, lq, lk)) {
-    using B = c2f::detail::GemmBlocking<Scalar>;
-    floats += B::kMR * std::min(std::max(qk_dim, bk), B::kKC);  // the last, partial row tile, packed
-  }
-  return sizeof(Scalar) * static_cast<std::size_t>(floats);
+  return sizeof(Scalar) * static_cast<std::size_t>(bq * qk_dim + bq * bk + bq * v_dim + 3 * bq);
 }
 
 /// Bytes sdpa_streaming holds once per call, shared by its workers, for `pairs` (batch, head) pairs: on
@@ -134,7 +128,6 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
     RowMatrix<Scalar> q, s, acc, kv;  // kv: a converted key or value block (KV ≠ Scalar)
     Vector<Scalar> m, l, alpha;
     c2f::detail::MaskedValues<Scalar> masked;
-    std::vector<Scalar> tiles;  // the packed path's A tiles
   };
   // Work: the key blocks a causal or length mask skips are not counted (an upper bound).
   const double work = c2f::detail::attention_work(q.batch * q.heads, lq, lk, dk, dv);
@@ -182,7 +175,7 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
       Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
       if (packed) {
         c2f::detail::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)], 0, dk, j0, nj,
-                                               nullptr, false, s.data(), s.outerStride(), ws.tiles);
+                                               nullptr, false, s.data(), s.outerStride());
       } else {
         c2f::detail::as_scalar(k.block(b, h, j0, nj), ws.kv, [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
       }
@@ -196,7 +189,7 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
           ws.masked.template product<true>(acc, s, vb);
         } else if (packed) {
           c2f::detail::packed_gemm_range<Scalar>(s.data(), s.outerStride(), ni, packed_v[static_cast<std::size_t>(bh)], j0,
-                                                 j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride(), ws.tiles);
+                                                 j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
         } else {
           acc.noalias() += s * vb;
         }
