@@ -96,6 +96,14 @@ TYPED_TEST(BadInput, BatchZeroWithEveryMaskGivesAnEmptyOutput) {
   EXPECT_EQ(y.dimension(1), TypeParam::output_shape(layer, Tensor3<S>(0, kLength, kWidth))[1]) << TypeParam::name;
 }
 
+// A bool mask tensor of the given shape with every entry set (a fresh Eigen tensor is uninitialised, and
+// reading a bool that is neither 0 nor 1 is undefined: UBSan stops there).
+template <class BoolTensor>
+BoolTensor all_true(BoolTensor t) {
+  t.setConstant(true);
+  return t;
+}
+
 TYPED_TEST(BadInput, WrongMasksAreRefusedNamingTheLayer) {
   using S = typename TestFixture::ScalarType;
   using Layer = typename TestFixture::LayerType;
@@ -105,14 +113,14 @@ TYPED_TEST(BadInput, WrongMasksAreRefusedNamingTheLayer) {
   const std::string name = Layer::type_name;
   std::vector<Masks<S>> wrong;
   if (c2f::takes(Layer::mask_fields, MaskFields::AttnMask)) {
-    wrong.push_back(Masks<S>().attn_mask(c2f::AttnMask<S>::keep(c2f::BoolTensor2(kLength + 1, 3))));
+    wrong.push_back(Masks<S>().attn_mask(c2f::AttnMask<S>::keep(all_true(c2f::BoolTensor2(kLength + 1, 3)))));
   }
   if (c2f::takes(Layer::mask_fields, MaskFields::KeyPaddingMask)) {
     wrong.push_back(Masks<S>().key_padding_mask(c2f::KeyPaddingMask<S>::lengths({kLength + 5, 0})));
     wrong.push_back(Masks<S>().key_padding_mask(c2f::KeyPaddingMask<S>::lengths({1})));
   }
   if (c2f::takes(Layer::mask_fields, MaskFields::FineAttnMask)) {
-    wrong.push_back(Masks<S>().fine_attn_mask(c2f::AttnMask<S>::keep(c2f::BoolTensor2(2, 2))));
+    wrong.push_back(Masks<S>().fine_attn_mask(c2f::AttnMask<S>::keep(all_true(c2f::BoolTensor2(2, 2)))));
   }
   if (wrong.empty()) GTEST_SKIP() << TypeParam::name << " takes no masks (refusing them: the layer contract)";
   for (const Masks<S>& masks : wrong) {
@@ -394,7 +402,7 @@ TEST(BadInputMessages, ErrorsNameTheLayerTheUserCalled) {
   // C2F's fine mask is over B·m chunks: the message says so.
   const std::string fine = error_of([&] {
     c2f::C2FAttention<float>(8, 2, 2).forward(
-        rng.tensor<float>(2, 6, 8), Masks<float>().fine_attn_mask(c2f::AttnMask<float>::keep(c2f::BoolTensor3(5, 2, 2))));
+        rng.tensor<float>(2, 6, 8), Masks<float>().fine_attn_mask(c2f::AttnMask<float>::keep(all_true(c2f::BoolTensor3(5, 2, 2)))));
   });
   EXPECT_NE(fine.find("B·m"), std::string::npos) << fine;
 }
