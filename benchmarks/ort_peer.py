@@ -443,10 +443,7 @@ def main(argv=None):
     p = torch_peer.peer_arguments(__doc__, MHA_LENGTHS, "graph", "ORT against c2f")
     p.add_argument("--c2f-lengths", default=",".join(map(str, C2F_LENGTHS)),
                    help="comma-separated sequence lengths of the exported C2F module")
-    args = p.parse_args(argv)
-    if args.reps < 1:
-        p.error("--reps must be >= 1")
-    return run(args)
+    return torch_peer.peer_main(p, argv, run)
 
 
 if __name__ == "__main__":

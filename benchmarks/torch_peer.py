@@ -474,12 +474,16 @@ def peer_arguments(doc, lengths, what, check_what):
     return p
 
 
-def main(argv=None):
-    p = peer_arguments(__doc__, LENGTHS, "module", "c2f against PyTorch")
-    args = p.parse_args(argv)
+def peer_main(parser, argv, run_peer):
+    """Parses a peer's command line (peer_arguments' parser), checks it and runs the peer."""
+    args = parser.parse_args(argv)
     if args.reps < 1:
-        p.error("--reps must be >= 1")
-    return run(args)
+        parser.error("--reps must be >= 1")
+    return run_peer(args)
+
+
+def main(argv=None):
+    return peer_main(peer_arguments(__doc__, LENGTHS, "module", "c2f against PyTorch"), argv, run)
 
 
 if __name__ == "__main__":
