@@ -2,6 +2,7 @@
 // bit identity, and the masking edge cases every attention kernel must get right.
 #include "support/eigen_assert_throws.hpp"
 
+#include "c2f/kernels/conv1d.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
 #include "support/random.hpp"
@@ -140,6 +141,40 @@ TYPED_TEST(KernelTest, PackedGemmPacksExpressions) {
   packed.pack(w0);
   c2f::detail::packed_gemm<Scalar>(x0.data(), 0, 3, packed, 0, 5, b.data(), y0.data(), 5);
   for (Index i = 0; i < 3; ++i) EXPECT_EQ(RowMatrix<Scalar>(y0.row(i)), RowMatrix<Scalar>(b.transpose()));
+}
+
+// conv1d on lengths where it runs on the packed micro-kernel (from kPackedGemmMinRows output rows on, in
+// builds with detail::kPackedGemm; Eigen's product otherwise), channels either side of a panel: the
+// defining sum, and the same bits for 1 and 2 threads.
+TYPED_TEST(KernelTest, Conv1dMatchesNaiveOnPanelShapes) {
+  using Scalar = TypeParam;
+  using B = c2f::detail::GemmBlocking<Scalar>;
+  TestRng rng(19);
+  const std::vector<Index> channels = {1, B::kNR - 1, B::kNR, B::kNR + 1, 2 * B::kNR + 3};
+  for (int rep = 0; rep < 24; ++rep) {
+    const Index groups = rng.pick(std::vector<Index>{1, 1, 2});
+    const Index in = groups * rng.pick(channels), out = groups * rng.pick(channels);
+    const Index kernel = rng.pick(std::vector<Index>{1, 2, 3, 5});
+    const bool causal = rng.coin(0.3);
+    const Index padding = causal ? 0 : rng.uniform_int(0, kernel - 1);
+    const Index length = rng.pick(std::vector<Index>{32, 33, 127, 129, 300}), batch = rng.uniform_int(1, 2);
+    const c2f::kernels::Conv1dShape shape{in, out, kernel, padding, groups, causal};
+    const RowMatrix<Scalar> x = rng.matrix<Scalar>(batch * length, in);
+    const RowMatrix<Scalar> w = rng.matrix<Scalar>(out, in / groups * kernel);
+    const c2f::Vector<Scalar> b = rng.matrix<Scalar>(out, 1);
+    const Scalar* bias = rng.coin() ? b.data() : nullptr;
+    const RowMatrix<Scalar> taps = c2f::kernels::conv1d_taps(w.data(), shape);
+    const Index rows = batch * shape.out_length(length);
+    RowMatrix<Scalar> one(rows, out), two(rows, out), naive(rows, out);
+    c2f::kernels::conv1d<Scalar>(x, batch, length, shape, taps, bias, one, c2f::kernels::with_threads(1));
+    c2f::kernels::conv1d<Scalar>(x, batch, length, shape, taps, bias, two, c2f::kernels::with_threads(2));
+    c2f::kernels::conv1d_naive<Scalar>(x, batch, length, shape, w.data(), bias, naive);
+    std::ostringstream what;
+    what << "conv1d batch=" << batch << " L=" << length << " in=" << in << " out=" << out << " k=" << kernel
+         << " padding=" << padding << " groups=" << groups << " causal=" << causal << " bias=" << (bias != nullptr);
+    expect_close(one, naive, tolerance<Scalar>() * std::sqrt(double(in * kernel)), tolerance<Scalar>(), what.str());
+    EXPECT_TRUE(bitwise_equal(one, two)) << what.str() << ": 1 and 2 threads gave other bits";
+  }
 }
 
 TYPED_TEST(KernelTest, LinearRejectsMismatchedShapes) {

@@ -44,6 +44,9 @@ constexpr bool kPackedGemm = true;
 #else
 constexpr bool kPackedGemm = false;
 #endif
+/// The products of fewer rows run on Eigen's product even where kPackedGemm holds: packing B would
+/// cost as much as the multiply-adds of so few rows.
+constexpr Index kPackedGemmMinRows = 32;
 
 /// B [k, n] packed into k-blocks of kKC rows, each a run of panels of kNR columns, each panel
 /// [kc][kNR] row by row (columns past n are zero).

@@ -4,8 +4,11 @@
 
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
+#include "c2f/detail/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/kernels/kernel_options.hpp"
+
+#include <vector>
 
 namespace c2f {
 namespace kernels {
@@ -73,7 +76,10 @@ constexpr Index kConv1dRowChunk = 128;
 
 /// y[b, i, o] = bias[o] + Σ_t Σ_c W[o, c, t] · x[b, i + t − left_padding, g(o)·in/groups + c] (zero
 /// outside the input), overwritten. x [batch·length, in], taps from conv1d_taps(), bias [out] or nullptr,
-/// y [batch·out_length, out] (may be a column block of a wider matrix).
+/// y [batch·out_length, out] (may be a column block of a wider matrix). From kPackedGemmMinRows output
+/// rows on (where the build has detail::kPackedGemm) every tap of every group is packed once per call
+/// and runs on the register-blocked micro-kernel, added tap by tap into the output; below, Eigen's
+/// product. Either way the bits depend on the shapes only, not on the thread count.
 template <class Scalar>
 void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length, const Conv1dShape& s,
             const RowMatrix<Scalar>& taps, const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y,
@@ -83,6 +89,14 @@ void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index len
   const Index out_len = s.out_length(length), cin = s.in_per_group(), cout = s.out_per_group();
   const Index chunks_per_batch = (out_len + kConv1dRowChunk - 1) / kConv1dRowChunk;
   const double work = 2.0 * static_cast<double>(batch * out_len) * static_cast<double>(s.kernel * cin * s.out_channels);
+  const bool packed = c2f::detail::kPackedGemm && out_len >= c2f::detail::kPackedGemmMinRows;
+  std::vector<c2f::detail::PackedB<Scalar>> packed_taps(packed ? static_cast<std::size_t>(s.kernel * s.groups) : 0);
+  for (Index t = 0; packed && t < s.kernel; ++t) {
+    for (Index g = 0; g < s.groups; ++g) {
+      packed_taps[static_cast<std::size_t>(t * s.groups + g)].pack(
+          taps.block(t * s.out_channels + g * cout, 0, cout, cin).transpose(), options.num_threads());
+    }
+  }
   c2f::detail::parallel_for(batch * chunks_per_batch, options.num_threads(), work, [&](Index task, int) {
     const Index b = task / chunks_per_batch;
     const Index r0 = (task % chunks_per_batch) * kConv1dRowChunk, r1 = std::min(out_len, r0 + kConv1dRowChunk);
@@ -98,6 +112,12 @@ void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index len
       const Index i0 = std::max(r0, -shift), i1 = std::min(r1, length - shift);
       if (i1 <= i0) continue;
       for (Index g = 0; g < s.groups; ++g) {
+        const Scalar* in = x.data() + (b * length + i0 + shift) * x.outerStride() + g * cin;
+        if (packed) {
+          c2f::detail::packed_gemm_range<Scalar>(in, x.outerStride(), i1 - i0, packed_taps[static_cast<std::size_t>(t * s.groups + g)],
+                                                 0, cin, 0, cout, nullptr, true, &out(i0 - r0, g * cout), y.outerStride());
+          continue;
+        }
         out.block(i0 - r0, g * cout, i1 - i0, cout).noalias() +=
             x.block(b * length + i0 + shift, g * cin, i1 - i0, cin) *
             taps.block(t * s.out_channels + g * cout, 0, cout, cin).transpose();

@@ -21,10 +21,8 @@ constexpr Index kLinearRowChunk = 128;
 /// the shape, so the bits still do not depend on the thread count.
 constexpr Index kLinearWideRows = 4;
 constexpr Index kLinearColChunk = 256;
-/// From this many rows on, matmul_rows packs the right-hand side once and runs detail::packed_gemm
-/// (where the build has it: detail::kPackedGemm); below, Eigen's product (packing would cost as much
-/// as the multiply-adds of so few rows).
-constexpr Index kPackedGemmMinRows = 32;
+/// From detail::kPackedGemmMinRows rows on, matmul_rows packs the right-hand side once and runs
+/// detail::packed_gemm (where the build has it: detail::kPackedGemm); below, Eigen's product.
 /// Rows per task of the packed path: a multiple of the micro-kernel's 6 or 12 rows.
 constexpr Index kPackedRowChunk = 120;
 
@@ -59,7 +57,7 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
   }
   const Index n = x.rows(), out_cols = rhs.cols();
   const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
-  if (detail::kPackedGemm && n >= kPackedGemmMinRows) {
+  if (detail::kPackedGemm && n >= detail::kPackedGemmMinRows) {
     detail::PackedB<Scalar> packed;
     packed.pack(rhs, options.num_threads());
     detail::row_col_tasks(n, out_cols, kPackedRowChunk, options, work, [&](Index r0, Index rows, Index c0, Index cols) {

@@ -139,7 +139,8 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
   if (packed) {
     packed_k.resize(static_cast<std::size_t>(q.batch * q.heads));
     packed_v.resize(packed_k.size());
-    c2f::detail::parallel_for(q.batch * q.heads, options.num_threads(), work, [&](Index bh, int) {
+    const double copy_work = c2f::detail::kElementWork * static_cast<double>(q.batch * q.heads * lk * (dk + dv));
+    c2f::detail::parallel_for(q.batch * q.heads, options.num_threads(), copy_work, [&](Index bh, int) {
       if constexpr (std::is_same<KV, Scalar>::value) {
         const Index b = bh / q.heads, h = bh % q.heads;
         packed_k[static_cast<std::size_t>(bh)].pack(k.block(b, h, 0, lk).transpose());
