@@ -112,8 +112,8 @@ void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index len
       const Index i0 = std::max(r0, -shift), i1 = std::min(r1, length - shift);
       if (i1 <= i0) continue;
       for (Index g = 0; g < s.groups; ++g) {
-        const Scalar* in = x.data() + (b * length + i0 + shift) * x.outerStride() + g * cin;
         if (packed) {
+          const Scalar* in = x.data() + (b * length + i0 + shift) * x.outerStride() + g * cin;
           c2f::detail::packed_gemm_range<Scalar>(in, x.outerStride(), i1 - i0, packed_taps[static_cast<std::size_t>(t * s.groups + g)],
                                                  0, cin, 0, cout, nullptr, true, &out(i0 - r0, g * cout), y.outerStride());
           continue;

@@ -34,16 +34,13 @@ constexpr Index kPackedColChunk = 128;
 
 }  // namespace kernels
 namespace detail {
-/// The tasks of matmul_rows over an [n, out_cols] output: row chunks of `row_chunk` rows and column
-/// chunks of `col_chunk` columns — or, with col_chunk 0, whole rows once there are kLinearWideRows row
-/// chunks and column chunks of kLinearColChunk below; fn(r0, rows, c0, cols) per task.
+/// The tasks of matmul_rows over an [n, out_cols] output: row chunks of `row_chunk` rows and, with fewer
+/// than `wide_rows` of them, column chunks of `col_chunk`; fn(r0, rows, c0, cols) per task.
 template <class Fn>
-void row_col_tasks(Index n, Index out_cols, Index row_chunk, Index col_chunk, const kernels::KernelOptions& options,
-                   double work, Fn&& fn) {
+void row_col_tasks(Index n, Index out_cols, Index row_chunk, Index wide_rows, Index col_chunk,
+                   const kernels::KernelOptions& options, double work, Fn&& fn) {
   const Index row_chunks = (n + row_chunk - 1) / row_chunk;
-  const Index col_width = col_chunk > 0 ? col_chunk
-                          : row_chunks >= kernels::kLinearWideRows ? std::max<Index>(out_cols, 1)
-                                                                   : kernels::kLinearColChunk;
+  const Index col_width = row_chunks >= wide_rows ? std::max<Index>(out_cols, 1) : col_chunk;
   const Index col_chunks = std::max<Index>(1, (out_cols + col_width - 1) / col_width);
   parallel_for(row_chunks * col_chunks, options.num_threads(), work, [&](Index task, int) {
     const Index r0 = (task / col_chunks) * row_chunk, c0 = (task % col_chunks) * col_width;
@@ -69,16 +66,14 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
   if (detail::kPackedGemm && n >= detail::kPackedGemmMinRows) {
     detail::PackedB<Scalar> packed;
     packed.pack(rhs, options.num_threads());
-    const Index row_chunks = (n + kPackedRowChunk - 1) / kPackedRowChunk;
-    const Index col_chunk = row_chunks < kPackedWideRows ? kPackedColChunk : std::max<Index>(out_cols, 1);
-    detail::row_col_tasks(n, out_cols, kPackedRowChunk, col_chunk, options, work, [&](Index r0, Index rows, Index c0, Index cols) {
+    detail::row_col_tasks(n, out_cols, kPackedRowChunk, kPackedWideRows, kPackedColChunk, options, work, [&](Index r0, Index rows, Index c0, Index cols) {
       detail::packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
                                   bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0,
                                   y.outerStride());
     });
     return;
   }
-  detail::row_col_tasks(n, out_cols, kLinearRowChunk, 0, options, work, [&](Index r0, Index rows, Index c0, Index cols) {
+  detail::row_col_tasks(n, out_cols, kLinearRowChunk, kLinearWideRows, kLinearColChunk, options, work, [&](Index r0, Index rows, Index c0, Index cols) {
     typename Eigen::Ref<RowMatrix<Scalar>>::BlockXpr out = y.block(r0, c0, rows, cols);
     if (cols == out_cols) {
       out.noalias() = x.middleRows(r0, rows) * rhs;
