@@ -2,6 +2,7 @@
 // bit identity, and the masking edge cases every attention kernel must get right.
 #include "support/eigen_assert_throws.hpp"
 
+#include "c2f/detail/softmax.hpp"
 #include "c2f/kernels/conv1d.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
@@ -10,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -115,6 +117,17 @@ TYPED_TEST(KernelTest, PackedGemmMatchesNaiveOnAwkwardShapes) {
          << ", kNR " << B::kNR << ")";
     expect_close(whole, naive, tolerance<Scalar>() * std::sqrt(double(k)), tolerance<Scalar>(), what.str());
     EXPECT_TRUE(bitwise_equal(whole, split)) << what.str() << ": a different partition gave other bits";
+    // A range of B's rows that starts and ends anywhere (inside a k-block: sdpa_streaming's key blocks),
+    // accumulated onto the bias-only product: the naive product of those columns of x and w.
+    const Index k_begin = rng.uniform_int(0, k - 1), k_end = rng.uniform_int(k_begin + 1, k);
+    RowMatrix<Scalar> range_naive(n, out), range(n, out);
+    const RowMatrix<Scalar> xs = x.middleCols(k_begin, k_end - k_begin), ws = w.middleCols(k_begin, k_end - k_begin);
+    c2f::kernels::linear_naive<Scalar>(xs, ws, bias, range_naive);
+    c2f::detail::packed_gemm_range<Scalar>(x.data(), k, n, packed, 0, 0, 0, out, bias, false, range.data(), out);  // bias only
+    c2f::detail::packed_gemm_range<Scalar>(x.data() + k_begin, k, n, packed, k_begin, k_end, 0, out, nullptr, true,
+                                           range.data(), out);
+    expect_close(range, range_naive, tolerance<Scalar>() * std::sqrt(double(k)), tolerance<Scalar>(),
+                 what.str() + " rows [" + std::to_string(k_begin) + ", " + std::to_string(k_end) + ")");
   }
 }
 
@@ -518,6 +531,56 @@ TYPED_TEST(KernelTest, MaskShapeErrorsNameBothShapes) {
   EXPECT_THROW((c2f::MaskView<Scalar>(c2f::AttnMask<Scalar>(), c2f::KeyPaddingMask<Scalar>::lengths({3}),
                                               2, 1, 5, 7)),
                std::invalid_argument);  // one length for two batches
+}
+
+// The softmax's AVX-512 exp (detail::exp_avx512, built with -march=native on AVX-512 CPUs) against the
+// correctly rounded exp (double precision, rounded once): within 2 ulp of float over the whole range the
+// softmax feeds it, exactly 0 for −inf and below, NaN for NaN; and exp_shifted_sum against its Eigen twin
+// (exp_shifted, then sum) on rows of every tail length, masked entries included.
+TEST(ExpAvx512, MatchesCorrectlyRoundedExpAndItsEigenTwin) {
+  if (!c2f::detail::kExpAvx512) GTEST_SKIP() << "this build has no AVX-512 (the native build runs it)";
+#if defined(EIGEN_VECTORIZE_AVX512) && !defined(C2F_NO_MICROKERNELS)
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const auto exp16 = [](float x) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, c2f::detail::exp_avx512(_mm512_set1_ps(x)));
+    return lanes[0];
+  };
+  double worst_ulp = 0.0;
+  for (float x = -87.3f; x <= 88.7f; x += 0.00173f) {
+    const double want = std::exp(static_cast<double>(x));
+    const float got = exp16(x), rounded = static_cast<float>(want);
+    const double ulp = std::nextafter(rounded, kInf) - rounded;
+    worst_ulp = std::max(worst_ulp, std::abs(got - want) / ulp);
+  }
+  EXPECT_LE(worst_ulp, 2.0);
+  std::printf("exp_avx512: worst error %.2f ulp over [-87.3, 88.7]\n", worst_ulp);
+  EXPECT_EQ(exp16(0.0f), 1.0f);
+  EXPECT_EQ(exp16(-kInf), 0.0f);
+  EXPECT_EQ(exp16(-200.0f), 0.0f);
+  EXPECT_EQ(exp16(-104.0f), static_cast<float>(std::exp(-104.0)));  // subnormal results are kept
+  EXPECT_EQ(exp16(100.0f), kInf);
+  EXPECT_TRUE(std::isnan(exp16(std::numeric_limits<float>::quiet_NaN())));
+
+  TestRng rng(5);
+  for (const Index n : {1, 2, 15, 16, 17, 31, 33, 64, 255, 256, 257}) {
+    RowMatrix<float> row = rng.matrix<float>(1, n, 4.0);
+    for (Index j = 0; j < n; j += 3) row(0, j) = -kInf;
+    const float shift = row.maxCoeff() == -kInf ? 0.0f : row.maxCoeff();
+    RowMatrix<float> twin = row;
+    c2f::detail::exp_shifted(twin.row(0), shift);
+    const float twin_sum = twin.sum();
+    const float sum = c2f::detail::exp_shifted_sum(row.row(0), shift);
+    for (Index j = 0; j < n; ++j) {
+      if (j % 3 == 0) {
+        EXPECT_EQ(row(0, j), 0.0f) << "n=" << n << " j=" << j << ": a masked score must give exactly 0";
+      } else {
+        EXPECT_NEAR(row(0, j), twin(0, j), 3e-7f * twin(0, j)) << "n=" << n << " j=" << j;
+      }
+    }
+    EXPECT_NEAR(sum, twin_sum, 1e-6f * twin_sum) << "n=" << n;
+  }
+#endif
 }
 
 TEST(KernelWorkspace, StreamingScratchDoesNotGrowWithSequenceLength) {

@@ -1,8 +1,19 @@
 // c2f — core types shared by every module: tensors, views, errors, and overflow-checked sizes.
 #pragma once
 
+// GCC 12's AVX-512 intrinsics (Debian 12's compiler, -march=native on an AVX-512 CPU) trip its own
+// -Wuninitialized / -Wmaybe-uninitialized on `__m512 __Y = __Y` in _mm512_undefined_ps (GCC bug 105593,
+// fixed in GCC 13): silenced for the lines of the headers included here, so -Werror builds pass.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <Eigen/Core>
 #include <unsupported/Eigen/CXX11/Tensor>
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic pop
+#endif
 
 #include <array>
 #include <cstdint>

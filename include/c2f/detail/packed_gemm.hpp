@@ -225,7 +225,8 @@ void gemm_tile_rows(Index rows, Index kc, const Scalar* a, Index lda, const Scal
 }
 
 /// The product of rows of A with the columns [c0, c0 + cols) (c0 a multiple of kNR) of the packed B,
-/// over B's rows [k_begin, k_end) (k_begin a multiple of kKC, or the whole of B):
+/// over B's rows [k_begin, k_end) (any range: one that starts inside a k-block reads its panels from
+/// that row on, and the sum is split at the k-blocks' ends):
 ///   c[i·ldc + j] (= or +=) Σ_{kk ∈ [k_begin, k_end)} a[i·lda + kk − k_begin] · B[kk, c0 + j] (+ bias[j])
 /// for i < rows, j < cols — "=" (with the bias, if not nullptr) unless `accumulate`. `a` points to
 /// A's column k_begin, `c` and `bias` to column c0. A is read in place.
@@ -241,12 +242,13 @@ void packed_gemm_range(const Scalar* a, Index lda, Index rows, const PackedB<Sca
     return;
   }
   const Index full = rows / B::kMR, rest = rows - full * B::kMR;
-  for (Index k0 = k_begin; k0 < k_end; k0 += B::kKC) {
-    const Index kc = std::min(B::kKC, k_end - k0);
+  for (Index k0 = k_begin; k0 < k_end;) {
+    const Index block = k0 / B::kKC * B::kKC;  // the k-block holding row k0
+    const Index kc = std::min(block + B::kKC, k_end) - k0;
     const bool first = k0 == k_begin && !accumulate;
     const Scalar* a_k = a + (k0 - k_begin);
     for (Index p = p0; p < p1; ++p) {
-      const Scalar* panel = b.panel(k0, p);
+      const Scalar* panel = b.panel(block, p) + (k0 - block) * B::kNR;
       const Index j = p * B::kNR - c0, nr = std::min<Index>(B::kNR, cols - j);
       const Scalar* bias_j = bias != nullptr ? bias + j : nullptr;
       for (Index t = 0; t < full; ++t) {
@@ -257,6 +259,7 @@ void packed_gemm_range(const Scalar* a, Index lda, Index rows, const PackedB<Sca
                                bias_j);
       }
     }
+    k0 += kc;
   }
 }
 

@@ -79,12 +79,13 @@ inline std::pair<Index, Index> streaming_blocks(const kernels::KernelOptions& op
 constexpr Index kPackedAttentionMinQueries = 32;
 
 /// Whether sdpa_streaming takes its packed path: the build has packed_gemm, keys and values are Scalar,
-/// enough queries, and key blocks that start on the packed panels' k-blocks.
+/// enough queries, and key blocks that start on the packed keys' panels (QKᵀ's columns; PV reads any
+/// range of the packed values' rows).
 template <class Scalar, class KV = Scalar>
 bool streaming_packed(const kernels::KernelOptions& options, Index lq, Index lk) {
   const Index bk = streaming_blocks(options, lq, lk).second;
   return kPackedGemm && std::is_same<KV, Scalar>::value && lq >= kPackedAttentionMinQueries &&
-         (bk % GemmBlocking<Scalar>::kKC == 0 || bk >= lk);
+         (bk % GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
 }
 }  // namespace detail
 namespace kernels {
@@ -133,7 +134,7 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
   const double work = c2f::detail::attention_work(q.batch * q.heads, lq, lk, dk, dv);
   // The packed path (detail::packed_gemm, where the build has it): each head's keys and values packed
   // once into the micro-kernel's panels, shared by all of its query blocks; the products of a block are
-  // then QKᵀ and PV on those panels. Key blocks must start on the panels' k-blocks.
+  // then QKᵀ and PV on those panels.
   const bool packed = c2f::detail::streaming_packed<Scalar, KV>(options, lq, lk);
   std::vector<c2f::detail::PackedB<Scalar>> packed_k, packed_v;
   if (packed) {
