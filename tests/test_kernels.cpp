@@ -539,7 +539,7 @@ TYPED_TEST(KernelTest, MaskShapeErrorsNameBothShapes) {
 // (exp_shifted, then sum) on rows of every tail length, masked entries included.
 TEST(ExpAvx512, MatchesCorrectlyRoundedExpAndItsEigenTwin) {
   if (!c2f::detail::kExpAvx512) GTEST_SKIP() << "this build has no AVX-512 (the native build runs it)";
-#if defined(EIGEN_VECTORIZE_AVX512) && !defined(C2F_NO_MICROKERNELS)
+#if C2F_EXP_AVX512
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const auto exp16 = [](float x) {
     alignas(64) float lanes[16];

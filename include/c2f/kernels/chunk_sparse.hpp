@@ -316,8 +316,7 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
             const Scalar m_old = ws.run_max[qi], m_new = std::max(m_old, row.maxCoeff());
             const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;  // all hidden so far: no −inf − −inf
             ws.alpha[r] = std::exp(m_old - shift);
-            detail::exp_shifted(row, shift);
-            ws.run_sum[qi] = ws.alpha[r] * ws.run_sum[qi] + row.sum();
+            ws.run_sum[qi] = ws.alpha[r] * ws.run_sum[qi] + detail::exp_shifted_sum(row, shift);
             ws.run_max[qi] = m_new;
           }
           if (rows < G) ws.s.bottomRows(G - rows).setZero();
