@@ -45,7 +45,7 @@
 // time is the number of cores the entry really got — about C2F_BENCH_THREADS on a quiet machine, less
 // when other processes share the cores.
 //   tokens/s   L / wall time
-//   peak_bytes heap memory held at once during one forward, beyond what existed before it (input and
+//   peak_bytes heap memory held at once during one forward (from an empty scratch cache), beyond what existed before it (input and
 //              weights), measured by counting every malloc (tools/malloc_counter.hpp); includes the output
 //   rel_error  (sparse entries) ‖y − y_MHA‖ / ‖y_MHA‖ against full MultiHeadAttention (causal for the
 //              causal entries) with the same weights on the same input: a smooth random walk plus noise
@@ -112,6 +112,7 @@ double must_move_bytes(Index length, double weight_floats) {
 
 template <class Forward>
 void run(benchmark::State& state, double flops, double bytes, Index length, Forward&& forward) {
+  c2f::release_scratch_cache();  // the first call allocates every temporary
   c2f_memory::reset();
   for (auto _ : state) {
     decltype(auto) y = forward();  // a fresh tensor, or (forward_into) a reference to the reused one

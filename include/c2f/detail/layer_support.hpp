@@ -177,12 +177,10 @@ class LayerBase : public Module<Derived> {
 };
 
 /// A layer that works row block by row block (Linear, Conv1d, C3K2Projection): forward_into is
-/// Derived::forward_rows(x rows, batch, seq, out), straight into out — no temporary memory.
+/// Derived::forward_rows(x rows, batch, seq, out), straight into out — no activation-sized temporary
+/// (each defines workspace_bytes: its packed weights on the micro-kernel path).
 template <class Derived, class Scalar>
 class RowLayerBase : public LayerBase<Derived, Scalar> {
- public:
-  std::size_t workspace_bytes(Index /*batch*/, Index /*seq*/) const { return 0; }
-
  protected:
   RowLayerBase() = default;
 
@@ -200,6 +198,6 @@ class DecodingLayerBase : public LayerBase<Derived, Scalar>, public Decoder<Deri
   DecodingLayerBase() = default;
 };
 
-
 }  // namespace detail
 }  // namespace c2f
+

@@ -15,6 +15,7 @@
 
 #include "c2f/core.hpp"
 #include "c2f/detail/parallel.hpp"
+#include "c2f/detail/scratch.hpp"
 
 #include <algorithm>
 #include <memory>
@@ -64,19 +65,13 @@ class PackedB {
     n_ = rhs.cols();
     panels_ = (n_ + B::kNR - 1) / B::kNR;
     const std::size_t size = static_cast<std::size_t>(k_ * panels_ * B::kNR);
-    if (size > capacity_) {  // not zeroed: every element is written below; panels start on cache lines
-      // Through malloc (Eigen's hand-made aligned allocation), like every other c2f buffer.
-      void* p = Eigen::internal::handmade_aligned_malloc(size * sizeof(Scalar), kAlign);
-      if (p == nullptr) throw std::bad_alloc();
-      data_.reset(static_cast<Scalar*>(p));
-      capacity_ = size;
-    }
+    data_.reserve(size);  // not zeroed: every element is written below; panels start on cache lines
     const Index kblocks = (k_ + B::kKC - 1) / B::kKC;
     const Eigen::internal::evaluator<Rhs> ev(rhs);
     parallel_for(kblocks * panels_, threads, 2.0 * static_cast<double>(size), [&](Index task, int) {
       const Index k0 = (task / panels_) * B::kKC, p = task % panels_;
       const Index kc = std::min(B::kKC, k_ - k0), j0 = p * B::kNR, nr = std::min<Index>(B::kNR, n_ - j0);
-      Scalar* dst = data_.get() + k0 * panels_ * B::kNR + p * kc * B::kNR;
+      Scalar* dst = data_.data() + k0 * panels_ * B::kNR + p * kc * B::kNR;
       if (nr < B::kNR) {
         for (Index kk = 0; kk < kc; ++kk) std::fill(dst + kk * B::kNR + nr, dst + (kk + 1) * B::kNR, Scalar(0));
       }
@@ -88,7 +83,7 @@ class PackedB {
   Index cols() const { return n_; }
   /// The panel of columns [p·kNR, (p+1)·kNR) in the k-block starting at row k0.
   const Scalar* panel(Index k0, Index p) const {
-    return data_.get() + k0 * panels_ * B::kNR + p * std::min(B::kKC, k_ - k0) * B::kNR;
+    return data_.data() + k0 * panels_ * B::kNR + p * std::min(B::kKC, k_ - k0) * B::kNR;
   }
 
   /// Bytes pack() holds for a [k, n] operand.
@@ -151,12 +146,7 @@ class PackedB {
   }
 
   Index k_ = 0, n_ = 0, panels_ = 0;
-  static constexpr std::size_t kAlign = 64;
-  struct Free {
-    void operator()(Scalar* p) const { Eigen::internal::handmade_aligned_free(p); }
-  };
-  std::unique_ptr<Scalar, Free> data_;
-  std::size_t capacity_ = 0;
+  ScratchArray<Scalar> data_;  ///< reused between calls (detail/scratch.hpp)
 };
 
 /// The micro-kernel: the MR × kNR tile Σ_kk A[i, kk] · b[kk][j] over kc steps of a packed B panel, A's

@@ -74,6 +74,16 @@ std::vector<Scalar> conv1d_torch_weight(const RowMatrix<Scalar>& taps, const Con
 /// Output rows per task of conv1d(); fixed, so the result bits do not depend on the thread count.
 constexpr Index kConv1dRowChunk = 128;
 
+/// Heap bytes conv1d() holds while it runs on sequences of `length`: every tap of every group packed for
+/// the micro-kernel on the packed path, else nothing.
+template <class Scalar>
+std::size_t conv1d_workspace_bytes(Index length, const Conv1dShape& s) {
+  const bool packed = c2f::detail::kPackedGemm && s.out_length(length) >= c2f::detail::kPackedGemmMinRows;
+  return packed ? static_cast<std::size_t>(s.kernel * s.groups) *
+                      c2f::detail::PackedB<Scalar>::bytes(s.in_per_group(), s.out_per_group())
+                : 0;
+}
+
 /// y[b, i, o] = bias[o] + Σ_t Σ_c W[o, c, t] · x[b, i + t − left_padding, g(o)·in/groups + c] (zero
 /// outside the input), overwritten. x [batch·length, in], taps from conv1d_taps(), bias [out] or nullptr,
 /// y [batch·out_length, out] (may be a column block of a wider matrix). From kPackedGemmMinRows output

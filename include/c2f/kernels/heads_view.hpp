@@ -57,21 +57,36 @@ HeadsView<T> heads_view(T* data, Index batch, Index seq, Index cols, Index col0,
   return v;
 }
 
-/// The [batch·seq, heads·dim] matrix `m` as `heads` heads of dim = cols / heads. The sequence length
-/// is given, not derived, so that a batch of 0 keeps the problem's lengths (the kernels check them
-/// against the mask's).
+/// The [rows, cols] row-major matrix at `data` (contiguous rows) as `heads` heads of dim = cols / heads,
+/// checked to be [batch·seq, heads·dim].
+template <class T>
+HeadsView<T> checked_heads_view(T* data, Index rows, Index cols, Index batch, Index seq, Index heads) {
+  if (rows != batch * seq || heads < 1 || cols % heads != 0) {
+    detail::fail("heads_view: a [batch·seq, heads·dim] matrix for batch ", batch, ", seq ", seq, " and ", heads,
+                 " heads, got ", detail::shape_string({rows, cols}));
+  }
+  return heads_view<T>(data, batch, seq, cols, 0, heads, cols / heads);
+}
+
+/// The [batch·seq, heads·dim] matrix `m` (a RowMatrix, or a Map of one such as scratch memory) as
+/// `heads` heads of dim = cols / heads. The sequence length is given, not derived, so that a batch of 0
+/// keeps the problem's lengths (the kernels check them against the mask's).
 template <class Scalar>
 HeadsView<const Scalar> heads_view(const RowMatrix<Scalar>& m, Index batch, Index seq, Index heads) {
-  if (m.rows() != batch * seq || heads < 1 || m.cols() % heads != 0) {
-    detail::fail("heads_view: a [batch·seq, heads·dim] matrix for batch ", batch, ", seq ", seq, " and ", heads,
-                 " heads, got ", detail::shape_string({m.rows(), m.cols()}));
-  }
-  return heads_view<const Scalar>(m.data(), batch, seq, m.cols(), 0, heads, m.cols() / heads);
+  return checked_heads_view<const Scalar>(m.data(), m.rows(), m.cols(), batch, seq, heads);
 }
 template <class Scalar>
 HeadsView<Scalar> heads_view(RowMatrix<Scalar>& m, Index batch, Index seq, Index heads) {
-  const HeadsView<const Scalar> v = heads_view(static_cast<const RowMatrix<Scalar>&>(m), batch, seq, heads);
-  return heads_view<Scalar>(m.data(), batch, seq, m.cols(), 0, heads, v.dim);
+  return checked_heads_view<Scalar>(m.data(), m.rows(), m.cols(), batch, seq, heads);
+}
+template <class Scalar, int Options>
+HeadsView<Scalar> heads_view(Eigen::Map<RowMatrix<Scalar>, Options> m, Index batch, Index seq, Index heads) {
+  return checked_heads_view<Scalar>(m.data(), m.rows(), m.cols(), batch, seq, heads);
+}
+template <class Scalar, int Options>
+HeadsView<const Scalar> heads_view(const Eigen::Map<const RowMatrix<Scalar>, Options>& m, Index batch, Index seq,
+                                   Index heads) {
+  return checked_heads_view<const Scalar>(m.data(), m.rows(), m.cols(), batch, seq, heads);
 }
 
 /// The usual softmax scale 1 / sqrt(head_dim).

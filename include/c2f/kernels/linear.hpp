@@ -86,6 +86,14 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
   });
 }
 
+/// Heap bytes matmul_rows() (and linear()) hold while they run for an [n, k] · [k, out] product: the
+/// packed right-hand side on the packed path (detail::kPackedGemm builds, n ≥ kPackedGemmMinRows), else
+/// nothing (Eigen's product blocks on the stack at these sizes).
+template <class Scalar>
+std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out) {
+  return detail::kPackedGemm && n >= detail::kPackedGemmMinRows ? detail::PackedB<Scalar>::bytes(k, out) : 0;
+}
+
 /// y = x · wᵀ + bias (overwritten) for x [n, in], w [out, in] (PyTorch's Linear.weight layout), bias
 /// [out] or nullptr, y [n, out].
 template <class Scalar>

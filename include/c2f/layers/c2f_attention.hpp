@@ -36,9 +36,9 @@
 // literally (kv_proj of every token, one attention row per token) and is the path for per-token masks.
 #pragma once
 
-#include "c2f/detail/huge_pages.hpp"
 #include "c2f/detail/layer_support.hpp"
 #include "c2f/detail/random.hpp"
+#include "c2f/detail/scratch.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/linear.hpp"
@@ -49,6 +49,7 @@
 #include "c2f/mask_view.hpp"
 #include "c2f/options.hpp"
 
+#include <algorithm>
 #include <array>
 #include <string>
 
@@ -310,6 +311,12 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
  public:
 
+  /// Bytes of the largest packed weight (micro-kernel builds; one product runs at a time) the folded
+  /// path holds for `blocks` block rows: q_proj's, a head's scaled key or value projection's, out_proj's.
+  std::size_t folded_packed_bytes(Index blocks) const {
+    return std::max({q_proj_.rows_workspace_bytes(blocks), kernels::matmul_rows_workspace_bytes<Scalar>(blocks, head_dim(), d_),
+                     kernels::matmul_rows_workspace_bytes<Scalar>(blocks, d_, head_dim()), out_proj_.rows_workspace_bytes(blocks)});
+  }
   /// Bytes of temporary memory one forward_chunked_into() holds at its peak, besides the output (and
   /// Eigen's GEMM packing buffers, which Eigen keeps on the stack below 128 KiB). On the folded path —
   /// FinePath::Folded, or Auto without a mask that differs inside a chunk — q, the folded queries, the
@@ -324,13 +331,17 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     if (general || options_.fine_path() == FinePath::General) {
       const std::size_t k = static_cast<std::size_t>(chunk), padded = grid.length % chunk == 0 ? 0 : c * k * d;
       const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), grid.chunks() * heads_));
-      return lengths + s * (c * d + padded + 4 * c * k * d) +
+      // + the largest packed projection weight (micro-kernel builds; one projection runs at a time).
+      const std::size_t packed = std::max({q_proj_.rows_workspace_bytes(grid.chunks()), kv_proj_.rows_workspace_bytes(grid.chunks() * chunk),
+                                           out_proj_.rows_workspace_bytes(grid.chunks() * chunk)});
+      return lengths + packed + s * (c * d + padded + 4 * c * k * d) +
              workers * kernels::sdpa_streaming_workspace_bytes<Scalar>(detail::kernel_options(options_), dk, dk, chunk, chunk);
     }
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), grid.chunks()));
     // q, o, chunk_out [c, d]; qk, pooled [c, h·d]; mass [c, h]; per worker: a scaled key projection [dk, d]
     // and the folded kernel's scores [h, chunk], run output [h, d] and four [h] vectors.
-    return lengths + s * (c * (3 * d + 2 * h * d + h) + workers * (dk * d + h * (static_cast<std::size_t>(chunk) + d + 4)));
+    return lengths + folded_packed_bytes(grid.chunks()) +
+           s * (c * (3 * d + 2 * h * d + h) + workers * (dk * d + h * (static_cast<std::size_t>(chunk) + d + 4)));
   }
 
  private:
@@ -364,14 +375,14 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const typename RowMatrix<Scalar>::ConstRowsBlockXpr wk = kv_proj_.weight().topRows(d_), wv = kv_proj_.weight().bottomRows(d_);
 
     // qk[c, h·d:(h+1)·d] = q[c, h·dk:(h+1)·dk] W_k,h / sqrt(dk)   (the key bias only shifts a softmax row)
-    RowMatrix<Scalar> qk(chunks, heads_ * d_);
-    detail::prefer_huge_pages(qk);
+    // The large temporaries live in reused scratch memory (detail/scratch.hpp).
+    detail::ScratchMatrix<Scalar> qk_s(chunks, heads_ * d_), pooled_s(chunks, heads_ * d_);
+    typename detail::ScratchMatrix<Scalar>::MapType qk = qk_s.map(), pooled = pooled_s.map();
     for (Index h = 0; h < heads_; ++h) {
       kernels::matmul_rows<Scalar>(q.middleCols(h * dk, dk), wk.middleRows(h * dk, dk) * scale, nullptr,
                                    qk.middleCols(h * d_, d_), threads);
     }
-    RowMatrix<Scalar> pooled(chunks, heads_ * d_), mass(chunks, heads_);
-    detail::prefer_huge_pages(pooled);
+    RowMatrix<Scalar> mass(chunks, heads_);
     kernels::fine_attention_folded<Scalar>(x, grid, qk, heads_, pooled, mass, bias, threads);
 
     // o[c, h·dk:(h+1)·dk] = pooled[c, h] W_v,hᵀ + mass[c, h] b_v,h
@@ -399,9 +410,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const Eigen::Ref<const RowMatrix<Scalar>> tokens =
         divisible ? Eigen::Ref<const RowMatrix<Scalar>>(x.rows()) : Eigen::Ref<const RowMatrix<Scalar>>(padded);
 
-    RowMatrix<Scalar> kv(chunks * k, 2 * d_), attn(chunks * k, d_);
-    detail::prefer_huge_pages(kv);
-    detail::prefer_huge_pages(attn);
+    detail::ScratchMatrix<Scalar> kv_s(chunks * k, 2 * d_), attn_s(chunks * k, d_);
+    typename detail::ScratchMatrix<Scalar>::MapType kv = kv_s.map(), attn = attn_s.map();
     kv_proj_.forward_rows(tokens, kv);
     // Every token of chunk c reads the chunk's one query: a row stride of 0.
     kernels::HeadsView<const Scalar> qv = kernels::heads_view<const Scalar>(q.data(), chunks, k, d_, 0, heads_, dk);
@@ -413,8 +423,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     kernels::sdpa_streaming<Scalar>(qv, kview, vview, oview, plan, kernels::default_scale<Scalar>(dk),
                                     detail::kernel_options(options_));
 
-    RowMatrix<Scalar> projected(chunks * k, d_);
-    detail::prefer_huge_pages(projected);
+    detail::ScratchMatrix<Scalar> projected_s(chunks * k, d_);
+    typename detail::ScratchMatrix<Scalar>::MapType projected = projected_s.map();
     out_proj_.forward_rows(attn, projected);
     for (Index c = 0; c < chunks; ++c) out.middleRows(grid.row(c), grid.count(c)) = projected.middleRows(c * k, grid.count(c));
   }

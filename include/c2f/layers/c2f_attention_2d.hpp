@@ -181,7 +181,8 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     // the kernel's scratch per worker: [h, block_w] scores, [h, d] run output, four [h] vectors.
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), m));
     const std::size_t fine = sizeof(Scalar) * (static_cast<std::size_t>(m * (3 * d + 2 * h * d + h)) +
-                                               workers * static_cast<std::size_t>(h * (block_w_ + d + 4)));
+                                               workers * static_cast<std::size_t>(h * (block_w_ + d + 4))) +
+                             fine_.folded_packed_bytes(m);
     return coarse + fine;
   }
 

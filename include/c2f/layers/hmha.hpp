@@ -34,6 +34,7 @@
 #include "c2f/mask_view.hpp"
 #include "c2f/options.hpp"
 
+#include <algorithm>
 #include <array>
 #include <string>
 
@@ -142,7 +143,10 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
       const std::size_t rows = static_cast<std::size_t>(std::min(kernels::kSparseRowBlock, std::max<Index>(seq, 1)));
       level = std::max(level, s * workers * rows * (h * offsets + e) + sizeof(Index) * offsets);
     }
-    return s * 4 * tokens * e + level;
+    // + a projection's packed weights (micro-kernel builds), which the scratch cache may keep during the levels.
+    const std::size_t packed = std::max({q_proj_.workspace_bytes(batch, seq), k_proj_.workspace_bytes(batch, seq),
+                                         v_proj_.workspace_bytes(batch, seq), out_proj_.workspace_bytes(batch, seq)});
+    return s * 4 * tokens * e + level + packed;
   }
 
   /// The attention part alone on given projections q, k, v [B·L, E]: o += o1 + o2 + o3.

@@ -79,6 +79,13 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
                     Eigen::Ref<RowMatrix<Scalar>> y) const {
     forward_rows(x, y);
   }
+  /// Bytes of temporary memory forward_rows() on `rows` rows holds: the packed weight on the micro-kernel
+  /// path (kernels::matmul_rows_workspace_bytes), else 0.
+  std::size_t rows_workspace_bytes(Index rows) const {
+    return kernels::matmul_rows_workspace_bytes<Scalar>(rows, in_features(), out_features());
+  }
+  /// Bytes of temporary memory one forward_into() holds: rows_workspace_bytes(batch · seq).
+  std::size_t workspace_bytes(Index batch, Index seq) const { return rows_workspace_bytes(batch * seq); }
 
  private:
   static RowMatrix<Scalar> zero_weight(Index in_features, Index out_features) {

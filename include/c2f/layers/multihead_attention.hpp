@@ -4,6 +4,7 @@
 #include "c2f/detail/huge_pages.hpp"
 #include "c2f/detail/layer_support.hpp"
 #include "c2f/detail/random.hpp"
+#include "c2f/detail/scratch.hpp"
 #include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
@@ -12,6 +13,7 @@
 #include "c2f/mask_view.hpp"
 #include "c2f/options.hpp"
 
+#include <algorithm>
 #include <array>
 #include <string>
 #include <string_view>
@@ -197,18 +199,13 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
                const ConstTensor3Ref<Scalar>& value, RowMatrix<Scalar>& qp, RowMatrix<Scalar>& kp,
                RowMatrix<Scalar>& vp) const {
     check_inputs(query, key, value);
-    const Index e = embed_dim();
-    const kernels::KernelOptions threads = detail::kernel_options(options_);
-    qp.resize(query.batch() * query.seq(), e);
-    kp.resize(key.batch() * key.seq(), e);
-    vp.resize(value.batch() * value.seq(), e);
+    qp.resize(query.batch() * query.seq(), embed_dim());
+    kp.resize(key.batch() * key.seq(), embed_dim());
+    vp.resize(value.batch() * value.seq(), embed_dim());
     detail::prefer_huge_pages(qp);
     detail::prefer_huge_pages(kp);
     detail::prefer_huge_pages(vp);
-    const Scalar* bias = options_.bias() ? b_.data() : nullptr;
-    kernels::linear<Scalar>(query.rows(), w_[0], bias, qp, threads);
-    kernels::linear<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads);
-    kernels::linear<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads);
+    project_into(query, key, value, qp, kp, vp);
   }
 
   /// Incremental decoding state of a causal layer (new_decode_state(), decode(), prefill(): see
@@ -246,17 +243,27 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   }
 
   /// Bytes of temporary memory one forward_into() (or forward() without weights) holds at its peak,
-  /// besides the output: the projected q, k, v, the heads' output and every worker's kernel scratch —
+  /// besides the output and Eigen's GEMM blocking buffers (portable builds; on the heap above 128 KiB, E ≥
+  /// 256): the projected q, k, v and the heads' output, and the largest of what each step adds — a packed
+  /// projection weight (micro-kernel builds), the attention kernel's shared and per-worker scratch —
   /// linear in the sequence lengths.
   std::size_t workspace_bytes(Index batch, Index lq, Index lk) const {
-    const std::size_t proj = sizeof(Scalar) * static_cast<std::size_t>(embed_dim() * batch * (2 * lq + 2 * lk));
+    const Index e = embed_dim();
+    const std::size_t proj = sizeof(Scalar) * static_cast<std::size_t>(e * batch * (2 * lq + 2 * lk));
+    const std::size_t packed_weights = std::max({kernels::matmul_rows_workspace_bytes<Scalar>(batch * lq, e, e),
+                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, kdim_, e),
+                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, vdim_, e),
+                                                 out_proj_.rows_workspace_bytes(batch * lq)});
+    std::size_t attention;
     if (options_.kernel() == AttnKernel::Naive) {
-      return proj + sizeof(Scalar) * static_cast<std::size_t>(lq * lk) * static_cast<std::size_t>(threads_for(batch));
+      attention = sizeof(Scalar) * static_cast<std::size_t>(lq * lk) * static_cast<std::size_t>(threads_for(batch));
+    } else {
+      attention = kernels::sdpa_streaming_workspace_bytes<Scalar>(kernel_options(), head_dim(), head_dim(), lq, lk) *
+                      static_cast<std::size_t>(threads_for(batch * num_heads() * lq)) +
+                  kernels::sdpa_streaming_shared_bytes<Scalar>(kernel_options(), batch * num_heads(), head_dim(), head_dim(), lq, lk);
     }
-    return proj +
-           kernels::sdpa_streaming_workspace_bytes<Scalar>(kernel_options(), head_dim(), head_dim(), lq, lk) *
-               static_cast<std::size_t>(threads_for(batch * num_heads() * lq)) +
-           kernels::sdpa_streaming_shared_bytes<Scalar>(kernel_options(), batch * num_heads(), head_dim(), head_dim(), lq, lk);
+    // A packed weight the scratch cache keeps after the in-projection stays allocated during the attention.
+    return proj + std::max(packed_weights, attention + detail::scratch_kept_bytes(packed_weights));
   }
   /// Self-attention: workspace_bytes(batch, seq, seq).
   std::size_t workspace_bytes(Index batch, Index seq) const { return workspace_bytes(batch, seq, seq); }
@@ -340,6 +347,18 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     }
   }
 
+  /// project() into given matrices of the right shapes (checked inputs).
+  void project_into(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
+                    const ConstTensor3Ref<Scalar>& value, Eigen::Ref<RowMatrix<Scalar>> qp,
+                    Eigen::Ref<RowMatrix<Scalar>> kp, Eigen::Ref<RowMatrix<Scalar>> vp) const {
+    const Index e = embed_dim();
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
+    const Scalar* bias = options_.bias() ? b_.data() : nullptr;
+    kernels::linear<Scalar>(query.rows(), w_[0], bias, qp, threads);
+    kernels::linear<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads);
+    kernels::linear<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads);
+  }
+
   /// The forward pass into `out` [B·Lq, E]; with a weights request, on the naive kernel, also the
   /// attention weights.
   void run(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
@@ -349,12 +368,12 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     const Index batch = query.batch(), lq = query.seq(), lk = key.seq(), e = embed_dim(), h = num_heads();
     detail::check_call(type_name, masks, mask_fields, {batch, lq, e}, out);
     const MaskView<Scalar> mask(masks, batch, h, lq, lk, options_.causal());
-    RowMatrix<Scalar> qp, kp, vp;
-    project(query, key, value, qp, kp, vp);
+    // The temporaries live in reused scratch memory (detail/scratch.hpp): no fresh pages per call.
+    detail::ScratchMatrix<Scalar> qs(batch * lq, e), ks(batch * lk, e), vs(batch * lk, e), attn_s(batch * lq, e);
+    typename detail::ScratchMatrix<Scalar>::MapType qp = qs.map(), kp = ks.map(), vp = vs.map(), attn = attn_s.map();
+    project_into(query, key, value, qp, kp, vp);
     const Scalar scale = kernels::default_scale<Scalar>(head_dim());
 
-    RowMatrix<Scalar> attn(batch * lq, e);
-    detail::prefer_huge_pages(attn);
     const kernels::HeadsView<const Scalar> qv = kernels::heads_view(qp, batch, lq, h),
                                            kv = kernels::heads_view(kp, batch, lk, h),
                                            vv = kernels::heads_view(vp, batch, lk, h);

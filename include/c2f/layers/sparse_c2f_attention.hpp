@@ -28,9 +28,11 @@
 #include "c2f/detail/huge_pages.hpp"
 #include "c2f/detail/layer_support.hpp"
 #include "c2f/kernels/chunk_sparse.hpp"
+#include "c2f/kernels/linear.hpp"
 #include "c2f/layers/multihead_attention.hpp"
 #include "c2f/options.hpp"
 
+#include <algorithm>
 #include <array>
 #include <string>
 
@@ -162,7 +164,9 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
       gating = s * (2 * chunks * e + workers * m * m) + top_picks;
       fine = s * workers * (2 * picks * k * dh + k * picks * k);
     }
-    return s * 4 * tokens * e + selection + gating + fine;
+    // + a packed [E, E] projection weight (micro-kernel builds; the in- and out-projections').
+    const std::size_t packed = kernels::matmul_rows_workspace_bytes<Scalar>(batch * seq, embed_dim(), embed_dim());
+    return s * 4 * tokens * e + selection + gating + fine + packed;
   }
 
  private:

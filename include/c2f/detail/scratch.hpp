@@ -1,0 +1,216 @@
+// c2f — reused scratch memory for the large temporaries of a call (projected q/k/v, packed GEMM
+// panels, heads' outputs).
+//
+// Without it, every forward mallocs and frees the same large buffers: glibc serves those above its mmap
+// threshold with fresh mappings (and trims its heap after the smaller ones), so each call faults its
+// temporaries in again, page by page, and the kernel zeroes every page — measured 8–12 % of an MHA
+// forward at L ≤ 2048 (docs/layers.md, "Scratch memory"). A process-wide cache keeps the blocks a call
+// frees and hands them to the next request of a size they fit (at most twice the request), the way ONNX
+// Runtime's arena and PyTorch's caching allocator do; blocks below kScratchMinBytes go straight to malloc,
+// which serves those well. The cache holds at most c2f::scratch_cache_limit() bytes (set_scratch_cache_limit(),
+// env C2F_SCRATCH_CACHE_BYTES, default 256 MiB; 0 turns it off) and c2f::release_scratch_cache() frees
+// what it holds. One mutex guards it: a call takes a few dozen blocks at most. Under AddressSanitizer the
+// cache is off, so that a use after free of a temporary is still caught.
+#pragma once
+
+#include "c2f/core.hpp"
+#include "c2f/detail/huge_pages.hpp"
+
+#include <cstddef>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <new>
+#include <utility>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define C2F_SCRATCH_CACHE_DEFAULT_OFF 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define C2F_SCRATCH_CACHE_DEFAULT_OFF 1
+#endif
+#endif
+
+namespace c2f {
+namespace detail {
+
+/// Requests below this size are not cached (malloc's own bins serve them without faulting pages).
+constexpr std::size_t kScratchMinBytes = std::size_t(256) << 10;
+constexpr std::size_t kScratchAlign = 64;
+
+class ScratchCache {
+ public:
+  /// The process-wide cache; never destroyed, so that a block freed during static destruction still
+  /// has somewhere to go.
+  static ScratchCache& instance() {
+    static ScratchCache* cache = new ScratchCache();
+    return *cache;
+  }
+
+  /// A block of at least `bytes` (64-byte aligned) and its real capacity.
+  std::pair<void*, std::size_t> take(std::size_t bytes) {
+    if (bytes >= kScratchMinBytes) {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = free_.lower_bound(bytes);
+      if (it != free_.end() && it->first / 2 <= bytes) {
+        const std::pair<void*, std::size_t> block{it->second, it->first};
+        cached_ -= it->first;
+        free_.erase(it);
+        return block;
+      }
+    }
+    void* p = Eigen::internal::handmade_aligned_malloc(bytes, kScratchAlign);
+    if (p == nullptr && bytes > 0) {
+      release();  // the cache may hold what the allocation needs
+      p = Eigen::internal::handmade_aligned_malloc(bytes, kScratchAlign);
+      if (p == nullptr) throw std::bad_alloc();
+    }
+    advise_huge_pages(p, bytes);
+    return {p, bytes};
+  }
+
+  /// Returns a block from take(): cached while the cache has room, freed otherwise.
+  void give(void* p, std::size_t capacity) noexcept {
+    if (p == nullptr) return;
+    if (capacity >= kScratchMinBytes) {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      if (cached_ + capacity <= limit_) {
+        try {
+          free_.emplace(capacity, p);
+          cached_ += capacity;
+          return;
+        } catch (...) {  // no memory for the map node: free the block instead
+        }
+      }
+    }
+    Eigen::internal::handmade_aligned_free(p);
+  }
+
+  /// Frees every cached block.
+  void release() noexcept {
+    std::multimap<std::size_t, void*> blocks;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      blocks.swap(free_);
+      cached_ = 0;
+    }
+    for (const std::pair<const std::size_t, void*>& b : blocks) Eigen::internal::handmade_aligned_free(b.second);
+  }
+
+  void set_limit(std::size_t bytes) {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      limit_ = bytes;
+      if (cached_ <= limit_) return;
+    }
+    release();
+  }
+  std::size_t limit() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return limit_;
+  }
+  /// Bytes the cache holds now.
+  std::size_t cached() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return cached_;
+  }
+
+ private:
+  ScratchCache() : limit_(initial_limit()) {}
+  static std::size_t initial_limit() {
+#if defined(C2F_SCRATCH_CACHE_DEFAULT_OFF)
+    return 0;
+#else
+    const char* env = std::getenv("C2F_SCRATCH_CACHE_BYTES");
+    if (env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      const unsigned long long v = std::strtoull(env, &end, 10);
+      if (end != nullptr && *end == '\0') return static_cast<std::size_t>(v);
+    }
+    return std::size_t(256) << 20;
+#endif
+  }
+
+  mutable std::mutex mutex_;
+  std::multimap<std::size_t, void*> free_;  ///< capacity → block
+  std::size_t cached_ = 0;
+  std::size_t limit_;
+};
+
+/// Of a freed block of `bytes`, what the cache keeps (and so stays allocated for the rest of a call):
+/// all of it when it is cached, else 0. For the workspace_bytes formulas.
+inline std::size_t scratch_kept_bytes(std::size_t bytes) {
+  return bytes >= kScratchMinBytes && ScratchCache::instance().limit() >= bytes ? bytes : 0;
+}
+
+/// A move-only owner of one scratch block of `count` Scalars (not initialised).
+template <class Scalar>
+class ScratchArray {
+ public:
+  ScratchArray() = default;
+  explicit ScratchArray(std::size_t count) { reserve(count); }
+  ScratchArray(ScratchArray&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), capacity_(std::exchange(o.capacity_, 0)) {}
+  ScratchArray& operator=(ScratchArray&& o) noexcept {
+    if (this != &o) {
+      reset();
+      data_ = std::exchange(o.data_, nullptr);
+      capacity_ = std::exchange(o.capacity_, 0);
+    }
+    return *this;
+  }
+  ScratchArray(const ScratchArray&) = delete;
+  ScratchArray& operator=(const ScratchArray&) = delete;
+  ~ScratchArray() { reset(); }
+
+  /// Room for at least `count` Scalars; the contents are lost when the block changes.
+  void reserve(std::size_t count) {
+    if (count <= capacity_ / sizeof(Scalar) && data_ != nullptr) return;
+    reset();
+    const std::pair<void*, std::size_t> block = ScratchCache::instance().take(count * sizeof(Scalar));
+    data_ = static_cast<Scalar*>(block.first);
+    capacity_ = block.second;
+  }
+  void reset() noexcept {
+    ScratchCache::instance().give(data_, capacity_);
+    data_ = nullptr;
+    capacity_ = 0;
+  }
+  Scalar* data() const { return data_; }
+
+ private:
+  Scalar* data_ = nullptr;
+  std::size_t capacity_ = 0;  ///< bytes
+};
+
+/// A row-major [rows, cols] matrix in scratch memory, seen through map().
+template <class Scalar>
+class ScratchMatrix {
+ public:
+  using MapType = Eigen::Map<RowMatrix<Scalar>, Eigen::Aligned64>;
+  using ConstMapType = Eigen::Map<const RowMatrix<Scalar>, Eigen::Aligned64>;
+  ScratchMatrix(Index rows, Index cols)
+      : buffer_(static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols)), rows_(rows), cols_(cols) {}
+  MapType map() { return MapType(buffer_.data(), rows_, cols_); }
+  ConstMapType map() const { return ConstMapType(buffer_.data(), rows_, cols_); }
+  Index rows() const { return rows_; }
+  Index cols() const { return cols_; }
+
+ private:
+  ScratchArray<Scalar> buffer_;
+  Index rows_, cols_;
+};
+
+}  // namespace detail
+
+/// Bytes of freed scratch memory c2f keeps for the next calls (default 256 MiB, or the environment
+/// variable C2F_SCRATCH_CACHE_BYTES; 0 under AddressSanitizer). See detail/scratch.hpp.
+inline std::size_t scratch_cache_limit() { return detail::ScratchCache::instance().limit(); }
+/// Sets that limit; 0 turns the cache off. Blocks over the new limit are freed.
+inline void set_scratch_cache_limit(std::size_t bytes) { detail::ScratchCache::instance().set_limit(bytes); }
+/// Bytes the cache holds now.
+inline std::size_t scratch_cache_bytes() { return detail::ScratchCache::instance().cached(); }
+/// Frees every block the cache holds (c2f keeps using it for later calls).
+inline void release_scratch_cache() { detail::ScratchCache::instance().release(); }
+
+}  // namespace c2f
