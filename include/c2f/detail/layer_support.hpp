@@ -198,6 +198,6 @@ class DecodingLayerBase : public LayerBase<Derived, Scalar>, public Decoder<Deri
   DecodingLayerBase() = default;
 };
 
+
 }  // namespace detail
 }  // namespace c2f
-

@@ -8,7 +8,6 @@
 #include "c2f/mask.hpp"
 #include "c2f/options.hpp"
 
-#include <algorithm>
 #include <array>
 #include <string>
 
@@ -78,8 +77,7 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
     detail::check_features(x, shape_.in_channels, "Conv1d", "x", "in_channels");
     return {x.batch(), out_length(x.seq()), shape_.out_channels};
   }
-  /// The same on rows (forward_into(x, out, masks) is this on x's rows): x [B·L, in] → y [B·L_out, out] (y may be a
-  /// column block of a wider matrix).
+  /// The same on rows (forward_into(x, out, masks) is this on x's rows): x [B·L, in] → y [B·L_out, out] (y may be a column block of a wider matrix).
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
                     Eigen::Ref<RowMatrix<Scalar>> y) const {
     if (out_length(length) == 0) return;  // nothing to write (an input shorter than the kernel)
@@ -145,17 +143,17 @@ class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scala
     fn("conv2.", self.conv2_);
   }
 
-  /// x [B·L, E] → y [B·L, E] (forward_into(x, out, masks) is this on x's rows): conv3 into channels [0, E/2), conv2
-  /// into [E/2, E).
+  /// x [B·L, E] → y [B·L, E] (forward_into(x, out, masks) is this on x's rows): conv3 into channels [0, E/2), conv2 into [E/2, E).
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
                     Eigen::Ref<RowMatrix<Scalar>> y) const {
     const Index e = embed_dim();
     conv3_.forward_rows(x, batch, length, y.leftCols(e / 2));
     conv2_.forward_rows(x, batch, length, y.rightCols(e - e / 2));
   }
-  /// Bytes of temporary memory one forward_into() holds: the larger convolution's (one runs at a time).
+  /// Bytes of temporary memory one forward_into() holds: both convolutions' packed taps (one runs at a
+  /// time, but the scratch cache may keep conv3's while conv2 runs).
   std::size_t workspace_bytes(Index batch, Index seq) const {
-    return std::max(conv3_.workspace_bytes(batch, seq), conv2_.workspace_bytes(batch, seq));
+    return conv3_.workspace_bytes(batch, seq) + conv2_.workspace_bytes(batch, seq);
   }
 
  private:

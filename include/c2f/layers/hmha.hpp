@@ -22,8 +22,8 @@
 #pragma once
 
 #include "c2f/detail/decoding.hpp"
-#include "c2f/detail/huge_pages.hpp"
 #include "c2f/detail/layer_support.hpp"
+#include "c2f/detail/scratch.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/hierarchical.hpp"
@@ -143,15 +143,15 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
       const std::size_t rows = static_cast<std::size_t>(std::min(kernels::kSparseRowBlock, std::max<Index>(seq, 1)));
       level = std::max(level, s * workers * rows * (h * offsets + e) + sizeof(Index) * offsets);
     }
-    // + a projection's packed weights (micro-kernel builds), which the scratch cache may keep during the levels.
-    const std::size_t packed = std::max({q_proj_.workspace_bytes(batch, seq), k_proj_.workspace_bytes(batch, seq),
-                                         v_proj_.workspace_bytes(batch, seq), out_proj_.workspace_bytes(batch, seq)});
+    // + the projections' packed weights (micro-kernel builds), which the scratch cache may keep during the
+    // levels: one C3K2Projection's (q, k and v reuse the same blocks) and out_proj's.
+    const std::size_t packed = q_proj_.workspace_bytes(batch, seq) + out_proj_.workspace_bytes(batch, seq);
     return s * 4 * tokens * e + level + packed;
   }
 
   /// The attention part alone on given projections q, k, v [B·L, E]: o += o1 + o2 + o3.
-  void attend(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v, Index batch,
-              Index length, RowMatrix<Scalar>& o) const {
+  void attend(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
+              const Eigen::Ref<const RowMatrix<Scalar>>& v, Index batch, Index length, Eigen::Ref<RowMatrix<Scalar>> o) const {
     const kernels::ChunkGrid windows{batch, length, window_};
     const kernels::KernelOptions threads = detail::kernel_options(options_);
     const bool causal = options_.causal();
@@ -184,8 +184,9 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   friend class detail::LayerBase<HMHA, Scalar>;
   void compute(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>&) const {
     const Index batch = x.batch(), length = x.seq(), rows = batch * length, e = shape_.embed_dim;
-    RowMatrix<Scalar> q(rows, e), k(rows, e), v(rows, e), o(rows, e);
-    for (RowMatrix<Scalar>* buffer : {&q, &k, &v, &o}) detail::prefer_huge_pages(*buffer);
+    // The projections live in reused scratch memory (detail/scratch.hpp): no fresh pages per call.
+    detail::ScratchMatrix<Scalar> qs(rows, e), ks(rows, e), vs(rows, e), os(rows, e);
+    typename detail::ScratchMatrix<Scalar>::MapType q = qs.map(), k = ks.map(), v = vs.map(), o = os.map();
     q_proj_.forward_rows(x.rows(), batch, length, q);
     k_proj_.forward_rows(x.rows(), batch, length, k);
     v_proj_.forward_rows(x.rows(), batch, length, v);

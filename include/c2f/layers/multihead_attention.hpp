@@ -208,6 +208,20 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     project_into(query, key, value, qp, kp, vp);
   }
 
+  /// project() into the caller's qp [B·Lq, E], kp and vp [B·Lk, E] (e.g. scratch memory; a wrong shape is
+  /// refused).
+  void project_into(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
+                    const ConstTensor3Ref<Scalar>& value, Eigen::Ref<RowMatrix<Scalar>> qp,
+                    Eigen::Ref<RowMatrix<Scalar>> kp, Eigen::Ref<RowMatrix<Scalar>> vp) const {
+    check_inputs(query, key, value);
+    const Index e = embed_dim();
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
+    const Scalar* bias = options_.bias() ? b_.data() : nullptr;
+    kernels::linear<Scalar>(query.rows(), w_[0], bias, qp, threads);
+    kernels::linear<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads);
+    kernels::linear<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads);
+  }
+
   /// Incremental decoding state of a causal layer (new_decode_state(), decode(), prefill(): see
   /// detail::Decoder): the projected keys and values of every token so far.
   template <class Cache = Scalar>
@@ -345,18 +359,6 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
                    shape_string({v.batch(), v.seq(), v.features()}),
                    " must share the batch size, and key and value the sequence length");
     }
-  }
-
-  /// project() into given matrices of the right shapes (checked inputs).
-  void project_into(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
-                    const ConstTensor3Ref<Scalar>& value, Eigen::Ref<RowMatrix<Scalar>> qp,
-                    Eigen::Ref<RowMatrix<Scalar>> kp, Eigen::Ref<RowMatrix<Scalar>> vp) const {
-    const Index e = embed_dim();
-    const kernels::KernelOptions threads = detail::kernel_options(options_);
-    const Scalar* bias = options_.bias() ? b_.data() : nullptr;
-    kernels::linear<Scalar>(query.rows(), w_[0], bias, qp, threads);
-    kernels::linear<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads);
-    kernels::linear<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads);
   }
 
   /// The forward pass into `out` [B·Lq, E]; with a weights request, on the naive kernel, also the

@@ -25,8 +25,8 @@
 #pragma once
 
 #include "c2f/detail/decoding.hpp"
-#include "c2f/detail/huge_pages.hpp"
 #include "c2f/detail/layer_support.hpp"
+#include "c2f/detail/scratch.hpp"
 #include "c2f/kernels/chunk_sparse.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/layers/multihead_attention.hpp"
@@ -178,21 +178,22 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   /// The forward pass into out, after the checks; returns the selection.
   kernels::ChunkSelection run(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out,
                               const Masks<Scalar>& masks) const {
-    RowMatrix<Scalar> q, k, v;
-    mha_.project(x, x, x, q, k, v);
     const Index batch = x.batch(), length = x.seq(), e = embed_dim(), heads = num_heads();
+    // The large temporaries live in reused scratch memory (detail/scratch.hpp): no fresh pages per call.
+    detail::ScratchMatrix<Scalar> qs(batch * length, e), ks(batch * length, e), vs(batch * length, e),
+        attn_s(batch * length, e);
+    typename detail::ScratchMatrix<Scalar>::MapType q = qs.map(), k = ks.map(), v = vs.map(), attn = attn_s.map();
+    mha_.project_into(x, x, x, q, k, v);
     const kernels::KernelOptions threads = detail::kernel_options(options_);
     const bool causal = options_.causal();
     const MaskView<Scalar> mask(masks, batch, heads, length, length);
     const Scalar scale = kernels::default_scale<Scalar>(head_dim());
     const kernels::ChunkGrid grid{batch, length, chunk_};
     kernels::ChunkSelection selection;
-    RowMatrix<Scalar> attn(batch * length, e);
-    detail::prefer_huge_pages(attn);
     // The chunk summaries leave out the tokens key padding hides: a padded token is no token, so its
     // values cannot change which chunks a real token selects (a chunk with none ranks last).
     const KeyPaddingMask<Scalar>& padding = masks.key_padding_mask();
-    const auto means = [&](const RowMatrix<Scalar>& rows, RowMatrix<Scalar>& out_means) {
+    const auto means = [&](const Eigen::Ref<const RowMatrix<Scalar>>& rows, RowMatrix<Scalar>& out_means) {
       out_means.resize(grid.chunks(), e);
       if (padding.is_none()) {
         kernels::chunk_mean<Scalar>(rows, grid, out_means, threads);
