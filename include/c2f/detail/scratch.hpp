@@ -188,13 +188,9 @@ template <class Scalar>
 class ScratchMatrix {
  public:
   using MapType = Eigen::Map<RowMatrix<Scalar>, Eigen::Aligned64>;
-  using ConstMapType = Eigen::Map<const RowMatrix<Scalar>, Eigen::Aligned64>;
   ScratchMatrix(Index rows, Index cols)
       : buffer_(static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols)), rows_(rows), cols_(cols) {}
   MapType map() { return MapType(buffer_.data(), rows_, cols_); }
-  ConstMapType map() const { return ConstMapType(buffer_.data(), rows_, cols_); }
-  Index rows() const { return rows_; }
-  Index cols() const { return cols_; }
 
  private:
   ScratchArray<Scalar> buffer_;

@@ -83,11 +83,6 @@ template <class Scalar, int Options>
 HeadsView<Scalar> heads_view(Eigen::Map<RowMatrix<Scalar>, Options> m, Index batch, Index seq, Index heads) {
   return checked_heads_view<Scalar>(m.data(), m.rows(), m.cols(), batch, seq, heads);
 }
-template <class Scalar, int Options>
-HeadsView<const Scalar> heads_view(const Eigen::Map<const RowMatrix<Scalar>, Options>& m, Index batch, Index seq,
-                                   Index heads) {
-  return checked_heads_view<const Scalar>(m.data(), m.rows(), m.cols(), batch, seq, heads);
-}
 
 /// The usual softmax scale 1 / sqrt(head_dim).
 template <class Scalar>
