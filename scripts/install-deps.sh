@@ -25,6 +25,8 @@ PACKAGES=(
   libdnnl-dev
   # hardening: clang with libFuzzer (the sanitizer runtimes of g++ come with it)
   clang libclang-rt-14-dev
+  # c2f::dist (sequence-parallel layers) and its tests under mpirun: Open MPI
+  libopenmpi-dev openmpi-bin
 )
 
 missing=()

@@ -275,6 +275,58 @@ Problem<Scalar> random_problem(TestRng& rng, int rep) {
   return p;
 }
 
+// sdpa_streaming_lse: the output bits of sdpa_streaming, and each row's log-sum-exp of its scaled,
+// masked scores (computed here in long double), −inf for a row with no visible key.
+TYPED_TEST(KernelTest, StreamingLseIsTheLogSumExpOfTheScores) {
+  using Scalar = TypeParam;
+  TestRng rng(12);
+  for (int rep = 0; rep < 40; ++rep) {
+    const Problem<Scalar> p = random_problem<Scalar>(rng, rep);
+    c2f::kernels::KernelOptions opt;
+    opt.query_block(rng.pick(std::vector<Index>{1, 7, 64})).key_block(rng.pick(std::vector<Index>{1, 5, 32, 300}));
+    opt.num_threads(2);
+    SCOPED_TRACE(p.description);
+    const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+    RowMatrix<Scalar> plain(p.batch * p.lq, p.heads * p.dv), with_lse = plain, lse(p.batch * p.heads, p.lq);
+    c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(plain), plan, p.scale(), opt);
+    c2f::kernels::sdpa_streaming_lse<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(with_lse), lse, plan, p.scale(), opt);
+    EXPECT_TRUE(plain.cwiseEqual(with_lse).all());
+    for (Index b = 0; b < p.batch; ++b) {
+      for (Index h = 0; h < p.heads; ++h) {
+        for (Index i = 0; i < p.lq; ++i) {
+          std::vector<long double> s;
+          for (Index j = 0; j < p.lk; ++j) {
+            const Scalar bias = plan.bias(b, h, i, j);
+            if (bias == -std::numeric_limits<Scalar>::infinity()) continue;
+            long double dot = 0;
+            for (Index c = 0; c < p.dk; ++c) {
+              dot += static_cast<long double>(p.q(b * p.lq + i, h * p.dk + c)) * p.k(b * p.lk + j, h * p.dk + c);
+            }
+            s.push_back(dot * p.scale() + bias);
+          }
+          const Scalar got = lse(b * p.heads + h, i);
+          if (s.empty()) {
+            EXPECT_EQ(got, -std::numeric_limits<Scalar>::infinity());
+            continue;
+          }
+          const long double m = *std::max_element(s.begin(), s.end());
+          long double sum = 0;
+          for (long double v : s) sum += std::exp(v - m);
+          const long double want = m + std::log(sum);
+          EXPECT_NEAR(got, static_cast<double>(want), 1e3 * std::numeric_limits<Scalar>::epsilon() * (1 + std::abs(static_cast<double>(want))))
+              << "b=" << b << " h=" << h << " i=" << i;
+        }
+      }
+    }
+  }
+  RowMatrix<Scalar> wrong(1, 1);
+  const Problem<Scalar> p = random_problem<Scalar>(rng, 0);
+  RowMatrix<Scalar> out(p.batch * p.lq, p.heads * p.dv);
+  EXPECT_THROW(c2f::kernels::sdpa_streaming_lse<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(out), wrong,
+                                                        c2f::MaskView<Scalar>(), p.scale(), c2f::kernels::KernelOptions()),
+               std::invalid_argument);
+}
+
 TYPED_TEST(KernelTest, StreamingAndSplitKeysMatchNaiveOnRandomShapes) {
   using Scalar = TypeParam;
   TestRng rng(2);

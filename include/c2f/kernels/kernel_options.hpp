@@ -23,6 +23,11 @@ class KernelOptions {
   C2F_ARG(Index, key_block) = 256;
   /// Keys per task of the split-key attention.
   C2F_ARG(Index, key_part) = 1024;
+  /// matmul_rows: every output row gets the bits it would get in a product of any other number of rows
+  /// (the packed GEMM for every row count, on every build, instead of Eigen's product below
+  /// detail::kPackedGemmMinRows rows). A layer whose rows may be split across processes (c2f/dist) sets
+  /// it, so that a shard computes exactly the rows of the whole.
+  C2F_ARG(bool, rows_independent) = false;
 };
 
 /// KernelOptions with only the thread count set (the kernels that have no blocking).

@@ -63,7 +63,7 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
   }
   const Index n = x.rows(), out_cols = rhs.cols();
   const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
-  if (detail::kPackedGemm && n >= detail::kPackedGemmMinRows) {
+  if (detail::packed_gemm_for(n, options.rows_independent())) {
     detail::PackedB<Scalar> packed;
     packed.pack(rhs, options.num_threads());
     detail::row_col_tasks(n, out_cols, kPackedRowChunk, kPackedWideRows, kPackedColChunk, options, work, [&](Index r0, Index rows, Index c0, Index cols) {
@@ -87,11 +87,11 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
 }
 
 /// Heap bytes matmul_rows() (and linear()) hold while they run for an [n, k] · [k, out] product: the
-/// packed right-hand side on the packed path (detail::kPackedGemm builds, n ≥ kPackedGemmMinRows), else
-/// nothing (Eigen's product blocks on the stack at these sizes).
+/// packed right-hand side on the packed path (detail::kPackedGemm builds with n ≥ kPackedGemmMinRows, or
+/// KernelOptions::rows_independent), else nothing (Eigen's product blocks on the stack at these sizes).
 template <class Scalar>
-std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out) {
-  return detail::kPackedGemm && n >= detail::kPackedGemmMinRows ? detail::PackedB<Scalar>::bytes(k, out) : 0;
+std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out, bool rows_independent = false) {
+  return detail::packed_gemm_for(n, rows_independent) ? detail::PackedB<Scalar>::bytes(k, out) : 0;
 }
 
 /// y = x · wᵀ + bias (overwritten) for x [n, in], w [out, in] (PyTorch's Linear.weight layout), bias

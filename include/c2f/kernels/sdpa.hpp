@@ -87,6 +87,12 @@ bool streaming_packed(const kernels::KernelOptions& options, Index lq, Index lk)
   return kPackedGemm && std::is_same<KV, Scalar>::value && lq >= kPackedAttentionMinQueries &&
          (bk % GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
 }
+/// The body of sdpa_streaming and sdpa_streaming_lse (lse: nullptr, or [batch·heads, queries]).
+template <class Scalar, class KV>
+void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scalar>& q,
+                         const kernels::HeadsView<const KV>& k, const kernels::HeadsView<const KV>& v,
+                         const kernels::HeadsView<Scalar>& out, Eigen::Ref<RowMatrix<Scalar>>* lse,
+                         const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options);
 }  // namespace detail
 namespace kernels {
 
@@ -117,7 +123,36 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
                     const c2f::detail::NoDeduce<HeadsView<const KV>>& v,
                     const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale,
                     const KernelOptions& options) {
-  c2f::detail::check_sdpa("sdpa_streaming", q, k, v, out, mask, scale);
+  c2f::detail::sdpa_streaming_impl<Scalar, KV>("sdpa_streaming", q, k, v, out, nullptr, mask, scale, options);
+}
+
+/// sdpa_streaming() that also writes each row's log-sum-exp, lse [batch·heads, queries] (row b·heads + h):
+/// log Σ_j exp(scale · q_i·k_j + mask_ij), −inf for a row whose keys are all masked (its output is 0).
+/// Two outputs over disjoint key sets merge into the output over their union by the log-sum-exp rule
+/// (c2f/dist's ring attention): with M = max(lse_a, lse_b), w = exp(lse − M),
+/// out = (w_a·out_a + w_b·out_b) / (w_a + w_b) and lse = M + log(w_a + w_b).
+template <class Scalar>
+void sdpa_streaming_lse(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                        const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
+                        Eigen::Ref<RowMatrix<Scalar>> lse, const MaskView<Scalar>& mask, Scalar scale,
+                        const KernelOptions& options) {
+  if (lse.rows() != q.batch * q.heads || lse.cols() != q.seq) {
+    c2f::detail::fail("sdpa_streaming_lse: lse must be [batch·heads, queries] = ",
+                      c2f::detail::shape_string({q.batch * q.heads, q.seq}), ", got ",
+                      c2f::detail::shape_string({lse.rows(), lse.cols()}));
+  }
+  c2f::detail::sdpa_streaming_impl<Scalar, Scalar>("sdpa_streaming_lse", q, k, v, out, &lse, mask, scale, options);
+}
+
+}  // namespace kernels
+namespace detail {
+template <class Scalar, class KV>
+void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scalar>& q,
+                         const kernels::HeadsView<const KV>& k, const kernels::HeadsView<const KV>& v,
+                         const kernels::HeadsView<Scalar>& out, Eigen::Ref<RowMatrix<Scalar>>* lse,
+                         const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options) {
+  using namespace kernels;  // NOLINT(google-build-using-namespace): the body reads as the kernels' own
+  c2f::detail::check_sdpa(kernel, q, k, v, out, mask, scale);
   const Index lq = q.seq, lk = k.seq, dk = q.dim, dv = v.dim;
   const std::pair<Index, Index> blocks = c2f::detail::streaming_blocks(options, lq, lk);
   const Index bq = blocks.first, bk = blocks.second;  // named: a lambda cannot capture a structured binding in C++17
@@ -205,9 +240,12 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduc
       } else {
         dst.row(r) = acc.row(r) / l[r];
       }
+      if (lse != nullptr) (*lse)(bh, i0 + r) = l[r] == Scalar(0) ? kNegInf : m[r] + std::log(l[r]);
     }
   });
 }
+}  // namespace detail
+namespace kernels {
 
 /// Split-key kernel (flash decoding) with sdpa_streaming's contract, for few queries over many keys — a
 /// decode step. Tasks are (batch, part of options.key_part() keys); a task walks its part's key blocks

@@ -204,18 +204,30 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// forward_chunked() into caller memory: out [B·L, embed_dim] (e.g. a buffer reused across calls).
   void forward_chunked_into(ConstTensor3Ref<Scalar> x, Index chunk, ConstTensor3Ref<Scalar> coarse_context,
                             Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    detail::named(type_name, [&] { run_chunked(x, chunk, coarse_context, out, masks); });
+    detail::named(type_name, [&] { run_chunked(x, chunk, x.seq(), coarse_context, out, masks); });
+  }
+
+  /// forward_chunked_into() on a shard of a sequence of `sequence_length` tokens (c2f/dist): x [B, n, d]
+  /// holds whole chunks of that sequence (the last one may be its partial last chunk), coarse_context
+  /// and the mask the shard's chunks. Every output row has the bits forward_chunked_into() gives it on
+  /// the whole sequence.
+  void forward_shard_into(ConstTensor3Ref<Scalar> x, Index chunk, Index sequence_length,
+                          ConstTensor3Ref<Scalar> coarse_context, Eigen::Ref<RowMatrix<Scalar>> out,
+                          const Masks<Scalar>& masks = {}) const {
+    detail::named(type_name, [&] { run_chunked(x, chunk, sequence_length, coarse_context, out, masks); });
   }
 
  private:
-  void run_chunked(const ConstTensor3Ref<Scalar>& x, Index chunk, const ConstTensor3Ref<Scalar>& coarse_context,
-                   Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks) const {
+  void run_chunked(const ConstTensor3Ref<Scalar>& x, Index chunk, Index sequence_length,
+                   const ConstTensor3Ref<Scalar>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out,
+                   const Masks<Scalar>& masks) const {
     detail::check_mask_fields(masks, "FineAttention", mask_fields);
     if (chunk < 1) detail::fail("FineAttention: chunk size must be >= 1, got ", chunk);
     detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
     // A chunk longer than the sequence is the sequence: the grid, and the general path's padded grid,
-    // use k = min(chunk, L) (the mask, over the user's chunk, is checked against it and cropped).
-    const Index k = std::min(chunk, std::max<Index>(x.seq(), 1));
+    // use k = min(chunk, L) (the mask, over the user's chunk, is checked against it and cropped). L is
+    // the whole sequence's length, also for a shard of it.
+    const Index k = std::min(chunk, std::max<Index>(sequence_length, 1));
     const kernels::ChunkGrid grid{x.batch(), x.seq(), k};
     const Index m = grid.chunks_per_batch(), chunks = grid.chunks();
     if (coarse_context.batch() != x.batch() || coarse_context.seq() != m || coarse_context.features() != d_) {
@@ -235,7 +247,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const MaskView<Scalar> plan(mask, padding, chunks, heads_, k, k);
 
     RowMatrix<Scalar> q(chunks, d_);
-    q_proj_.forward_rows(coarse_context.rows(), q);
+    q_proj_.forward_rows_independent(coarse_context.rows(), q);
 
     const bool rows_equal = mask.is_none() || mask_rows_equal_in_chunks(plan, grid);
     if (options_.fine_path() == FinePath::Folded && !rows_equal) {
@@ -305,7 +317,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     }
     if (grid.blocks() == 0) return;
     RowMatrix<Scalar> q(grid.blocks(), d_);
-    q_proj_.forward_rows(coarse_context, q);
+    q_proj_.forward_rows_independent(coarse_context, q);
     forward_folded(x, grid, q, [](Index, Index, Index) { return Scalar(0); }, out);
   }
 
@@ -314,8 +326,9 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// Bytes of the largest packed weight (micro-kernel builds; one product runs at a time) the folded
   /// path holds for `blocks` block rows: q_proj's, a head's scaled key or value projection's, out_proj's.
   std::size_t folded_packed_bytes(Index blocks) const {
-    return std::max({q_proj_.rows_workspace_bytes(blocks), kernels::matmul_rows_workspace_bytes<Scalar>(blocks, head_dim(), d_),
-                     kernels::matmul_rows_workspace_bytes<Scalar>(blocks, d_, head_dim()), out_proj_.rows_workspace_bytes(blocks)});
+    return std::max({q_proj_.rows_workspace_bytes(blocks, true), kernels::matmul_rows_workspace_bytes<Scalar>(blocks, head_dim(), d_, true),
+                     kernels::matmul_rows_workspace_bytes<Scalar>(blocks, d_, head_dim(), true),
+                     out_proj_.rows_workspace_bytes(blocks, true)});
   }
   /// Bytes of temporary memory one forward_chunked_into() holds at its peak, besides the output (and
   /// Eigen's GEMM packing buffers, which Eigen keeps on the stack below 128 KiB). On the folded path —
@@ -332,8 +345,9 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
       const std::size_t k = static_cast<std::size_t>(chunk), padded = grid.length % chunk == 0 ? 0 : c * k * d;
       const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), grid.chunks() * heads_));
       // + the largest packed projection weight (micro-kernel builds; one projection runs at a time).
-      const std::size_t packed = std::max({q_proj_.rows_workspace_bytes(grid.chunks()), kv_proj_.rows_workspace_bytes(grid.chunks() * chunk),
-                                           out_proj_.rows_workspace_bytes(grid.chunks() * chunk)});
+      const std::size_t packed = std::max({q_proj_.rows_workspace_bytes(grid.chunks(), true),
+                                           kv_proj_.rows_workspace_bytes(grid.chunks() * chunk, true),
+                                           out_proj_.rows_workspace_bytes(grid.chunks() * chunk, true)});
       return lengths + packed + s * (c * d + padded + 4 * c * k * d) +
              workers * kernels::sdpa_streaming_workspace_bytes<Scalar>(detail::kernel_options(options_), dk, dk, chunk, chunk);
     }
@@ -370,7 +384,9 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   void forward_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, const RowMatrix<Scalar>& q,
                       const Bias& bias, Eigen::Ref<RowMatrix<Scalar>> out) const {
     const Index chunks = grid.blocks(), dk = head_dim();
-    const kernels::KernelOptions threads = detail::kernel_options(options_);
+    // Every product is row by row independent (KernelOptions::rows_independent): a shard of the blocks
+    // (c2f/dist) computes the bits of the whole.
+    const kernels::KernelOptions threads = detail::kernel_options(options_).rows_independent(true);
     const Scalar scale = kernels::default_scale<Scalar>(dk);
     const typename RowMatrix<Scalar>::ConstRowsBlockXpr wk = kv_proj_.weight().topRows(d_), wv = kv_proj_.weight().bottomRows(d_);
 
@@ -392,7 +408,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                                    o.middleCols(h * dk, dk), threads);
       o.middleCols(h * dk, dk).noalias() += mass.col(h) * kv_proj_.bias().segment(d_ + h * dk, dk).transpose();
     }
-    out_proj_.forward_rows(o, chunk_out);
+    out_proj_.forward_rows_independent(o, chunk_out);
     kernels::broadcast_chunks<Scalar>(chunk_out, grid, out, threads);
   }
 
@@ -412,7 +428,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
     detail::ScratchMatrix<Scalar> kv_s(chunks * k, 2 * d_), attn_s(chunks * k, d_);
     typename detail::ScratchMatrix<Scalar>::MapType kv = kv_s.map(), attn = attn_s.map();
-    kv_proj_.forward_rows(tokens, kv);
+    kv_proj_.forward_rows_independent(tokens, kv);
     // Every token of chunk c reads the chunk's one query: a row stride of 0.
     kernels::HeadsView<const Scalar> qv = kernels::heads_view<const Scalar>(q.data(), chunks, k, d_, 0, heads_, dk);
     qv.row_stride = 0;
@@ -425,7 +441,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
     detail::ScratchMatrix<Scalar> projected_s(chunks * k, d_);
     typename detail::ScratchMatrix<Scalar>::MapType projected = projected_s.map();
-    out_proj_.forward_rows(attn, projected);
+    out_proj_.forward_rows_independent(attn, projected);
     for (Index c = 0; c < chunks; ++c) out.middleRows(grid.row(c), grid.count(c)) = projected.middleRows(c * k, grid.count(c));
   }
 

@@ -79,10 +79,17 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
                     Eigen::Ref<RowMatrix<Scalar>> y) const {
     forward_rows(x, y);
   }
-  /// Bytes of temporary memory forward_rows() on `rows` rows holds: the packed weight on the micro-kernel
-  /// path (kernels::matmul_rows_workspace_bytes), else 0.
-  std::size_t rows_workspace_bytes(Index rows) const {
-    return kernels::matmul_rows_workspace_bytes<Scalar>(rows, in_features(), out_features());
+  /// forward_rows() where each output row has the bits of that row's product alone, whatever other rows
+  /// the call holds (KernelOptions::rows_independent): FineAttention's products, so that a shard of the
+  /// rows (c2f/dist) computes exactly the bits of the whole.
+  void forward_rows_independent(const Eigen::Ref<const RowMatrix<Scalar>>& x, Eigen::Ref<RowMatrix<Scalar>> y) const {
+    kernels::linear<Scalar>(x, weight_, bias_data(), y, detail::kernel_options(options_).rows_independent(true));
+  }
+  /// Bytes of temporary memory forward_rows() (or, with `rows_independent`, forward_rows_independent())
+  /// on `rows` rows holds: the packed weight on the micro-kernel path
+  /// (kernels::matmul_rows_workspace_bytes), else 0.
+  std::size_t rows_workspace_bytes(Index rows, bool rows_independent = false) const {
+    return kernels::matmul_rows_workspace_bytes<Scalar>(rows, in_features(), out_features(), rows_independent);
   }
   /// Bytes of temporary memory one forward_into() holds: rows_workspace_bytes(batch · seq).
   std::size_t workspace_bytes(Index batch, Index seq) const { return rows_workspace_bytes(batch * seq); }

@@ -1,0 +1,227 @@
+// The sequence-parallel layers (c2f/dist) under mpirun: time per call and bytes moved per rank, measured.
+//
+//   mpirun -np P bench_dist [Google Benchmark flags]      (benchmarks/run_dist.sh runs P = 1 and 2)
+//
+// Every entry: batch 1, d = E = 512, 8 heads, float; each rank holds its even shard of the L tokens and
+// runs C2F_BENCH_THREADS threads (default: the machine's cores / P). Iteration counts are fixed (every
+// rank must make the same collective calls); the time of an iteration is the slowest rank's (MPI_Allreduce
+// MAX), from a barrier to the end of the call.
+//
+// Entries:
+//   c2f/L          dist::C2FAttention, chunk 32
+//   c2f_local/L    c2f::C2FAttention::forward_into on the whole sequence in this process (P = 1 only):
+//                  the single-process layer the distributed one is compared with
+//   ring/L         dist::MultiHeadAttention, SequenceParallel::Ring, non-causal
+//   ring_causal/L  the same, causal, Layout::ZigZag
+//   mha_local/L    c2f::MultiHeadAttention::forward_into in this process (P = 1 only)
+//
+// Counters (per call and rank, the largest over the ranks):
+//   recv_bytes     bytes this rank received from other ranks, counted by wrapping MPI_Allgatherv,
+//                  MPI_Alltoallv and MPI_Irecv through MPI's profiling interface (PMPI)
+//   model_bytes    the formula: C2F Σ_{r ≠ me} B·m_r·d·4 ((P−1)/P · B·(L/k)·d values);
+//                  ring Σ_{s ≠ me} B·n_s·2E·4 ((P−1)/P · B·L·2E values)
+//   control_bytes  the validation exchange (MPI_Allgather of one record per rank)
+//   tokens/s       L per second
+#include <benchmark/benchmark.h>
+#include <mpi.h>
+
+#include "c2f/dist.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <thread>
+
+namespace {
+
+// Bytes received from other ranks, by the wrapped MPI calls below.
+std::int64_t g_recv_bytes = 0, g_control_bytes = 0;
+
+int type_bytes(MPI_Datatype t) {
+  int size = 0;
+  PMPI_Type_size(t, &size);
+  return size;
+}
+
+}  // namespace
+
+// MPI's profiling interface: these definitions take the place of the library's, count, and call PMPI_*.
+extern "C" {
+int MPI_Allgatherv(const void* sendbuf, int sendcount, MPI_Datatype sendtype, void* recvbuf, const int recvcounts[],
+                   const int displs[], MPI_Datatype recvtype, MPI_Comm comm) {
+  int rank = 0, size = 1;
+  PMPI_Comm_rank(comm, &rank);
+  PMPI_Comm_size(comm, &size);
+  for (int r = 0; r < size; ++r) {
+    if (r != rank) g_recv_bytes += static_cast<std::int64_t>(recvcounts[r]) * type_bytes(recvtype);
+  }
+  return PMPI_Allgatherv(sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm);
+}
+int MPI_Alltoallv(const void* sendbuf, const int sendcounts[], const int sdispls[], MPI_Datatype sendtype, void* recvbuf,
+                  const int recvcounts[], const int rdispls[], MPI_Datatype recvtype, MPI_Comm comm) {
+  int rank = 0, size = 1;
+  PMPI_Comm_rank(comm, &rank);
+  PMPI_Comm_size(comm, &size);
+  for (int r = 0; r < size; ++r) {
+    if (r != rank) g_recv_bytes += static_cast<std::int64_t>(recvcounts[r]) * type_bytes(recvtype);
+  }
+  return PMPI_Alltoallv(sendbuf, sendcounts, sdispls, sendtype, recvbuf, recvcounts, rdispls, recvtype, comm);
+}
+int MPI_Irecv(void* buf, int count, MPI_Datatype datatype, int source, int tag, MPI_Comm comm, MPI_Request* request) {
+  g_recv_bytes += static_cast<std::int64_t>(count) * type_bytes(datatype);
+  return PMPI_Irecv(buf, count, datatype, source, tag, comm, request);
+}
+int MPI_Allgather(const void* sendbuf, int sendcount, MPI_Datatype sendtype, void* recvbuf, int recvcount,
+                  MPI_Datatype recvtype, MPI_Comm comm) {
+  int size = 1;
+  PMPI_Comm_size(comm, &size);
+  g_control_bytes += static_cast<std::int64_t>(size - 1) * recvcount * type_bytes(recvtype);
+  return PMPI_Allgather(sendbuf, sendcount, sendtype, recvbuf, recvcount, recvtype, comm);
+}
+}
+
+namespace {
+
+using c2f::Index;
+constexpr Index kDim = 512, kHeads = 8, kChunk = 32;
+
+int threads_per_rank(int ranks) {
+  if (const char* env = std::getenv("C2F_BENCH_THREADS")) return std::max(1, std::atoi(env));
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / ranks);
+}
+
+c2f::Tensor3<float> random_rows(Index length, std::uint64_t seed) {
+  c2f::Tensor3<float> x(1, length, kDim);
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (Index i = 0; i < x.size(); ++i) x.data()[i] = u(gen);
+  return x;
+}
+
+/// Runs `call` once per iteration between a barrier and the slowest rank's end; sets the counters.
+template <class Call>
+void timed(benchmark::State& state, const c2f::dist::Comm& comm, Index length, double model_bytes, Call&& call) {
+  std::int64_t recv = 0, control = 0;
+  for (auto _ : state) {
+    MPI_Barrier(comm.get());
+    const std::int64_t r0 = g_recv_bytes, c0 = g_control_bytes;
+    const double t0 = MPI_Wtime();
+    call();
+    double elapsed = MPI_Wtime() - t0, slowest = 0;
+    recv = g_recv_bytes - r0;
+    control = g_control_bytes - c0;
+    MPI_Allreduce(&elapsed, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm.get());
+    state.SetIterationTime(slowest);
+  }
+  std::int64_t most[2] = {0, 0}, mine[2] = {recv, control};
+  MPI_Allreduce(mine, most, 2, MPI_INT64_T, MPI_MAX, comm.get());
+  double model = 0;
+  MPI_Allreduce(&model_bytes, &model, 1, MPI_DOUBLE, MPI_MAX, comm.get());
+  state.counters["recv_bytes"] = static_cast<double>(most[0]);
+  state.counters["model_bytes"] = model;
+  state.counters["control_bytes"] = static_cast<double>(most[1]);
+  state.counters["ranks"] = comm.size();
+  state.counters["threads"] = threads_per_rank(comm.size());
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(length), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_c2f(benchmark::State& state) {
+  const c2f::dist::Comm comm;
+  const Index length = state.range(0);
+  const c2f::dist::Shard shard = c2f::dist::even_shard(length, kChunk, comm.rank(), comm.size());
+  const c2f::dist::C2FAttention<float> layer(
+      comm, kDim, kHeads, kChunk, c2f::C2FAttention<float>::Options().seed(1).num_threads(threads_per_rank(comm.size())));
+  const c2f::Tensor3<float> x = random_rows(shard.length, 7 + static_cast<std::uint64_t>(comm.rank()));
+  c2f::RowMatrix<float> out(shard.length, kDim);
+  double model = 0;
+  for (int r = 0; r < comm.size(); ++r) {
+    if (r != comm.rank()) model += 4.0 * kDim * static_cast<double>(c2f::dist::even_shard(length, kChunk, r, comm.size()).chunks);
+  }
+  timed(state, comm, length, model, [&] { layer.forward_into(x, out); });
+}
+
+void BM_c2f_local(benchmark::State& state) {
+  const c2f::dist::Comm comm;
+  if (comm.size() != 1) {
+    state.SkipWithError("the single-process entry runs at P = 1");
+    return;
+  }
+  const Index length = state.range(0);
+  const c2f::C2FAttention<float> layer(kDim, kHeads, kChunk,
+                                       c2f::C2FAttention<float>::Options().seed(1).num_threads(threads_per_rank(1)));
+  const c2f::Tensor3<float> x = random_rows(length, 7);
+  c2f::RowMatrix<float> out(length, kDim);
+  timed(state, comm, length, 0, [&] { layer.forward_into(x, out); });
+}
+
+void ring(benchmark::State& state, bool causal) {
+  const c2f::dist::Comm comm;
+  const Index length = state.range(0);
+  using Dist = c2f::dist::MultiHeadAttention<float>;
+  const Dist layer(comm, kDim, kHeads,
+                   c2f::MultiHeadAttention<float>::Options().seed(1).causal(causal).num_threads(threads_per_rank(comm.size())),
+                   Dist::Options().layout(causal ? c2f::dist::Layout::ZigZag : c2f::dist::Layout::Contiguous));
+  const auto rows_of = [&](int r) {
+    if (causal) {
+      const std::array<c2f::dist::Segment, 2> s = c2f::dist::zigzag_segments(length, r, comm.size());
+      return s[0].length + s[1].length;
+    }
+    return c2f::dist::even_shard(length, 1, r, comm.size()).length;
+  };
+  const c2f::Tensor3<float> x = random_rows(rows_of(comm.rank()), 7 + static_cast<std::uint64_t>(comm.rank()));
+  c2f::RowMatrix<float> out(x.dimension(1), kDim);
+  double model = 0;
+  for (int r = 0; r < comm.size(); ++r) {
+    if (r != comm.rank()) model += 4.0 * 2 * kDim * static_cast<double>(rows_of(r));
+  }
+  timed(state, comm, length, model, [&] { layer.forward_into(x, out); });
+}
+void BM_ring(benchmark::State& state) { ring(state, false); }
+void BM_ring_causal(benchmark::State& state) { ring(state, true); }
+
+void BM_mha_local(benchmark::State& state) {
+  const c2f::dist::Comm comm;
+  if (comm.size() != 1) {
+    state.SkipWithError("the single-process entry runs at P = 1");
+    return;
+  }
+  const Index length = state.range(0);
+  const c2f::MultiHeadAttention<float> layer(kDim, kHeads, c2f::MultiHeadAttention<float>::Options().seed(1).num_threads(threads_per_rank(1)));
+  const c2f::Tensor3<float> x = random_rows(length, 7);
+  c2f::RowMatrix<float> out(length, kDim);
+  timed(state, comm, length, 0, [&] { layer.forward_into(x, out, c2f::Masks<float>()); });
+}
+
+BENCHMARK(BM_c2f)->Name("c2f")->Arg(1 << 16)->Arg(1 << 18)->Arg(1 << 20)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_c2f_local)->Name("c2f_local")->Arg(1 << 16)->Arg(1 << 18)->Arg(1 << 20)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ring)->Name("ring")->Arg(8192)->Arg(16384)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ring_causal)->Name("ring_causal")->Arg(8192)->Arg(16384)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_mha_local)->Name("mha_local")->Arg(8192)->Arg(16384)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+
+/// Prints nothing: the reporter of every rank but 0.
+class Silent : public benchmark::BenchmarkReporter {
+ public:
+  bool ReportContext(const Context&) override { return true; }
+  void ReportRuns(const std::vector<Run>&) override {}
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;  // c2f's worker threads never call MPI: only the calling thread does
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  benchmark::Initialize(&argc, argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank == 0) {
+    benchmark::RunSpecifiedBenchmarks();
+  } else {
+    Silent silent;
+    benchmark::RunSpecifiedBenchmarks(&silent);
+  }
+  benchmark::Shutdown();
+  MPI_Finalize();
+  return 0;
+}

@@ -1,0 +1,141 @@
+// c2f dist — sequence-parallel C2FAttention: each rank holds a chunk-aligned shard of the sequence.
+//
+//   1. each rank averages its own chunks (the coarse stage's input rows of its shard);
+//   2. one MPI_Allgatherv of those means: every rank then holds all B · m of them;
+//   3. every rank runs the coarse stage on all means (the same bits everywhere);
+//   4. each rank runs the fine stage on its own chunks with its own rows of the coarse output.
+// Nothing else crosses ranks: per rank (P−1)/P · B · m · d values arrive, m = ceil(L / chunk). The
+// output rows are bit-identical to c2f::C2FAttention::forward on the concatenated sequence, for any
+// number of ranks and any chunk-aligned plan: every product of the fine stage is row-independent
+// (kernels::KernelOptions::rows_independent), the chunk means and the folded attention are per chunk,
+// and the coarse stage sees the same input on every rank. (docs/distributed.md)
+#pragma once
+
+#include "c2f/dist/comm.hpp"
+#include "c2f/layers/c2f_attention.hpp"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace c2f {
+namespace dist {
+
+/// C2FAttention over a sequence sharded by chunks across the ranks of a communicator. Every rank holds
+/// the full weights (module(): load the same state dict on every rank) and calls forward() at the same
+/// time with its shard x [B, n_r, d] — n_r tokens starting at a multiple of chunk_size (dist::even_shard
+/// gives the even plan; a rank may hold none). Masks: attn_mask is the coarse stage's, over all
+/// m = ceil(L / chunk) chunks, the same on every rank; fine_attn_mask the fine stage's over the rank's
+/// own chunks ([k, k], or [n, k, k] with n = 1, B·m_r or B·m_r·H, m_r the rank's chunks).
+template <class Scalar>
+class C2FAttention {
+ public:
+  using Module = c2f::C2FAttention<Scalar>;
+  using Options = typename Module::Options;
+  static constexpr const char* type_name = "dist::C2FAttention";
+
+  C2FAttention(Comm comm, Index embed_dim, Index num_heads, Index chunk_size, Options options = Options())
+      : comm_(comm), module_(embed_dim, num_heads, chunk_size, options) {}
+  /// Wraps a built (e.g. loaded) single-process layer.
+  C2FAttention(Comm comm, Module module) : comm_(comm), module_(std::move(module)) {}
+
+  const Comm& comm() const { return comm_; }
+  /// The single-process layer: its weights (load_state_dict, state_dict), options and shape.
+  Module& module() { return module_; }
+  const Module& module() const { return module_; }
+
+  /// This rank's output rows [B, n_r, d].
+  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
+    // Sized only for a valid x (a wrong one is reported by forward_into on every rank, not here).
+    const bool fits = x.features() == module_.embed_dim();
+    Tensor3<Scalar> out(fits ? x.batch() : 0, fits ? x.seq() : 0, module_.embed_dim());
+    forward_into(x, Eigen::Map<RowMatrix<Scalar>>(out.data(), out.dimension(0) * out.dimension(1), module_.embed_dim()), masks);
+    return out;
+  }
+
+  /// forward() into caller memory: out [B·n_r, d].
+  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
+    const Index d = module_.embed_dim(), k = module_.chunk_size(), b = x.batch();
+    const AttnMask<Scalar>& coarse_mask = masks.attn_mask();
+    const AttnMask<Scalar>& fine_mask = masks.fine_attn_mask();
+    // 1. This rank's chunk means, and one exchange of what every rank was given.
+    Tensor3<Scalar> means;
+    const std::vector<detail::Field> fields = {
+        {"the batch size", b, true},
+        {"the input's feature size", x.features(), true},
+        {"embed_dim", d, true},
+        {"num_heads", module_.num_heads(), true},
+        {"chunk_size", k, true},
+        {"the scalar size (float or double)", static_cast<std::int64_t>(sizeof(Scalar)), true},
+        {"attn_mask's kind", static_cast<std::int64_t>(coarse_mask.kind()), true},
+        {"attn_mask's first size", coarse_mask.dims()[0], true},
+        {"attn_mask's second size", coarse_mask.dims()[1], true},
+        {"attn_mask's third size", coarse_mask.dims()[2], true},
+        {"fine_attn_mask's kind", static_cast<std::int64_t>(fine_mask.kind()), true},
+        {"the shard's length", x.seq(), false},
+    };
+    const std::vector<std::vector<std::int64_t>> reports = detail::exchange(comm_, type_name, fields, [&] {
+      c2f::detail::check_mask_fields(masks, "C2FAttention", Module::mask_fields);
+      c2f::detail::check_features(x, d, "C2FAttention", "x", "embed_dim");
+      c2f::detail::check_out("C2FAttention", out, {b, x.seq(), d});
+      means = module_.coarse_input(x);
+    });
+
+    // 2. The plan the shards form: each one must start on a chunk.
+    const int ranks = comm_.size(), me = comm_.rank();
+    std::vector<Index> begin(static_cast<std::size_t>(ranks) + 1, 0);
+    for (int r = 0; r < ranks; ++r) begin[r + 1] = begin[r] + reports[r].back();
+    for (int r = 0; r < ranks; ++r) {
+      if (reports[r].back() > 0 && begin[r] % k != 0) {
+        std::string lengths;
+        for (int q = 0; q < ranks; ++q) lengths += (q ? ", " : "") + std::to_string(reports[q].back());
+        c2f::detail::fail(type_name, ": rank ", r, "'s shard starts at token ", begin[r],
+                          ", not on a chunk (a multiple of chunk_size = ", k, "); the shards' lengths are [", lengths,
+                          "] (dist::even_shard gives a chunk-aligned plan)");
+      }
+    }
+    const Index length = begin[ranks], m = (length + k - 1) / k;
+
+    // 3. All chunk means, [B, m, d] (one MPI_Allgatherv of whole rows).
+    std::vector<int> counts(static_cast<std::size_t>(ranks)), displs(static_cast<std::size_t>(ranks));
+    for (int r = 0, at = 0; r < ranks; ++r) {
+      counts[r] = detail::mpi_count(b * ((reports[r].back() + k - 1) / k), type_name, "a shard's chunk means");
+      displs[r] = at;
+      at = detail::mpi_count(static_cast<Index>(at) + counts[r], type_name, "the chunk means of all shards");
+    }
+    RowMatrix<Scalar> gathered(displs.back() + counts.back(), d);
+    MPI_Datatype row;
+    MPI_Type_contiguous(detail::mpi_count(d, type_name, "embed_dim"), detail::mpi_type<Scalar>(), &row);
+    MPI_Type_commit(&row);
+    MPI_Allgatherv(means.data(), counts[me], row, gathered.data(), counts.data(), displs.data(), row, comm_.get());
+    MPI_Type_free(&row);
+
+    // 4. The coarse stage on all means, the fine stage on this rank's chunks; a failure anywhere is
+    // every rank's.
+    detail::all_or_none(comm_, type_name, [&] {
+      Tensor3<Scalar> summaries(b, m, d);
+      Eigen::Map<RowMatrix<Scalar>> all(summaries.data(), b * m, d);
+      for (int r = 0; r < ranks; ++r) {
+        const Index c0 = begin[r] / k, mr = counts[r] / std::max<Index>(b, 1);
+        for (Index i = 0; i < b; ++i) {
+          all.middleRows(i * m + c0, mr) = gathered.middleRows(displs[r] + i * mr, mr);
+        }
+      }
+      const Tensor3<Scalar> context =
+          module_.coarse_attn().forward(summaries, Masks<Scalar>().attn_mask(coarse_mask));
+      const Index c0 = begin[me] / k, mr = counts[me] / std::max<Index>(b, 1);
+      RowMatrix<Scalar> mine(b * mr, d);
+      const Eigen::Map<const RowMatrix<Scalar>> ctx(context.data(), b * m, d);
+      for (Index i = 0; i < b; ++i) mine.middleRows(i * mr, mr) = ctx.middleRows(i * m + c0, mr);
+      module_.fine_attn().forward_shard_into(x, k, length, ConstTensor3Ref<Scalar>(mine.data(), {b, mr, d}), out,
+                                             Masks<Scalar>().attn_mask(fine_mask));
+    });
+  }
+
+ private:
+  Comm comm_;
+  Module module_;
+};
+
+}  // namespace dist
+}  // namespace c2f
