@@ -380,13 +380,14 @@ TEST(C2FStateDict, NamesAreThePyTorchModulesNames) {
 }
 
 // The c2f multi-head attention article's C2FMultiHeadAttention is full MHA with qkv_proj/out_proj names: MultiHeadAttention loads
-// it, and CoarseAttention is the same module.
+// it, and CoarseAttention is the same module (whose products are row-independent: the same bits as an MHA
+// built so).
 TEST(C2FMultiHeadArticle, CoarseAttentionIsMultiHeadAttentionWithQkvProjNames) {
   TestRng rng(38);
   c2f::CoarseAttention<double> coarse(8, 2);
   randomize(coarse, rng);
   const StateDict sd = coarse.state_dict();
-  c2f::MultiHeadAttention<double> mha(8, 2);
+  c2f::MultiHeadAttention<double> mha(8, 2, c2f::MultiHeadAttention<double>::Options().rows_independent(true));
   mha.load_state_dict(sd);
   const Tensor3<double> x = rng.tensor<double>(2, 5, 8);
   EXPECT_TRUE(same_bits(coarse.forward(x), mha.forward(x)));

@@ -11,7 +11,9 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/packed_gemm.hpp"
 
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -56,6 +58,33 @@ class MaskedValues {
     } else {
       out.noalias() = p * clean_;
     }
+    add_visible(out, p, v);
+  }
+
+  /// product<true>() for a kernel whose clean product runs on packed_gemm over keys [j0, j0 + keys) of
+  /// values packed from key 0 (sdpa_streaming's packed path): the clean copy's product on packed_gemm too,
+  /// split where that packing splits its k-blocks, so a row that hides the non-finite keys gets the bits of
+  /// the packed product on finite values. out [rows, dv] with contiguous rows; p's rows contiguous.
+  template <class Out, class P, class V>
+  void product_packed_add(Out&& out, const P& p, const V& v, Index j0) {
+    using B = GemmBlocking<Scalar>;
+    clean_ = v;
+    for (Index j : bad_) clean_.row(j).setZero();
+    const Index end = j0 + v.rows();
+    for (Index a = j0; a < end;) {
+      const Index b = std::min(end, (a / B::kKC + 1) * B::kKC);
+      packed_.pack(clean_.middleRows(a - j0, b - a));
+      packed_gemm_range<Scalar>(p.data() + (a - j0), p.outerStride(), p.rows(), packed_, 0, b - a, 0, v.cols(), nullptr, true,
+                                out.data(), out.outerStride());
+      a = b;
+    }
+    add_visible(out, p, v);
+  }
+
+ private:
+  /// The true contribution of each non-finite value row to the rows that see it.
+  template <class Out, class P, class V>
+  void add_visible(Out& out, const P& p, const V& v) const {
     for (std::size_t k = 0; k < bad_.size(); ++k) {
       for (Index r = 0; r < rows_; ++r) {
         if (!hidden_[k * static_cast<std::size_t>(rows_) + static_cast<std::size_t>(r)]) {
@@ -65,11 +94,11 @@ class MaskedValues {
     }
   }
 
- private:
   std::vector<Index> bad_;
   std::vector<unsigned char> hidden_;
   Index rows_ = 0;
   RowMatrix<Scalar> clean_;
+  PackedB<Scalar> packed_;
 };
 
 /// score + bias, where a bias of −inf masks the key whatever the score (NaN included: NaN + −inf would

@@ -1,19 +1,25 @@
 // c2f dist — sequence-parallel C2FAttention: each rank holds a chunk-aligned shard of the sequence.
 //
-//   1. each rank averages its own chunks (the coarse stage's input rows of its shard);
-//   2. one MPI_Allgatherv of those means: every rank then holds all B · m of them;
-//   3. every rank runs the coarse stage on all means (the same bits everywhere);
+//   1. each rank averages its own chunks (the coarse stage's input rows of its shard) and projects them
+//      to the coarse queries, keys and values;
+//   2. one MPI_Allgatherv of the keys and values: every rank then holds those of all B · m chunks;
+//   3. each rank runs the coarse attention of its own chunks' queries over all chunks (the coarse stage's
+//      m² work is shared out like the fine stage's, not repeated on every rank);
 //   4. each rank runs the fine stage on its own chunks with its own rows of the coarse output.
-// Nothing else crosses ranks: per rank (P−1)/P · B · m · d values arrive, m = ceil(L / chunk). The
-// output rows are bit-identical to c2f::C2FAttention::forward on the concatenated sequence, for any
-// number of ranks and any chunk-aligned plan: every product of the fine stage is row-independent
-// (kernels::KernelOptions::rows_independent), the chunk means and the folded attention are per chunk,
-// and the coarse stage sees the same input on every rank. (docs/distributed.md)
+// Nothing else crosses ranks: per rank (P−1)/P · B · m · 2d values arrive, m = ceil(L / chunk) — 1/chunk
+// of ring attention's. The output rows are bit-identical to c2f::C2FAttention::forward on the
+// concatenated sequence, for any number of ranks and any chunk-aligned plan: every product of both
+// stages is row-independent (kernels::KernelOptions::rows_independent; CoarseAttention and
+// FineAttention run them so), and the chunk means and the folded attention are per chunk.
+// (docs/distributed.md)
 #pragma once
 
 #include "c2f/dist/comm.hpp"
+#include "c2f/kernels/heads_view.hpp"
+#include "c2f/kernels/sdpa.hpp"
 #include "c2f/layers/c2f_attention.hpp"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -55,16 +61,18 @@ class C2FAttention {
 
   /// forward() into caller memory: out [B·n_r, d].
   void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    const Index d = module_.embed_dim(), k = module_.chunk_size(), b = x.batch();
+    const Index d = module_.embed_dim(), k = module_.chunk_size(), b = x.batch(), h = module_.num_heads();
+    const MultiHeadAttention<Scalar>& coarse = module_.coarse_attn().as_multihead_attention();
     const AttnMask<Scalar>& coarse_mask = masks.attn_mask();
     const AttnMask<Scalar>& fine_mask = masks.fine_attn_mask();
-    // 1. This rank's chunk means, and one exchange of what every rank was given.
-    Tensor3<Scalar> means;
+    const kernels::KernelOptions attention = c2f::detail::kernel_options(coarse.options()).rows_independent(true);
+    // 1. This rank's chunk means and their coarse q and k | v, and one exchange of what every rank was given.
+    RowMatrix<Scalar> q, kv;
     const std::vector<detail::Field> fields = {
         {"the batch size", b, true},
         {"the input's feature size", x.features(), true},
         {"embed_dim", d, true},
-        {"num_heads", module_.num_heads(), true},
+        {"num_heads", h, true},
         {"chunk_size", k, true},
         {"the scalar size (float or double)", static_cast<std::int64_t>(sizeof(Scalar)), true},
         {"attn_mask's kind", static_cast<std::int64_t>(coarse_mask.kind()), true},
@@ -78,7 +86,19 @@ class C2FAttention {
       c2f::detail::check_mask_fields(masks, "C2FAttention", Module::mask_fields);
       c2f::detail::check_features(x, d, "C2FAttention", "x", "embed_dim");
       c2f::detail::check_out("C2FAttention", out, {b, x.seq(), d});
-      means = module_.coarse_input(x);
+      // The coarse stage's queries are sharded: it must give each row the same bits whatever rows
+      // share its call (the streaming kernel, key blocks on the packed panels).
+      if (coarse.options().kernel() != AttnKernel::Streaming ||
+          coarse.options().key_block() % c2f::detail::GemmBlocking<Scalar>::kNR != 0) {
+        c2f::detail::fail(type_name, " runs the streaming kernel with a key_block that is a multiple of ",
+                          c2f::detail::GemmBlocking<Scalar>::kNR, ", got ",
+                          coarse.options().kernel() == AttnKernel::Streaming ? "key_block " : "the naive kernel, key_block ",
+                          coarse.options().key_block());
+      }
+      const Tensor3<Scalar> means = module_.coarse_input(x);
+      q.resize(b * means.dimension(1), d);
+      kv.resize(b * means.dimension(1), 2 * d);
+      coarse.project_into(means, means, means, q, kv.leftCols(d), kv.rightCols(d));
     });
 
     // 2. The plan the shards form: each one must start on a chunk.
@@ -88,7 +108,7 @@ class C2FAttention {
     for (int r = 0; r < ranks; ++r) {
       if (reports[r].back() > 0 && begin[r] % k != 0) {
         std::string lengths;
-        for (int q = 0; q < ranks; ++q) lengths += (q ? ", " : "") + std::to_string(reports[q].back());
+        for (int p = 0; p < ranks; ++p) lengths += (p ? ", " : "") + std::to_string(reports[p].back());
         c2f::detail::fail(type_name, ": rank ", r, "'s shard starts at token ", begin[r],
                           ", not on a chunk (a multiple of chunk_size = ", k, "); the shards' lengths are [", lengths,
                           "] (dist::even_shard gives a chunk-aligned plan)");
@@ -96,43 +116,78 @@ class C2FAttention {
     }
     const Index length = begin[ranks], m = (length + k - 1) / k;
 
-    // 3. All chunk means, [B, m, d] (one MPI_Allgatherv of whole rows).
+    // 3. Every chunk's coarse key and value, [B·m, 2d] (one MPI_Allgatherv of whole rows).
     std::vector<int> counts(static_cast<std::size_t>(ranks)), displs(static_cast<std::size_t>(ranks));
     for (int r = 0, at = 0; r < ranks; ++r) {
-      counts[r] = detail::mpi_count(b * ((reports[r].back() + k - 1) / k), type_name, "a shard's chunk means");
+      counts[r] = detail::mpi_count(b * ((reports[r].back() + k - 1) / k), type_name, "a shard's chunks");
       displs[r] = at;
-      at = detail::mpi_count(static_cast<Index>(at) + counts[r], type_name, "the chunk means of all shards");
+      at = detail::mpi_count(static_cast<Index>(at) + counts[r], type_name, "the chunks of all shards");
     }
-    RowMatrix<Scalar> gathered(displs.back() + counts.back(), d);
+    RowMatrix<Scalar> gathered(displs.back() + counts.back(), 2 * d);
     MPI_Datatype row;
-    MPI_Type_contiguous(detail::mpi_count(d, type_name, "embed_dim"), detail::mpi_type<Scalar>(), &row);
+    MPI_Type_contiguous(detail::mpi_count(2 * d, type_name, "2·embed_dim"), detail::mpi_type<Scalar>(), &row);
     MPI_Type_commit(&row);
-    MPI_Allgatherv(means.data(), counts[me], row, gathered.data(), counts.data(), displs.data(), row, comm_.get());
+    MPI_Allgatherv(kv.data(), counts[me], row, gathered.data(), counts.data(), displs.data(), row, comm_.get());
     MPI_Type_free(&row);
 
-    // 4. The coarse stage on all means, the fine stage on this rank's chunks; a failure anywhere is
-    // every rank's.
+    // 4. The coarse stage for this rank's chunks over all chunks, then the fine stage on them; a failure
+    // anywhere is every rank's.
     detail::all_or_none(comm_, type_name, [&] {
-      Tensor3<Scalar> summaries(b, m, d);
-      Eigen::Map<RowMatrix<Scalar>> all(summaries.data(), b * m, d);
+      RowMatrix<Scalar> all(b * m, 2 * d);
       for (int r = 0; r < ranks; ++r) {
         const Index c0 = begin[r] / k, mr = counts[r] / std::max<Index>(b, 1);
-        for (Index i = 0; i < b; ++i) {
-          all.middleRows(i * m + c0, mr) = gathered.middleRows(displs[r] + i * mr, mr);
-        }
+        for (Index i = 0; i < b; ++i) all.middleRows(i * m + c0, mr) = gathered.middleRows(displs[r] + i * mr, mr);
       }
-      const Tensor3<Scalar> context =
-          module_.coarse_attn().forward(summaries, Masks<Scalar>().attn_mask(coarse_mask));
       const Index c0 = begin[me] / k, mr = counts[me] / std::max<Index>(b, 1);
-      RowMatrix<Scalar> mine(b * mr, d);
-      const Eigen::Map<const RowMatrix<Scalar>> ctx(context.data(), b * m, d);
-      for (Index i = 0; i < b; ++i) mine.middleRows(i * mr, mr) = ctx.middleRows(i * m + c0, mr);
-      module_.fine_attn().forward_shard_into(x, k, length, ConstTensor3Ref<Scalar>(mine.data(), {b, mr, d}), out,
+      // The coarse mask, checked against all chunks, then its rows of this rank's chunks.
+      const MaskView<Scalar> whole(coarse_mask, KeyPaddingMask<Scalar>(), b, h, m, m);
+      (void)whole;
+      const AttnMask<Scalar> rows = mask_rows(coarse_mask, c0, mr, m);
+      RowMatrix<Scalar> heads(b * mr, d), context(b * mr, d);
+      if (b * mr > 0) {
+        const Index dk = coarse.head_dim();
+        kernels::sdpa_streaming<Scalar>(kernels::heads_view(std::as_const(q), b, mr, h),
+                                        kernels::heads_view<const Scalar>(all.data(), b, m, 2 * d, 0, h, dk),
+                                        kernels::heads_view<const Scalar>(all.data(), b, m, 2 * d, d, h, dk),
+                                        kernels::heads_view(heads, b, mr, h),
+                                        MaskView<Scalar>(rows, KeyPaddingMask<Scalar>(), b, h, mr, m),
+                                        kernels::default_scale<Scalar>(dk), attention);
+        coarse.out_proj().forward_rows_independent(heads, context);
+      }
+      module_.fine_attn().forward_shard_into(x, k, length, ConstTensor3Ref<Scalar>(context.data(), {b, mr, d}), out,
                                              Masks<Scalar>().attn_mask(fine_mask));
     });
   }
 
  private:
+  /// Rows [c0, c0 + rows) of a coarse mask over [m, m] chunks (or [n, m, m]).
+  static AttnMask<Scalar> mask_rows(const AttnMask<Scalar>& mask, Index c0, Index rows, Index m) {
+    switch (mask.kind()) {
+      case MaskKind::None: return mask;
+      case MaskKind::Causal: return AttnMask<Scalar>::causal(mask.diagonal() + c0);
+      case MaskKind::Additive: {
+        const Index n = mask.dims()[0];
+        Tensor3<Scalar> part(n, rows, m);
+        for (Index i = 0; i < n; ++i) {
+          std::copy_n(mask.additive_values().data() + (i * m + c0) * m, rows * m, part.data() + i * rows * m);
+        }
+        return AttnMask<Scalar>::additive(part);
+      }
+      case MaskKind::Keep:
+      case MaskKind::Ignore: {
+        const Index n = mask.dims()[0];
+        BoolTensor3 part(n, rows, m);
+        for (Index i = 0; i < n; ++i) {
+          for (Index j = 0; j < rows * m; ++j) part.data()[i * rows * m + j] = mask.keep_flags()[static_cast<std::size_t>((i * m + c0) * m + j)] != 0;
+        }
+        return AttnMask<Scalar>::keep(part);
+      }
+      default:
+        c2f::detail::fail(type_name, ": the coarse attn_mask must be causal, boolean or additive (a relative position ",
+                          "bias is for the 2-D layer)");
+    }
+  }
+
   Comm comm_;
   Module module_;
 };

@@ -73,18 +73,33 @@ namespace detail {
 inline std::pair<Index, Index> streaming_blocks(const kernels::KernelOptions& options, Index lq, Index lk) {
   return {std::max<Index>(1, std::min(options.query_block(), lq)), std::max<Index>(1, std::min(options.key_block(), lk))};
 }
+/// The row stride of sdpa_streaming's score block for key blocks of bk: bk rounded up to whole aligned
+/// packets, so that every row of scores starts on the same alignment and Eigen's vectorised exp and sum
+/// split each row the same way, whatever its place in the query block (each row's bits do not depend
+/// on which rows share its block: KernelOptions::rows_independent).
+template <class Scalar>
+Index score_stride(Index bk) {
+  constexpr Index kAlign = std::max<Index>(1, EIGEN_MAX_ALIGN_BYTES / static_cast<Index>(sizeof(Scalar)));
+  return (bk + kAlign - 1) / kAlign * kAlign;
+}
 
 /// From this many queries on, sdpa_streaming packs each head's keys and values once (where the build has
 /// detail::packed_gemm): below, packing would cost more than the products it speeds up.
 constexpr Index kPackedAttentionMinQueries = 32;
 
-/// Whether sdpa_streaming takes its packed path: the build has packed_gemm, keys and values are Scalar,
-/// enough queries, and key blocks that start on the packed keys' panels (QKᵀ's columns; PV reads any
-/// range of the packed values' rows).
+/// Whether sdpa_streaming takes its packed path: the build has packed_gemm (or the options ask for
+/// rows_independent, whatever the build), keys and values are Scalar, enough queries (any number with
+/// rows_independent: every row's products are then the same whatever query block holds it), and key
+/// blocks that start on the packed keys' panels (QKᵀ's columns; PV reads any range of the packed values'
+/// rows).
 template <class Scalar, class KV = Scalar>
 bool streaming_packed(const kernels::KernelOptions& options, Index lq, Index lk) {
   const Index bk = streaming_blocks(options, lq, lk).second;
-  return kPackedGemm && std::is_same<KV, Scalar>::value && lq >= kPackedAttentionMinQueries &&
+  bool ri = options.rows_independent();
+#if defined(C2F_IGNORE_ROWS_INDEPENDENT)
+  ri = false;
+#endif
+  return (kPackedGemm || ri) && std::is_same<KV, Scalar>::value && (lq >= kPackedAttentionMinQueries || ri) &&
          (bk % GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
 }
 /// The body of sdpa_streaming and sdpa_streaming_lse (lse: nullptr, or [batch·heads, queries]).
@@ -101,7 +116,8 @@ namespace kernels {
 template <class Scalar>
 std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index qk_dim, Index v_dim, Index lq, Index lk) {
   const auto [bq, bk] = c2f::detail::streaming_blocks(options, lq, lk);
-  return sizeof(Scalar) * static_cast<std::size_t>(bq * qk_dim + bq * bk + bq * v_dim + 3 * bq);
+  return sizeof(Scalar) *
+         static_cast<std::size_t>(bq * qk_dim + bq * c2f::detail::score_stride<Scalar>(bk) + bq * v_dim + 3 * bq);
 }
 
 /// Bytes sdpa_streaming holds once per call, shared by its workers, for `pairs` (batch, head) pairs: on
@@ -187,7 +203,7 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
   c2f::detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
     if (ws.q.size() == 0) {
       ws.q.resize(bq, dk);
-      ws.s.resize(bq, bk);
+      ws.s.resize(bq, c2f::detail::score_stride<Scalar>(bk));
       ws.acc.resize(bq, dv);
       ws.m.resize(bq);
       ws.l.resize(bq);
@@ -222,7 +238,9 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
         const bool guard = status == BlockMask::Partial && ws.masked.find(vb);
         if (guard) ws.masked.remember_hidden(s);
         if (c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
-        if (guard) {
+        if (guard && packed) {
+          ws.masked.product_packed_add(acc, s, vb, j0);
+        } else if (guard) {
           ws.masked.template product<true>(acc, s, vb);
         } else if (packed) {
           c2f::detail::packed_gemm_range<Scalar>(s.data(), s.outerStride(), ni, packed_v[static_cast<std::size_t>(bh)], j0,

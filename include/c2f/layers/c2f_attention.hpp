@@ -70,7 +70,8 @@ class CoarseAttention : public detail::LayerBase<CoarseAttention<Scalar>, Scalar
   CoarseAttention(Index embed_dim, Index num_heads, Options options = Options())
       : shape_(detail::checked_heads<Scalar>("CoarseAttention", embed_dim, num_heads, 1, 4)),
         options_(options),
-        mha_(embed_dim, num_heads, detail::inner_options<typename MultiHeadAttention<Scalar>::Options>(options)) {}
+        mha_(embed_dim, num_heads,
+             detail::inner_options<typename MultiHeadAttention<Scalar>::Options>(options).rows_independent(true)) {}
 
   Index embed_dim() const { return mha_.embed_dim(); }
   Index num_heads() const { return mha_.num_heads(); }

@@ -55,6 +55,11 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     C2F_ARG(Index, kdim) = 0;
     /// Value features; 0 = embed_dim.
     C2F_ARG(Index, vdim) = 0;
+    /// Every output row's bits independent of the other rows of the call (KernelOptions::rows_independent:
+    /// the packed micro-kernel for every product and every row count; holds with the Streaming kernel and a
+    /// key_block that is a multiple of 32). CoarseAttention sets it, so that c2f::dist can shard the coarse
+    /// stage's queries; it costs the packing of the weights on calls of few rows.
+    C2F_ARG(bool, rows_independent) = false;
   };
 
   /// attn_mask [Lq, Lk] or [n, Lq, Lk] (n = 1, B or B·H), key_padding_mask [B, Lk].
@@ -215,7 +220,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
                     Eigen::Ref<RowMatrix<Scalar>> kp, Eigen::Ref<RowMatrix<Scalar>> vp) const {
     check_inputs(query, key, value);
     const Index e = embed_dim();
-    const kernels::KernelOptions threads = detail::kernel_options(options_);
+    const kernels::KernelOptions threads = kernel_options();
     const Scalar* bias = options_.bias() ? b_.data() : nullptr;
     kernels::linear<Scalar>(query.rows(), w_[0], bias, qp, threads);
     kernels::linear<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads);
@@ -247,7 +252,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     qp.resize(batch * outputs, e);
     kp.resize(batch * n, e);
     vp.resize(batch * n, e);
-    const kernels::KernelOptions threads = detail::kernel_options(options_);
+    const kernels::KernelOptions threads = kernel_options();
     kernels::linear<Scalar>(x.rows(), w_[1], bias ? bias + e : nullptr, kp, threads);
     kernels::linear<Scalar>(x.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads);
     for (Index b = 0; b < batch; ++b) {
@@ -264,10 +269,11 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   std::size_t workspace_bytes(Index batch, Index lq, Index lk) const {
     const Index e = embed_dim();
     const std::size_t proj = sizeof(Scalar) * static_cast<std::size_t>(e * batch * (2 * lq + 2 * lk));
-    const std::size_t packed_weights = std::max({kernels::matmul_rows_workspace_bytes<Scalar>(batch * lq, e, e),
-                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, kdim_, e),
-                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, vdim_, e),
-                                                 out_proj_.rows_workspace_bytes(batch * lq)});
+    const bool ri = options_.rows_independent();
+    const std::size_t packed_weights = std::max({kernels::matmul_rows_workspace_bytes<Scalar>(batch * lq, e, e, ri),
+                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, kdim_, e, ri),
+                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, vdim_, e, ri),
+                                                 out_proj_.rows_workspace_bytes(batch * lq, ri)});
     std::size_t attention;
     if (options_.kernel() == AttnKernel::Naive) {
       attention = sizeof(Scalar) * static_cast<std::size_t>(lq * lk) * static_cast<std::size_t>(threads_for(batch));
@@ -296,7 +302,9 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   static typename Linear<Scalar>::Options out_proj_options(const Options& o) {
     return typename Linear<Scalar>::Options().bias(o.bias()).num_threads(o.num_threads());
   }
-  kernels::KernelOptions kernel_options() const { return detail::kernel_options(options_); }
+  kernels::KernelOptions kernel_options() const {
+    return detail::kernel_options(options_).rows_independent(options_.rows_independent());
+  }
   int threads_for(Index tasks) const { return detail::resolve_threads(options_.num_threads(), tasks); }
 
   friend class detail::LayerBase<MultiHeadAttention, Scalar>;
@@ -394,7 +402,11 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     } else {
       kernels::sdpa_streaming<Scalar>(qv, kv, vv, ov, mask, scale, kernel_options());
     }
-    out_proj_.forward_rows(attn, out);
+    if (options_.rows_independent()) {
+      out_proj_.forward_rows_independent(attn, out);
+    } else {
+      out_proj_.forward_rows(attn, out);
+    }
   }
 
   detail::HeadShape shape_;  // first: checked before out_proj_ is built
