@@ -18,7 +18,8 @@
 // Counters (per call and rank, the largest over the ranks):
 //   recv_bytes     bytes this rank received from other ranks, counted by wrapping MPI_Allgatherv,
 //                  MPI_Alltoallv and MPI_Irecv through MPI's profiling interface (PMPI)
-//   model_bytes    the formula: C2F Σ_{r ≠ me} B·m_r·d·4 ((P−1)/P · B·(L/k)·d values);
+//   model_bytes    the formula: C2F Σ_{r ≠ me} B·m_r·2d·4 (every other rank's chunks' coarse keys and
+//                  values: (P−1)/P · B·(L/k)·2d values);
 //                  ring Σ_{s ≠ me} B·n_s·2E·4 ((P−1)/P · B·L·2E values)
 //   control_bytes  the validation exchange (MPI_Allgather of one record per rank)
 //   tokens/s       L per second
@@ -137,7 +138,7 @@ void BM_c2f(benchmark::State& state) {
   c2f::RowMatrix<float> out(shard.length, kDim);
   double model = 0;
   for (int r = 0; r < comm.size(); ++r) {
-    if (r != comm.rank()) model += 4.0 * kDim * static_cast<double>(c2f::dist::even_shard(length, kChunk, r, comm.size()).chunks);
+    if (r != comm.rank()) model += 4.0 * 2 * kDim * static_cast<double>(c2f::dist::even_shard(length, kChunk, r, comm.size()).chunks);
   }
   timed(state, comm, length, model, [&] { layer.forward_into(x, out); });
 }

@@ -58,8 +58,8 @@ int main(int argc, char** argv) {
     const c2f::Tensor3<float> y = layer.forward(x);
     double elapsed = MPI_Wtime() - t0, slowest = 0;
     MPI_Reduce(&elapsed, &slowest, 1, MPI_DOUBLE, MPI_MAX, 0, comm.get());
-    // The chunk means of the other ranks' chunks are what arrived here: (m − m_r) rows of d floats.
-    const double received = 4.0 * kDim * static_cast<double>((length + kChunk - 1) / kChunk - shard.chunks);
+    // The coarse keys and values of the other ranks' chunks are what arrived here: (m − m_r) rows of 2d floats.
+    const double received = 4.0 * 2 * kDim * static_cast<double>((length + kChunk - 1) / kChunk - shard.chunks);
     double most = 0;
     MPI_Reduce(&received, &most, 1, MPI_DOUBLE, MPI_MAX, 0, comm.get());
 
@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
       std::printf("dist_c2f: %lld tokens, d = %lld, %lld heads, chunk %lld, %d ranks x %d threads\n",
                   static_cast<long long>(length), static_cast<long long>(kDim), static_cast<long long>(kHeads),
                   static_cast<long long>(kChunk), comm.size(), threads);
-      std::printf("dist_c2f: %.3f s, %.3g tokens/s, at most %.3g MB received per rank (the other ranks' chunk means)\n",
+      std::printf("dist_c2f: %.3f s, %.3g tokens/s, at most %.3g MB received per rank (the other ranks' chunks' coarse keys and values)\n",
                   slowest, static_cast<double>(length) / slowest, most / 1e6);
       // The single-process layer on the whole sequence: rank 0's rows must be the same bits.
       const c2f::Tensor3<float> whole = layer.module().forward(tokens(0, length));
