@@ -52,11 +52,7 @@ class C2FAttention {
 
   /// This rank's output rows [B, n_r, d].
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    // Sized only for a valid x (a wrong one is reported by forward_into on every rank, not here).
-    const bool fits = x.features() == module_.embed_dim();
-    Tensor3<Scalar> out(fits ? x.batch() : 0, fits ? x.seq() : 0, module_.embed_dim());
-    forward_into(x, Eigen::Map<RowMatrix<Scalar>>(out.data(), out.dimension(0) * out.dimension(1), module_.embed_dim()), masks);
-    return out;
+    return detail::fresh_forward<Scalar>(*this, x, masks, module_.embed_dim());
   }
 
   /// forward() into caller memory: out [B·n_r, d].

@@ -71,11 +71,7 @@ class MultiHeadAttention {
   /// This rank's output rows [B, n_r, E] for its input rows x [B, n_r, E] (the positions options().layout()
   /// gives it).
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    const bool fits = x.features() == module_.embed_dim();
-    Tensor3<Scalar> out(fits ? x.batch() : 0, fits ? x.seq() : 0, module_.embed_dim());
-    forward_into(x, Eigen::Map<RowMatrix<Scalar>>(out.data(), out.dimension(0) * out.dimension(1), module_.embed_dim()),
-                 masks);
-    return out;
+    return detail::fresh_forward<Scalar>(*this, x, masks, module_.embed_dim());
   }
 
   /// forward() into caller memory: out [B·n_r, E].
@@ -177,13 +173,6 @@ class MultiHeadAttention {
     }
   }
 
-  /// The mask of query positions [q0, q0 + nq) over key positions [k0, k0 + nk): the key padding's
-  /// columns, and with causal the diagonal that keeps key position ≤ query position.
-  MaskView<Scalar> block_mask(const AttnMask<Scalar>& causal, const KeyPaddingMask<Scalar>& keys, Index batch, Index nq,
-                              Index nk) const {
-    return MaskView<Scalar>(causal, keys, batch, module_.num_heads(), nq, nk);
-  }
-
   /// Merges a partial output (o, lse over other keys) into the running one, row by row and head by head.
   static void merge(const Eigen::Ref<const RowMatrix<Scalar>>& o, const Eigen::Ref<const RowMatrix<Scalar>>& lse,
                     Index batch, Index heads, Index dk, Index rows, Index row0, Index n,
@@ -258,7 +247,7 @@ class MultiHeadAttention {
             const AttnMask<Scalar> causal =
                 module_.causal() ? AttnMask<Scalar>::causal(qs.begin - ks.begin) : AttnMask<Scalar>();
             const KeyPaddingMask<Scalar> keys = keys_of(pad, batch, ks.begin, ks.length);
-            kernels::sdpa_streaming_lse<Scalar>(qv, kv, vv, ov, lse, block_mask(causal, keys, batch, qs.length, ks.length),
+            kernels::sdpa_streaming_lse<Scalar>(qv, kv, vv, ov, lse, MaskView<Scalar>(causal, keys, batch, h, qs.length, ks.length),
                                                 scale, kopts);
             merge(o, lse, batch, h, dk, qs.length, qrow, n, attn, acc_lse);
           }
