@@ -27,6 +27,9 @@ PACKAGES=(
   clang libclang-rt-14-dev
   # c2f::dist (sequence-parallel layers) and its tests under mpirun: Open MPI
   libopenmpi-dev openmpi-bin
+  # the Python module `c2f` (python/, CMake option C2F_PYTHON): Python's headers, pybind11, and pytest for
+  # its tests
+  python3-dev pybind11-dev python3-pytest
 )
 
 missing=()
