@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job: install what is missing, build Release for this machine, run the examples, then the
 # benchmark sweep (tables on stdout; Google Benchmark JSON, summary.md and PNG plots in the output
-# folder), including the runtime sweeps (OpenMP, latency, concurrency, SIMD flags).
+# folder), including the runtime sweeps (OpenMP, latency, concurrency, SIMD flags), and last the Python
+# module's example and benchmark (python_bench.md in the output folder).
 #
 #   scripts/run.sh [--long] [--portable] [--out DIR]
 #     --long      the long sweep (L = 256 … 16384 in powers of two, HMHA to 32768)
@@ -32,3 +33,6 @@ for example in mha_from_pytorch c2f_from_pytorch c2f_multihead_article vit_pyram
 done
 echo "== benchmark sweep"
 /usr/bin/python3 benchmarks/sweep.py --build "build/$preset" "${sweep_args[@]}"
+echo "== Python (issue 24): examples/python/accelerate.py, then benchmarks/python_bench.py"
+PYTHONPATH="build/$preset/python" /usr/bin/python3 examples/python/accelerate.py
+/usr/bin/python3 benchmarks/python_bench.py --build "build/$preset" "${sweep_args[@]}"
