@@ -284,6 +284,8 @@ void bind_layer(py::module_& module) {
     for (const auto& spec : all_options<Entry>()) r += std::string(", ") + spec.name + "=" + std::string(py::repr(spec.get(h.layer.options())));
     return r + ")";
   });
+  cls.def("__copy__", [](const H& h) { return H(h); });
+  cls.def("__deepcopy__", [](const H& h, py::handle) { return H(h); }, py::arg("memo"));
   cls.def(
       "state_dict", [](const H& h, const std::string& prefix) { return to_dict(h.layer.state_dict(prefix)); },
       py::arg("prefix") = "", "PyTorch's names → numpy arrays (copies)");

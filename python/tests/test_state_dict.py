@@ -137,3 +137,14 @@ def test_torch_state_dict_saved_by_c2f_loads_into_a_layer(tmp_path):
     layer.load_state_dict(c2f.load_safetensors(path))
     x = tokens(1, 13, 16)
     np.testing.assert_allclose(layer(x), src(x).detach().numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_layers_copy_deeply():
+    import copy
+    layer = c2f.HMHA(16, 2, 4, causal=True, seed=1)
+    twin = copy.deepcopy(layer)
+    x = np.random.default_rng(2).standard_normal((1, 9, 16)).astype(np.float32)
+    np.testing.assert_array_equal(twin(x), layer(x))
+    twin.load_state_dict(c2f.HMHA(16, 2, 4, causal=True, seed=2).state_dict())
+    assert not np.array_equal(twin(x), layer(x))  # a copy, not a view of the same layer
+    assert copy.copy(layer).options == layer.options
