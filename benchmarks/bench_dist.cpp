@@ -14,13 +14,21 @@
 //   ring/L         dist::MultiHeadAttention, SequenceParallel::Ring, non-causal
 //   ring_causal/L  the same, causal, Layout::ZigZag
 //   mha_local/L    c2f::MultiHeadAttention::forward_into in this process (P = 1 only)
+//   c2f2d/S        dist::C2FAttention2D on an S × S grid in blocks of 32 × 32, sharded by rows of blocks
+//   c2f2d_local/S  c2f::C2FAttention2D::forward_into in this process (P = 1 only)
+//   hmha/L         dist::HMHA, window 64, all levels, non-causal
+//   hmha_local/L   c2f::HMHA::forward_into in this process (P = 1 only)
 //
 // Counters (per call and rank, the largest over the ranks):
 //   recv_bytes     bytes this rank received from other ranks, counted by wrapping MPI_Allgatherv,
 //                  MPI_Alltoallv and MPI_Irecv through MPI's profiling interface (PMPI)
 //   model_bytes    the formula: C2F Σ_{r ≠ me} B·m_r·2d·4 (every other rank's chunks' coarse keys and
 //                  values: (P−1)/P · B·(L/k)·2d values);
-//                  ring Σ_{s ≠ me} B·n_s·2E·4 ((P−1)/P · B·L·2E values)
+//                  ring Σ_{s ≠ me} B·n_s·2E·4 ((P−1)/P · B·L·2E values);
+//                  C2F2D as C2F, per block; HMHA: the input halo (1 row either side) ·E·4, every other
+//                  rank's window means ·2E·4, and the global level's rows ·2E·4: D rows either side of
+//                  the shard (D the largest power of two ≤ its length n) and [s + δ, e + δ) ∩ [0, L)
+//                  for every |δ| = 2^p > D
 //   control_bytes  the validation exchange (MPI_Allgather of one record per rank)
 //   tokens/s       L per second
 #include <benchmark/benchmark.h>
@@ -128,6 +136,19 @@ void timed(benchmark::State& state, const c2f::dist::Comm& comm, Index length, d
   state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(length), benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// A single-process entry (P = 1 only): make() builds the layer and the input and returns the call that
+/// runs the layer on the whole input.
+template <class Make>
+void local_entry(benchmark::State& state, Index length, Make&& make) {
+  const c2f::dist::Comm comm;
+  if (comm.size() != 1) {
+    state.SkipWithError("the single-process entry runs at P = 1");
+    return;
+  }
+  auto call = make();
+  timed(state, comm, length, 0, call);
+}
+
 void BM_c2f(benchmark::State& state) {
   const c2f::dist::Comm comm;
   const Index length = state.range(0);
@@ -144,17 +165,12 @@ void BM_c2f(benchmark::State& state) {
 }
 
 void BM_c2f_local(benchmark::State& state) {
-  const c2f::dist::Comm comm;
-  if (comm.size() != 1) {
-    state.SkipWithError("the single-process entry runs at P = 1");
-    return;
-  }
   const Index length = state.range(0);
-  const c2f::C2FAttention<float> layer(kDim, kHeads, kChunk,
-                                       c2f::C2FAttention<float>::Options().seed(1).num_threads(threads_per_rank(1)));
-  const c2f::Tensor3<float> x = random_rows(length, 7);
-  c2f::RowMatrix<float> out(length, kDim);
-  timed(state, comm, length, 0, [&] { layer.forward_into(x, out); });
+  local_entry(state, length, [&] {
+    return [layer = c2f::C2FAttention<float>(kDim, kHeads, kChunk,
+                                             c2f::C2FAttention<float>::Options().seed(1).num_threads(threads_per_rank(1))),
+            x = random_rows(length, 7), out = c2f::RowMatrix<float>(length, kDim)]() mutable { layer.forward_into(x, out); };
+  });
 }
 
 void ring(benchmark::State& state, bool causal) {
@@ -183,16 +199,90 @@ void BM_ring(benchmark::State& state) { ring(state, false); }
 void BM_ring_causal(benchmark::State& state) { ring(state, true); }
 
 void BM_mha_local(benchmark::State& state) {
-  const c2f::dist::Comm comm;
-  if (comm.size() != 1) {
-    state.SkipWithError("the single-process entry runs at P = 1");
-    return;
-  }
   const Index length = state.range(0);
-  const c2f::MultiHeadAttention<float> layer(kDim, kHeads, c2f::MultiHeadAttention<float>::Options().seed(1).num_threads(threads_per_rank(1)));
-  const c2f::Tensor3<float> x = random_rows(length, 7);
-  c2f::RowMatrix<float> out(length, kDim);
-  timed(state, comm, length, 0, [&] { layer.forward_into(x, out, c2f::Masks<float>()); });
+  local_entry(state, length, [&] {
+    return [layer = c2f::MultiHeadAttention<float>(
+                kDim, kHeads, c2f::MultiHeadAttention<float>::Options().seed(1).num_threads(threads_per_rank(1))),
+            x = random_rows(length, 7), out = c2f::RowMatrix<float>(length, kDim)]() mutable {
+      layer.forward_into(x, out, c2f::Masks<float>());
+    };
+  });
+}
+
+constexpr Index kBlock = 32, kWindow = 64;
+
+c2f::C2FAttention2D<float> layer_2d(int ranks) {
+  return c2f::C2FAttention2D<float>(kDim, kHeads, kBlock, kBlock,
+                                    c2f::C2FAttention2D<float>::Options().seed(1).num_threads(threads_per_rank(ranks)));
+}
+
+void BM_c2f2d(benchmark::State& state) {
+  const c2f::dist::Comm comm;
+  const Index side = state.range(0), blocks_w = (side + kBlock - 1) / kBlock;
+  const c2f::dist::Shard rows = c2f::dist::even_shard(side, kBlock, comm.rank(), comm.size());
+  const c2f::dist::C2FAttention2D<float> layer(comm, layer_2d(comm.size()));
+  const c2f::Tensor3<float> x = random_rows(rows.length * side, 7 + static_cast<std::uint64_t>(comm.rank()));
+  c2f::RowMatrix<float> out(rows.length * side, kDim);
+  double model = 0;
+  for (int r = 0; r < comm.size(); ++r) {
+    if (r != comm.rank()) model += 4.0 * 2 * kDim * blocks_w * static_cast<double>(c2f::dist::even_shard(side, kBlock, r, comm.size()).chunks);
+  }
+  timed(state, comm, side * side, model, [&] { layer.forward_into(x, rows.length, side, out); });
+}
+
+void BM_c2f2d_local(benchmark::State& state) {
+  const Index side = state.range(0);
+  local_entry(state, side * side, [&] {
+    return [layer = layer_2d(1), x = random_rows(side * side, 7), out = c2f::RowMatrix<float>(side * side, kDim),
+            side]() mutable { layer.forward_into(x, side, side, out); };
+  });
+}
+
+c2f::HMHA<float> layer_hmha(int ranks) {
+  return c2f::HMHA<float>(kDim, kHeads, kWindow, c2f::HMHA<float>::Options().seed(1).num_threads(threads_per_rank(ranks)));
+}
+
+/// Rows of [lo, hi) ∩ [0, length) outside [s, e).
+Index outside(Index lo, Index hi, Index length, Index s, Index e) {
+  lo = std::max<Index>(lo, 0);
+  hi = std::min(hi, length);
+  if (hi <= lo) return 0;
+  return (hi - lo) - std::max<Index>(0, std::min(hi, e) - std::max(lo, s));
+}
+
+void BM_hmha(benchmark::State& state) {
+  const c2f::dist::Comm comm;
+  const Index length = state.range(0);
+  const c2f::dist::Shard shard = c2f::dist::even_shard(length, kWindow, comm.rank(), comm.size());
+  const c2f::dist::HMHA<float> layer(comm, layer_hmha(comm.size()));
+  const c2f::Tensor3<float> x = random_rows(shard.length, 7 + static_cast<std::uint64_t>(comm.rank()));
+  c2f::RowMatrix<float> out(shard.length, kDim);
+  const Index s = shard.begin, e = s + shard.length;
+  double rows = 0, kv_rows = 0;  // input rows (the halo); key and value rows (the global level)
+  if (shard.length > 0) {
+    rows = static_cast<double>(outside(s - 1, s, length, s, e) + outside(e, e + 1, length, s, e));
+    Index reach = 1;
+    while (2 * reach <= shard.length && 2 * reach < length) reach *= 2;
+    double kv = static_cast<double>(outside(s - reach, s, length, s, e) + outside(e, e + reach, length, s, e));
+    for (Index step = 2 * reach; step < length; step *= 2) {
+      kv += static_cast<double>(outside(s - step, e - step, length, s, e) + outside(s + step, e + step, length, s, e));
+    }
+    kv_rows = kv;
+  }
+  double model = 4.0 * kDim * rows + 4.0 * 2 * kDim * kv_rows;
+  for (int r = 0; r < comm.size(); ++r) {
+    if (r != comm.rank()) model += 4.0 * 2 * kDim * static_cast<double>(c2f::dist::even_shard(length, kWindow, r, comm.size()).chunks);
+  }
+  timed(state, comm, length, model, [&] { layer.forward_into(x, out); });
+}
+
+void BM_hmha_local(benchmark::State& state) {
+  const Index length = state.range(0);
+  local_entry(state, length, [&] {
+    return [layer = layer_hmha(1), x = random_rows(length, 7), out = c2f::RowMatrix<float>(length, kDim)]() mutable {
+      layer.forward_into(x, out, c2f::Masks<float>());
+    };
+  });
 }
 
 BENCHMARK(BM_c2f)->Name("c2f")->Arg(1 << 16)->Arg(1 << 18)->Arg(1 << 20)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
@@ -200,6 +290,10 @@ BENCHMARK(BM_c2f_local)->Name("c2f_local")->Arg(1 << 16)->Arg(1 << 18)->Arg(1 <<
 BENCHMARK(BM_ring)->Name("ring")->Arg(8192)->Arg(16384)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ring_causal)->Name("ring_causal")->Arg(8192)->Arg(16384)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_mha_local)->Name("mha_local")->Arg(8192)->Arg(16384)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_c2f2d)->Name("c2f2d")->Arg(256)->Arg(512)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_c2f2d_local)->Name("c2f2d_local")->Arg(256)->Arg(512)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_hmha)->Name("hmha")->Arg(1 << 14)->Arg(1 << 16)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_hmha_local)->Name("hmha_local")->Arg(1 << 14)->Arg(1 << 16)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 /// Prints nothing: the reporter of every rank but 0.
 class Silent : public benchmark::BenchmarkReporter {

@@ -15,6 +15,8 @@
 #include <cstring>
 #include <limits>
 #include <sstream>
+#include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -352,6 +354,51 @@ TYPED_TEST(KernelTest, StreamingAndSplitKeysMatchNaiveOnRandomShapes) {
     expect_close(fast, naive, tolerance<Scalar>(), tolerance<Scalar>(), what.str());
     expect_close(split, naive, tolerance<Scalar>(), tolerance<Scalar>(), what.str() + " (split keys)");
   }
+}
+
+// MaskView::rows(first, count) is the mask of query rows [first, first + count): attention on those rows
+// alone gives the rows of the whole problem, for every mask kind (c2f/dist runs kernels on such slices).
+TYPED_TEST(KernelTest, MaskViewRowsAreTheRowsOfTheWholeProblem) {
+  using Scalar = TypeParam;
+  TestRng rng(31);
+  const auto check = [&](const Problem<Scalar>& p, const c2f::MaskView<Scalar>& plan, const std::string& what) {
+    c2f::kernels::KernelOptions opt;
+    opt.num_threads(1);
+    RowMatrix<Scalar> whole(p.batch * p.lq, p.heads * p.dv);
+    c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(whole), plan, p.scale(), opt);
+    const Index first = rng.uniform_int(0, p.lq - 1), count = rng.uniform_int(0, p.lq - first);
+    SCOPED_TRACE(what + " rows [" + std::to_string(first) + ", " + std::to_string(first + count) + ")");
+    RowMatrix<Scalar> q(p.batch * count, p.heads * p.dk), part(p.batch * count, p.heads * p.dv), want = part;
+    for (Index b = 0; b < p.batch; ++b) {
+      q.middleRows(b * count, count) = p.q.middleRows(b * p.lq + first, count);
+      want.middleRows(b * count, count) = whole.middleRows(b * p.lq + first, count);
+    }
+    const auto view = [&](auto& m, Index dim) {
+      return c2f::kernels::heads_view<std::remove_reference_t<decltype(*m.data())>>(m.data(), p.batch, count,
+                                                                                     p.heads * dim, 0, p.heads, dim);
+    };
+    c2f::kernels::sdpa_naive<Scalar>(view(std::as_const(q), p.dk), p.kv(), p.vv(), view(part, p.dv),
+                                     plan.rows(first, count), p.scale(), opt);
+    expect_close(part, want, tolerance<Scalar>(), tolerance<Scalar>(), what);
+  };
+  for (int rep = 0; rep < 40; ++rep) {
+    const Problem<Scalar> p = random_problem<Scalar>(rng, rep);
+    check(p, c2f::MaskView<Scalar>(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk, rng.coin(0.3)), p.description);
+  }
+  // Swin's relative position bias on a 5 x 7 grid: a row's bias depends on its grid position.
+  Problem<Scalar> p = random_problem<Scalar>(rng, 0);
+  p.lq = p.lk = 35;
+  p.q = rng.matrix<Scalar>(p.batch * p.lq, p.heads * p.dk, 2.0);
+  p.k = rng.matrix<Scalar>(p.batch * p.lk, p.heads * p.dk, 2.0);
+  p.v = rng.matrix<Scalar>(p.batch * p.lk, p.heads * p.dv);
+  const RowMatrix<Scalar> table = rng.matrix<Scalar>(11 * 13, p.heads, 3.0);
+  const c2f::AttnMask<Scalar> bias = c2f::AttnMask<Scalar>::relative_position(table, 5, 7, 6, 7);
+  for (int rep = 0; rep < 8; ++rep) {
+    check(p, c2f::MaskView<Scalar>(bias, c2f::KeyPaddingMask<Scalar>(), p.batch, p.heads, p.lq, p.lk), "relative position");
+  }
+  const c2f::MaskView<Scalar> plan(bias, c2f::KeyPaddingMask<Scalar>(), p.batch, p.heads, p.lq, p.lk);
+  EXPECT_THROW(plan.rows(30, 6), std::invalid_argument);
+  EXPECT_THROW(plan.rows(-1, 2), std::invalid_argument);
 }
 
 // The split-key kernel reading keys and values stored as half or bfloat16 computes what it computes on

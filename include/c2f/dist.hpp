@@ -11,6 +11,8 @@
 #pragma once
 
 #include "c2f/dist/c2f_attention.hpp"
+#include "c2f/dist/c2f_attention_2d.hpp"
 #include "c2f/dist/comm.hpp"
+#include "c2f/dist/hmha.hpp"
 #include "c2f/dist/multihead_attention.hpp"
 #include "c2f/dist/shard.hpp"

@@ -38,7 +38,8 @@ class MaskView {
         batch_(batch),
         heads_(heads),
         queries_(queries),
-        keys_(keys) {
+        keys_(keys),
+        mask_queries_(queries) {
     // A causal attention mask and the causal rule are one edge: the stricter diagonal wins.
     if (attn.kind() == MaskKind::Causal) causal_edge(attn.diagonal());
     if (causal) causal_edge(0);
@@ -77,6 +78,23 @@ class MaskView {
   MaskView(const Masks<Scalar>& masks, Index batch, Index heads, Index queries, Index keys, bool causal = false)
       : MaskView(masks.attn_mask(), masks.key_padding_mask(), batch, heads, queries, keys, causal) {}
 
+  /// The view of query rows [first, first + count) of this problem: row i of the result is row first + i
+  /// here (its causal edge, its rows of a tensor mask, its grid position in a relative position bias).
+  /// For a kernel that runs on a slice of the queries (c2f/dist shards them); throws unless
+  /// 0 <= first <= first + count <= queries().
+  MaskView rows(Index first, Index count) const {
+    if (first < 0 || count < 0 || first > queries_ - count) {
+      detail::fail("MaskView::rows: rows [first, first + count) within the ", queries_, " queries, got first ", first,
+                   " and count ", count);
+    }
+    MaskView v = *this;
+    v.row0_ += first;
+    v.queries_ = count;
+    // j − (i + first) > diagonal  ⇔  j − i > diagonal + first; diagonal stays clamped to ±2^62.
+    if (causal_) v.diagonal_ = std::min(kFar, diagonal_ + first);
+    return v;
+  }
+
   bool empty() const { return attn_ == nullptr && pad_ == nullptr && !causal_; }
   /// The problem's sizes the masks were checked against.
   Index batch() const { return batch_; }
@@ -92,7 +110,7 @@ class MaskView {
     if (attn_) {
       switch (attn_->kind()) {
         case MaskKind::Additive: out += attn_->additive_values()[attn_index(b, h, i, j)]; break;
-        case MaskKind::RelativePosition: out += attn_->relative_position_bias(h, i, j); break;
+        case MaskKind::RelativePosition: out += attn_->relative_position_bias(h, row0_ + i, j); break;
         default:
           if (!attn_->keep_flags()[attn_index(b, h, i, j)]) return kMasked;
       }
@@ -152,7 +170,7 @@ class MaskView {
             for (Index c = 0; c < cols; ++c) S(r, c) = add[c] == kMasked ? kMasked : S(r, c) + add[c];
           }
           break;
-        case MaskKind::RelativePosition: apply_relative_position(h, i0, j0, S); break;
+        case MaskKind::RelativePosition: apply_relative_position(h, row0_ + i0, j0, S); break;
         default:
           for (Index r = 0; r < rows; ++r) {
             const std::uint8_t* keep = attn_->keep_flags().data() + attn_index(b, h, i0 + r, j0);
@@ -193,8 +211,8 @@ class MaskView {
  private:
   /// A diagonal beyond ±2^62 hides (or shows) every key of any problem c2f can index: clamped there, so
   /// that no index arithmetic on it can overflow.
+  static constexpr Index kFar = Index(1) << 62;
   void causal_edge(Index diagonal) {
-    constexpr Index kFar = Index(1) << 62;
     diagonal = std::max(-kFar, std::min(kFar, diagonal));
     diagonal_ = causal_ ? std::min(diagonal_, diagonal) : diagonal;
     causal_ = true;
@@ -221,7 +239,7 @@ class MaskView {
   std::size_t attn_index(Index b, Index h, Index i, Index j) const {
     const Index n = attn_->dims()[0];
     const Index slice = n == 1 ? 0 : (n == batch_ * heads_ ? b * heads_ + h : b);
-    return static_cast<std::size_t>((slice * queries_ + i) * keys_ + j);
+    return static_cast<std::size_t>((slice * mask_queries_ + row0_ + i) * keys_ + j);
   }
   std::size_t pad_index(Index b, Index j) const { return static_cast<std::size_t>(b * keys_ + j); }
 
@@ -233,6 +251,8 @@ class MaskView {
   Index heads_ = 0;
   Index queries_ = 0;
   Index keys_ = 0;
+  Index mask_queries_ = 0;  ///< the query rows of the tensor mask (queries_ unless a view of rows())
+  Index row0_ = 0;          ///< query row 0 is row row0_ of the masks (rows())
 };
 
 }  // namespace c2f

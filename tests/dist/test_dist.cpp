@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -184,7 +185,7 @@ TEST(DistC2FBadInput, RanksThatDisagreeAllThrowTheSameMessage) {
                            "the ranks disagree on chunk_size");
   // A shard that does not start on a chunk: rank 0 holds 5 tokens of chunks of 4.
   expect_every_rank_throws([&] { dist.forward(tokens<float>(1, comm.rank() == 0 ? 5 : 3, 8, 1)); },
-                           "rank 1's shard starts at token 5, not on a chunk");
+                           "rank 1's shard starts at token 5, not on a multiple of chunk_size = 4");
   // A key padding mask (C2FAttention takes none) on one rank.
   expect_every_rank_throws(
       [&] {
@@ -217,6 +218,107 @@ TEST(DistC2FBadInput, RanksOfDifferentScalarTypesAllThrow) {
     expect_every_rank_throws([&] { dist.forward(tokens<float>(1, shard.length, 8, 1)); },
                              "the ranks disagree on the scalar size (float or double): rank 0 has 4, rank 1 has 8");
   }
+}
+
+struct Grid2D {
+  Index batch, height, width, dim, heads, block_h, block_w;
+  bool bias;
+};
+std::string describe(const Grid2D& g) {
+  return "B=" + std::to_string(g.batch) + " " + std::to_string(g.height) + "x" + std::to_string(g.width) +
+         " d=" + std::to_string(g.dim) + " H=" + std::to_string(g.heads) + " blocks " + std::to_string(g.block_h) + "x" +
+         std::to_string(g.block_w) + (g.bias ? " bias" : "");
+}
+
+template <class Scalar>
+c2f::C2FAttention2D<Scalar> layer_2d(const Grid2D& g, std::uint64_t seed) {
+  typename c2f::C2FAttention2D<Scalar>::Options options;
+  options.seed(seed).num_threads(2).relative_position_bias(g.bias).max_blocks_h(6).max_blocks_w(5);
+  return c2f::C2FAttention2D<Scalar>(g.dim, g.heads, g.block_h, g.block_w, options);
+}
+
+template <class Scalar>
+class DistC2F2D : public ::testing::Test {};
+TYPED_TEST_SUITE(DistC2F2D, Scalars);
+
+// One partial row of blocks (H < block_h: empty ranks at P >= 2); partial rows and columns of blocks
+// with B = 3; 6 rows of 4 blocks (a coarse product of at least kPackedGemmMinRows rows in the whole,
+// fewer on a shard); no bias; an empty grid.
+const std::vector<Grid2D> kGrids = {{1, 3, 5, 8, 2, 4, 2, true},     {3, 10, 7, 16, 4, 3, 3, true},
+                                    {2, 12, 16, 16, 2, 2, 4, true},  {2, 12, 16, 16, 2, 2, 4, false},
+                                    {1, 0, 4, 8, 2, 2, 2, true}};
+
+TYPED_TEST(DistC2F2D, ShardsAreBitIdenticalToTheSingleProcess) {
+  using Scalar = TypeParam;
+  const c2f::dist::Comm comm = world();
+  for (const Grid2D& g : kGrids) {
+    SCOPED_TRACE(describe(g));
+    const c2f::C2FAttention2D<Scalar> single = layer_2d<Scalar>(g, 13);
+    const c2f::dist::C2FAttention2D<Scalar> dist(comm, single);
+    const c2f::Tensor3<Scalar> x = tokens<Scalar>(g.batch, g.height * g.width, g.dim, 21);
+    const c2f::dist::Shard rows = c2f::dist::even_shard(g.height, g.block_h, comm.rank(), comm.size());
+    const c2f::Tensor3<Scalar> want =
+        slice(single.forward(x, g.height, g.width), rows.begin * g.width, rows.length * g.width);
+    EXPECT_TRUE(same_bits(dist.forward(slice(x, rows.begin * g.width, rows.length * g.width), rows.length, g.width), want));
+  }
+}
+
+TYPED_TEST(DistC2F2D, AnyPlanAlignedOnBlockRows) {
+  using Scalar = TypeParam;
+  const c2f::dist::Comm comm = world();
+  const Grid2D g{2, 11, 6, 16, 2, 2, 3, true};  // 6 rows of blocks, the last one partial
+  const c2f::C2FAttention2D<Scalar> single = layer_2d<Scalar>(g, 4);
+  const c2f::dist::C2FAttention2D<Scalar> dist(comm, single);
+  const c2f::Tensor3<Scalar> x = tokens<Scalar>(g.batch, g.height * g.width, g.dim, 8);
+  const c2f::Tensor3<Scalar> want = single.forward(x, g.height, g.width);
+  // The last rank holds the whole image, the others nothing.
+  const Index all = comm.rank() + 1 == comm.size() ? g.height : 0;
+  EXPECT_TRUE(same_bits(dist.forward(slice(x, 0, all * g.width), all, g.width), slice(want, 0, all * g.width)));
+  // Rank r holds r + 1 rows of blocks (the last rank the rest).
+  Index begin = 0;
+  for (int r = 0; r < comm.rank(); ++r) begin = std::min(g.height, begin + (r + 1) * g.block_h);
+  const Index rows =
+      comm.rank() + 1 == comm.size() ? g.height - begin : std::min(g.height - begin, (comm.rank() + 1) * g.block_h);
+  EXPECT_TRUE(same_bits(dist.forward(slice(x, begin * g.width, rows * g.width), rows, g.width),
+                        slice(want, begin * g.width, rows * g.width)));
+}
+
+TEST(DistC2F2DBadInput, EveryRankThrowsTheSameMessage) {
+  const c2f::dist::Comm comm = world();
+  if (comm.size() < 2) GTEST_SKIP() << "needs two ranks";
+  const std::string of = " of " + std::to_string(comm.size());
+  const bool odd = comm.rank() == 1;
+  const Grid2D g{1, 8, 4, 8, 2, 2, 2, true};
+  const c2f::dist::C2FAttention2D<float> dist(comm, layer_2d<float>(g, 1));
+  const c2f::dist::Shard rows = c2f::dist::even_shard(g.height, g.block_h, comm.rank(), comm.size());
+  // The grid width.
+  expect_every_rank_throws([&] { dist.forward(tokens<float>(1, rows.length * (odd ? 2 : 4), 8, 1), rows.length, odd ? 2 : 4); },
+                           "the ranks disagree on the grid width: rank 0 has 4, rank 1 has 2");
+  // x that is not rows x width tokens, on rank 1.
+  expect_every_rank_throws([&] { dist.forward(tokens<float>(1, rows.length * 4 + (odd ? 1 : 0), 8, 1), rows.length, 4); },
+                           "rank 1" + of + ": C2FAttention2D: x must be [batch, height·width = ");
+  // A shard that does not start on a row of blocks: rank 0 holds 3 image rows of blocks 2 high.
+  expect_every_rank_throws(
+      [&] {
+        const Index mine = comm.rank() == 0 ? 3 : 1;
+        dist.forward(tokens<float>(1, mine * 4, 8, 1), mine, 4);
+      },
+      "rank 1's shard starts at image row 3, not on a multiple of block_h = 2");
+  // A whole grid larger than the bias table (max 6 x 5 blocks): each shard alone fits.
+  expect_every_rank_throws(
+      [&] {
+        const c2f::dist::Shard tall = c2f::dist::even_shard(14, 2, comm.rank(), comm.size());
+        dist.forward(tokens<float>(1, tall.length * 4, 8, 1), tall.length, 4);
+      },
+      "rank 0" + of + ": C2FAttention2D: a grid of 7 x 2 blocks (Mh x Mw) exceeds the relative position bias table");
+  // A mask (the layer takes none) on rank 1.
+  expect_every_rank_throws(
+      [&] {
+        c2f::Masks<float> masks;
+        if (odd) masks.attn_mask(c2f::AttnMask<float>::causal());
+        dist.forward(tokens<float>(1, rows.length * 4, 8, 1), rows.length, 4, masks);
+      },
+      "rank 1" + of + ": C2FAttention2D takes no attn_mask");
 }
 
 TEST(DistShard, EvenPlanCoversTheSequenceInChunks) {
@@ -358,6 +460,95 @@ TEST(DistMHABadInput, EveryRankThrowsTheSameMessage) {
         ring.forward(tokens<float>(1, shard.length, 8, 1), masks);
       },
       "rank 1" + of + ": dist::MultiHeadAttention takes only a key_padding_mask");
+}
+
+template <class Scalar>
+class DistHMHA : public ::testing::Test {};
+TYPED_TEST_SUITE(DistHMHA, Scalars);
+
+// Shape's chunk is the window. L < W (one window: empty ranks at P >= 2); L % W != 0 with B = 3; 76
+// windows (far power-of-two distances); W = 1 with 3 positions (at P = 3, shards of one position: the
+// causal halo of 2 spans two ranks); L = 0.
+const std::vector<Shape> kHMHAShapes = {{1, 5, 8, 2, 8}, {3, 37, 12, 2, 4}, {2, 301, 16, 2, 4}, {2, 3, 8, 2, 1},
+                                        {1, 0, 8, 2, 4}};
+
+TYPED_TEST(DistHMHA, ShardsMatchTheSingleProcess) {
+  using Scalar = TypeParam;
+  const c2f::dist::Comm comm = world();
+  const std::vector<std::pair<std::string, c2f::HMHALevels>> level_sets = {
+      {"all levels", {true, true, true}}, {"local", {true, false, false}}, {"cross", {false, true, false}},
+      {"global", {false, false, true}}};
+  for (const Shape& s : kHMHAShapes) {
+    for (const bool causal : {false, true}) {
+      for (const auto& [name, levels] : level_sets) {
+        SCOPED_TRACE(describe(s) + (causal ? " causal " : " ") + name);
+        typename c2f::HMHA<Scalar>::Options options;
+        options.seed(3).num_threads(2).causal(causal).levels(levels);
+        const c2f::HMHA<Scalar> single(s.dim, s.heads, s.chunk, options);
+        const c2f::dist::HMHA<Scalar> dist(comm, single);
+        const c2f::Tensor3<Scalar> x = tokens<Scalar>(s.batch, s.length, s.dim, 29);
+        const c2f::dist::Shard shard = c2f::dist::even_shard(s.length, s.chunk, comm.rank(), comm.size());
+        EXPECT_TRUE(near(dist.forward(slice(x, shard.begin, shard.length)),
+                         slice(single.forward(x), shard.begin, shard.length)));
+      }
+    }
+  }
+}
+
+TYPED_TEST(DistHMHA, AnyWindowAlignedPlan) {
+  using Scalar = TypeParam;
+  const c2f::dist::Comm comm = world();
+  const Shape s{2, 45, 8, 2, 4};  // 12 windows, the last partial
+  for (const bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    const c2f::HMHA<Scalar> single(s.dim, s.heads, s.chunk, typename c2f::HMHA<Scalar>::Options().seed(6).causal(causal));
+    const c2f::dist::HMHA<Scalar> dist(comm, single);
+    const c2f::Tensor3<Scalar> x = tokens<Scalar>(s.batch, s.length, s.dim, 4);
+    const c2f::Tensor3<Scalar> want = single.forward(x);
+    // Rank 0 holds everything, the others nothing.
+    const Index all = comm.rank() == 0 ? s.length : 0;
+    EXPECT_TRUE(near(dist.forward(slice(x, 0, all)), slice(want, 0, all)));
+    // Rank r holds 3r + 1 windows (the last rank the rest).
+    Index begin = 0;
+    for (int r = 0; r < comm.rank(); ++r) begin = std::min(s.length, begin + (3 * r + 1) * s.chunk);
+    const Index length =
+        comm.rank() + 1 == comm.size() ? s.length - begin : std::min(s.length - begin, (3 * comm.rank() + 1) * s.chunk);
+    EXPECT_TRUE(near(dist.forward(slice(x, begin, length)), slice(want, begin, length)));
+  }
+}
+
+TEST(DistHMHABadInput, EveryRankThrowsTheSameMessage) {
+  const c2f::dist::Comm comm = world();
+  if (comm.size() < 2) GTEST_SKIP() << "needs two ranks";
+  const std::string of = " of " + std::to_string(comm.size());
+  const bool odd = comm.rank() == 1;
+  const c2f::dist::HMHA<float> dist(comm, 8, 2, 4);
+  const c2f::dist::Shard shard = c2f::dist::even_shard(16, 4, comm.rank(), comm.size());
+  // The window.
+  const c2f::dist::HMHA<float> other(comm, 8, 2, odd ? 8 : 4);
+  expect_every_rank_throws([&] { other.forward(tokens<float>(1, shard.length, 8, 1)); }, "the ranks disagree on window");
+  // causal.
+  const c2f::dist::HMHA<float> mixed(comm, 8, 2, 4, c2f::HMHA<float>::Options().causal(odd));
+  expect_every_rank_throws([&] { mixed.forward(tokens<float>(1, shard.length, 8, 1)); },
+                           "the ranks disagree on causal: rank 0 has 0, rank 1 has 1");
+  // The levels.
+  const c2f::dist::HMHA<float> fewer(comm, 8, 2, 4, c2f::HMHA<float>::Options().levels({true, !odd, true}));
+  expect_every_rank_throws([&] { fewer.forward(tokens<float>(1, shard.length, 8, 1)); },
+                           "the ranks disagree on the levels (local, cross, global): rank 0 has 7, rank 1 has 5");
+  // A shard that does not start on a window: rank 0 holds 6 positions of windows of 4.
+  expect_every_rank_throws([&] { dist.forward(tokens<float>(1, comm.rank() == 0 ? 6 : 2, 8, 1)); },
+                           "rank 1's shard starts at token 6, not on a multiple of window = 4");
+  // The feature size on rank 1.
+  expect_every_rank_throws([&] { dist.forward(tokens<float>(1, shard.length, odd ? 6 : 8, 1)); },
+                           "rank 1" + of + ": HMHA: x must be [batch, seq, embed_dim=8], got [1, ");
+  // A mask (the layer takes none) on rank 1.
+  expect_every_rank_throws(
+      [&] {
+        c2f::Masks<float> masks;
+        if (odd) masks.key_padding_mask(c2f::KeyPaddingMask<float>::lengths({1}));
+        dist.forward(tokens<float>(1, shard.length, 8, 1), masks);
+      },
+      "rank 1" + of + ": HMHA takes no key_padding_mask");
 }
 
 // Run by ctest with --gtest_also_run_disabled_tests under -np 2 and expected to fail: a failure on rank 1

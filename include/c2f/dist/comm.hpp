@@ -148,13 +148,14 @@ std::vector<std::vector<std::int64_t>> exchange(const Comm& comm, const char* la
   return values;
 }
 
-/// A dist layer's forward(): a fresh [B, n, width] output filled by layer.forward_into(x, rows, masks),
-/// sized only for an x of that width (a wrong x is reported by forward_into on every rank, not here).
-template <class Scalar, class Layer, class Masks>
-Tensor3<Scalar> fresh_forward(const Layer& layer, const ConstTensor3Ref<Scalar>& x, const Masks& masks, Index width) {
+/// A dist layer's forward(): a fresh [B, n, width] output filled by fill(out [B·n, width]) (the layer's
+/// forward_into), sized only for an x of that width (a wrong x is reported by forward_into on every
+/// rank, not here).
+template <class Scalar, class Fill>
+Tensor3<Scalar> fresh_forward(const ConstTensor3Ref<Scalar>& x, Index width, Fill&& fill) {
   const bool fits = x.features() == width;
   Tensor3<Scalar> out(fits ? x.batch() : 0, fits ? x.seq() : 0, width);
-  layer.forward_into(x, Eigen::Map<RowMatrix<Scalar>>(out.data(), out.dimension(0) * out.dimension(1), width), masks);
+  fill(Eigen::Map<RowMatrix<Scalar>>(out.data(), out.dimension(0) * out.dimension(1), width));
   return out;
 }
 

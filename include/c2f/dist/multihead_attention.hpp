@@ -71,7 +71,8 @@ class MultiHeadAttention {
   /// This rank's output rows [B, n_r, E] for its input rows x [B, n_r, E] (the positions options().layout()
   /// gives it).
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    return detail::fresh_forward<Scalar>(*this, x, masks, module_.embed_dim());
+    return detail::fresh_forward<Scalar>(x, module_.embed_dim(),
+                                         [&](Eigen::Ref<RowMatrix<Scalar>> out) { forward_into(x, out, masks); });
   }
 
   /// forward() into caller memory: out [B·n_r, E].

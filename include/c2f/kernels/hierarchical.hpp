@@ -19,8 +19,10 @@
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace c2f {
@@ -130,13 +132,112 @@ inline std::vector<Index> sparse_offsets(Index length, bool causal) {
 /// Query rows per task of sparse_global_attention_add(); fixed, so the bits do not depend on the thread count.
 constexpr Index kSparseRowBlock = 64;
 
-/// Level 3: the query at position p attends to S(p) = {p} ∪ {p − 2^i, p + 2^i : i ≥ 0} ∩ [0, T) (with
-/// `causal`, {p} ∪ {p − 2^i}): out[p] += softmax_t(q_p·k_t · scale) v_t per head. out must be
-/// contiguous, and v too when it holds Scalar.
+/// Where level 3 reads the keys and values at one offset δ (sparse_global_attention_rows_add): the key
+/// and value of query i (position first_position + i) of batch item b at offset δ are row
+/// b·batch_stride + i + δ + shift of k and of v — `rows` rows each, `k_stride` and `v_stride` apart
+/// (v's rows contiguous, v_stride = their width, when they hold Scalar).
+template <class KV>
+struct OffsetRows {
+  const KV* k = nullptr;
+  const KV* v = nullptr;
+  Index k_stride = 0, v_stride = 0, rows = 0;
+  Index batch_stride = 0, shift = 0;
+};
+
+/// Level 3 for the queries of positions first_position … first_position + n − 1 of a sequence of
+/// `length` positions (q, out [batch·n, heads·dh]), with the keys and values at offset
+/// sparse_offsets(length, causal)[o] read from sources[o]: S(p) ∩ [0, length) as in
+/// sparse_global_attention_add, which is this kernel with every offset's rows in one k and v. For a
+/// shard of the sequence (c2f/dist), whose keys at each offset lie in local or fetched rows. Throws
+/// unless every source holds the rows its offset's queries read.
 ///
 /// The keys at one offset δ of a block of consecutive queries are a shifted block of consecutive key
 /// rows, so the kernel works offset by offset on contiguous rows (no gather): scores for all rows and
 /// heads at once, one softmax across offsets, then the weighted value rows.
+template <class Scalar, class KV = Scalar>
+void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>& q, Index batch, Index first_position,
+                                      Index length, Index heads, Eigen::Ref<RowMatrix<Scalar>> out, bool causal,
+                                      Scalar scale, const std::vector<OffsetRows<KV>>& sources,
+                                      const KernelOptions& options) {
+  const char* kernel = "sparse_global_attention_rows_add";
+  if (batch < 0 || length < 0) detail::fail(kernel, ": batch and length must be >= 0");
+  const Index n = batch > 0 ? q.rows() / batch : 0;
+  if (first_position < 0 || first_position > length - n) {
+    detail::fail(kernel, ": the queries' positions [", first_position, ", ", first_position + n, ") must lie in [0, ",
+                 length, ")");
+  }
+  detail::check_last_queries(kernel, q, out, q, q, ChunkGrid{batch, n, 1}, heads, scale, /*keys_are_tokens=*/false);
+  const Index dim = q.cols(), dh = dim / heads, T = length, p0 = first_position;
+  if (out.outerStride() != dim) detail::fail(kernel, ": out must be a contiguous [rows, ", dim, "] matrix");
+  const std::vector<Index> offsets = sparse_offsets(T, causal);
+  const Index noff = static_cast<Index>(offsets.size());
+  if (static_cast<Index>(sources.size()) != noff) {
+    detail::fail(kernel, ": one source of key rows per offset (", noff, " offsets for length ", T, "), got ",
+                 sources.size());
+  }
+  // Queries [i0, i1) of the n have a key at offset δ (inside [0, T)).
+  const auto queries_with_key = [&](Index delta, Index a, Index nb, Index& i0, Index& i1) {
+    i0 = std::max<Index>(0, -delta - p0 - a);
+    i1 = std::min(nb, T - delta - p0 - a);
+    return i1 > i0;
+  };
+  for (Index o = 0; o < noff && batch > 0; ++o) {
+    const OffsetRows<KV>& s = sources[static_cast<std::size_t>(o)];
+    const Index delta = offsets[static_cast<std::size_t>(o)];
+    Index i0 = 0, i1 = 0;
+    if (!queries_with_key(delta, 0, n, i0, i1)) continue;
+    const Index lo = i0 + delta + s.shift, hi = (batch - 1) * s.batch_stride + i1 + delta + s.shift;
+    const bool strides = s.k_stride >= dim && s.v_stride >= dim && (!std::is_same<KV, Scalar>::value || s.v_stride == dim);
+    if (s.k == nullptr || s.v == nullptr || !strides || s.batch_stride < 0 || lo < 0 || hi > s.rows) {
+      detail::fail(kernel, ": the source of offset ", delta, " must hold key and value rows [", lo, ", ", hi, ") of width ",
+                   dim, " (value rows contiguous), got ", s.rows, " rows with strides ", s.k_stride, " and ", s.v_stride);
+    }
+  }
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  const Index blocks_per_batch = (n + kSparseRowBlock - 1) / kSparseRowBlock;
+  const double work = detail::attention_work(batch * heads, n, noff, dh, dh);
+  using Rows = Eigen::Map<const RowMatrix<KV>, 0, Eigen::OuterStride<>>;
+  detail::parallel_for(batch * blocks_per_batch, options.num_threads(), work, [&](Index task, int) {
+    const Index b = task / blocks_per_batch;
+    const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, n - a);
+    const Index q_base = b * n + a;
+    // Row of the key at offset o of query a + i.
+    const auto key_row = [&](const OffsetRows<KV>& s, Index delta, Index i) { return b * s.batch_stride + a + i + delta + s.shift; };
+    // scores(r·heads + h, o): query a + r, head h, key at offset offsets[o].
+    RowMatrix<Scalar> scores = RowMatrix<Scalar>::Constant(nb * heads, noff, kNegInf);
+    RowMatrix<Scalar> prod(nb, dim), kv;
+    Index i0 = 0, i1 = 0;
+    for (Index o = 0; o < noff; ++o) {
+      const Index delta = offsets[static_cast<std::size_t>(o)];
+      if (!queries_with_key(delta, a, nb, i0, i1)) continue;
+      const OffsetRows<KV>& s = sources[static_cast<std::size_t>(o)];
+      const Index rows = i1 - i0;
+      const Rows kb(s.k + key_row(s, delta, i0) * s.k_stride, rows, dim, Eigen::OuterStride<>(s.k_stride));
+      detail::as_scalar(kb, kv, [&](const auto& k) { prod.topRows(rows) = q.middleRows(q_base + i0, rows).cwiseProduct(k); });
+      scores.col(o).segment(i0 * heads, rows * heads) =
+          Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum() * scale;
+    }
+    for (Index r = 0; r < nb * heads; ++r) detail::softmax_row(scores.row(r));
+    for (Index o = 0; o < noff; ++o) {
+      const Index delta = offsets[static_cast<std::size_t>(o)];
+      if (!queries_with_key(delta, a, nb, i0, i1)) continue;
+      const OffsetRows<KV>& s = sources[static_cast<std::size_t>(o)];
+      const Index rows = i1 - i0;
+      // out rows as [rows·heads, dh]: each (query, head) row gains weight · its value row.
+      Eigen::Map<RowMatrix<Scalar>> dst(out.row(q_base + i0).data(), rows * heads, dh);
+      const Rows vb(s.v + key_row(s, delta, i0) * s.v_stride, rows, dim, Eigen::OuterStride<>(s.v_stride));
+      detail::as_scalar(vb, kv, [&](const auto& v) {
+        const Eigen::Map<const RowMatrix<Scalar>> src(v.data(), rows * heads, dh);
+        dst.noalias() += scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src;
+      });
+    }
+  });
+}
+
+/// Level 3: the query at position p attends to S(p) = {p} ∪ {p − 2^i, p + 2^i : i ≥ 0} ∩ [0, T) (with
+/// `causal`, {p} ∪ {p − 2^i}): out[p] += softmax_t(q_p·k_t · scale) v_t per head. out must be
+/// contiguous, and v too when it holds Scalar. (sparse_global_attention_rows_add with every offset's
+/// rows in k and v.)
 template <class Scalar, class KV = Scalar>
 void sparse_global_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                                  const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& k,
@@ -146,52 +247,20 @@ void sparse_global_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   const char* kernel = "sparse_global_attention_add";
   if (batch < 0 || length < 0) detail::fail(kernel, ": batch and length must be >= 0");
   const Index n = detail::check_last_queries(kernel, q, out, k, v, ChunkGrid{batch, length, 1}, heads, scale);
-  const Index dim = q.cols(), dh = dim / heads, T = length, p0 = T - n;
-  if ((std::is_same<KV, Scalar>::value && v.outerStride() != dim) || out.outerStride() != dim) {
-    detail::fail(kernel, ": v and out must be contiguous [rows, ", dim, "] matrices");
+  if ((std::is_same<KV, Scalar>::value && v.outerStride() != q.cols()) || out.outerStride() != q.cols()) {
+    detail::fail(kernel, ": v and out must be contiguous [rows, ", q.cols(), "] matrices");
   }
-  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  const std::vector<Index> offsets = sparse_offsets(T, causal);
-  const Index noff = static_cast<Index>(offsets.size());
-  const Index blocks_per_batch = (n + kSparseRowBlock - 1) / kSparseRowBlock;
-  const double work = detail::attention_work(batch * heads, n, noff, dh, dh);
-  detail::parallel_for(batch * blocks_per_batch, options.num_threads(), work, [&](Index task, int) {
-    const Index b = task / blocks_per_batch;
-    const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, n - a);
-    const Index q_base = b * n + a, k_base = b * T + p0 + a;  // query a ↔ key row k_base
-    // The queries of this block with a key at offset δ: i ∈ [i0, i1).
-    const auto rows_with_key = [&](Index delta, Index& i0, Index& i1) {
-      i0 = std::max<Index>(0, -delta - p0 - a);
-      i1 = std::min(nb, T - delta - p0 - a);
-      return i1 > i0;
-    };
-    // scores(r·heads + h, o): query a + r, head h, key at offset offsets[o].
-    RowMatrix<Scalar> scores = RowMatrix<Scalar>::Constant(nb * heads, noff, kNegInf);
-    RowMatrix<Scalar> prod(nb, dim), kv;
-    Index i0 = 0, i1 = 0;
-    for (Index o = 0; o < noff; ++o) {
-      const Index delta = offsets[static_cast<std::size_t>(o)];
-      if (!rows_with_key(delta, i0, i1)) continue;
-      const Index rows = i1 - i0;
-      detail::as_scalar(k.middleRows(k_base + i0 + delta, rows), kv, [&](const auto& kb) {
-        prod.topRows(rows) = q.middleRows(q_base + i0, rows).cwiseProduct(kb);
-      });
-      scores.col(o).segment(i0 * heads, rows * heads) =
-          Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum() * scale;
-    }
-    for (Index r = 0; r < nb * heads; ++r) detail::softmax_row(scores.row(r));
-    for (Index o = 0; o < noff; ++o) {
-      const Index delta = offsets[static_cast<std::size_t>(o)];
-      if (!rows_with_key(delta, i0, i1)) continue;
-      const Index rows = i1 - i0;
-      // out rows as [rows·heads, dh]: each (query, head) row gains weight · its value row.
-      Eigen::Map<RowMatrix<Scalar>> dst(out.row(q_base + i0).data(), rows * heads, dh);
-      detail::as_scalar(v.middleRows(k_base + i0 + delta, rows), kv, [&](const auto& vb) {
-        const Eigen::Map<const RowMatrix<Scalar>> src(vb.data(), rows * heads, dh);
-        dst.noalias() += scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src;
-      });
-    }
-  });
+  // Query i (position T − n + i) of batch item b reads key row b·T + (T − n) + i + δ.
+  OffsetRows<KV> all;
+  all.k = k.data();
+  all.v = v.data();
+  all.k_stride = k.outerStride();
+  all.v_stride = v.outerStride();
+  all.rows = k.rows();
+  all.batch_stride = length;
+  all.shift = length - n;
+  const std::vector<OffsetRows<KV>> sources(sparse_offsets(length, causal).size(), all);
+  sparse_global_attention_rows_add<Scalar, KV>(q, batch, length - n, length, heads, out, causal, scale, sources, options);
 }
 
 }  // namespace kernels
