@@ -10,13 +10,14 @@
    need_weights=False; c2f is called on the torch tensor (read in place) and its output wrapped with
    torch.from_numpy (no copy), as c2f.torch does. Each time is the median of --reps wall-clock runs after a
    warm-up. The C++ speed-up divides the same PyTorch time by bench_attention's time for the same entry
-   (mha_streaming/L, c2f/L/32), run by this script from the same build; the target is the Python speed-up
-   within 10 % of the C++ one.
+   (mha_streaming/L, c2f/L/32; the median of 5 repetitions), run by this script from the same build just
+   before the Python runs of that L; the target is the Python speed-up within 10 % of the C++ one.
 2. The binding's overhead per call: one decode step of one token (MultiHeadAttention(512, 8), causal,
    batch 1, a context of 1024 tokens: bench_decode's entry mha/1/1024) called from Python, against the same
    step repeated in C++ inside the same process (layer._decode_loop: no Python between steps), on states
-   prefilled alike, alternating; and bench_decode's own time for that entry. The same for a tiny layer
-   (embed_dim 8, context 16), where the step itself costs almost nothing. Target: ≤ 15 µs per call.
+   prefilled alike, alternating; the Python step takes a numpy array, and a torch tensor; and bench_decode's
+   own time for that entry. The same for a tiny layer (embed_dim 8, context 16), where the step itself costs
+   almost nothing. Target: ≤ 15 µs per call.
 
 Threads: C2F_BENCH_THREADS (default 2) for c2f, torch.set_num_threads and OpenBLAS alike (torch_peer.py's
 setup). The module comes from <build>/python (C2F_PYTHON, built by the same preset). Writes python_bench.json
@@ -90,13 +91,14 @@ def speedups(torch, c2f, threads, build, reps, quick):
         "c2f": (article, article, c2f.C2FAttention(EMBED, HEADS, CHUNK, num_threads=threads), c2f_lengths,
                 "c2f/{L}/" + str(CHUNK)),
     }
-    pattern = "^(" + "|".join(f"mha_streaming/{L}" for L in mha_lengths) + "|" + \
-              "|".join(f"c2f/{L}/{CHUNK}" for L in c2f_lengths) + ")/"
-    cpp = google_benchmark(build / "benchmarks" / "bench_attention", pattern)
     rows = []
     for key, (module, torch_call, layer, lengths, entry) in layers.items():
         layer.load_state_dict(module.state_dict())
         for L in lengths:
+            # The C++ entry right before the Python runs of the same L: a load that comes and goes on the
+            # machine then blurs both alike.
+            name = entry.format(L=L)
+            cpp_s = google_benchmark(build / "benchmarks" / "bench_attention", f"^{name}/")[name] / 1e3
             x = torch.randn(1, L, EMBED, generator=torch.Generator().manual_seed(L))
             with torch.inference_mode():
                 theirs = torch_call(x)
@@ -104,7 +106,6 @@ def speedups(torch, c2f, threads, build, reps, quick):
                 check(key, L, ours, theirs)
                 torch_s = median_time(lambda: torch_call(x), reps)
                 python_s = median_time(lambda: torch.from_numpy(layer(x)), reps)
-            cpp_s = cpp[entry.format(L=L)] / 1e3
             rows.append(dict(layer=key, L=L, torch_ms=1e3 * torch_s, c2f_python_ms=1e3 * python_s,
                              c2f_cpp_ms=1e3 * cpp_s, speedup_python=torch_s / python_s, speedup_cpp=torch_s / cpp_s))
             r = rows[-1]
@@ -113,7 +114,7 @@ def speedups(torch, c2f, threads, build, reps, quick):
     return rows
 
 
-def overhead(c2f, threads, build, reps):
+def overhead(torch, c2f, threads, build, reps):
     """Per-step times (µs) of a decode step from Python and repeated in C++, for bench_decode's entry and a
     tiny layer, on states prefilled alike (alternating, median of `reps` pairs)."""
     import numpy as np
@@ -130,17 +131,23 @@ def overhead(c2f, threads, build, reps):
             layer.prefill(prompt, state)
             return state
 
-        python_us, cpp_us = [], []
-        for _ in range(reps):
+        def python_loop(x):
             state = fresh_state()
             t0 = time.perf_counter()
             for _ in range(DECODE_STEPS):
-                layer.decode(token, state)
-            python_us.append(1e6 * (time.perf_counter() - t0) / DECODE_STEPS)
+                layer.decode(x, state)
+            return 1e6 * (time.perf_counter() - t0) / DECODE_STEPS
+
+        python_us, torch_us, cpp_us = [], [], []
+        for _ in range(reps):
+            python_us.append(python_loop(token))
+            torch_us.append(python_loop(torch.from_numpy(token)))  # a torch tensor in (c2f.torch's case)
             cpp_us.append(1e6 * layer._decode_loop(token, fresh_state(), DECODE_STEPS) / DECODE_STEPS)
-        results[name] = dict(python_us=statistics.median(python_us), cpp_us=statistics.median(cpp_us),
+        results[name] = dict(python_us=statistics.median(python_us), torch_in_us=statistics.median(torch_us),
+                             cpp_us=statistics.median(cpp_us),
                              overhead_us=statistics.median(p - c for p, c in zip(python_us, cpp_us)),
-                             python_runs_us=python_us, cpp_runs_us=cpp_us)
+                             overhead_torch_in_us=statistics.median(p - c for p, c in zip(torch_us, cpp_us)),
+                             python_runs_us=python_us, torch_in_runs_us=torch_us, cpp_runs_us=cpp_us)
     bench = google_benchmark(build / "benchmarks" / "bench_decode", f"^mha/1/{DECODE_CONTEXT}/",
                              ["--decode_sweep=quick"])
     results["bench_decode"] = {k: 1e3 * v for k, v in bench.items()}  # µs
@@ -152,7 +159,8 @@ def markdown(setup, rows, over):
              f"Batch 1, d = {EMBED}, {HEADS} heads, float32, {setup['c2f_threads']} threads for c2f and torch "
              f"({setup['torch_version']}, its sgemm from {setup['blas_library']}); median wall-clock times. "
              "Speed-up = torch time / c2f time; \"Python / C++\" = the Python speed-up over the C++ one "
-             "(target ≥ 0.90).", "",
+             "(target ≥ 0.90). Load average (1 min) before and after the run: "
+             f"{setup['load_average_before_after'][0]:.2f}, {setup['load_average_before_after'][1]:.2f}.", "",
              "| layer | L | torch (ms) | c2f from Python (ms) | c2f in C++ (ms) | speed-up from Python | "
              "speed-up in C++ | Python / C++ |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -163,10 +171,13 @@ def markdown(setup, rows, over):
                      f"{'' if ratio >= 0.9 else ' (below 0.90)'} |")
     lines += ["", "The binding's overhead per call: one decode step of one token, from Python against the same "
               f"step repeated in C++ in the same process ({DECODE_STEPS} steps a run, median of the runs; target "
-              "≤ 15 µs):", "", "| step | from Python (µs) | in C++ (µs) | overhead (µs) |", "|---|---:|---:|---:|"]
+              "≤ 15 µs). The input is a numpy array, or a torch tensor (read through numpy.asarray, as c2f.torch does):",
+              "", "| step | in C++ (µs) | from Python, numpy in (µs) | overhead (µs) | from Python, torch in (µs) | "
+              "overhead (µs) |", "|---|---:|---:|---:|---:|---:|"]
     for name, o in over.items():
         if name != "bench_decode":
-            lines.append(f"| {name} | {o['python_us']:.1f} | {o['cpp_us']:.1f} | {o['overhead_us']:.1f} |")
+            lines.append(f"| {name} | {o['cpp_us']:.1f} | {o['python_us']:.1f} | {o['overhead_us']:.1f} | "
+                         f"{o['torch_in_us']:.1f} | {o['overhead_torch_in_us']:.1f} |")
     for name, us in over["bench_decode"].items():
         lines.append(f"\nbench_decode's {name} (C++, its own process): {us:.1f} µs per step.")
     return "\n".join(lines)
@@ -189,8 +200,11 @@ def main(argv=None):
     if not Path(c2f.__file__).is_relative_to(build):
         sys.exit(f"python_bench: imported c2f from {c2f.__file__}, not from {build}/python (build it with C2F_PYTHON)")
     print(f"python_bench: c2f {c2f.__file__}, torch {torch.__version__}, {threads} threads", flush=True)
+    load_before = os.getloadavg()
     rows = speedups(torch, c2f, threads, build, args.reps, args.quick)
-    over = overhead(c2f, threads, build, args.reps)
+    over = overhead(torch, c2f, threads, build, args.reps)
+    # Other processes on the cores blur every comparison: the load average before and after says if they did.
+    setup["load_average_before_after"] = [load_before[0], os.getloadavg()[0]]
     text = markdown(setup, rows, over)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
