@@ -287,9 +287,9 @@ void BM_hmha_local(benchmark::State& state) {
 
 BENCHMARK(BM_c2f)->Name("c2f")->Arg(1 << 16)->Arg(1 << 18)->Arg(1 << 20)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_c2f_local)->Name("c2f_local")->Arg(1 << 16)->Arg(1 << 18)->Arg(1 << 20)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_ring)->Name("ring")->Arg(8192)->Arg(16384)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_ring_causal)->Name("ring_causal")->Arg(8192)->Arg(16384)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_mha_local)->Name("mha_local")->Arg(8192)->Arg(16384)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ring)->Name("ring")->Arg(8192)->Arg(16384)->Arg(32768)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ring_causal)->Name("ring_causal")->Arg(8192)->Arg(16384)->Arg(32768)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_mha_local)->Name("mha_local")->Arg(8192)->Arg(16384)->Arg(32768)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_c2f2d)->Name("c2f2d")->Arg(256)->Arg(512)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_c2f2d_local)->Name("c2f2d_local")->Arg(256)->Arg(512)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_hmha)->Name("hmha")->Arg(1 << 14)->Arg(1 << 16)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);

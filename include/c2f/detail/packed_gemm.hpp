@@ -48,17 +48,24 @@ constexpr bool kPackedGemm = false;
 /// The products of fewer rows run on Eigen's product even where kPackedGemm holds: packing B would
 /// cost as much as the multiply-adds of so few rows.
 constexpr Index kPackedGemmMinRows = 32;
+/// KernelOptions::rows_independent as the kernels honour it. Defining C2F_IGNORE_ROWS_INDEPENDENT turns
+/// it off: a build for the test that shows c2f/dist's bit-identity depends on it (tests/CMakeLists.txt,
+/// dist.catches_row_dependent_products.*).
+inline bool honoured_rows_independent(bool asked) {
+#if defined(C2F_IGNORE_ROWS_INDEPENDENT)
+  (void)asked;
+  return false;
+#else
+  return asked;
+#endif
+}
+
 /// Whether kernels::matmul_rows runs an n-row product on packed_gemm: kPackedGemm builds from
 /// kPackedGemmMinRows rows on; with `rows_independent` (KernelOptions) any n ≥ 1 on every build, since
 /// each element of packed_gemm is the same sum whatever rows surround it, which Eigen's product does not
 /// promise (its blocking and kernels change with the shape).
-/// Defining C2F_IGNORE_ROWS_INDEPENDENT turns the option off: a build for the test that shows c2f/dist's
-/// bit-identity depends on it (tests/CMakeLists.txt, dist.catches_row_dependent_products).
 inline bool packed_gemm_for(Index n, bool rows_independent) {
-#if defined(C2F_IGNORE_ROWS_INDEPENDENT)
-  rows_independent = false;
-#endif
-  return n > 0 && (rows_independent || (kPackedGemm && n >= kPackedGemmMinRows));
+  return n > 0 && (honoured_rows_independent(rows_independent) || (kPackedGemm && n >= kPackedGemmMinRows));
 }
 
 /// B [k, n] packed into k-blocks of kKC rows, each a run of panels of kNR columns, each panel

@@ -32,27 +32,22 @@ namespace dist {
 /// m = ceil(L / chunk) chunks, the same on every rank; fine_attn_mask the fine stage's over the rank's
 /// own chunks ([k, k], or [n, k, k] with n = 1, B·m_r or B·m_r·H, m_r the rank's chunks).
 template <class Scalar>
-class C2FAttention {
+class C2FAttention : public detail::DistLayer<C2FAttention<Scalar>, c2f::C2FAttention<Scalar>, Scalar> {
+  using Base = detail::DistLayer<C2FAttention<Scalar>, c2f::C2FAttention<Scalar>, Scalar>;
+  using Base::comm_;
+  using Base::module_;
+
  public:
-  using Module = c2f::C2FAttention<Scalar>;
+  using Module = typename Base::Module;
   using Options = typename Module::Options;
   static constexpr const char* type_name = "dist::C2FAttention";
 
   C2FAttention(Comm comm, Index embed_dim, Index num_heads, Index chunk_size, Options options = Options())
-      : comm_(comm), module_(embed_dim, num_heads, chunk_size, options) {}
+      : Base(comm, Module(embed_dim, num_heads, chunk_size, options)) {}
   /// Wraps a built (e.g. loaded) single-process layer.
-  C2FAttention(Comm comm, Module module) : comm_(comm), module_(std::move(module)) {}
+  C2FAttention(Comm comm, Module module) : Base(comm, std::move(module)) {}
 
-  const Comm& comm() const { return comm_; }
-  /// The single-process layer: its weights (load_state_dict, state_dict), options and shape.
-  Module& module() { return module_; }
-  const Module& module() const { return module_; }
-
-  /// This rank's output rows [B, n_r, d].
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    return detail::fresh_forward<Scalar>(x, module_.embed_dim(),
-                                         [&](Eigen::Ref<RowMatrix<Scalar>> out) { forward_into(x, out, masks); });
-  }
+  // comm(), module() and forward(x, masks) → this rank's output rows [B, n_r, d] (detail::DistLayer).
 
   /// forward() into caller memory: out [B·n_r, d].
   void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
@@ -103,10 +98,6 @@ class C2FAttention {
                                              out, Masks<Scalar>().attn_mask(fine_mask));
     });
   }
-
- private:
-  Comm comm_;
-  Module module_;
 };
 
 }  // namespace dist

@@ -29,21 +29,22 @@ namespace dist {
 /// x [B, rows·width, d], rows starting at a multiple of block_h (dist::even_shard(height, block_h, r, P)
 /// gives the even plan in image rows; a rank may hold none). Takes no masks, as the module.
 template <class Scalar>
-class C2FAttention2D {
+class C2FAttention2D : public detail::DistLayer<C2FAttention2D<Scalar>, c2f::C2FAttention2D<Scalar>, Scalar> {
+  using Base = detail::DistLayer<C2FAttention2D<Scalar>, c2f::C2FAttention2D<Scalar>, Scalar>;
+  using Base::comm_;
+  using Base::module_;
+
  public:
-  using Module = c2f::C2FAttention2D<Scalar>;
+  using Module = typename Base::Module;
   using Options = typename Module::Options;
   static constexpr const char* type_name = "dist::C2FAttention2D";
 
   C2FAttention2D(Comm comm, Index embed_dim, Index num_heads, Index block_h, Index block_w, Options options = Options())
-      : comm_(comm), module_(embed_dim, num_heads, block_h, block_w, options) {}
+      : Base(comm, Module(embed_dim, num_heads, block_h, block_w, options)) {}
   /// Wraps a built (e.g. loaded) single-process layer.
-  C2FAttention2D(Comm comm, Module module) : comm_(comm), module_(std::move(module)) {}
+  C2FAttention2D(Comm comm, Module module) : Base(comm, std::move(module)) {}
 
-  const Comm& comm() const { return comm_; }
-  /// The single-process layer: its weights (load_state_dict, state_dict), options and shape.
-  Module& module() { return module_; }
-  const Module& module() const { return module_; }
+  // comm() and module() (detail::DistLayer); forward takes the grid's rows and width.
 
   /// This rank's output rows [B, rows·width, d] for its image rows x [B, rows·width, d].
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, Index rows, Index width, const Masks<Scalar>& masks = {}) const {
@@ -98,10 +99,6 @@ class C2FAttention2D {
       module_.fine_attn().forward_blocks(x.rows(), kernels::BlockGrid2D{b, rows, width, bh, bw}, context, out);
     });
   }
-
- private:
-  Comm comm_;
-  Module module_;
 };
 
 }  // namespace dist

@@ -66,11 +66,9 @@ RowMatrix<Scalar> gather_blocks(const Comm& comm, const char* layer, const RowMa
     at = mpi_count(static_cast<Index>(at) + counts[r], layer, "the blocks of all shards");
   }
   RowMatrix<Scalar> gathered(displs.back() + counts.back(), width);
-  MPI_Datatype row;
-  MPI_Type_contiguous(mpi_count(width, layer, "2·embed_dim"), mpi_type<Scalar>(), &row);
-  MPI_Type_commit(&row);
-  MPI_Allgatherv(kv.data(), counts[comm.rank()], row, gathered.data(), counts.data(), displs.data(), row, comm.get());
-  MPI_Type_free(&row);
+  const RowType<Scalar> row(width, layer);
+  MPI_Allgatherv(kv.data(), counts[comm.rank()], row.get(), gathered.data(), counts.data(), displs.data(), row.get(),
+                 comm.get());
   // Rank-major → batch-major, block order.
   RowMatrix<Scalar> all(batch * plan.blocks, width);
   for (int r = 0; r < ranks; ++r) {

@@ -17,6 +17,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/mask.hpp"
 
 #include <mpi.h>
 
@@ -74,6 +75,23 @@ inline int mpi_count(Index n, const char* layer, const char* what) {
   if (n < 0 || n > INT_MAX) c2f::detail::fail(layer, ": ", what, " = ", n, " exceeds MPI's int count");
   return static_cast<int>(n);
 }
+
+/// The MPI datatype of one row of `width` scalars, committed, freed with the object.
+template <class Scalar>
+class RowType {
+ public:
+  RowType(Index width, const char* layer) {
+    MPI_Type_contiguous(mpi_count(width, layer, "a row's width"), mpi_type<Scalar>(), &type_);
+    MPI_Type_commit(&type_);
+  }
+  ~RowType() { MPI_Type_free(&type_); }
+  RowType(const RowType&) = delete;
+  RowType& operator=(const RowType&) = delete;
+  MPI_Datatype get() const { return type_; }
+
+ private:
+  MPI_Datatype type_;
+};
 
 /// One value a rank reports before a call: `agreed` ones must be equal on every rank.
 struct Field {
@@ -158,6 +176,32 @@ Tensor3<Scalar> fresh_forward(const ConstTensor3Ref<Scalar>& x, Index width, Fil
   fill(Eigen::Map<RowMatrix<Scalar>>(out.data(), out.dimension(0) * out.dimension(1), width));
   return out;
 }
+
+/// What every sequence-parallel layer has: its communicator and the single-process layer whose weights
+/// and options it runs (module(): load the same state dict on every rank), and, for the layers whose
+/// input is one [B, n_r, width] tensor, forward() — Derived::forward_into on a fresh output.
+template <class Derived, class ModuleType, class Scalar>
+class DistLayer {
+ public:
+  using Module = ModuleType;
+
+  const Comm& comm() const { return comm_; }
+  Module& module() { return module_; }
+  const Module& module() const { return module_; }
+
+  /// This rank's output rows [B, n_r, width] for its input rows x.
+  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
+    return fresh_forward<Scalar>(x, module_.embed_dim(), [&](Eigen::Ref<RowMatrix<Scalar>> out) {
+      static_cast<const Derived&>(*this).forward_into(x, out, masks);
+    });
+  }
+
+ protected:
+  DistLayer(Comm comm, Module module) : comm_(comm), module_(std::move(module)) {}
+
+  Comm comm_;
+  Module module_;
+};
 
 /// exchange() without fields: runs `local` here and throws the same on every rank if it threw on one.
 template <class Local>

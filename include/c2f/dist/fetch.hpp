@@ -66,12 +66,9 @@ std::vector<RowMatrix<Scalar>> fetch_rows(const Comm& comm, const char* layer,
     recv_counts[p] = mpi_count(rows - first, layer, "the rows received from one rank");
   }
   RowMatrix<Scalar> received(rows, width);
-  MPI_Datatype row;
-  MPI_Type_contiguous(mpi_count(width, layer, "a row's width"), mpi_type<Scalar>(), &row);
-  MPI_Type_commit(&row);
-  MPI_Alltoallv(sent.data(), send_counts.data(), send_displs.data(), row, received.data(), recv_counts.data(),
-                recv_displs.data(), row, comm.get());
-  MPI_Type_free(&row);
+  const RowType<Scalar> row(width, layer);
+  MPI_Alltoallv(sent.data(), send_counts.data(), send_displs.data(), row.get(), received.data(), recv_counts.data(),
+                recv_displs.data(), row.get(), comm.get());
   // Unpacked into one matrix per range.
   std::vector<RowMatrix<Scalar>> out;
   for (const Range& r : mine) out.emplace_back(batch * std::max<Index>(0, r.size()), width);

@@ -11,7 +11,7 @@
 //   level 3      the keys and values at power-of-two distances: those within D of the shard (D the
 //                largest power of two <= the shard's length) form one contiguous range on each side;
 //                each farther distance δ needs the shard-sized range [s_r + δ, e_r + δ) — about
-//                2 + 2·log2(L / D) shard-sized ranges, fetched with one MPI_Alltoallv for the keys and
+//                2·log2(L / D) shard-sized ranges, fetched with one MPI_Alltoallv for the keys and
 //                one for the values; the kernel reads each offset's rows where they lie
 //                (kernels::sparse_global_attention_rows_add);
 //   out_proj     local.
@@ -80,27 +80,22 @@ RowMatrix<Scalar> join_rows(const RowMatrix<Scalar>& before, const Eigen::Ref<co
 /// starting at a multiple of the window (dist::even_shard(L, window, r, P) gives the even plan). Takes no
 /// masks; causal and the levels are the module's options.
 template <class Scalar>
-class HMHA {
+class HMHA : public detail::DistLayer<HMHA<Scalar>, c2f::HMHA<Scalar>, Scalar> {
+  using Base = detail::DistLayer<HMHA<Scalar>, c2f::HMHA<Scalar>, Scalar>;
+  using Base::comm_;
+  using Base::module_;
+
  public:
-  using Module = c2f::HMHA<Scalar>;
+  using Module = typename Base::Module;
   using Options = typename Module::Options;
   static constexpr const char* type_name = "dist::HMHA";
 
   HMHA(Comm comm, Index embed_dim, Index num_heads, Index window, Options options = Options())
-      : comm_(comm), module_(embed_dim, num_heads, window, options) {}
+      : Base(comm, Module(embed_dim, num_heads, window, options)) {}
   /// Wraps a built (e.g. loaded) single-process layer.
-  HMHA(Comm comm, Module module) : comm_(comm), module_(std::move(module)) {}
+  HMHA(Comm comm, Module module) : Base(comm, std::move(module)) {}
 
-  const Comm& comm() const { return comm_; }
-  /// The single-process layer: its weights (load_state_dict, state_dict), options and shape.
-  Module& module() { return module_; }
-  const Module& module() const { return module_; }
-
-  /// This rank's output rows [B, n_r, E].
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    return detail::fresh_forward<Scalar>(x, module_.embed_dim(),
-                                         [&](Eigen::Ref<RowMatrix<Scalar>> out) { forward_into(x, out, masks); });
-  }
+  // comm(), module() and forward(x, masks) → this rank's output rows [B, n_r, E] (detail::DistLayer).
 
   /// forward() into caller memory: out [B·n_r, E].
   void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
@@ -226,9 +221,6 @@ class HMHA {
     kernels::sparse_global_attention_rows_add<Scalar>(q, batch, s, length, module_.num_heads(), o, causal, scale,
                                                       sources, c2f::detail::kernel_options(module_.options()));
   }
-
-  Comm comm_;
-  Module module_;
 };
 
 }  // namespace dist

@@ -46,9 +46,13 @@ enum class Layout {
 };
 
 template <class Scalar>
-class MultiHeadAttention {
+class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, c2f::MultiHeadAttention<Scalar>, Scalar> {
+  using Base = detail::DistLayer<MultiHeadAttention<Scalar>, c2f::MultiHeadAttention<Scalar>, Scalar>;
+  using Base::comm_;
+  using Base::module_;
+
  public:
-  using Module = c2f::MultiHeadAttention<Scalar>;
+  using Module = typename Base::Module;
   static constexpr const char* type_name = "dist::MultiHeadAttention";
 
   class Options {
@@ -58,22 +62,14 @@ class MultiHeadAttention {
 
   MultiHeadAttention(Comm comm, Index embed_dim, Index num_heads,
                      typename Module::Options module_options = typename Module::Options(), Options options = Options())
-      : comm_(comm), module_(embed_dim, num_heads, module_options), options_(options) {}
+      : Base(comm, Module(embed_dim, num_heads, module_options)), options_(options) {}
   /// Wraps a built (e.g. loaded) single-process layer (self-attention: kdim = vdim = embed_dim).
   MultiHeadAttention(Comm comm, Module module, Options options = Options())
-      : comm_(comm), module_(std::move(module)), options_(options) {}
+      : Base(comm, std::move(module)), options_(options) {}
 
-  const Comm& comm() const { return comm_; }
   const Options& options() const { return options_; }
-  Module& module() { return module_; }
-  const Module& module() const { return module_; }
-
-  /// This rank's output rows [B, n_r, E] for its input rows x [B, n_r, E] (the positions options().layout()
-  /// gives it).
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    return detail::fresh_forward<Scalar>(x, module_.embed_dim(),
-                                         [&](Eigen::Ref<RowMatrix<Scalar>> out) { forward_into(x, out, masks); });
-  }
+  // comm(), module() and forward(x, masks) → this rank's output rows [B, n_r, E] for its input rows x
+  // [B, n_r, E], the positions options().layout() gives it (detail::DistLayer).
 
   /// forward() into caller memory: out [B·n_r, E].
   void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
@@ -213,9 +209,7 @@ class MultiHeadAttention {
     // The block in hand and the one arriving: [B·n_s, 2E] = k | v of rank s.
     RowMatrix<Scalar> cur(batch * n, 2 * e), next;
     cur = qkv.rightCols(2 * e);
-    MPI_Datatype row;
-    MPI_Type_contiguous(detail::mpi_count(2 * e, type_name, "2·embed_dim"), detail::mpi_type<Scalar>(), &row);
-    MPI_Type_commit(&row);
+    const detail::RowType<Scalar> row(2 * e, type_name);
     for (int t = 0; t < ranks; ++t) {
       const int src = (me - t + ranks) % ranks;
       MPI_Request reqs[2];
@@ -223,9 +217,9 @@ class MultiHeadAttention {
       if (more) {  // pass this block on while it is attended; receive the one before it
         const int from = (me - t - 1 + 2 * ranks) % ranks;
         next.resize(batch * lengths[from], 2 * e);
-        MPI_Irecv(next.data(), detail::mpi_count(next.rows(), type_name, "a key/value block's rows"), row,
+        MPI_Irecv(next.data(), detail::mpi_count(next.rows(), type_name, "a key/value block's rows"), row.get(),
                   (me - 1 + ranks) % ranks, t, comm_.get(), &reqs[0]);
-        MPI_Isend(cur.data(), detail::mpi_count(cur.rows(), type_name, "a key/value block's rows"), row, (me + 1) % ranks,
+        MPI_Isend(cur.data(), detail::mpi_count(cur.rows(), type_name, "a key/value block's rows"), row.get(), (me + 1) % ranks,
                   t, comm_.get(), &reqs[1]);
       }
       const Index ns = lengths[src];
@@ -261,7 +255,6 @@ class MultiHeadAttention {
         cur.swap(next);
       }
     }
-    MPI_Type_free(&row);
   }
 
   void ulysses(const RowMatrix<Scalar>& qkv, Index batch, const Segments& segs, const std::vector<Index>& lengths,
@@ -319,15 +312,11 @@ class MultiHeadAttention {
   /// MPI_Alltoallv of rows of `width` scalars (counts and displacements in rows).
   void alltoallv(const Scalar* send, const std::vector<int>& scount, const std::vector<int>& sdispl, Scalar* recv,
                  const std::vector<int>& rcount, const std::vector<int>& rdispl, Index width) const {
-    MPI_Datatype row;
-    MPI_Type_contiguous(detail::mpi_count(width, type_name, "a row's width"), detail::mpi_type<Scalar>(), &row);
-    MPI_Type_commit(&row);
-    MPI_Alltoallv(send, scount.data(), sdispl.data(), row, recv, rcount.data(), rdispl.data(), row, comm_.get());
-    MPI_Type_free(&row);
+    const detail::RowType<Scalar> row(width, type_name);
+    MPI_Alltoallv(send, scount.data(), sdispl.data(), row.get(), recv, rcount.data(), rdispl.data(), row.get(),
+                  comm_.get());
   }
 
-  Comm comm_;
-  Module module_;
   Options options_;
 };
 

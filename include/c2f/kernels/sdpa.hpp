@@ -95,10 +95,7 @@ constexpr Index kPackedAttentionMinQueries = 32;
 template <class Scalar, class KV = Scalar>
 bool streaming_packed(const kernels::KernelOptions& options, Index lq, Index lk) {
   const Index bk = streaming_blocks(options, lq, lk).second;
-  bool ri = options.rows_independent();
-#if defined(C2F_IGNORE_ROWS_INDEPENDENT)
-  ri = false;
-#endif
+  const bool ri = honoured_rows_independent(options.rows_independent());
   return (kPackedGemm || ri) && std::is_same<KV, Scalar>::value && (lq >= kPackedAttentionMinQueries || ri) &&
          (bk % GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
 }
