@@ -14,9 +14,15 @@ constexpr std::array<const char*, sizeof...(Names)> size_names(Names... names) {
   return {names...};
 }
 
-/// Entry `Name` for c2f::Name<S>: Sizes is a parenthesised list of the constructor's size names, then
-/// the C2F_PY_OPTION(...) of the layer's own options.
-#define C2F_PY_LAYER(Name, Sizes, ...)                                                     \
+/// The own options of an entry: own_options<Options>(C2F_PY_OPTION(kdim), ...), or none.
+template <class Options, class... Specs>
+std::vector<OptionSpec<Options>> own_options(Specs... specs) {
+  return {specs...};
+}
+
+/// Entry `Name` for c2f::Name<S>: Sizes is a parenthesised list of the constructor's size names, Own a
+/// parenthesised list of the C2F_PY_OPTION(...) of the layer's own options (possibly empty).
+#define C2F_PY_LAYER(Name, Sizes, Own)                                                     \
   template <class S>                                                                        \
   struct Name##Entry {                                                                      \
     using Layer = c2f::Name<S>;                                                             \
@@ -24,20 +30,20 @@ constexpr std::array<const char*, sizeof...(Names)> size_names(Names... names) {
     using Scalar = S;                                                                       \
     static constexpr const char* name = #Name;                                              \
     static constexpr auto sizes() { return size_names Sizes; }                              \
-    static std::vector<OptionSpec<Options>> options() { return {__VA_ARGS__}; }              \
+    static std::vector<OptionSpec<Options>> options() { return own_options<Options> Own; }  \
   }
 
 // clang-format off
-C2F_PY_LAYER(Linear, ("in_features", "out_features"));
-C2F_PY_LAYER(Conv1d, ("in_channels", "out_channels", "kernel_size"), C2F_PY_OPTION(padding), C2F_PY_OPTION(groups));
-C2F_PY_LAYER(C3K2Projection, ("embed_dim", "num_heads"));
-C2F_PY_LAYER(MultiHeadAttention, ("embed_dim", "num_heads"), C2F_PY_OPTION(kdim), C2F_PY_OPTION(vdim), C2F_PY_OPTION(rows_independent));
-C2F_PY_LAYER(CoarseAttention, ("embed_dim", "num_heads"));
-C2F_PY_LAYER(FineAttention, ("embed_dim", "num_heads"), C2F_PY_OPTION(fine_path));
-C2F_PY_LAYER(C2FAttention, ("embed_dim", "num_heads", "chunk_size"), C2F_PY_OPTION(fine_path));
-C2F_PY_LAYER(C2FAttention2D, ("embed_dim", "num_heads", "block_h", "block_w"), C2F_PY_OPTION(max_blocks_h), C2F_PY_OPTION(max_blocks_w), C2F_PY_OPTION(relative_position_bias));
-C2F_PY_LAYER(HMHA, ("embed_dim", "num_heads", "window"), C2F_PY_OPTION(levels));
-C2F_PY_LAYER(SparseC2FAttention, ("embed_dim", "num_heads", "chunk_size", "top_k"), C2F_PY_OPTION(gating));
+C2F_PY_LAYER(Linear, ("in_features", "out_features"), ());
+C2F_PY_LAYER(Conv1d, ("in_channels", "out_channels", "kernel_size"), (C2F_PY_OPTION(padding), C2F_PY_OPTION(groups)));
+C2F_PY_LAYER(C3K2Projection, ("embed_dim", "num_heads"), ());
+C2F_PY_LAYER(MultiHeadAttention, ("embed_dim", "num_heads"), (C2F_PY_OPTION(kdim), C2F_PY_OPTION(vdim), C2F_PY_OPTION(rows_independent)));
+C2F_PY_LAYER(CoarseAttention, ("embed_dim", "num_heads"), ());
+C2F_PY_LAYER(FineAttention, ("embed_dim", "num_heads"), (C2F_PY_OPTION(fine_path)));
+C2F_PY_LAYER(C2FAttention, ("embed_dim", "num_heads", "chunk_size"), (C2F_PY_OPTION(fine_path)));
+C2F_PY_LAYER(C2FAttention2D, ("embed_dim", "num_heads", "block_h", "block_w"), (C2F_PY_OPTION(max_blocks_h), C2F_PY_OPTION(max_blocks_w), C2F_PY_OPTION(relative_position_bias)));
+C2F_PY_LAYER(HMHA, ("embed_dim", "num_heads", "window"), (C2F_PY_OPTION(levels)));
+C2F_PY_LAYER(SparseC2FAttention, ("embed_dim", "num_heads", "chunk_size", "top_k"), (C2F_PY_OPTION(gating)));
 // clang-format on
 
 template <template <class> class... Entries>
