@@ -1,6 +1,7 @@
 """forward and decode release the GIL: two Python threads calling one shared layer finish faster than the
-same calls one after the other (a timing check: ctest runs python.pytest alone, RUN_SERIAL), and Python code
-on another thread keeps running during a call (a check that does not depend on the machine's load).
+same calls one after the other (a timing check: ctest runs python.pytest alone, RUN_SERIAL; skipped, saying
+so, when other processes held the cores during every try), and Python code on another thread keeps running
+during a call (a check that does not depend on the machine's load).
 c2f._c2f._debug.set_hold_gil(True) keeps the GIL, and both checks then fail (the last tests)."""
 
 import os
@@ -24,24 +25,55 @@ def gil_released():
     debug.set_hold_gil(False)
 
 
+def others_busy(phase):
+    """Runs phase(); returns (its wall-clock seconds, the CPUs other processes kept busy meanwhile): all
+    CPUs' busy time from /proc/stat less this process's CPU time, per second (0 without /proc/stat)."""
+    def busy_seconds():
+        with open("/proc/stat") as f:
+            v = [int(n) for n in f.readline().split()[1:]]
+        return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    try:
+        busy0 = busy_seconds()
+    except OSError:
+        busy0 = None
+    cpu0, start = time.process_time(), time.perf_counter()
+    phase()
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
+    return wall, (0.0 if busy0 is None else max(0.0, busy_seconds() - busy0 - cpu) / wall)
+
+
 def timings(call):
-    """(sequential, parallel) seconds, best of 3: 2·CALLS calls on this thread, then CALLS on each of two
-    threads. The layers run on one thread each (num_threads=1): any gain is the two Python threads'."""
+    """(sequential, parallel, others) seconds, best of 3: 2·CALLS calls on this thread, then CALLS on each of
+    two threads; others = the fewest CPUs other processes kept busy during a parallel run. The layers run on
+    one thread each (num_threads=1): any gain is the two Python threads'."""
     call()  # warm-up (scratch memory, pages)
-    best_seq = best_par = float("inf")
+    best_seq = best_par = quietest = float("inf")
+
+    def parallel():
+        threads = [threading.Thread(target=lambda: [call() for _ in range(CALLS)]) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(2 * CALLS):
             call()
         best_seq = min(best_seq, time.perf_counter() - start)
-        threads = [threading.Thread(target=lambda: [call() for _ in range(CALLS)]) for _ in range(2)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        best_par = min(best_par, time.perf_counter() - start)
-    return best_seq, best_par
+        par, others = others_busy(parallel)
+        best_par, quietest = min(best_par, par), min(quietest, others)
+    return best_seq, best_par, quietest
+
+
+def check_timing(ok, message, others):
+    """Fails with `message` unless ok; but when other processes kept half a CPU or more busy during every
+    parallel run, the cores were not there to show anything: skipped, saying so (ctest runs python.pytest
+    alone; another job on the machine can still take the cores)."""
+    if ok:
+        return
+    if others >= 0.5:
+        pytest.skip(f"other processes kept {others:.1f} CPUs busy during every run; {message}")
+    pytest.fail(message)
 
 
 def forward_call(length=768):
@@ -63,8 +95,8 @@ def decode_call():
 
 @pytest.mark.parametrize("make", [forward_call, decode_call], ids=["forward", "decode"])
 def test_two_threads_run_in_parallel(make):
-    seq, par = timings(make())
-    assert par < 0.8 * seq, f"two threads took {par:.3f} s, one after the other {seq:.3f} s"
+    seq, par, others = timings(make())
+    check_timing(par < 0.8 * seq, f"two threads took {par:.3f} s, one after the other {seq:.3f} s", others)
 
 
 def longest_pause(call):
@@ -102,5 +134,6 @@ def test_the_pause_check_fails_when_the_gil_is_held():
 
 def test_the_timing_check_fails_when_the_gil_is_held():
     debug.set_hold_gil(True)
-    seq, par = timings(forward_call())
-    assert par >= 0.9 * seq, f"with the GIL held two threads took {par:.3f} s, one after the other {seq:.3f} s"
+    seq, par, others = timings(forward_call())
+    check_timing(par >= 0.9 * seq, f"with the GIL held two threads took {par:.3f} s, one after the other {seq:.3f} s",
+                 others)
