@@ -15,6 +15,9 @@ quick=0
 
 scripts/install-deps.sh
 cmake --workflow --preset dev
+# The Python suite is one ctest (python.pytest): its own counts, for the log.
+grep -hE "^(=+ )?[0-9]+ (passed|failed|skipped).* in [0-9.]+s" build/dev/Testing/Temporary/LastTest.log 2>/dev/null |
+  sed 's/^/python.pytest: /' || true
 if [ "$quick" = 0 ]; then
   cmake --workflow --preset asan
   cmake --workflow --preset tsan
