@@ -2,7 +2,8 @@
 # The main job: install what is missing, build Release for this machine, run the examples, then the
 # benchmark sweep (tables on stdout; Google Benchmark JSON, summary.md and PNG plots in the output
 # folder), including the runtime sweeps (OpenMP, latency, concurrency, SIMD flags), and last the Python
-# module's example and benchmark (python_bench.md in the output folder).
+# module's example and benchmark (python_bench.md in the output folder), and, with MPI, the sequence-parallel
+# layers under mpirun (bench_dist at 1 and 2 ranks, bench_dist.txt in the output folder; examples/dist_c2f).
 #
 #   scripts/run.sh [--long] [--portable] [--out DIR]
 #     --long      the long sweep (L = 256 … 16384 in powers of two, HMHA to 32768)
@@ -13,13 +14,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 preset=release-native
+out=results/latest
 sweep_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --long) sweep_args+=(--long) ;;
     --portable) preset=release ;;
     --native) preset=release-native ;;  # the default; kept for old command lines
-    --out) sweep_args+=(--out "$2"); shift ;;
+    --out) sweep_args+=(--out "$2"); out="$2"; shift ;;
     *) echo "usage: scripts/run.sh [--long] [--portable] [--out DIR]" >&2; exit 2 ;;
   esac
   shift
@@ -36,3 +38,13 @@ echo "== benchmark sweep"
 echo "== Python (issue 24): examples/python/accelerate.py, then benchmarks/python_bench.py"
 PYTHONPATH="build/$preset/python" /usr/bin/python3 examples/python/accelerate.py
 /usr/bin/python3 benchmarks/python_bench.py --build "build/$preset" "${sweep_args[@]}"
+echo "== sequence-parallel layers (c2f::dist): benchmarks/run_dist.sh, then examples/dist_c2f on 2 ranks"
+if [ -x "build/$preset/benchmarks/bench_dist" ] && command -v mpirun >/dev/null 2>&1; then
+  mkdir -p "$out"
+  benchmarks/run_dist.sh "build/$preset" | tee "$out/bench_dist.txt"
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    mpirun -np 2 --oversubscribe --bind-to none "build/$preset/examples/dist_c2f"
+else
+  echo "run: bench_dist skipped: c2f::dist is not built (MPI or mpirun missing; Debian: libopenmpi-dev" \
+       "openmpi-bin, which scripts/install-deps.sh installs)"
+fi
