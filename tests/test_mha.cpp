@@ -6,6 +6,7 @@
 #include "c2f/io/masks.hpp"
 #include "support/compare.hpp"
 #include "support/fixtures.hpp"
+#include "support/mha_fixtures.hpp"
 #include "support/random.hpp"
 
 #include <gtest/gtest.h>
@@ -22,6 +23,8 @@ using c2f::Tensor3;
 using c2f_test::error_of;
 using c2f_test::meta_index;
 using c2f_test::Tolerance;
+using c2f_test::mask_variants;
+using c2f_test::options_from;
 
 // Compares c2f's values with torch's. Where torch has NaN (a fully masked query row: torch's
 // documented NaN, c2f's documented zeros) `on_torch_nan` decides what c2f must hold instead.
@@ -43,77 +46,6 @@ void expect_matches_torch(const Scalar* got, const std::vector<Scalar>& want, co
       ++reported;
     }
   }
-}
-
-template <class Scalar>
-typename MultiHeadAttention<Scalar>::Options options_from(const StateDict& sd) {
-  typename MultiHeadAttention<Scalar>::Options o;
-  o.bias(sd.metadata().at("bias") == "true");
-  o.kdim(meta_index(sd, "kdim"));
-  o.vdim(meta_index(sd, "vdim"));
-  return o;
-}
-
-// The key padding mask as lengths, when it is "keys [0, len) valid, the rest padding" per batch.
-std::optional<std::vector<Index>> lengths_of(const c2f::TensorData& ignore_mask) {
-  const Index batch = ignore_mask.shape()[0], keys = ignore_mask.shape()[1];
-  std::vector<Index> lengths;
-  for (Index b = 0; b < batch; ++b) {
-    Index len = 0;
-    while (len < keys && ignore_mask.bytes()[static_cast<std::size_t>(b * keys + len)] == 0) ++len;
-    for (Index j = len; j < keys; ++j) {
-      if (ignore_mask.bytes()[static_cast<std::size_t>(b * keys + j)] == 0) return std::nullopt;
-    }
-    lengths.push_back(len);
-  }
-  return lengths;
-}
-
-// Every way c2f can express the fixture's masks: torch's tensors as given, the causal shorthand for
-// torch's causal bool mask, key lengths for a suffix padding mask, and keep-convention masks.
-template <class Scalar>
-std::vector<std::pair<std::string, c2f::Masks<Scalar>>> mask_variants(const StateDict& sd) {
-  const auto& meta = sd.metadata();
-  std::vector<c2f::AttnMask<Scalar>> attn = {c2f::AttnMask<Scalar>()};
-  std::vector<std::string> attn_names = {"none"};
-  if (meta.at("attn_mask") == "bool") {
-    attn = {c2f::attn_mask_from_tensor<Scalar>(c2f::MaskKind::Ignore, sd.at("attn_mask"))};
-    attn_names = {"ignore(tensor)"};
-    // The same mask in the keep convention: flip the bytes.
-    c2f::TensorData t = sd.at("attn_mask");
-    std::vector<std::uint8_t> flipped(t.bytes());
-    for (std::uint8_t& b : flipped) b = b ? 0 : 1;
-    attn.push_back(c2f::attn_mask_from_tensor<Scalar>(c2f::MaskKind::Keep, c2f::TensorData(t.dtype(), t.shape(), flipped)));
-    attn_names.push_back("keep(flipped tensor)");
-    if (meta.at("causal") == "true") {
-      attn.push_back(c2f::AttnMask<Scalar>::causal());
-      attn_names.push_back("causal()");
-    }
-  } else if (meta.at("attn_mask") == "float") {
-    attn = {c2f::attn_mask_from_tensor<Scalar>(c2f::MaskKind::Additive, sd.at("attn_mask"))};
-    attn_names = {"additive(tensor)"};
-  }
-  std::vector<c2f::KeyPaddingMask<Scalar>> pad = {c2f::KeyPaddingMask<Scalar>()};
-  std::vector<std::string> pad_names = {"none"};
-  if (meta.at("key_padding_mask") == "bool") {
-    pad = {c2f::key_padding_mask_from_tensor<Scalar>(c2f::MaskKind::Ignore, sd.at("key_padding_mask"))};
-    pad_names = {"ignore(tensor)"};
-    if (std::optional<std::vector<Index>> lengths = lengths_of(sd.at("key_padding_mask"))) {
-      pad.push_back(c2f::KeyPaddingMask<Scalar>::lengths(*lengths));
-      pad_names.push_back("lengths()");
-    }
-  } else if (meta.at("key_padding_mask") == "float") {
-    pad = {c2f::key_padding_mask_from_tensor<Scalar>(c2f::MaskKind::Additive, sd.at("key_padding_mask"))};
-    pad_names = {"additive(tensor)"};
-  }
-  std::vector<std::pair<std::string, c2f::Masks<Scalar>>> out;
-  for (std::size_t a = 0; a < attn.size(); ++a) {
-    for (std::size_t p = 0; p < pad.size(); ++p) {
-      out.push_back({"attn_mask=" + attn_names[a] + " key_padding_mask=" + pad_names[p],
-                     c2f::Masks<Scalar>().attn_mask(attn[a]).key_padding_mask(pad[p])});
-    }
-  }
-  return out;
 }
 
 template <class Scalar>
