@@ -71,6 +71,28 @@ TEST(KernelContract, Sdpa) {
   }
 }
 
+TEST(KernelContract, TrainingKernels) {
+  const RowMatrix<float> q = ones(2 * 5, 8), k = ones(2 * 7, 8), lse_wrong = ones(4, 6);
+  RowMatrix<float> out = ones(2 * 5, 8), lse = ones(4, 5), lse_bad = ones(4, 6), lse_transposed = ones(5, 4);
+  RowMatrix<float> dq = ones(2 * 5, 8), dk = ones(2 * 7, 8), dv = ones(2 * 7, 8);
+  const kernels::HeadsView<const float> qv = kernels::heads_view(q, 2, 5, 2), kv = kernels::heads_view(k, 2, 7, 2);
+  const kernels::HeadsView<float> ov = kernels::heads_view(out, 2, 5, 2), dqv = kernels::heads_view(dq, 2, 5, 2),
+                                  dkv = kernels::heads_view(dk, 2, 7, 2), dvv = kernels::heads_view(dv, 2, 7, 2);
+  const kernels::AttnDropout none, certain{1.0, 0, 0};
+  expect_rejected("sdpa_train", [&] { kernels::sdpa_train<float>(qv, kv, kv, ov, lse_bad, {}, none, 0.5f, {}); });
+  expect_rejected("sdpa_train", [&] { kernels::sdpa_train<float>(qv, kv, kv, ov, lse, {}, certain, 0.5f, {}); });
+  expect_rejected("sdpa_naive_train", [&] { kernels::sdpa_naive_train<float>(qv, kv, kv, ov, lse_transposed, {}, none, 0.5f, {}); });
+  expect_rejected("sdpa_backward", [&] { kernels::sdpa_backward<float>(qv, kv, kv, ov, lse_wrong, ov, dqv, dkv, dvv, {}, none, 0.5f, {}); });
+  expect_rejected("sdpa_backward", [&] { kernels::sdpa_backward<float>(qv, kv, kv, ov, lse, ov, dqv, dqv, dvv, {}, none, 0.5f, {}); });
+  expect_rejected("sdpa_backward", [&] { kernels::sdpa_backward<float>(qv, kv, kv, ov, lse, ov, dqv, dkv, dvv, {}, none, 0.0f, {}); });
+  expect_rejected("sdpa_backward_naive", [&] { kernels::sdpa_backward_naive<float>(qv, kv, kv, ov, dqv, dkv, dqv, {}, none, 0.5f, {}); });
+  expect_rejected("sdpa_backward_naive", [&] { kernels::sdpa_backward_naive<float>(qv, kv, kv, ov, dqv, dkv, dvv, {}, certain, 0.5f, {}); });
+  RowMatrix<float> dx = ones(4, 3), dw = ones(5, 3), dw_transposed = ones(3, 5), dx_narrow = ones(4, 2);
+  expect_rejected("linear_backward", [&] { kernels::linear_backward<float>(ones(4, 3), ones(5, 3), ones(4, 4), dx, dw, nullptr, {}); });
+  expect_rejected("linear_backward", [&] { kernels::linear_backward<float>(ones(4, 3), ones(5, 3), ones(4, 5), dx, dw_transposed, nullptr, {}); });
+  expect_rejected("linear_backward_naive", [&] { kernels::linear_backward_naive<float>(ones(4, 3), ones(5, 3), ones(4, 5), dx_narrow, dw, nullptr); });
+}
+
 TEST(KernelContract, Chunks) {
   const kernels::ChunkGrid grid{2, 10, 4};  // 3 chunks per batch item, 6 in all
   RowMatrix<float> rows = ones(6, 8), tokens = ones(20, 8), five_rows = ones(5, 8), mass3 = ones(6, 3);

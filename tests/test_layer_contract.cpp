@@ -8,7 +8,10 @@
 //   empty batch, empty sequence and length 1;
 //   mask fields the layer does not take are refused, naming the layer and the field;
 //   concurrent callers on one shared module get a single caller's bits;
-//   decode = the causal forward for the causal layers (decode refused by the non-causal ones).
+//   decode = the causal forward for the causal layers (decode refused by the non-causal ones);
+//   training (the layers with a Saved type, docs/training.md): forward_train has forward's bits without
+//   dropout, the gradients have state_dict()'s names and shapes and the input's shape, their bits do not
+//   depend on the thread count, and backward refuses a wrong dy and another object's or a stale saved state.
 // Layers that each break one property (the Broken list at the end) show that each test can fail: the
 // ctests contract.catches_* run them and pass only when the matching test fails.
 #include "support/eigen_assert_throws.hpp"
@@ -361,11 +364,135 @@ TYPED_TEST_P(LayerContract, DecodeEqualsTheCausalForward) {
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// Training: the layers with a Saved type (c2f_test::HasTrain); the others skip.
+
+/// Whether two backward() results have the same shapes and bits, every tensor.
+template <class S>
+bool same_grads(const c2f::Grads<S>& a, const c2f::Grads<S>& b) {
+  if (!same_bits(a.input, b.input) || !same_bits(a.key, b.key) || !same_bits(a.value, b.value)) return false;
+  if (a.params.keys() != b.params.keys()) return false;
+  for (const auto& [key, t] : a.params) {
+    if (t.shape() != b.params.at(key).shape() || t.bytes() != b.params.at(key).bytes()) return false;
+  }
+  return true;
+}
+
+TYPED_TEST_P(LayerContract, ForwardTrainWithoutDropoutHasTheForwardBits) {
+  using S = typename TestFixture::ScalarType;
+  if constexpr (!c2f_test::HasTrain<typename TestFixture::LayerType>::value) {
+    GTEST_SKIP() << TypeParam::name << " does not train yet";
+  } else {
+    TestRng rng(1012);
+    const typename TestFixture::LayerType layer = TestFixture::random_layer(22);
+    const Tensor3<S> x = TestFixture::input(rng, kBatch, kLength);
+    const std::vector<Masks<S>> sets = TestFixture::mask_sets(kBatch, kLength);
+    for (std::size_t m = 0; m < sets.size(); ++m) {
+      EXPECT_TRUE(same_bits(TypeParam::forward_train(layer, x, sets[m]).output, TypeParam::forward(layer, x, sets[m])))
+          << TestFixture::what("forward_train's output differs from forward's", m);
+    }
+  }
+}
+
+// g.params: state_dict()'s names, shapes and dtype; g.input: x's shape; all finite. Batch 0 and length 0
+// give zero parameter gradients.
+TYPED_TEST_P(LayerContract, GradientsHaveTheStateDictNamesAndTheInputShape) {
+  using S = typename TestFixture::ScalarType;
+  if constexpr (!c2f_test::HasTrain<typename TestFixture::LayerType>::value) {
+    GTEST_SKIP() << TypeParam::name << " does not train yet";
+  } else {
+    TestRng rng(1013);
+    const typename TestFixture::LayerType layer = TestFixture::random_layer(23);
+    const StateDict sd = layer.state_dict();
+    for (const auto& [batch, seq] : std::vector<std::pair<Index, Index>>{{kBatch, kLength}, {3, 1}, {0, kLength}, {kBatch, 0}}) {
+      const std::string where = std::string(TypeParam::name) + " B=" + std::to_string(batch) + " L=" + std::to_string(seq);
+      const Tensor3<S> x = TestFixture::input(rng, batch, seq);
+      const auto [y, saved] = TypeParam::forward_train(layer, x, {});
+      const Tensor3<S> dy = rng.tensor<S>(y.dimension(0), y.dimension(1), y.dimension(2));
+      const c2f::Grads<S> g = TypeParam::backward(layer, saved, dy);
+      EXPECT_EQ(g.input.dimensions(), x.dimensions()) << where;
+      EXPECT_TRUE((Eigen::Map<const Eigen::Array<S, Eigen::Dynamic, 1>>(g.input.data(), g.input.size()).allFinite())) << where;
+      ASSERT_EQ(g.params.keys(), sd.keys()) << where;
+      for (const auto& [key, t] : sd) {
+        EXPECT_EQ(g.params.at(key).shape(), t.shape()) << where << " " << key;
+        EXPECT_EQ(g.params.at(key).dtype(), c2f::dtype_of<S>()) << where << " " << key;
+        const std::vector<double> v = g.params.at(key).template to_vector<double>();
+        for (double e : v) {
+          ASSERT_TRUE(std::isfinite(e)) << where << " " << key;
+          if (batch * seq == 0) {
+            ASSERT_EQ(e, 0.0) << where << " " << key << ": no rows, no gradient";
+          }
+        }
+      }
+    }
+  }
+}
+
+TYPED_TEST_P(LayerContract, GradientBitsDoNotDependOnThreadCount) {
+  using S = typename TestFixture::ScalarType;
+  if constexpr (!c2f_test::HasTrain<typename TestFixture::LayerType>::value) {
+    GTEST_SKIP() << TypeParam::name << " does not train yet";
+  } else {
+    TestRng rng(1014);
+    typename TestFixture::LayerType layer = TestFixture::random_layer(24);
+    const Tensor3<S> x = TestFixture::input(rng, kBatch, kLength);
+    const std::vector<Masks<S>> sets = TestFixture::mask_sets(kBatch, kLength);
+    for (std::size_t m = 0; m < sets.size(); ++m) {
+      layer.set_num_threads(1);
+      const auto [y, saved] = TypeParam::forward_train(layer, x, sets[m]);
+      const Tensor3<S> dy = rng.tensor<S>(y.dimension(0), y.dimension(1), y.dimension(2));
+      const c2f::Grads<S> one = TypeParam::backward(layer, saved, dy);
+      for (int threads : {2, 3}) {
+        layer.set_num_threads(threads);
+        const auto [y_n, saved_n] = TypeParam::forward_train(layer, x, sets[m]);
+        EXPECT_TRUE(same_grads(TypeParam::backward(layer, saved_n, dy), one))
+            << TestFixture::what("the gradient bits differ between 1 and ", m) << threads << " threads";
+      }
+    }
+  }
+}
+
+// A dy of another shape names both shapes; a saved state made by another object (a copy), before a
+// load_state_dict, or moved from, is refused.
+TYPED_TEST_P(LayerContract, BackwardRefusesAWrongDyOrAnotherSavedState) {
+  using S = typename TestFixture::ScalarType;
+  if constexpr (!c2f_test::HasTrain<typename TestFixture::LayerType>::value) {
+    GTEST_SKIP() << TypeParam::name << " does not train yet";
+  } else {
+    TestRng rng(1015);
+    typename TestFixture::LayerType layer = TestFixture::random_layer(25);
+    const Tensor3<S> x = TestFixture::input(rng, kBatch, kLength);
+    auto result = TypeParam::forward_train(layer, x, {});
+    const Tensor3<S>& y = result.output;
+    const Tensor3<S> dy = rng.tensor<S>(y.dimension(0), y.dimension(1), y.dimension(2));
+    const Tensor3<S> wrong = rng.tensor<S>(y.dimension(0), y.dimension(1) + 1, y.dimension(2));
+    const std::string e_shape = error_of([&] { TypeParam::backward(layer, result.saved, wrong); });
+    EXPECT_NE(e_shape.find(std::string(TypeParam::Layer::type_name) + ": backward: dy must be"), std::string::npos) << e_shape;
+    EXPECT_NE(e_shape.find(c2f::detail::shape_string({y.dimension(0), y.dimension(1), y.dimension(2)})), std::string::npos) << e_shape;
+    EXPECT_NE(e_shape.find(c2f::detail::shape_string({wrong.dimension(0), wrong.dimension(1), wrong.dimension(2)})),
+              std::string::npos) << e_shape;
+    const typename TestFixture::LayerType copy = layer;
+    EXPECT_NE(error_of([&] { TypeParam::backward(copy, result.saved, dy); }).find("another layer object"), std::string::npos)
+        << TypeParam::name;
+    EXPECT_NO_THROW(TypeParam::backward(layer, result.saved, dy)) << TypeParam::name;
+    layer.load_state_dict(layer.state_dict());
+    EXPECT_NE(error_of([&] { TypeParam::backward(layer, result.saved, dy); }).find("parameters changed"), std::string::npos)
+        << TypeParam::name;
+    auto fresh = TypeParam::forward_train(layer, x, {});
+    const auto moved = std::move(fresh.saved);
+    EXPECT_NE(error_of([&] { TypeParam::backward(layer, fresh.saved, dy); }).find("empty"), std::string::npos)  // NOLINT(bugprone-use-after-move)
+        << TypeParam::name;
+    EXPECT_NO_THROW(TypeParam::backward(layer, moved, dy)) << TypeParam::name;
+  }
+}
+
 REGISTER_TYPED_TEST_SUITE_P(LayerContract, OutputBitsDoNotDependOnThreadCount, ForwardIntoWritesExactlyTheForwardOutput,
                             WorkspaceBytesBoundTheMeasuredPeak, StateDictRoundTrip, StrictLoadingNamesTheKey,
                             EmptyBatchEmptySequenceAndLengthOne, WrongFeaturesNameBothShapes,
                             NanInAnInputReachesTheOutput, RefusesMaskFieldsItDoesNotTake,
-                            ConcurrentCallersShareOneModule, DecodeEqualsTheCausalForward);
+                            ConcurrentCallersShareOneModule, DecodeEqualsTheCausalForward,
+                            ForwardTrainWithoutDropoutHasTheForwardBits, GradientsHaveTheStateDictNamesAndTheInputShape,
+                            GradientBitsDoNotDependOnThreadCount, BackwardRefusesAWrongDyOrAnotherSavedState);
 
 using c2f_test::EntryNames;
 INSTANTIATE_TYPED_TEST_SUITE_P(Layers, LayerContract, c2f_test::AllLayers, EntryNames);
@@ -472,6 +599,25 @@ struct DriftingDecodeLayer : Mha {
   }
 };
 
+/// backward() sums out_proj.bias's gradient over one chunk of rows per thread, then adds the chunks: a
+/// reduction whose order changes with the thread count (a deterministic kernel reduces in a fixed order).
+struct ThreadDependentGradsLayer : Mha {
+  using Mha::Mha;
+  template <class Saved>
+  c2f::Grads<float> backward(const Saved& saved, c2f::ConstTensor3Ref<float> dy) const {
+    c2f::Grads<float> g = Mha::backward(saved, dy);
+    const Eigen::Map<const RowMatrix<float>> rows = dy.rows();
+    const Index threads = c2f::detail::resolve_threads(options().num_threads(), 1 << 20);
+    const Index chunk = std::max<Index>(1, c2f::detail::ceil_div(rows.rows(), threads));
+    Eigen::RowVectorXf total = Eigen::RowVectorXf::Zero(embed_dim());
+    for (Index r0 = 0; r0 < rows.rows(); r0 += chunk) {
+      total += rows.middleRows(r0, std::min(chunk, rows.rows() - r0)).colwise().sum();
+    }
+    g.params.set("out_proj.bias", c2f::TensorData::from_values(total.data(), {embed_dim()}));
+    return g;
+  }
+};
+
 // clang-format off
 C2F_LAYER(ThreadDependent, ThreadDependentLayer, kWidth, 2, o);
 C2F_LAYER(IntoSkipsARow, IntoSkipsARowLayer, kWidth, 2, o);
@@ -479,9 +625,11 @@ C2F_LAYER(LossyStateDict, LossyStateDictLayer, kWidth, 2, o);
 C2F_LAYER(IgnoresMasks, IgnoresMasksLayer, kWidth, 2, o);
 C2F_LAYER(SharedScratch, SharedScratchLayer, kWidth, 2, o);
 C2F_LAYER(DriftingDecode, DriftingDecodeLayer, kWidth, 2, o.causal(true));
+C2F_LAYER(ThreadDependentGrads, ThreadDependentGradsLayer, kWidth, 2, o);
 // clang-format on
 
-using Broken = ::testing::Types<ThreadDependent, IntoSkipsARow, LossyStateDict, IgnoresMasks, SharedScratch, DriftingDecode>;
+using Broken = ::testing::Types<ThreadDependent, IntoSkipsARow, LossyStateDict, IgnoresMasks, SharedScratch, DriftingDecode,
+                                ThreadDependentGrads>;
 INSTANTIATE_TYPED_TEST_SUITE_P(Broken, LayerContract, Broken, EntryNames);
 
 }  // namespace

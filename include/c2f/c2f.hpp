@@ -13,6 +13,7 @@
 #include "c2f/kernels/kernel_options.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
+#include "c2f/kernels/sdpa_backward.hpp"
 #include "c2f/kv_cache.hpp"
 #include "c2f/layers/c2f_attention.hpp"
 #include "c2f/layers/c2f_attention_2d.hpp"
@@ -26,3 +27,4 @@
 #include "c2f/options.hpp"
 #include "c2f/runtime.hpp"
 #include "c2f/state_dict.hpp"
+#include "c2f/train.hpp"

@@ -6,7 +6,7 @@
 //
 // Every option is a getter `name()` and a setter `name(value)` that returns the options object, so
 // setters chain. Options that mean the same thing have the same name on every layer (num_threads, seed,
-// bias, causal, kernel, query_block, key_block, fine_path), and a layer that wraps another takes the
+// bias, causal, dropout, kernel, query_block, key_block, fine_path), and a layer that wraps another takes the
 // wrapped layer's options too.
 #pragma once
 
@@ -46,6 +46,15 @@ class BiasOption {
 template <class Derived>
 class CausalOption {
   C2F_SHARED_ARG(bool, causal) = false;
+};
+
+/// The `dropout` option of the layers that train their attention (MultiHeadAttention, CoarseAttention): the
+/// probability that forward_train() zeroes an attention probability (the survivors are scaled by 1 / (1 −
+/// p), as torch.nn.Dropout), drawn from a counter-based generator keyed by (seed, step) and the element's
+/// coordinates (docs/training.md). forward() is eval mode and never drops. In [0, 1); 0 = off.
+template <class Derived>
+class DropoutOption {
+  C2F_SHARED_ARG(double, dropout) = 0.0;
 };
 
 /// Options of the dense softmax-attention kernel, on every layer built on MultiHeadAttention.

@@ -83,7 +83,7 @@ def register_family(name, computed, description):
 # Independent RandomState streams per purpose, so that e.g. adding a mask to a case never changes its
 # weights or inputs. The numbers are part of the fixture contract: never renumber.
 STREAMS = {"weights": 1, "inputs": 2, "attn_mask": 3, "key_padding_mask": 4, "coarse_mask": 5,
-           "fine_mask": 6}
+           "fine_mask": 6, "grad_output": 7, "grads": 8}
 
 
 def stream(seed: int, purpose: str) -> np.random.RandomState:
@@ -1520,6 +1520,310 @@ def gen_c2f2d(family_dir: Path) -> List[dict]:
 
 
 # =====================================================================================================
+# Family "train": gradients (torch.autograd) of Linear, MultiheadAttention and the article's
+# CoarseAttention, and torch.optim / clip_grad_norm_ step by step
+# =====================================================================================================
+
+@dataclass(frozen=True)
+class TrainCase:
+    name: str
+    seed: int
+    description: str
+    module: str  # "linear" | "mha" | "coarse" | "adamw" | "sgd" | "clip"
+    mha: Optional[MhaCase] = None  # module "mha": the problem, in the mha family's vocabulary
+    sizes: Tuple[int, ...] = ()  # linear: (in, out, B, L); coarse: (d, H, B, m); optimizers: (in, out)
+    bias: bool = True
+    coarse_mask: bool = False  # coarse: a random keep mask [B, m, m]
+    hyper: Tuple[Tuple[str, float], ...] = ()  # optimizer / clipping hyperparameters
+    steps: int = 0  # optimizers: steps taken
+
+
+def _mha_train(name, seed, what, **kw) -> TrainCase:
+    return TrainCase(name, seed, what, "mha", mha=MhaCase(name, seed, what, **kw))
+
+
+TRAIN_CASES: List[TrainCase] = [
+    TrainCase("linear_b3_l7", 15001, "nn.Linear(12, 5), x [3, 7, 12]", "linear", sizes=(12, 5, 3, 7)),
+    TrainCase("linear_nobias_l1", 15002, "nn.Linear(6, 9, bias=False), x [2, 1, 6]", "linear", sizes=(6, 9, 2, 1),
+              bias=False),
+    _mha_train("mha_self_l1_b3", 15101, "self-attention, L = 1, B = 3", batch=3, lq=1),
+    _mha_train("mha_self_l37_b3", 15102, "self-attention, L = 37, B = 3", batch=3, lq=37),
+    _mha_train("mha_cross_kdim12_vdim20", 15103, "cross-attention Lq = 7, Lk = 37, kdim 12, vdim 20",
+               num_heads=2, lq=7, lk=37, kdim=12, vdim=20),
+    _mha_train("mha_cross_lq37_lk7", 15104, "cross-attention Lq = 37, Lk = 7 (packed in_proj), key != value",
+               lq=37, lk=7),
+    _mha_train("mha_nobias_l13", 15105, "self-attention without bias, L = 13", lq=13, bias=False),
+    _mha_train("mha_attn_bool_2d_l37", 15106, "random bool attn_mask [L, L] (True = not allowed)", lq=37,
+               attn_mask="bool_random_2d"),
+    _mha_train("mha_attn_bool_3d_cross", 15107, "cross-attention Lq = 7, Lk = 37, random bool attn_mask [B*H, Lq, Lk]",
+               lq=7, lk=37, attn_mask="bool_random_3d"),
+    _mha_train("mha_attn_float_2d_l37", 15108, "additive float attn_mask [L, L]: N(0,1) and ~20% -inf", lq=37,
+               attn_mask="float_random_2d"),
+    _mha_train("mha_kpm_bool_l37", 15109, "bool key_padding_mask, lengths 37 and 20", lq=37,
+               key_padding_mask="bool", lengths=(37, 20)),
+    _mha_train("mha_kpm_float_l37", 15110, "additive float key_padding_mask, -inf on padding (lengths 37, 25)",
+               lq=37, key_padding_mask="float", lengths=(37, 25)),
+    _mha_train("mha_causal_l37", 15111, "causal bool attn_mask (torch.triu(ones, diagonal=1)), L = 37", lq=37,
+               attn_mask="causal"),
+    _mha_train("mha_causal_kpm_l37_b3", 15112, "causal bool attn_mask + bool key_padding_mask (37, 20, 1), B = 3",
+               batch=3, lq=37, attn_mask="causal", key_padding_mask="bool", lengths=(37, 20, 1)),
+    _mha_train("mha_causal_l128", 15113, "causal bool attn_mask, L = 128 (several key blocks)", lq=128,
+               attn_mask="causal"),
+    _mha_train("mha_fully_masked_rows_l7", 15114,
+               f"bool attn_mask with query rows {list(FULLY_MASKED_ROWS)} entirely masked, and batch item 1 with "
+               "every key padded (length 0): zero attention there (c2f's semantics; torch's MHA gives NaN)",
+               lq=7, attn_mask="bool_fully_masked_rows", key_padding_mask="bool", lengths=(7, 0)),
+    _mha_train("mha_head_dim3_l37", 15115, "embed_dim 24 with 8 heads (head_dim 3)", embed_dim=24, num_heads=8, lq=37),
+    TrainCase("coarse_m1_b3", 15201, "the article's CoarseAttention(16, 4), a single chunk, B = 3", "coarse",
+              sizes=(16, 4, 3, 1)),
+    TrainCase("coarse_m9", 15202, "the article's CoarseAttention(16, 4), 9 chunks", "coarse", sizes=(16, 4, 2, 9)),
+    TrainCase("coarse_m9_mask", 15203, "the article's CoarseAttention(16, 4), 9 chunks, random keep mask [B, m, m]",
+              "coarse", sizes=(16, 4, 2, 9), coarse_mask=True),
+    TrainCase("adamw_default", 15301, "torch.optim.AdamW(lr=1e-2), 5 steps on nn.Linear(4, 3)'s parameters", "adamw",
+              sizes=(4, 3), hyper=(("lr", 1e-2), ("beta1", 0.9), ("beta2", 0.999), ("eps", 1e-8),
+                                   ("weight_decay", 1e-2)), steps=5),
+    TrainCase("adamw_betas", 15302, "torch.optim.AdamW(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1), "
+              "5 steps", "adamw", sizes=(4, 3), hyper=(("lr", 0.05), ("beta1", 0.8), ("beta2", 0.99), ("eps", 1e-6),
+                                                       ("weight_decay", 0.1)), steps=5),
+    TrainCase("sgd_plain", 15401, "torch.optim.SGD(lr=0.1), 4 steps", "sgd", sizes=(4, 3),
+              hyper=(("lr", 0.1), ("momentum", 0.0), ("dampening", 0.0), ("weight_decay", 0.0), ("nesterov", 0.0)),
+              steps=4),
+    TrainCase("sgd_momentum", 15402, "torch.optim.SGD(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01), 4 steps",
+              "sgd", sizes=(4, 3), hyper=(("lr", 0.1), ("momentum", 0.9), ("dampening", 0.1), ("weight_decay", 0.01),
+                                          ("nesterov", 0.0)), steps=4),
+    TrainCase("sgd_nesterov", 15403, "torch.optim.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3), 4 steps",
+              "sgd", sizes=(4, 3), hyper=(("lr", 0.05), ("momentum", 0.9), ("dampening", 0.0), ("weight_decay", 1e-3),
+                                          ("nesterov", 1.0)), steps=4),
+    TrainCase("clip_large", 15501, "clip_grad_norm_(max_norm=1.0) of gradients whose total norm is about 4", "clip",
+              sizes=(4, 3), hyper=(("max_norm", 1.0),)),
+    TrainCase("clip_small", 15502, "clip_grad_norm_(max_norm=100.0): the total norm is below, nothing changes", "clip",
+              sizes=(4, 3), hyper=(("max_norm", 100.0),)),
+]
+
+
+def mha_zero_rows(mod: torch.nn.MultiheadAttention, q, k, v, attn_mask, kpm):
+    """nn.MultiheadAttention's computation (F.multi_head_attention_forward, slow path) written out, with c2f's
+    semantics where a query row sees no key: zero attention (torch's softmax gives NaN there). Where every row
+    sees a key, the generator checks it equals nn.MultiheadAttention, output and gradients (float64, 1e-12)."""
+    E, H = mod.embed_dim, mod.num_heads
+    d = E // H
+    if mod._qkv_same_embed_dim:
+        wq, wk, wv = mod.in_proj_weight.chunk(3)
+    else:
+        wq, wk, wv = mod.q_proj_weight, mod.k_proj_weight, mod.v_proj_weight
+    bq = bk = bv = None
+    if mod.in_proj_bias is not None:
+        bq, bk, bv = mod.in_proj_bias.chunk(3)
+    B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
+
+    def heads(t, L):
+        return t.reshape(B, L, H, d).transpose(1, 2)
+
+    qh = heads(torch.nn.functional.linear(q, wq, bq), Lq)
+    kh = heads(torch.nn.functional.linear(k, wk, bk), Lk)
+    vh = heads(torch.nn.functional.linear(v, wv, bv), Lk)
+    s = (qh / math.sqrt(d)) @ kh.transpose(-2, -1)
+    hidden = torch.zeros(B, H, Lq, Lk, dtype=torch.bool)
+    for m, shape in ((attn_mask, None), (kpm, (B, 1, 1, Lk))):
+        if m is None:
+            continue
+        if m.dim() == 3:
+            m = m.reshape(B, H, Lq, Lk)
+        elif shape is not None:
+            m = m.reshape(shape)
+        if m.dtype == torch.bool:
+            hidden = hidden | m
+        else:
+            hidden = hidden | torch.isneginf(m)
+            s = s + torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    seen = (~hidden).any(dim=-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(hidden, -math.inf).masked_fill(~seen, 0.0), dim=-1)
+    p = torch.where(seen, p, torch.zeros_like(p))
+    o = (p @ vh).transpose(1, 2).reshape(B, Lq, E)
+    return torch.nn.functional.linear(o, mod.out_proj.weight, mod.out_proj.bias)
+
+
+def _backward(fn, inputs: Dict[str, torch.Tensor], module: torch.nn.Module, dy: np.ndarray, np_dt):
+    """y = fn(); y.backward(dy); returns (output, {grad.<input>: ..., grad.<prefix><param>: ...})."""
+    for t in inputs.values():
+        t.requires_grad_(True)
+    y = fn()
+    y.backward(torch.from_numpy(dy.astype(np_dt)))
+    grads = {f"grad.{k}": to_numpy(t.grad) for k, t in inputs.items()}
+    for k, prm in module.named_parameters():
+        grads[f"grad.{k}"] = to_numpy(prm.grad)
+    return to_numpy(y), grads
+
+
+def _train_mha(c: TrainCase, tag: str):
+    mc = c.mha
+    np_dt, t_dt = DTYPES[tag]
+    params = _mha_parameters(mc)
+    inputs = _mha_inputs(mc)
+    attn_mask = ATTN_MASK_BUILDERS[mc.attn_mask](stream(c.seed, "attn_mask"), mc) if mc.attn_mask else None
+    kpm = _key_padding_mask(stream(c.seed, "key_padding_mask"), mc) if mc.key_padding_mask else None
+    dy = stream(c.seed, "grad_output").standard_normal(size=(mc.batch, mc.lq, mc.embed_dim))
+    fully_masked = bool(_blocked(mc, attn_mask, kpm).all(axis=-1).any())
+
+    def run(use_twin: bool):
+        mod = torch.nn.MultiheadAttention(mc.embed_dim, mc.num_heads, bias=mc.bias, kdim=mc.kdim, vdim=mc.vdim,
+                                          batch_first=True).to(t_dt)
+        _load_exactly(mod, params, np_dt, c.name)
+        mod.eval()
+        names = ["query"] if mc.self_attention else ["query", "key", "value"]
+        x = {n: torch.from_numpy(inputs[n].astype(np_dt)) for n in names}
+        am = None if attn_mask is None else torch.from_numpy(attn_mask if attn_mask.dtype == bool else attn_mask.astype(np_dt))
+        pm = None if kpm is None else torch.from_numpy(kpm if kpm.dtype == bool else kpm.astype(np_dt))
+
+        def fn():
+            q = x["query"]
+            k, v = (q, q) if mc.self_attention else (x["key"], x["value"])
+            if use_twin:
+                return mha_zero_rows(mod, q, k, v, am, pm)
+            return mod(q, k, v, key_padding_mask=pm, attn_mask=am, need_weights=False)[0]
+
+        out, grads = _backward(fn, x, mod, dy, np_dt)
+        if mc.self_attention:
+            grads["grad.input"] = grads.pop("grad.query")
+        return out, {(k.replace("grad.", "grad.mha.", 1) if k[5:] in params else k): v for k, v in grads.items()}
+
+    out, grads = run(use_twin=fully_masked)
+    if tag == "f64" and not fully_masked:  # the twin is nn.MultiheadAttention where every row sees a key
+        out2, grads2 = run(use_twin=True)
+        if not np.allclose(out2, out, rtol=0, atol=1e-12) or any(
+                not np.allclose(grads2[k], g, rtol=0, atol=1e-11) for k, g in grads.items()):
+            raise RuntimeError(f"{c.name}: mha_zero_rows disagrees with nn.MultiheadAttention")
+    if not (np.isfinite(out).all() and all(np.isfinite(g).all() for g in grads.values())):
+        raise RuntimeError(f"{c.name}/{tag}: output or gradients not finite")
+    tensors = {f"mha.{k}": v.astype(np_dt) for k, v in params.items()}
+    # Self-attention stores its input once, as `query`.
+    tensors.update({k: v.astype(np_dt) for k, v in inputs.items() if k == "query" or not mc.self_attention})
+    if attn_mask is not None:
+        tensors["attn_mask"] = attn_mask if attn_mask.dtype == bool else attn_mask.astype(np_dt)
+    if kpm is not None:
+        tensors["key_padding_mask"] = kpm if kpm.dtype == bool else kpm.astype(np_dt)
+    causal = mc.attn_mask == "causal"
+    meta = {"embed_dim": str(mc.embed_dim), "num_heads": str(mc.num_heads), "batch": str(mc.batch),
+            "lq": str(mc.lq), "lk": str(mc.Lk), "kdim": str(mc.Kdim), "vdim": str(mc.Vdim), "bias": b(mc.bias),
+            "self_attention": b(mc.self_attention),
+            "attn_mask": "none" if attn_mask is None else ("bool" if attn_mask.dtype == bool else "float"),
+            "causal": b(causal),
+            "key_padding_mask": "none" if kpm is None else ("bool" if kpm.dtype == bool else "float"),
+            "fully_masked_rows": b(fully_masked),
+            "reference": "mha_zero_rows" if fully_masked else "nn.MultiheadAttention"}
+    return tensors, dy, out, grads, meta
+
+
+def _train_linear_or_coarse(c: TrainCase, tag: str):
+    np_dt, t_dt = DTYPES[tag]
+    rs = stream(c.seed, "weights")
+    if c.module == "linear":
+        fin, fout, B, L = c.sizes
+        params = {"weight": glorot_uniform(rs, fout, fin)}
+        if c.bias:
+            params["bias"] = bias_uniform(rs, fout)
+        mod = torch.nn.Linear(fin, fout, bias=c.bias).to(t_dt)
+        width, out_width, prefix = fin, fout, "linear."
+        meta = {"in_features": str(fin), "out_features": str(fout), "bias": b(c.bias)}
+    else:
+        d, H, B, L = c.sizes
+        params = {"qkv_proj.weight": np.concatenate([glorot_uniform(rs, d, d) for _ in range(3)], axis=0),
+                  "qkv_proj.bias": bias_uniform(rs, 3 * d), "out_proj.weight": glorot_uniform(rs, d, d),
+                  "out_proj.bias": bias_uniform(rs, d)}
+        mod = c2f_ref.CoarseAttention(d, H).to(t_dt)
+        width, out_width, prefix = d, d, "coarse."
+        meta = {"d_model": str(d), "n_heads": str(H), "mask": b(c.coarse_mask)}
+    _load_exactly(mod, params, np_dt, c.name)
+    mod.eval()  # the article's dropout is the identity
+    x_np = stream(c.seed, "inputs").standard_normal(size=(B, L, width))
+    mask = None
+    if c.coarse_mask:  # True = keep (the article's convention); every row keeps a chunk
+        rs_mask = stream(c.seed, "coarse_mask")
+        mask = rs_mask.uniform(size=(B, L, L)) < C2F_MASK_KEEP_PROBABILITY
+        for bi in range(B):
+            for i in range(L):
+                _keep_one_real(rs_mask, mask[bi, i], np.ones(L, dtype=bool))
+    dy = stream(c.seed, "grad_output").standard_normal(size=(B, L, out_width))
+    x = {"input": torch.from_numpy(x_np.astype(np_dt))}
+    m = None if mask is None else torch.from_numpy(mask)
+    out, grads = _backward(lambda: mod(x["input"]) if c.module == "linear" else mod(x["input"], mask=m), x, mod, dy, np_dt)
+    grads = {(f"grad.{prefix}{k[5:]}" if k[5:] in params else k): v for k, v in grads.items()}
+    tensors = {prefix + k: v.astype(np_dt) for k, v in params.items()}
+    tensors["x"] = x_np.astype(np_dt)
+    if mask is not None:
+        tensors["mask"] = mask
+    meta.update(batch=str(B), seq_len=str(L))
+    return tensors, dy, out, grads, meta
+
+
+def _train_optimizer(c: TrainCase, tag: str):
+    np_dt, t_dt = DTYPES[tag]
+    fin, fout = c.sizes
+    rs = stream(c.seed, "weights")
+    params = {"weight": glorot_uniform(rs, fout, fin), "bias": bias_uniform(rs, fout)}
+    mod = torch.nn.Linear(fin, fout).to(t_dt)
+    _load_exactly(mod, params, np_dt, c.name)
+    hp = dict(c.hyper)
+    tensors = {f"linear.{k}": v.astype(np_dt) for k, v in params.items()}
+    grs = stream(c.seed, "grads")
+    if c.module == "clip":
+        for k, prm in mod.named_parameters():
+            g = 2.0 * grs.standard_normal(size=tuple(prm.shape))
+            prm.grad = torch.from_numpy(g.astype(np_dt))
+            tensors[f"grads.{k}"] = g.astype(np_dt)
+        norm = torch.nn.utils.clip_grad_norm_(mod.parameters(), max_norm=hp["max_norm"])
+        tensors["total_norm"] = np.array([float(norm)], dtype=np_dt)
+        for k, prm in mod.named_parameters():
+            tensors[f"clipped.{k}"] = to_numpy(prm.grad)
+    else:
+        if c.module == "adamw":
+            opt = torch.optim.AdamW(mod.parameters(), lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                                    weight_decay=hp["weight_decay"])
+        else:
+            opt = torch.optim.SGD(mod.parameters(), lr=hp["lr"], momentum=hp["momentum"], dampening=hp["dampening"],
+                                  weight_decay=hp["weight_decay"], nesterov=bool(hp["nesterov"]))
+        for t in range(1, c.steps + 1):
+            for k, prm in mod.named_parameters():
+                g = grs.standard_normal(size=tuple(prm.shape))
+                prm.grad = torch.from_numpy(g.astype(np_dt))
+                tensors[f"grads.{t}.{k}"] = g.astype(np_dt)
+            opt.step()
+            for k, prm in mod.named_parameters():  # a copy: the next step updates the parameter in place
+                tensors[f"expected.{t}.{k}"] = to_numpy(prm.detach()).copy()
+    meta = {"in_features": str(fin), "out_features": str(fout), "steps": str(c.steps)}
+    meta.update({k: repr(v) for k, v in c.hyper})
+    return tensors, meta
+
+
+def _train_case_files(family_dir: Path, c: TrainCase) -> dict:
+    files, entry_meta = {}, None
+    for tag, (np_dt, _) in DTYPES.items():
+        if c.module in ("adamw", "sgd", "clip"):
+            tensors, meta = _train_optimizer(c, tag)
+        else:
+            tensors, dy, out, grads, meta = (_train_mha if c.module == "mha" else _train_linear_or_coarse)(c, tag)
+            tensors.update(grad_output=dy.astype(np_dt), output=out, **grads)
+        _check_dtypes(c.name, {k: v for k, v in tensors.items() if v.dtype != bool}, np_dt)  # masks are BOOL
+        meta = dict(meta, module=c.module, seed=str(c.seed), torch_version=torch_version(), description=c.description)
+        if entry_meta is not None and meta != entry_meta:
+            raise RuntimeError(f"{c.name}: f32 and f64 metadata differ")
+        entry_meta = meta
+        files[tag] = write_case(family_dir, c.name, tag, tensors, meta)
+    return {"name": c.name, "files": files, **{k: entry_meta[k] for k in sorted(entry_meta)}}
+
+
+@register_family(
+    "train", computed=("output", "grad.*", "expected.*", "clipped.*", "total_norm"),
+    description="gradients of nn.Linear, nn.MultiheadAttention and the article's CoarseAttention (y.backward(dy)), "
+                "torch.optim.AdamW / SGD step by step, clip_grad_norm_")
+def gen_train(family_dir: Path) -> List[dict]:
+    names = [c.name for c in TRAIN_CASES]
+    if len(set(names)) != len(names) or len({c.seed for c in TRAIN_CASES}) != len(TRAIN_CASES):
+        raise RuntimeError("train case names and seeds must be unique")
+    return [_train_case_files(family_dir, c) for c in TRAIN_CASES]
+
+
+# =====================================================================================================
 # Driver
 # =====================================================================================================
 
@@ -1566,6 +1870,8 @@ def main(argv=None) -> int:
             print(f"  sparse/{c.name}: {c.description}")
         for c in C2F2D_CASES:
             print(f"  c2f2d/{c.name}: {c.description}")
+        for c in TRAIN_CASES:
+            print(f"  train/{c.name}: {c.description}")
         return 0
     generate(args.out, args.family, verbose=not args.quiet)
     return 0

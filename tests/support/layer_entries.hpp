@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cstdint>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -37,6 +38,14 @@ struct Calls {
     l.forward_into(x, out, m);
   }
   static std::size_t workspace_bytes(const L& l, Index batch, Index seq) { return l.workspace_bytes(batch, seq); }
+  // Training (the layers with a Saved type, HasTrain).
+  static auto forward_train(const L& l, c2f::ConstTensor3Ref<S> x, const Masks<S>& m, std::uint64_t step = 0) {
+    return l.forward_train(x, m, step);
+  }
+  template <class Saved>
+  static c2f::Grads<S> backward(const L& l, const Saved& saved, c2f::ConstTensor3Ref<S> dy) {
+    return l.backward(saved, dy);
+  }
 };
 
 // FineAttention on chunks of 4 tokens; the coarse context is the chunk means of x (any [B, m, d] would do).
@@ -153,6 +162,12 @@ template <class T, class = void>
 struct HasDecode : std::false_type {};
 template <class T>
 struct HasDecode<T, std::void_t<decltype(std::declval<const T&>().new_decode_state(1))>> : std::true_type {};
+
+/// The layers that train (forward_train, backward): those with a Saved type.
+template <class T, class = void>
+struct HasTrain : std::false_type {};
+template <class T>
+struct HasTrain<T, std::void_t<typename T::Saved>> : std::true_type {};
 
 template <class S>
 bool all_nan(const Eigen::Ref<const RowMatrix<S>>& m) {

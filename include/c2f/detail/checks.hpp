@@ -120,6 +120,17 @@ void check_linear_shapes(const char* kernel, const X& x, const W& w, const Y& y)
   }
 }
 
+/// The gradients of y = x wᵀ: x [n, in], w [out, in], dy [n, out], dx [n, in], dw [out, in].
+template <class X, class W, class DY, class DX, class DW>
+void check_linear_backward(const char* kernel, const X& x, const W& w, const DY& dy, const DX& dx, const DW& dw) {
+  if (x.cols() != w.cols() || dy.rows() != x.rows() || dy.cols() != w.rows() || dx.rows() != x.rows() ||
+      dx.cols() != x.cols() || dw.rows() != w.rows() || dw.cols() != w.cols()) {
+    fail(kernel, ": x ", shape_string({x.rows(), x.cols()}), ", weight ", shape_string({w.rows(), w.cols()}), ", dy ",
+         shape_string({dy.rows(), dy.cols()}), ", dx ", shape_string({dx.rows(), dx.cols()}), " and dweight ",
+         shape_string({dw.rows(), dw.cols()}), " do not fit y = x weightᵀ (dx like x, dweight like weight, dy like y)");
+  }
+}
+
 /// A convolution's input x [batch·length, in] and output y [batch·out_length, out] for a shape `s`
 /// (a kernels::Conv1dShape, validated here too).
 template <class X, class Y, class Shape>
@@ -152,6 +163,19 @@ void check_sdpa(const char* kernel, const QView& q, const KVView& k, const KVVie
   }
   check_mask_view(kernel, mask, q.batch, q.heads, q.seq, k.seq);
   check_scale(kernel, scale);
+}
+
+/// An attention backward's views fit: the forward's problem (check_sdpa, `o` its output), dout shaped like
+/// o, and dq, dk, dv like q, k, v ([batch, seq, heads, dim] each).
+template <class In, class Out, class MaskView, class Scalar>
+void check_sdpa_backward(const char* kernel, const In& q, const In& k, const In& v, const In& o, const In& dout,
+                         const Out& dq, const Out& dk, const Out& dv, const MaskView& mask, Scalar scale) {
+  check_sdpa(kernel, q, k, v, o, mask, scale);
+  const auto dims = [](const auto& x) { return shape_string({x.batch, x.seq, x.heads, x.dim}); };
+  if (dims(dout) != dims(o) || dims(dq) != dims(q) || dims(dk) != dims(k) || dims(dv) != dims(v)) {
+    fail(kernel, ": dout, dq, dk and dv must be shaped like out ", dims(o), ", q ", dims(q), ", k ", dims(k), " and v ",
+         dims(v), " ([batch, seq, heads, dim]), got ", dims(dout), ", ", dims(dq), ", ", dims(dk), " and ", dims(dv));
+  }
 }
 
 /// decode(): a causal layer, x [state batch, n >= 1, width].

@@ -12,8 +12,10 @@
 //   mask_fields              the c2f::Masks fields it takes (any other set field throws)
 //   state_dict(), load_state_dict(sd)   PyTorch's names; strict loading
 //   set_num_threads(n), options()
-// and the causal ones new_decode_state(), decode(), prefill(). FineAttention's inputs are tokens plus
-// a coarse context and C2FAttention2D's a grid: their forward family takes those extra arguments.
+// and the causal ones new_decode_state(), decode(), prefill(); the trainable ones (those with a Saved
+// type) forward_train(x, masks, step) and backward(saved, dy) (docs/training.md). FineAttention's inputs
+// are tokens plus a coarse context and C2FAttention2D's a grid: their forward family takes those extra
+// arguments.
 #pragma once
 
 #include "c2f/core.hpp"
@@ -23,12 +25,15 @@
 #include "c2f/kernels/kernel_options.hpp"
 #include "c2f/mask.hpp"
 #include "c2f/options.hpp"
+#include "c2f/train.hpp"
 
 #include <array>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace c2f {
 namespace detail {
@@ -75,7 +80,7 @@ kernels::KernelOptions kernel_options(const Options& o) {
 }
 
 /// The options of a layer another one wraps, from the wrapper's: num_threads, seed + seed_offset and,
-/// when both have them, the attention kernel's (kernel, query_block, key_block).
+/// when both have them, the attention kernel's (kernel, query_block, key_block) and dropout.
 template <class To, class From>
 To inner_options(const From& from, std::uint64_t seed_offset = 0) {
   To to;
@@ -83,6 +88,9 @@ To inner_options(const From& from, std::uint64_t seed_offset = 0) {
   if constexpr (std::is_base_of<AttnKernelOptions<To>, To>::value &&
                 std::is_base_of<AttnKernelOptions<From>, From>::value) {
     to.kernel(from.kernel()).query_block(from.query_block()).key_block(from.key_block());
+  }
+  if constexpr (std::is_base_of<DropoutOption<To>, To>::value && std::is_base_of<DropoutOption<From>, From>::value) {
+    to.dropout(from.dropout());
   }
   return to;
 }
@@ -137,6 +145,102 @@ std::array<Index, 3> same_length_shape(const ConstTensor3Ref<Scalar>& x, Index i
   return {x.batch(), x.seq(), out_features};
 }
 
+// ------------------------------------------------------------------------------------------------
+// Training (docs/training.md): what forward_train and backward share on every layer.
+
+/// What every layer's Saved state (forward_train → backward) holds besides its activations: the
+/// parameters_id() of the layer object that made it (0: empty — default-constructed or moved from) and
+/// the shape of its output, which backward() checks.
+struct SavedBase {
+  std::uint64_t made_by = 0;
+  std::array<Index, 3> output_dims{0, 0, 0};
+
+  SavedBase() = default;
+  SavedBase(const SavedBase&) = default;
+  SavedBase& operator=(const SavedBase&) = default;
+  SavedBase(SavedBase&& o) noexcept : made_by(std::exchange(o.made_by, 0)), output_dims(o.output_dims) {}
+  SavedBase& operator=(SavedBase&& o) noexcept {
+    made_by = std::exchange(o.made_by, 0);
+    output_dims = o.output_dims;
+    return *this;
+  }
+  ~SavedBase() = default;
+};
+
+/// The door to a layer's private training members for the contract's bases and for a layer that runs a
+/// wrapped one's (CoarseAttention runs MultiHeadAttention's): a layer declares `friend struct
+/// detail::TrainAccess;` and provides
+///   void compute_train(inputs…, OutRows<Scalar> out, const Masks<Scalar>&, std::uint64_t step, Saved&) const
+///   void compute_backward(const Saved&, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+///                         Layer& grad) const
+/// compute_backward writes the input gradients into g and the parameter gradients into the parameters of
+/// `grad`, a copy of the layer whose parameters are zero (zeroed_copy): g.params is then grad.state_dict().
+struct TrainAccess {
+  template <class Layer, class... Args>
+  static void train(const Layer& layer, Args&&... args) {
+    layer.compute_train(std::forward<Args>(args)...);
+  }
+  template <class Layer, class... Args>
+  static void backward(const Layer& layer, Args&&... args) {
+    layer.compute_backward(std::forward<Args>(args)...);
+  }
+};
+
+/// A copy of `layer` whose parameters are all zero (loaded through its own state_dict() names).
+template <class Layer>
+Layer zeroed_copy(const Layer& layer) {
+  Layer copy = layer;
+  StateDict zeros;
+  for (const auto& [name, t] : layer.state_dict()) {
+    zeros.set(name, TensorData(t.dtype(), t.shape(), std::vector<std::uint8_t>(t.bytes().size(), 0)));
+  }
+  copy.load_state_dict(zeros);
+  return copy;
+}
+
+/// forward_train's frame: a fresh output of `dims` (fresh_output) and the Saved state, filled by
+/// fill(out, saved), then stamped as `layer`'s for an output of `dims`.
+template <class Scalar, class Saved, class Layer, class Fill>
+TrainOutput<Scalar, Saved> train_output(const Layer& layer, const std::array<Index, 3>& dims, Fill&& fill) {
+  TrainOutput<Scalar, Saved> result;
+  result.output = fresh_output<Scalar>(Layer::type_name, dims, [&](OutRows<Scalar> out) { fill(out, result.saved); });
+  result.saved.made_by = layer.parameters_id();
+  result.saved.output_dims = dims;
+  return result;
+}
+
+/// backward's frame: refuses a saved state that is empty, that another layer object (or this one before
+/// its parameters changed) made, or a dy not shaped like that forward's output; then runs
+/// TrainAccess::backward(layer, saved, dy rows, g, grad) on a zeroed_copy of the layer and returns g with
+/// g.params = grad.state_dict().
+template <class Scalar, class Layer, class Saved>
+Grads<Scalar> run_backward(const Layer& layer, const Saved& saved, const ConstTensor3Ref<Scalar>& dy) {
+  static_assert(std::is_same<Saved, typename Layer::Saved>::value,
+                "backward() takes the Saved state of this layer type's forward_train()");
+  if (saved.made_by == 0) fail("backward: the saved state is empty (default-constructed or moved from)");
+  if (saved.made_by != layer.parameters_id()) {
+    fail("backward: the saved state was made by another layer object, or before this layer's parameters changed "
+         "(load_state_dict, an optimizer step): run forward_train again");
+  }
+  const std::array<Index, 3>& d = saved.output_dims;
+  if (dy.batch() != d[0] || dy.dimension(1) != d[1] || dy.features() != d[2]) {
+    fail("backward: dy must be shaped like the output of the forward_train that made the saved state, ",
+         shape_string({d[0], d[1], d[2]}), ", got ", shape_string({dy.batch(), dy.dimension(1), dy.features()}));
+  }
+  Grads<Scalar> g;
+  Layer grad = zeroed_copy(layer);
+  TrainAccess::backward(layer, saved, dy.rows(), g, grad);
+  g.params = grad.state_dict();
+  return g;
+}
+
+/// The saved state of a layer that works row block by row block (RowLayerBase): its input.
+template <class Scalar>
+struct RowSaved : SavedBase {
+  RowMatrix<Scalar> x;  ///< [batch·seq, in]
+  Index batch = 0, seq = 0;
+};
+
 /// The contract's CRTP base of a layer on [batch, seq, features] input: state dicts (Module), and
 /// forward(x, masks) and forward_into(x, out, masks), which check the mask fields, x and out, then run
 /// Derived::compute(x, out, masks), with every error in the layer's name. For a layer that maps [B, L,
@@ -169,6 +273,29 @@ class LayerBase : public Module<Derived> {
     return same_length_shape(x, derived().embed_dim(), derived().embed_dim(), Derived::type_name);
   }
 
+  /// Training (a layer with a Saved type): forward() in train mode and what backward() needs,
+  /// `auto [output, saved] = layer.forward_train(x, masks, step)`. The output has forward()'s bits when the
+  /// layer has no dropout (options().dropout() = 0); `step` keys the dropout masks (docs/training.md).
+  template <class D = Derived>
+  TrainOutput<Scalar, typename D::Saved> forward_train(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {},
+                                                       std::uint64_t step = 0) const {
+    return named(Derived::type_name, [&] {
+      const std::array<Index, 3> dims = derived().output_shape(x);
+      check_mask_fields(masks, Derived::type_name, Derived::mask_fields);
+      return train_output<Scalar, typename D::Saved>(derived(), dims, [&](OutRows<Scalar> out, typename D::Saved& saved) {
+        TrainAccess::train(derived(), x, out, masks, step, saved);
+      });
+    });
+  }
+  /// The gradients of a loss L given dy = dL/dy of the output forward_train() returned with `saved`:
+  /// g.input = dL/dx, g.params = dL/dθ under state_dict()'s names and shapes. Uses the layer's parameters
+  /// as forward_train saw them (a saved state from another object, or older than a load_state_dict or an
+  /// optimizer step, is refused).
+  template <class Saved>
+  Grads<Scalar> backward(const Saved& saved, ConstTensor3Ref<Scalar> dy) const {
+    return named(Derived::type_name, [&] { return run_backward<Scalar>(derived(), saved, dy); });
+  }
+
  protected:
   LayerBase() = default;
 
@@ -179,6 +306,9 @@ class LayerBase : public Module<Derived> {
 /// A layer that works row block by row block (Linear, Conv1d, C3K2Projection): forward_into is
 /// Derived::forward_rows(x rows, batch, seq, out), straight into out — no activation-sized temporary
 /// (each defines workspace_bytes: its packed weights on the micro-kernel path).
+/// Training: a RowLayerBase layer declares `using Saved = detail::RowSaved<Scalar>;` and provides
+///   void backward_rows(const RowSaved<Scalar>& saved, dy rows, Eigen::Ref<RowMatrix<Scalar>> dx, Derived& grad) const
+/// (dx [batch·seq, in] of saved.x, overwritten; grad as TrainAccess says): forward_train saves x.
 template <class Derived, class Scalar>
 class RowLayerBase : public LayerBase<Derived, Scalar> {
  protected:
@@ -186,8 +316,22 @@ class RowLayerBase : public LayerBase<Derived, Scalar> {
 
  private:
   friend class LayerBase<Derived, Scalar>;
+  friend struct TrainAccess;
+  const Derived& derived() const { return static_cast<const Derived&>(*this); }
   void compute(const ConstTensor3Ref<Scalar>& x, OutRows<Scalar> out, const Masks<Scalar>&) const {
-    static_cast<const Derived&>(*this).forward_rows(x.rows(), x.batch(), x.seq(), out);
+    derived().forward_rows(x.rows(), x.batch(), x.seq(), out);
+  }
+  void compute_train(const ConstTensor3Ref<Scalar>& x, OutRows<Scalar> out, const Masks<Scalar>& masks, std::uint64_t,
+                     RowSaved<Scalar>& saved) const {
+    saved.x = x.rows();
+    saved.batch = x.batch();
+    saved.seq = x.seq();
+    compute(x, out, masks);
+  }
+  void compute_backward(const RowSaved<Scalar>& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+                        Derived& grad) const {
+    g.input = Tensor3<Scalar>(saved.batch, saved.seq, saved.x.cols());
+    derived().backward_rows(saved, dy, Eigen::Map<RowMatrix<Scalar>>(g.input.data(), saved.x.rows(), saved.x.cols()), grad);
   }
 };
 

@@ -61,6 +61,17 @@ class MaskedValues {
     add_visible(out, p, v);
   }
 
+  /// Sets m(r, j) = 0 for each non-finite row j of the last find() and each row r that hides it (the
+  /// attention backward's dS, whose entries there are 0 · NaN from the hidden value's dP).
+  template <class M>
+  void zero_hidden(M&& m) const {
+    for (std::size_t k = 0; k < bad_.size(); ++k) {
+      for (Index r = 0; r < rows_; ++r) {
+        if (hidden_[k * static_cast<std::size_t>(rows_) + static_cast<std::size_t>(r)]) m(r, bad_[k]) = 0;
+      }
+    }
+  }
+
   /// product<true>() for a kernel whose clean product runs on packed_gemm over keys [j0, j0 + keys) of
   /// values packed from key 0 (sdpa_streaming's packed path): the clean copy's product on packed_gemm too,
   /// split where that packing splits its k-blocks, so a row that hides the non-finite keys gets the bits of

@@ -4,6 +4,7 @@
 
 #include "c2f/detail/state_loader.hpp"
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -12,12 +13,21 @@
 namespace c2f {
 namespace detail {
 
+/// A number no other layer object or parameter state has had in this process (never 0).
+inline std::uint64_t fresh_parameters_id() {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
 /// CRTP base: Derived provides either
 ///   void load(StrictLoader&, const std::string& name)      (name relative to the loader's prefix)
 ///   void save(StateDict&, const std::string& name) const  (name is the full prefix of its keys)
 /// or, for a layer made of named submodules (PyTorch's named_children), only
 ///   template <class Self, class Fn> static void children(Self& self, Fn&& fn)
 /// calling fn("child_name.", self.child_) for each child, which serves both load and save.
+/// Every module object has a parameters_id(): new for each object (a copy too) and after each
+/// load_state_dict (an optimizer's step loads), so that backward() can refuse a saved state that another
+/// object, or these parameters before they changed, made.
 template <class Derived>
 class Module {
  public:
@@ -55,9 +65,12 @@ class Module {
       StrictLoader loader(sd, prefix);
       staged.load(loader, "");
       loader.finish();
-      static_cast<Derived&>(*this) = std::move(staged);
+      static_cast<Derived&>(*this) = std::move(staged);  // a new parameters_id() (operator=)
     });
   }
+
+  /// This object's current parameters: see the class comment.
+  std::uint64_t parameters_id() const { return parameters_id_; }
 
   /// PyTorch's names under `prefix`, F32 or F64 as the layer's Scalar.
   StateDict state_dict(std::string_view prefix = "") const {
@@ -68,6 +81,20 @@ class Module {
 
  protected:
   Module() = default;
+  Module(const Module&) {}
+  Module(Module&&) noexcept {}
+  Module& operator=(const Module&) {
+    parameters_id_ = fresh_parameters_id();
+    return *this;
+  }
+  Module& operator=(Module&&) noexcept {
+    parameters_id_ = fresh_parameters_id();
+    return *this;
+  }
+  ~Module() = default;
+
+ private:
+  std::uint64_t parameters_id_ = fresh_parameters_id();
 };
 
 }  // namespace detail

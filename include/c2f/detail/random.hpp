@@ -1,7 +1,8 @@
 // c2f — deterministic, portable random numbers for parameter initialisation.
 //
 // std::uniform_real_distribution and std::normal_distribution are implementation-defined, so the
-// same seed would give different weights with libstdc++ and libc++. These are fixed formulas.
+// same seed would give different weights with libstdc++ and libc++. These are fixed formulas. Also the
+// counter-based draws of training's dropout (CounterRng): a value per coordinate, not a sequence.
 #pragma once
 
 #include "c2f/core.hpp"
@@ -12,17 +13,21 @@
 namespace c2f {
 namespace detail {
 
+/// SplitMix64's output function: a bijective mix of 64 bits (Steele, Lea & Flood, 2014).
+constexpr std::uint64_t mix64(std::uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+/// SplitMix64's increment (the golden ratio in 64 bits).
+constexpr std::uint64_t kGolden64 = 0x9E3779B97F4A7C15ull;
+
 /// SplitMix64: a tiny, well-tested 64-bit generator (Steele, Lea & Flood, 2014).
 class Rng {
  public:
   explicit Rng(std::uint64_t seed) : state_(seed) {}
 
-  std::uint64_t next_u64() {
-    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
+  std::uint64_t next_u64() { return mix64(state_ += kGolden64); }
   /// Uniform in [0, 1) with 53 random bits.
   double uniform01() { return static_cast<double>(next_u64() >> 11) * 0x1.0p-53; }
   double uniform(double lo, double hi) { return lo + (hi - lo) * uniform01(); }
@@ -35,6 +40,22 @@ class Rng {
 
  private:
   std::uint64_t state_;
+};
+
+/// A counter-based generator: uniform 64-bit values that are a pure function of (key, counter) — the
+/// i-th value of the SplitMix64 sequence started at the key — so any thread can draw value (key, i) in
+/// any order and get the same bits (training's dropout masks, kernels::AttnDropout).
+class CounterRng {
+ public:
+  /// The key of the coordinates (a, b, ...): each one mixed in turn.
+  template <class... Coords>
+  static std::uint64_t key(std::uint64_t first, Coords... rest) {
+    std::uint64_t k = mix64(first + kGolden64);
+    ((k = mix64(k ^ (static_cast<std::uint64_t>(rest) + kGolden64))), ...);
+    return k;
+  }
+  /// Value `counter` of the sequence keyed `key`.
+  static std::uint64_t at(std::uint64_t key, std::uint64_t counter) { return mix64(key + (counter + 1) * kGolden64); }
 };
 
 template <class Derived>

@@ -1,4 +1,5 @@
-// c2f kernels — affine maps on row blocks: y = x Wᵀ + b (torch.nn.Linear), fast and naive.
+// c2f kernels — affine maps on row blocks: y = x Wᵀ + b (torch.nn.Linear), fast and naive, and their
+// gradients (linear_backward).
 #pragma once
 
 #include "c2f/core.hpp"
@@ -101,6 +102,66 @@ void linear(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const
             const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y, const KernelOptions& options) {
   detail::check_linear_shapes("linear", x, w, y);
   matmul_rows<Scalar>(x, w.transpose(), bias, y, options);
+}
+
+/// linear_backward() computes the weight's gradient in tiles of kGradTile × kGradTile weights, one task
+/// each (fixed by the shape, so the bits do not depend on the thread count).
+constexpr Index kGradTile = 64;
+
+/// The gradients of y = x wᵀ + b (linear()) for the output's gradient dy [n, out], all overwritten:
+/// dx = dy w [n, in] (matmul_rows), dw = dyᵀ x [out, in] — each tile of kGradTile × kGradTile weights one
+/// task summing over the n rows — and db = the column sums of dy [out], added in double (db nullptr: a layer
+/// without bias).
+/// The bits depend on the shapes only. Twin: linear_backward_naive().
+template <class Scalar>
+void linear_backward(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const RowMatrix<Scalar>>& w,
+                     const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx,
+                     Eigen::Ref<RowMatrix<Scalar>> dw, Scalar* db, const KernelOptions& options) {
+  detail::check_linear_backward("linear_backward", x, w, dy, dx, dw);
+  matmul_rows<Scalar>(dy, w, nullptr, dx, options);
+  const Index n = x.rows(), out = w.rows(), in = w.cols();
+  if (n == 0) {
+    dw.setZero();
+    if (db != nullptr) Eigen::Map<Vector<Scalar>>(db, out).setZero();
+    return;
+  }
+  const Index row_tiles = detail::ceil_div(out, kGradTile), col_tiles = detail::ceil_div(in, kGradTile);
+  const double work = 2.0 * static_cast<double>(n) * static_cast<double>(out) * static_cast<double>(in);
+  detail::parallel_for(row_tiles * col_tiles, options.num_threads(), work, [&](Index task, int) {
+    const Index o0 = (task / col_tiles) * kGradTile, i0 = (task % col_tiles) * kGradTile;
+    const Index no = std::min(kGradTile, out - o0), ni = std::min(kGradTile, in - i0);
+    dw.block(o0, i0, no, ni).noalias() = dy.middleCols(o0, no).transpose() * x.middleCols(i0, ni);
+    if (db != nullptr && i0 == 0) {  // summed in double: a bias gradient is a long sum that cancels
+      for (Index o = o0; o < o0 + no; ++o) db[o] = static_cast<Scalar>(dy.col(o).template cast<double>().sum());
+    }
+  });
+}
+
+/// Twin of linear_backward(): one sum per gradient element, in index order.
+template <class Scalar>
+void linear_backward_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const RowMatrix<Scalar>>& w,
+                           const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx,
+                           Eigen::Ref<RowMatrix<Scalar>> dw, Scalar* db) {
+  detail::check_linear_backward("linear_backward_naive", x, w, dy, dx, dw);
+  for (Index i = 0; i < x.rows(); ++i) {
+    for (Index k = 0; k < w.cols(); ++k) {
+      Scalar acc = 0;
+      for (Index o = 0; o < w.rows(); ++o) acc += dy(i, o) * w(o, k);
+      dx(i, k) = acc;
+    }
+  }
+  for (Index o = 0; o < w.rows(); ++o) {
+    for (Index k = 0; k < w.cols(); ++k) {
+      Scalar acc = 0;
+      for (Index i = 0; i < x.rows(); ++i) acc += dy(i, o) * x(i, k);
+      dw(o, k) = acc;
+    }
+    if (db != nullptr) {
+      Scalar acc = 0;
+      for (Index i = 0; i < x.rows(); ++i) acc += dy(i, o);
+      db[o] = acc;
+    }
+  }
 }
 
 /// Reference twin of linear(): one dot product per output element, in index order.

@@ -11,6 +11,11 @@
 // depends only on its index, so the output bits do not depend on the thread count.
 // A query row with no visible key outputs zeros (and zero weights). A masked key never reaches an
 // output, NaN or Inf in its key or value included (c2f/detail/masked_values.hpp).
+//
+// For training (docs/training.md): sdpa_train (streaming) and sdpa_naive_train (its twin) also write each
+// row's log-sum-exp, which the backward pass (c2f/kernels/sdpa_backward.hpp) needs, and apply dropout to
+// the probabilities (AttnDropout); with dropout off their outputs have sdpa_streaming's and sdpa_naive's
+// bits.
 #pragma once
 
 #include "c2f/core.hpp"
@@ -19,12 +24,14 @@
 #include "c2f/detail/masked_values.hpp"
 #include "c2f/detail/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
+#include "c2f/detail/random.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 #include "c2f/mask_view.hpp"
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -33,28 +40,90 @@
 namespace c2f {
 namespace kernels {
 
-/// Reference kernel: out = softmax(q kᵀ · scale + mask) v (overwritten). `weights`, when not null,
-/// receives the softmax weights as a row-major [batch, heads, q.seq, k.seq] array. Tasks are
-/// (batch, head) pairs.
+/// Dropout on the attention probabilities, as training applies it (torch.nn.MultiheadAttention's
+/// `dropout` in train mode): probability (b, h, i, j) is kept with probability 1 − p and scaled by
+/// 1 / (1 − p), else zeroed. Whether it is kept is a counter-based draw keyed by (seed, step, b·heads + h,
+/// i) at counter j (detail::CounterRng): the same bits for any thread count and block size, and the
+/// backward pass regenerates the mask instead of storing it. p = 0 (the default) is no dropout.
+struct AttnDropout {
+  double p = 0;
+  std::uint64_t seed = 0;
+  std::uint64_t step = 0;
+  bool active() const { return p > 0; }
+};
+
+}  // namespace kernels
+namespace detail {
+
+/// "<what>: dropout must lie in [0, 1), got p" unless it does.
+inline void check_dropout(const char* what, double p) {
+  if (!(p >= 0.0 && p < 1.0)) fail(what, ": dropout must lie in [0, 1), got ", p);
+}
+
+/// The dropout decisions of one row (b·heads + h, i) of a problem: keep(j) for its keys j.
+class DropoutRow {
+ public:
+  DropoutRow(const kernels::AttnDropout& d, Index bh, Index i)
+      : key_(CounterRng::key(d.seed, d.step, static_cast<std::uint64_t>(bh), static_cast<std::uint64_t>(i))),
+        threshold_(static_cast<std::uint64_t>(std::ldexp(d.p, 53))) {}
+  /// Kept with probability 1 − p: the top 53 bits of draw j against p · 2^53.
+  bool keep(Index j) const { return (CounterRng::at(key_, static_cast<std::uint64_t>(j)) >> 11) >= threshold_; }
+
+ private:
+  std::uint64_t key_, threshold_;
+};
+
+/// Applies dropout to the probabilities p [rows, cols] of rows [i0, i0 + rows) × keys [j0, j0 + cols) of
+/// (batch·head) bh: a dropped one becomes 0; the kept ones are scaled by `kept_scale` (1 / (1 − p), or 1
+/// when the caller scales later). `keep`, when not null, receives the decisions row-major (1 = kept).
+template <class P>
+void apply_dropout(const kernels::AttnDropout& d, Index bh, Index i0, Index j0, P&& p, typename std::decay_t<P>::Scalar kept_scale,
+                   std::uint8_t* keep = nullptr) {
+  for (Index r = 0; r < p.rows(); ++r) {
+    const DropoutRow row(d, bh, i0 + r);
+    for (Index c = 0; c < p.cols(); ++c) {
+      const bool kept = row.keep(j0 + c);
+      p(r, c) = kept ? p(r, c) * kept_scale : 0;
+      if (keep != nullptr) keep[r * p.cols() + c] = kept ? 1 : 0;
+    }
+  }
+}
+
+/// 1 / (1 − p) in Scalar.
 template <class Scalar>
-void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options,
-                Scalar* weights = nullptr) {
-  c2f::detail::check_sdpa("sdpa_naive", q, k, v, out, mask, scale);
+Scalar dropout_scale(const kernels::AttnDropout& d) {
+  return static_cast<Scalar>(1.0 / (1.0 - d.p));
+}
+
+/// The body of sdpa_naive and sdpa_naive_train: weights, lse ([batch·heads, queries]) and dropout each
+/// optional (nullptr).
+template <class Scalar>
+void sdpa_naive_impl(const char* kernel, const kernels::HeadsView<const Scalar>& q, const kernels::HeadsView<const Scalar>& k,
+                     const kernels::HeadsView<const Scalar>& v, const kernels::HeadsView<Scalar>& out,
+                     const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options, Scalar* weights,
+                     Eigen::Ref<RowMatrix<Scalar>>* lse, const kernels::AttnDropout* dropout) {
+  using kernels::HeadsView;
+  check_sdpa(kernel, q, k, v, out, mask, scale);
   const Index lq = q.seq, lk = k.seq;
-  const double work = c2f::detail::attention_work(q.batch * q.heads, lq, lk, q.dim, v.dim);
-  c2f::detail::parallel_for(q.batch * q.heads, options.num_threads(), work, [&](Index task, int) {
+  const bool drop = dropout != nullptr && dropout->active();
+  const double work = attention_work(q.batch * q.heads, lq, lk, q.dim, v.dim);
+  parallel_for(q.batch * q.heads, options.num_threads(), work, [&](Index task, int) {
     const Index b = task / q.heads, h = task % q.heads;
     RowMatrix<Scalar> s(lq, lk);
     s.noalias() = (q.block(b, h, 0, lq) * scale) * k.block(b, h, 0, lk).transpose();
     for (Index i = 0; i < lq; ++i) {
-      for (Index j = 0; j < lk; ++j) s(i, j) = c2f::detail::add_bias(s(i, j), mask.bias(b, h, i, j));
+      for (Index j = 0; j < lk; ++j) s(i, j) = add_bias(s(i, j), mask.bias(b, h, i, j));
     }
     const typename HeadsView<const Scalar>::Block vb = v.block(b, h, 0, lk);
-    c2f::detail::MaskedValues<Scalar> masked;
+    MaskedValues<Scalar> masked;
     const bool guard = masked.find(vb);
     if (guard) masked.remember_hidden(s);
-    for (Index i = 0; i < lq; ++i) c2f::detail::softmax_row(s.row(i));
+    for (Index i = 0; i < lq; ++i) {
+      Scalar max = 0, sum = 0;
+      softmax_row(s.row(i), &max, &sum);
+      if (lse != nullptr) (*lse)(task, i) = sum == Scalar(0) ? max : max + std::log(sum);
+    }
+    if (drop) apply_dropout(*dropout, task, 0, 0, s, dropout_scale<Scalar>(*dropout));
     if (guard) {
       masked.template product<false>(out.block(b, h, 0, lq), s, vb);
     } else {
@@ -64,6 +133,40 @@ void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>&
       Eigen::Map<RowMatrix<Scalar>>(weights + task * lq * lk, lq, lk) = s;
     }
   });
+}
+
+/// "<kernel>: lse must be [batch·heads, queries] = [..], got [..]" unless it is; with `dropout`, its p too.
+template <class View, class Lse>
+void check_lse(const char* kernel, const View& q, const Lse& lse, const kernels::AttnDropout* dropout = nullptr) {
+  if (lse.rows() != q.batch * q.heads || lse.cols() != q.seq) {
+    fail(kernel, ": lse must be [batch·heads, queries] = ", shape_string({q.batch * q.heads, q.seq}), ", got ",
+         shape_string({lse.rows(), lse.cols()}));
+  }
+  if (dropout != nullptr) check_dropout(kernel, dropout->p);
+}
+
+}  // namespace detail
+namespace kernels {
+
+/// Reference kernel: out = softmax(q kᵀ · scale + mask) v (overwritten). `weights`, when not null,
+/// receives the softmax weights as a row-major [batch, heads, q.seq, k.seq] array. Tasks are
+/// (batch, head) pairs.
+template <class Scalar>
+void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options,
+                Scalar* weights = nullptr) {
+  c2f::detail::sdpa_naive_impl<Scalar>("sdpa_naive", q, k, v, out, mask, scale, options, weights, nullptr, nullptr);
+}
+
+/// sdpa_naive() in train mode, the twin of sdpa_train(): also writes each row's log-sum-exp lse
+/// [batch·heads, queries] (−inf for a row with no visible key), and applies `dropout` to the
+/// probabilities. Without dropout the output has sdpa_naive()'s bits.
+template <class Scalar>
+void sdpa_naive_train(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                      const HeadsView<Scalar>& out, Eigen::Ref<RowMatrix<Scalar>> lse, const MaskView<Scalar>& mask,
+                      const AttnDropout& dropout, Scalar scale, const KernelOptions& options) {
+  c2f::detail::check_lse("sdpa_naive_train", q, lse, &dropout);
+  c2f::detail::sdpa_naive_impl<Scalar>("sdpa_naive_train", q, k, v, out, mask, scale, options, nullptr, &lse, &dropout);
 }
 
 }  // namespace kernels
@@ -99,12 +202,14 @@ bool streaming_packed(const kernels::KernelOptions& options, Index lq, Index lk)
   return (kPackedGemm || ri) && std::is_same<KV, Scalar>::value && (lq >= kPackedAttentionMinQueries || ri) &&
          (bk % GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
 }
-/// The body of sdpa_streaming and sdpa_streaming_lse (lse: nullptr, or [batch·heads, queries]).
+/// The body of sdpa_streaming, sdpa_streaming_lse and sdpa_train (lse: nullptr, or [batch·heads, queries];
+/// dropout: nullptr or the probabilities' dropout).
 template <class Scalar, class KV>
 void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scalar>& q,
                          const kernels::HeadsView<const KV>& k, const kernels::HeadsView<const KV>& v,
                          const kernels::HeadsView<Scalar>& out, Eigen::Ref<RowMatrix<Scalar>>* lse,
-                         const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options);
+                         const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options,
+                         const kernels::AttnDropout* dropout = nullptr);
 }  // namespace detail
 namespace kernels {
 
@@ -149,12 +254,19 @@ void sdpa_streaming_lse(const HeadsView<const Scalar>& q, const HeadsView<const 
                         const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
                         Eigen::Ref<RowMatrix<Scalar>> lse, const MaskView<Scalar>& mask, Scalar scale,
                         const KernelOptions& options) {
-  if (lse.rows() != q.batch * q.heads || lse.cols() != q.seq) {
-    c2f::detail::fail("sdpa_streaming_lse: lse must be [batch·heads, queries] = ",
-                      c2f::detail::shape_string({q.batch * q.heads, q.seq}), ", got ",
-                      c2f::detail::shape_string({lse.rows(), lse.cols()}));
-  }
+  c2f::detail::check_lse("sdpa_streaming_lse", q, lse);
   c2f::detail::sdpa_streaming_impl<Scalar, Scalar>("sdpa_streaming_lse", q, k, v, out, &lse, mask, scale, options);
+}
+
+/// sdpa_streaming_lse() in train mode: `dropout` applied to the probabilities after the softmax (the
+/// log-sum-exp is of the scores before it, as the backward pass needs). Without dropout it is
+/// sdpa_streaming_lse(), bit for bit. Twin: sdpa_naive_train().
+template <class Scalar>
+void sdpa_train(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                const HeadsView<Scalar>& out, Eigen::Ref<RowMatrix<Scalar>> lse, const MaskView<Scalar>& mask,
+                const AttnDropout& dropout, Scalar scale, const KernelOptions& options) {
+  c2f::detail::check_lse("sdpa_train", q, lse, &dropout);
+  c2f::detail::sdpa_streaming_impl<Scalar, Scalar>("sdpa_train", q, k, v, out, &lse, mask, scale, options, &dropout);
 }
 
 }  // namespace kernels
@@ -163,7 +275,8 @@ template <class Scalar, class KV>
 void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scalar>& q,
                          const kernels::HeadsView<const KV>& k, const kernels::HeadsView<const KV>& v,
                          const kernels::HeadsView<Scalar>& out, Eigen::Ref<RowMatrix<Scalar>>* lse,
-                         const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options) {
+                         const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options,
+                         const kernels::AttnDropout* dropout) {
   using namespace kernels;  // NOLINT(google-build-using-namespace): the body reads as the kernels' own
   c2f::detail::check_sdpa(kernel, q, k, v, out, mask, scale);
   const Index lq = q.seq, lk = k.seq, dk = q.dim, dv = v.dim;
@@ -172,6 +285,8 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
   const Index query_blocks = (lq + bq - 1) / bq;
   const Index tasks = q.batch * q.heads * query_blocks;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  const bool drop = dropout != nullptr && dropout->active();
+  const Scalar kept_scale = drop ? c2f::detail::dropout_scale<Scalar>(*dropout) : Scalar(1);
 
   struct Workspace {
     RowMatrix<Scalar> q, s, acc, kv;  // kv: a converted key or value block (KV ≠ Scalar)
@@ -235,6 +350,8 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
         const bool guard = status == BlockMask::Partial && ws.masked.find(vb);
         if (guard) ws.masked.remember_hidden(s);
         if (c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
+        // Dropout zeroes probabilities after the running sum took them (scaled by 1 / (1 − p) at the end).
+        if (drop) c2f::detail::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
         if (guard && packed) {
           ws.masked.product_packed_add(acc, s, vb, j0);
         } else if (guard) {
@@ -252,6 +369,8 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
       // l is 0 only when every key was masked (a visible key contributes exp(0) = 1 at the max).
       if (l[r] == Scalar(0)) {
         dst.row(r).setZero();
+      } else if (drop) {
+        dst.row(r) = acc.row(r) / l[r] * kept_scale;
       } else {
         dst.row(r) = acc.row(r) / l[r];
       }

@@ -61,14 +61,17 @@ template <class Scalar>
 class CoarseAttention : public detail::LayerBase<CoarseAttention<Scalar>, Scalar> {
  public:
   /// seed: Xavier-uniform qkv_proj.weight, nn.Linear's default out_proj.weight, zero biases.
-  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
+  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public DropoutOption<Options> {
   };
 
   /// attn_mask [m, m] or [n, m, m] (n = 1, B or B·H), key_padding_mask [B, m].
   C2F_LAYER_TRAITS("CoarseAttention", MaskFields::AttnMask | MaskFields::KeyPaddingMask);
+  /// Training (forward_train, backward: detail::LayerBase): MultiHeadAttention's, under this layer's names.
+  using Saved = typename MultiHeadAttention<Scalar>::Saved;
 
   CoarseAttention(Index embed_dim, Index num_heads, Options options = Options())
-      : shape_(detail::checked_heads<Scalar>("CoarseAttention", embed_dim, num_heads, 1, 4)),
+      : shape_((detail::check_dropout("CoarseAttention", options.dropout()),
+                detail::checked_heads<Scalar>("CoarseAttention", embed_dim, num_heads, 1, 4))),
         options_(options),
         mha_(embed_dim, num_heads,
              detail::inner_options<typename MultiHeadAttention<Scalar>::Options>(options).rows_independent(true)) {}
@@ -104,6 +107,15 @@ class CoarseAttention : public detail::LayerBase<CoarseAttention<Scalar>, Scalar
   friend class detail::LayerBase<CoarseAttention, Scalar>;
   void compute(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks) const {
     mha_.forward_into(x, out, masks);
+  }
+  friend struct detail::TrainAccess;
+  void compute_train(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks,
+                     std::uint64_t step, Saved& saved) const {
+    detail::TrainAccess::train(mha_, x, out, masks, step, saved);
+  }
+  void compute_backward(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+                        CoarseAttention& grad) const {
+    detail::TrainAccess::backward(mha_, saved, dy, g, grad.mha_);
   }
 
   detail::HeadShape shape_;  // first: checked before the wrapped layer is built

@@ -94,6 +94,16 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   /// Bytes of temporary memory one forward_into() holds: rows_workspace_bytes(batch · seq).
   std::size_t workspace_bytes(Index batch, Index seq) const { return rows_workspace_bytes(batch * seq); }
 
+  /// Training (forward_train, backward: detail::RowLayerBase): the saved input x.
+  using Saved = detail::RowSaved<Scalar>;
+  /// The gradients on rows (kernels::linear_backward): dx = dy W (overwritten), and grad's weight = dyᵀ x
+  /// and bias = Σ dy, for `grad` a copy of this layer (backward() passes one with zero parameters).
+  void backward_rows(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx,
+                     Linear& grad) const {
+    kernels::linear_backward<Scalar>(saved.x, weight_, dy, dx, grad.weight_, options_.bias() ? grad.bias_.data() : nullptr,
+                                     detail::kernel_options(options_));
+  }
+
  private:
   static RowMatrix<Scalar> zero_weight(Index in_features, Index out_features) {
     detail::checked_positive("Linear", "in_features", in_features);

@@ -8,6 +8,7 @@
 #include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
+#include "c2f/kernels/sdpa_backward.hpp"
 #include "c2f/layers/linear.hpp"
 #include "c2f/mask.hpp"
 #include "c2f/mask_view.hpp"
@@ -44,13 +45,15 @@ struct AttnOutput {
 /// `qkv_proj.bias`) load too.
 /// Options::causal: query i attends only to keys j <= i (top-left aligned, as AttnMask::causal()),
 /// combined with any masks given to forward().
+/// Training: forward_train(x, masks, step) or forward_train(query, key, value, masks, step), then
+/// backward(saved, dy); Options::dropout drops attention probabilities in forward_train (docs/training.md).
 /// forward() is const: one module may serve several threads at once.
 template <class Scalar>
 class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<Scalar>, Scalar> {
  public:
   /// causal: query i attends only to keys j <= i.
   class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public BiasOption<Options>,
-                  public CausalOption<Options> {
+                  public CausalOption<Options>, public DropoutOption<Options> {
     /// Key features; 0 = embed_dim.
     C2F_ARG(Index, kdim) = 0;
     /// Value features; 0 = embed_dim.
@@ -72,6 +75,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
         options_(options),
         out_proj_(embed_dim, embed_dim, out_proj_options(options), detail::NoInit{}) {
     detail::check_scalar<Scalar>();
+    detail::check_dropout("MultiHeadAttention", options.dropout());
     reset_parameters(options.seed());
   }
 
@@ -179,6 +183,35 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   void forward_into(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key, ConstTensor3Ref<Scalar> value,
                     Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
     detail::named(type_name, [&] { run(query, key, value, masks, out, nullptr); });
+  }
+
+  /// Training. What forward_train() keeps for backward(): the inputs, their projections, the heads' output
+  /// and each attention row's log-sum-exp, the masks and the dropout's key — O((Lq + Lk)·E) values, no
+  /// [Lq, Lk] term.
+  struct Saved : detail::SavedBase {
+    RowMatrix<Scalar> query, key, value;  ///< the inputs' rows; self-attention: query only
+    RowMatrix<Scalar> q, k, v, attn;      ///< projections [B·L, E] and the heads' output [B·Lq, E]
+    RowMatrix<Scalar> lse;                ///< [B·H, Lq]
+    Masks<Scalar> masks;
+    kernels::AttnDropout dropout;
+    Index batch = 0, lq = 0, lk = 0;
+    bool self_attention = true;
+  };
+  /// Self-attention: forward_train(x, masks, step) and backward(saved, dy) (detail::LayerBase).
+  using detail::LayerBase<MultiHeadAttention, Scalar>::forward_train;
+  using detail::LayerBase<MultiHeadAttention, Scalar>::backward;
+  /// Cross-attention in train mode: forward(query, key, value, masks) and what backward() needs; its
+  /// Grads hold dL/dquery in `input` and dL/dkey, dL/dvalue in `key`, `value`.
+  TrainOutput<Scalar, Saved> forward_train(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key,
+                                           ConstTensor3Ref<Scalar> value, const Masks<Scalar>& masks = {},
+                                           std::uint64_t step = 0) const {
+    return detail::named(type_name, [&] {
+      check_inputs(query, key, value);
+      return detail::train_output<Scalar, Saved>(*this, {query.batch(), query.seq(), embed_dim()},
+                                                 [&](Eigen::Ref<RowMatrix<Scalar>> out, Saved& saved) {
+                                                   compute_train(query, key, value, out, masks, step, saved);
+                                                 });
+    });
   }
 
   /// Like forward(), and also returns the attention weights (PyTorch's need_weights=True). This
@@ -312,6 +345,113 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     run(x, x, x, masks, out, nullptr);
   }
 
+  friend struct detail::TrainAccess;
+  void compute_train(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks,
+                     std::uint64_t step, Saved& saved) const {
+    train(x, x, x, out, masks, step, saved, true);
+  }
+  void compute_train(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
+                     const ConstTensor3Ref<Scalar>& value, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks,
+                     std::uint64_t step, Saved& saved) const {
+    train(query, key, value, out, masks, step, saved, false);
+  }
+  /// run() in train mode: the same arithmetic (sdpa_train is sdpa_streaming with the log-sum-exp, and
+  /// dropout when it is on), into heap buffers the saved state keeps. Self-attention keeps its input once.
+  void train(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key, const ConstTensor3Ref<Scalar>& value,
+             Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks, std::uint64_t step, Saved& saved,
+             bool self_attention) const {
+    check_inputs(query, key, value);
+    const Index batch = query.batch(), lq = query.seq(), lk = key.seq(), e = embed_dim(), h = num_heads();
+    detail::check_call(type_name, masks, mask_fields, {batch, lq, e}, out);
+    saved.self_attention = self_attention;
+    saved.batch = batch;
+    saved.lq = lq;
+    saved.lk = lk;
+    saved.masks = masks;
+    saved.dropout = kernels::AttnDropout{options_.dropout(), options_.seed(), step};
+    saved.query = query.rows();
+    if (!self_attention) {
+      saved.key = key.rows();
+      saved.value = value.rows();
+    }
+    const MaskView<Scalar> mask(saved.masks, batch, h, lq, lk, options_.causal());
+    saved.q.resize(batch * lq, e);
+    saved.k.resize(batch * lk, e);
+    saved.v.resize(batch * lk, e);
+    saved.attn.resize(batch * lq, e);
+    saved.lse.resize(batch * h, lq);
+    project_into(query, key, value, saved.q, saved.k, saved.v);
+    const Scalar scale = kernels::default_scale<Scalar>(head_dim());
+    const kernels::HeadsView<const Scalar> qv = kernels::heads_view(std::as_const(saved.q), batch, lq, h),
+                                           kv = kernels::heads_view(std::as_const(saved.k), batch, lk, h),
+                                           vv = kernels::heads_view(std::as_const(saved.v), batch, lk, h);
+    const kernels::HeadsView<Scalar> ov = kernels::heads_view(saved.attn, batch, lq, h);
+    if (options_.kernel() == AttnKernel::Naive) {
+      kernels::sdpa_naive_train<Scalar>(qv, kv, vv, ov, saved.lse, mask, saved.dropout, scale, kernel_options());
+    } else {
+      kernels::sdpa_train<Scalar>(qv, kv, vv, ov, saved.lse, mask, saved.dropout, scale, kernel_options());
+    }
+    out_projection(saved.attn, out);
+  }
+  /// The backward pass: out_proj, the attention (sdpa_backward, or its naive twin with the Naive kernel),
+  /// the in-projection; parameter gradients into `grad`'s parameters.
+  void compute_backward(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+                        MultiHeadAttention& grad) const {
+    const Index batch = saved.batch, lq = saved.lq, lk = saved.lk, e = embed_dim(), h = num_heads();
+    const kernels::KernelOptions opts = kernel_options();
+    const bool bias = options_.bias();
+    RowMatrix<Scalar> dattn(batch * lq, e);
+    kernels::linear_backward<Scalar>(saved.attn, out_proj_.weight(), dy, dattn, grad.out_proj_.weight(),
+                                     bias ? grad.out_proj_.bias().data() : nullptr, opts);
+    RowMatrix<Scalar> dq(batch * lq, e), dk(batch * lk, e), dv(batch * lk, e);
+    {
+      const MaskView<Scalar> mask(saved.masks, batch, h, lq, lk, options_.causal());
+      const Scalar scale = kernels::default_scale<Scalar>(head_dim());
+      const kernels::HeadsView<const Scalar> qv = kernels::heads_view(saved.q, batch, lq, h),
+                                             kv = kernels::heads_view(saved.k, batch, lk, h),
+                                             vv = kernels::heads_view(saved.v, batch, lk, h),
+                                             gv = kernels::heads_view(std::as_const(dattn), batch, lq, h);
+      const kernels::HeadsView<Scalar> dqv = kernels::heads_view(dq, batch, lq, h), dkv = kernels::heads_view(dk, batch, lk, h),
+                                       dvv = kernels::heads_view(dv, batch, lk, h);
+      if (options_.kernel() == AttnKernel::Naive) {
+        kernels::sdpa_backward_naive<Scalar>(qv, kv, vv, gv, dqv, dkv, dvv, mask, saved.dropout, scale, opts);
+      } else {
+        kernels::sdpa_backward<Scalar>(qv, kv, vv, kernels::heads_view(saved.attn, batch, lq, h), saved.lse, gv, dqv, dkv,
+                                       dvv, mask, saved.dropout, scale, opts);
+      }
+    }
+    dattn.resize(0, 0);
+    // The in-projection: input gradient i of query, key, value (self-attention: their sum).
+    Scalar* db = bias ? grad.b_.data() : nullptr;
+    const RowMatrix<Scalar>* inputs[3] = {&saved.query, saved.self_attention ? &saved.query : &saved.key,
+                                          saved.self_attention ? &saved.query : &saved.value};
+    const RowMatrix<Scalar>* dproj[3] = {&dq, &dk, &dv};
+    const Index lengths[3] = {lq, lk, lk};
+    Tensor3<Scalar>* targets[3] = {&g.input, &g.key, &g.value};
+    RowMatrix<Scalar> part;
+    for (int i = 0; i < 3; ++i) {
+      const Index rows = batch * lengths[i], cols = inputs[i]->cols();
+      Scalar* bias_grad = db != nullptr ? db + i * e : nullptr;
+      if (saved.self_attention && i > 0) {
+        part.resize(rows, cols);
+        kernels::linear_backward<Scalar>(*inputs[i], w_[i], *dproj[i], part, grad.w_[i], bias_grad, opts);
+        Eigen::Map<RowMatrix<Scalar>>(g.input.data(), rows, cols) += part;
+        continue;
+      }
+      *targets[i] = Tensor3<Scalar>(batch, lengths[i], cols);
+      kernels::linear_backward<Scalar>(*inputs[i], w_[i], *dproj[i], Eigen::Map<RowMatrix<Scalar>>(targets[i]->data(), rows, cols),
+                                       grad.w_[i], bias_grad, opts);
+    }
+  }
+  /// out = attn W_oᵀ + b_o, row-independent when the options ask (CoarseAttention's).
+  void out_projection(const Eigen::Ref<const RowMatrix<Scalar>>& attn, Eigen::Ref<RowMatrix<Scalar>> out) const {
+    if (options_.rows_independent()) {
+      out_proj_.forward_rows_independent(attn, out);
+    } else {
+      out_proj_.forward_rows(attn, out);
+    }
+  }
+
   friend class detail::Decoder<MultiHeadAttention, Scalar>;
   template <class Cache>
   DecodeStateOf<Cache> make_decode_state(Index batch) const {
@@ -402,11 +542,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     } else {
       kernels::sdpa_streaming<Scalar>(qv, kv, vv, ov, mask, scale, kernel_options());
     }
-    if (options_.rows_independent()) {
-      out_proj_.forward_rows_independent(attn, out);
-    } else {
-      out_proj_.forward_rows(attn, out);
-    }
+    out_projection(attn, out);
   }
 
   detail::HeadShape shape_;  // first: checked before out_proj_ is built
