@@ -23,7 +23,7 @@ DESCRIPTIONS = {
     ".ci/": "CI entry point: runs scripts/test.sh",
     "benchmarks/": "Google Benchmark binaries (bench_machine: the FMA peaks, copy bandwidth and reference GEMMs; bench_dist under mpirun: run_dist.sh), the PyTorch and ONNX Runtime peers and the sweep (sweep.py: tables, plots), python_bench.py (c2f from Python against PyTorch, the binding's overhead); README.md: how to run and compare",
     "cmake/": "package config template (find_package(c2f [COMPONENTS safetensors dist]))",
-    "docs/": "documentation (layers, errors, threads, decoding, distributed, python, benchmarks) and the tables and plots of a measured run",
+    "docs/": "documentation (layers, training, errors, threads, decoding, distributed, python, benchmarks) and the tables and plots of a measured run",
     "examples/": "programs that load PyTorch weights and compare with PyTorch (and their export scripts), a 2-D pyramid, token-by-token decoding, a sequence split over MPI ranks; python/accelerate.py: a PyTorch model before and after c2f.torch.accelerate",
     "python/": "the Python module c2f (pybind11: src/ binds every layer through one template; c2f/torch.py: accelerate a PyTorch model), its pytest suite (tests/) and setup.py for pip",
     "scripts/": "install-deps.sh (the one package list), run.sh (examples, benchmarks), test.sh (tests), doc checks",
