@@ -25,7 +25,7 @@ inline std::uint64_t fresh_parameters_id() {
 /// or, for a layer made of named submodules (PyTorch's named_children), only
 ///   template <class Self, class Fn> static void children(Self& self, Fn&& fn)
 /// calling fn("child_name.", self.child_) for each child, which serves both load and save.
-/// Every module object has a parameters_id(): new for each object (a copy too) and after each
+/// Every module object has a parameters_id(): new for each object (a copy or move too) and after each
 /// load_state_dict (an optimizer's step loads), so that backward() can refuse a saved state that another
 /// object, or these parameters before they changed, made.
 template <class Derived>
