@@ -370,7 +370,10 @@ TYPED_TEST_P(LayerContract, DecodeEqualsTheCausalForward) {
 /// Whether two backward() results have the same shapes and bits, every tensor.
 template <class S>
 bool same_grads(const c2f::Grads<S>& a, const c2f::Grads<S>& b) {
-  if (!same_bits(a.input, b.input) || !same_bits(a.key, b.key) || !same_bits(a.value, b.value)) return false;
+  if (!same_bits(a.input, b.input) || !same_bits(a.key, b.key) || !same_bits(a.value, b.value) ||
+      !same_bits(a.context, b.context)) {
+    return false;
+  }
   if (a.params.keys() != b.params.keys()) return false;
   for (const auto& [key, t] : a.params) {
     if (t.shape() != b.params.at(key).shape() || t.bytes() != b.params.at(key).bytes()) return false;

@@ -34,6 +34,9 @@ struct Grads {
   /// Cross-attention only: dL/dkey and dL/dvalue (empty for self-attention, whose `input` sums the query,
   /// key and value paths).
   Tensor3<Scalar> key, value;
+  /// FineAttention only: dL/dcoarse_context, shaped like the coarse context [B, chunks, embed_dim] (empty
+  /// for every other layer).
+  Tensor3<Scalar> context;
   /// dL/dθ: exactly the names, shapes and dtype of the layer's state_dict() — the gradients are written by
   /// the same walk over the layer's parameters that writes state_dict().
   StateDict params;

@@ -1823,6 +1823,9 @@ def gen_train(family_dir: Path) -> List[dict]:
     return [_train_case_files(family_dir, c) for c in TRAIN_CASES]
 
 
+__import__("train_c2f").register(sys.modules[__name__])  # family "train_c2f": tests/reference/train_c2f.py
+
+
 # =====================================================================================================
 # Driver
 # =====================================================================================================

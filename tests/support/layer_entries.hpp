@@ -82,6 +82,14 @@ struct Calls<c2f::FineAttention<S>, S> {
     const Index chunks = batch * c2f::detail::ceil_div(seq, kChunk);
     return l.workspace_bytes(batch, seq, kChunk) + sizeof(S) * static_cast<std::size_t>(chunks * l.embed_dim());
   }
+  // Training: the context is an input of its own (its gradient is g.context), not a function of x.
+  static auto forward_train(const L& l, c2f::ConstTensor3Ref<S> x, const Masks<S>& m, std::uint64_t step = 0) {
+    return l.forward_train(x, kChunk, context(x), m, step);
+  }
+  template <class Saved>
+  static c2f::Grads<S> backward(const L& l, const Saved& saved, c2f::ConstTensor3Ref<S> dy) {
+    return l.backward(saved, dy);
+  }
 };
 
 // C2FAttention2D on the height × width grid with height the largest divisor of L up to sqrt(L).

@@ -1,5 +1,6 @@
 // c2f kernels — fixed-size chunks of a sequence: mean pooling, broadcasting chunk rows back to tokens,
-// and the folded fine-attention step of coarse-to-fine attention.
+// and the folded fine-attention step of coarse-to-fine attention; and, for training, their backward
+// passes (chunk_sum, chunk_mean_backward_add, fine_attention_folded_backward and its naive twin).
 //
 // A sequence of length L is cut into m = ceil(L / chunk) chunks; chunk i of batch b holds the tokens
 // [i·chunk, min((i+1)·chunk, L)) — the last one may be partial. Chunk rows are indexed c = b·m + i.
@@ -65,8 +66,9 @@ struct QueryChunks {
 
 }  // namespace kernels
 namespace detail {
-/// chunk_mean and chunk_mean_where: the mean of the tokens `keep(c, j)` accepts, NaN where none.
-template <class Scalar, class Grid, class Keep>
+/// chunk_mean and chunk_mean_where: the mean of the tokens `keep(c, j)` accepts, NaN where none;
+/// chunk_sum (Mean false): their sum.
+template <class Scalar, class Grid, class Keep, bool Mean = true>
 void chunk_mean_of(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, const Keep& keep,
                    Eigen::Ref<RowMatrix<Scalar>> out, const kernels::KernelOptions& options) {
   grid.check(kernel);
@@ -85,10 +87,12 @@ void chunk_mean_of(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>>
         ++kept;
       }
     }
-    if (kept == 0) {
-      o.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
-    } else {
-      o /= static_cast<Scalar>(kept);
+    if constexpr (Mean) {
+      if (kept == 0) {
+        o.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+      } else {
+        o /= static_cast<Scalar>(kept);
+      }
     }
   });
 }
@@ -115,11 +119,20 @@ void chunk_mean_where(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& 
   detail::chunk_mean_of("chunk_mean_where", x, grid, keep, out, options);
 }
 
+/// out[c] = the sum of the real tokens of block c (overwritten), added in token order: the backward pass
+/// of broadcast_chunks (every token of a block read the block's row). x [rows, d], out [blocks, d].
+template <class Scalar, class Grid>
+void chunk_sum(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, Eigen::Ref<RowMatrix<Scalar>> out,
+               const KernelOptions& options) {
+  const auto all = [](Index, Index) { return true; };
+  detail::chunk_mean_of<Scalar, Grid, decltype(all), false>("chunk_sum", x, grid, all, out, options);
+}
+
 }  // namespace kernels
 namespace detail {
 
-/// broadcast_chunks and broadcast_chunks_add.
-template <bool Add, class Scalar, class Grid>
+/// broadcast_chunks, broadcast_chunks_add and (Mean) chunk_mean_backward_add.
+template <bool Add, class Scalar, class Grid, bool Mean = false>
 void broadcast_rows(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, const Grid& grid,
                     Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options) {
   grid.check(kernel);
@@ -129,7 +142,9 @@ void broadcast_rows(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>
   parallel_for(grid.blocks(), options.num_threads(), work, [&](Index c, int) {
     for (Index s = 0; s < grid.segments(c); ++s) {
       typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr rows = y.middleRows(grid.segment_row(c, s), grid.segment_length(c, s));
-      if constexpr (Add) {
+      if constexpr (Mean) {
+        rows.rowwise() += chunk_rows.row(c) / static_cast<Scalar>(grid.count(c));
+      } else if constexpr (Add) {
         rows.rowwise() += chunk_rows.row(c);
       } else {
         rows.rowwise() = chunk_rows.row(c);
@@ -154,6 +169,15 @@ template <class Scalar, class Grid>
 void broadcast_chunks_add(const Eigen::Ref<const RowMatrix<Scalar>>& chunk_rows, const Grid& grid,
                           Eigen::Ref<RowMatrix<Scalar>> y, const KernelOptions& options) {
   detail::broadcast_rows<true, Scalar>("broadcast_chunks_add", chunk_rows, grid, y, options);
+}
+
+/// The backward pass of chunk_mean: dx[token] += dmeans[block of token] / count(block) for every real
+/// token (a partial block divides by its own count). dmeans [blocks, d], dx [rows, d]; rows of dx that
+/// belong to no block are left as they are.
+template <class Scalar, class Grid>
+void chunk_mean_backward_add(const Eigen::Ref<const RowMatrix<Scalar>>& dmeans, const Grid& grid,
+                             Eigen::Ref<RowMatrix<Scalar>> dx, const KernelOptions& options) {
+  detail::broadcast_rows<true, Scalar, Grid, true>("chunk_mean_backward_add", dmeans, grid, dx, options);
 }
 
 /// The folded fine-attention step. For every block c and head h, with one query per block:
@@ -237,6 +261,124 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
       }
     }
   });
+}
+
+
+}  // namespace kernels
+namespace detail {
+/// The entry checks of fine_attention_folded_backward and its twin.
+template <class Scalar, class Grid>
+void check_folded_backward(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
+                           const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads,
+                           const Eigen::Ref<const RowMatrix<Scalar>>& dpooled, const Eigen::Ref<RowMatrix<Scalar>>& dx,
+                           const Eigen::Ref<RowMatrix<Scalar>>& dqk) {
+  const Index d = x.cols();
+  grid.check(kernel);
+  check_heads(kernel, heads * d, heads);
+  check_shape(kernel, "x", x, grid.tokens(), d);
+  check_shape(kernel, "qk", qk, grid.blocks(), heads * d);
+  check_shape(kernel, "dpooled", dpooled, grid.blocks(), heads * d);
+  check_shape(kernel, "dx", dx, grid.tokens(), d);
+  check_shape(kernel, "dqk", dqk, grid.blocks(), heads * d);
+}
+}  // namespace detail
+namespace kernels {
+
+/// The backward pass of fine_attention_folded for dpooled = dL/dpooled [blocks, heads·d] (mass needs none:
+/// it is 1 or 0 whatever x and qk are). For every block c and head h, with p_j the forward's softmax
+/// weights over the block's real tokens (recomputed from x, qk and bias):
+///   r_j = dpooled[c, h]·x_j,   D = Σ_j p_j r_j,   ds_j = p_j (r_j − D)
+///   dx_j = Σ_h p_hj dpooled[c, h] + ds_hj qk[c, h]      (overwritten, every real token of the block)
+///   dqk[c, h] = Σ_j ds_hj x_j                            (overwritten)
+/// A head that sees no token of a block (every bias −inf) gives zero there. Tasks are blocks: a block's rows
+/// of dx and its row of dqk are its own, so the bits do not depend on the thread count. Working memory:
+/// two [heads, count] blocks per worker. Twin: fine_attention_folded_backward_naive.
+template <class Scalar, class Grid, class Bias>
+void fine_attention_folded_backward(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
+                                    const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads,
+                                    const Eigen::Ref<const RowMatrix<Scalar>>& dpooled, Bias&& bias,
+                                    Eigen::Ref<RowMatrix<Scalar>> dx, Eigen::Ref<RowMatrix<Scalar>> dqk,
+                                    const KernelOptions& options) {
+  const char* kernel = "fine_attention_folded_backward";
+  const Index d = x.cols();
+  detail::check_folded_backward(kernel, x, grid, qk, heads, dpooled, dx, dqk);
+  struct Workspace {
+    RowMatrix<Scalar> p, ds;  // [heads, count]: the weights, then r and ds = p ∘ (r − D)
+  };
+  const double work = static_cast<double>(grid.tokens() * heads) * (8.0 * static_cast<double>(d) + detail::kElementWork);
+  detail::parallel_for_each_worker<Workspace>(grid.blocks(), options.num_threads(), work, [&](Index c, Workspace& ws) {
+    const Index n = grid.count(c);
+    ws.p.resize(heads, n);
+    ws.ds.resize(heads, n);
+    const Eigen::Map<const RowMatrix<Scalar>> q(qk.row(c).data(), heads, d), g(dpooled.row(c).data(), heads, d);
+    Eigen::Map<RowMatrix<Scalar>> dq(dqk.row(c).data(), heads, d);
+    for (Index s = 0, j0 = 0; s < grid.segments(c); ++s) {
+      const Index len = grid.segment_length(c, s);
+      const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstRowsBlockXpr xs = x.middleRows(grid.segment_row(c, s), len);
+      ws.p.middleCols(j0, len).noalias() = q * xs.transpose();
+      ws.ds.middleCols(j0, len).noalias() = g * xs.transpose();  // r
+      j0 += len;
+    }
+    for (Index h = 0; h < heads; ++h) {
+      for (Index j = 0; j < n; ++j) ws.p(h, j) = detail::add_bias(ws.p(h, j), bias(c, h, j));
+      detail::softmax_row(ws.p.row(h));
+      const Scalar rowdot = ws.p.row(h).dot(ws.ds.row(h));
+      ws.ds.row(h) = ws.p.row(h).cwiseProduct((ws.ds.row(h).array() - rowdot).matrix());
+    }
+    dq.setZero();
+    for (Index s = 0, j0 = 0; s < grid.segments(c); ++s) {
+      const Index r0 = grid.segment_row(c, s), len = grid.segment_length(c, s);
+      typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr dxs = dx.middleRows(r0, len);
+      dxs.noalias() = ws.p.middleCols(j0, len).transpose() * g;
+      dxs.noalias() += ws.ds.middleCols(j0, len).transpose() * q;
+      dq.noalias() += ws.ds.middleCols(j0, len) * x.middleRows(r0, len);
+      j0 += len;
+    }
+  });
+}
+
+/// Twin of fine_attention_folded_backward, obviously correct and slow: per block, its token rows listed run
+/// after run; per head one scalar loop per formula — the weights p by softmax_row of the scores, dp_j =
+/// dpooled·x_j, ds_j = p_j (dp_j − Σ_i p_i dp_i), then dx_j += p_j dpooled + ds_j qk and dqk += ds_j x_j.
+template <class Scalar, class Grid, class Bias>
+void fine_attention_folded_backward_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
+                                          const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads,
+                                          const Eigen::Ref<const RowMatrix<Scalar>>& dpooled, Bias&& bias,
+                                          Eigen::Ref<RowMatrix<Scalar>> dx, Eigen::Ref<RowMatrix<Scalar>> dqk) {
+  const Index d = x.cols();
+  detail::check_folded_backward("fine_attention_folded_backward_naive", x, grid, qk, heads, dpooled, dx, dqk);
+  for (Index c = 0; c < grid.blocks(); ++c) {
+    std::vector<Index> tokens;
+    for (Index s = 0; s < grid.segments(c); ++s) {
+      for (Index r = 0; r < grid.segment_length(c, s); ++r) tokens.push_back(grid.segment_row(c, s) + r);
+    }
+    const Index n = static_cast<Index>(tokens.size());
+    for (Index t : tokens) dx.row(t).setZero();
+    dqk.row(c).setZero();
+    for (Index h = 0; h < heads; ++h) {
+      Eigen::Matrix<Scalar, 1, Eigen::Dynamic> p(n), dp(n);
+      for (Index j = 0; j < n; ++j) {
+        Scalar s = 0, r = 0;
+        for (Index k = 0; k < d; ++k) {
+          s += qk(c, h * d + k) * x(tokens[static_cast<std::size_t>(j)], k);
+          r += dpooled(c, h * d + k) * x(tokens[static_cast<std::size_t>(j)], k);
+        }
+        p[j] = detail::add_bias(s, bias(c, h, j));
+        dp[j] = r;
+      }
+      detail::softmax_row(p);
+      Scalar rowdot = 0;
+      for (Index j = 0; j < n; ++j) rowdot += p[j] * dp[j];
+      for (Index j = 0; j < n; ++j) {
+        const Index t = tokens[static_cast<std::size_t>(j)];
+        const Scalar ds = p[j] * (dp[j] - rowdot);
+        for (Index k = 0; k < d; ++k) {
+          dx(t, k) += p[j] * dpooled(c, h * d + k) + ds * qk(c, h * d + k);
+          dqk(c, h * d + k) += ds * x(t, k);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace kernels

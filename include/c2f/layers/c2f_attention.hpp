@@ -230,10 +230,178 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     detail::named(type_name, [&] { run_chunked(x, chunk, sequence_length, coarse_context, out, masks); });
   }
 
+  /// What the folded path keeps for training, one row per block: the folded queries qk [blocks, H·d], the
+  /// pooled tokens [blocks, H·d], the masses [blocks, H] and the heads' output o [blocks, d].
+  struct FoldedState {
+    RowMatrix<Scalar> qk, pooled, mass, o;
+  };
+  /// Training. What forward_train() keeps for backward(): the tokens, the coarse context and its query
+  /// projection, the fine mask and the chunk grid; on the folded path the per-chunk FoldedState, on the
+  /// general path the article's keys and values [L, 2d], the heads' output and each attention row's
+  /// log-sum-exp — O(L·d) values, no [L, L] term.
+  struct Saved : detail::SavedBase {
+    RowMatrix<Scalar> x, context, q;  ///< tokens [B·L, d], coarse context [chunks, d], q_proj(context)
+    AttnMask<Scalar> mask;            ///< the fine mask over the grid (cropped to k when the chunk exceeds L)
+    kernels::ChunkGrid grid;          ///< the chunks (forward_train's form)
+    bool general = false;             ///< which path ran
+    FoldedState folded;               ///< the folded path's
+    RowMatrix<Scalar> kv, attn, lse;  ///< the general path's: [chunks·k, 2d], [chunks·k, d], [chunks·H, k]
+  };
+
+  /// forward_chunked() in train mode (FineAttention has no dropout: its output has forward_chunked()'s
+  /// bits) and what backward() needs. `step` is the contract's (it keys no mask here).
+  TrainOutput<Scalar, Saved> forward_train(ConstTensor3Ref<Scalar> x, Index chunk, ConstTensor3Ref<Scalar> coarse_context,
+                                           const Masks<Scalar>& masks = {}, std::uint64_t step = 0) const {
+    return detail::named(type_name, [&] {
+      detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
+      return detail::train_output<Scalar, Saved>(*this, {x.batch(), x.seq(), d_},
+                                                 [&](Eigen::Ref<RowMatrix<Scalar>> out, Saved& saved) {
+                                                   compute_train(x, chunk, coarse_context, out, masks, step, saved);
+                                                 });
+    });
+  }
+  /// The gradients of a loss given dy = dL/dy of forward_train()'s output: g.input = dL/dx [B, L, d],
+  /// g.context = dL/dcoarse_context [B, m, d], g.params under state_dict()'s names. Both paths give the
+  /// same gradients (up to rounding); a saved state of another object, or older than a change of the
+  /// parameters, is refused (docs/training.md).
+  Grads<Scalar> backward(const Saved& saved, ConstTensor3Ref<Scalar> dy) const {
+    return detail::named(type_name, [&] { return detail::run_backward<Scalar>(*this, saved, dy); });
+  }
+
  private:
+  friend struct detail::TrainAccess;
+  void compute_train(const ConstTensor3Ref<Scalar>& x, Index chunk, const ConstTensor3Ref<Scalar>& coarse_context,
+                     Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks, std::uint64_t, Saved& saved) const {
+    run_chunked(x, chunk, x.seq(), coarse_context, out, masks, &saved);
+  }
+  /// The folded path on a block grid (C2FAttention2D's) in train mode: forward_blocks() and its state.
+  template <class Grid>
+  void compute_train(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
+                     const Eigen::Ref<const RowMatrix<Scalar>>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out,
+                     Saved& saved) const {
+    run_blocks(x, grid, coarse_context, out, &saved);
+  }
+  void compute_backward(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+                        FineAttention& grad) const {
+    const kernels::ChunkGrid& grid = saved.grid;
+    g.input = Tensor3<Scalar>(grid.batch, grid.length, d_);
+    g.context = Tensor3<Scalar>(grid.batch, grid.chunks_per_batch(), d_);
+    Eigen::Map<RowMatrix<Scalar>> dx(g.input.data(), grid.tokens(), d_), dcontext(g.context.data(), grid.chunks(), d_);
+    if (grid.chunks() == 0) return;  // no tokens: the parameters' gradients stay zero
+    if (saved.general) {
+      backward_general(saved, dy, dx, dcontext, grad);
+    } else {
+      const KeyPaddingMask<Scalar> padding = padding_of(grid);
+      const MaskView<Scalar> plan = chunk_plan(saved.mask, padding, grid);
+      backward_blocks(saved, grid, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, dy, dx, dcontext, grad);
+    }
+  }
+  /// The folded path's backward on a block grid (bias(c, h, j) as in the forward): dx [rows, d] (every
+  /// real token's row overwritten), dcontext [blocks, d] (overwritten) and the parameters' gradients into
+  /// `grad`'s.
+  template <class Grid, class Bias>
+  void backward_blocks(const Saved& saved, const Grid& grid, const Bias& bias, const Eigen::Ref<const RowMatrix<Scalar>>& dy,
+                       Eigen::Ref<RowMatrix<Scalar>> dx, Eigen::Ref<RowMatrix<Scalar>> dcontext, FineAttention& grad) const {
+    const Index blocks = grid.blocks(), dk = head_dim();
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
+    const FoldedState& f = saved.folded;
+    // out = broadcast(chunk_out): each block's row read by its tokens; chunk_out = o W_oᵀ + b_o.
+    RowMatrix<Scalar> dchunk(blocks, d_), dout_heads(blocks, d_);
+    kernels::chunk_sum<Scalar>(dy, grid, dchunk, threads);
+    kernels::linear_backward<Scalar>(f.o, out_proj_.weight(), dchunk, dout_heads, grad.out_proj_.weight(),
+                                     grad.out_proj_.bias().data(), threads);
+    // o_h = pooled_h W_v,hᵀ + mass_h b_v,h: dpooled_h = do_h W_v,h, dW_v,h = do_hᵀ pooled_h, db_v,h = Σ mass do_h.
+    const Scalar scale = kernels::default_scale<Scalar>(dk);
+    RowMatrix<Scalar> dpooled(blocks, heads_ * d_), dqk(blocks, heads_ * d_), dq(blocks, d_);
+    for (Index h = 0; h < heads_; ++h) {
+      kernels::linear_backward<Scalar>(f.pooled.middleCols(h * d_, d_), kv_proj_.weight().middleRows(d_ + h * dk, dk),
+                                       dout_heads.middleCols(h * dk, dk), dpooled.middleCols(h * d_, d_),
+                                       grad.kv_proj_.weight().middleRows(d_ + h * dk, dk), nullptr, threads);
+      grad.kv_proj_.bias().segment(d_ + h * dk, dk) =
+          (f.mass.col(h).transpose().template cast<double>() * dout_heads.middleCols(h * dk, dk).template cast<double>())
+              .transpose()
+              .template cast<Scalar>();
+    }
+    kernels::fine_attention_folded_backward<Scalar>(saved.x, grid, f.qk, heads_, dpooled, bias, dx, dqk, threads);
+    // qk_h = q_h (W_k,h · scale): dq_h = dqk_h (W_k,h · scale)ᵀ, dW_k,h = scale · q_hᵀ dqk_h. The key bias
+    // only shifts a softmax row: its gradient is zero.
+    for (Index h = 0; h < heads_; ++h) {
+      kernels::matmul_rows<Scalar>(dqk.middleCols(h * d_, d_), kv_proj_.weight().middleRows(h * dk, dk).transpose() * scale,
+                                   nullptr, dq.middleCols(h * dk, dk), threads);
+      grad.kv_proj_.weight().middleRows(h * dk, dk).noalias() =
+          (saved.q.middleCols(h * dk, dk).transpose() * dqk.middleCols(h * d_, d_)) * scale;
+    }
+    kernels::linear_backward<Scalar>(saved.context, q_proj_.weight(), dq, dcontext, grad.q_proj_.weight(),
+                                     grad.q_proj_.bias().data(), threads);
+  }
+  /// The general path's backward: out_proj, the attention (sdpa_backward; every token of a chunk reads its
+  /// one query, so a chunk's dq sums its rows), kv_proj, q_proj.
+  void backward_general(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx,
+                        Eigen::Ref<RowMatrix<Scalar>> dcontext, FineAttention& grad) const {
+    const kernels::ChunkGrid& grid = saved.grid;
+    const Index chunks = grid.chunks(), k = grid.chunk, dk = head_dim();
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
+    const RowMatrix<Scalar> tokens = padded_tokens(saved.x, grid);  // the padded grid's rows (padded rows zero)
+    RowMatrix<Scalar> dprojected = RowMatrix<Scalar>::Zero(chunks * k, d_), dattn(chunks * k, d_);
+    for (Index c = 0; c < chunks; ++c) dprojected.middleRows(c * k, grid.count(c)) = dy.middleRows(grid.row(c), grid.count(c));
+    kernels::linear_backward<Scalar>(saved.attn, out_proj_.weight(), dprojected, dattn, grad.out_proj_.weight(),
+                                     grad.out_proj_.bias().data(), threads);
+    dprojected.resize(0, 0);
+    RowMatrix<Scalar> dq_rows(chunks * k, d_), dkv(chunks * k, 2 * d_);
+    {
+      const KeyPaddingMask<Scalar> padding = padding_of(grid);
+      const MaskView<Scalar> plan = chunk_plan(saved.mask, padding, grid);
+      const kernels::HeadsView<const Scalar> kview = kernels::heads_view<const Scalar>(saved.kv.data(), chunks, k, 2 * d_, 0, heads_, dk);
+      const kernels::HeadsView<const Scalar> vview = kernels::heads_view<const Scalar>(saved.kv.data(), chunks, k, 2 * d_, d_, heads_, dk);
+      kernels::sdpa_backward<Scalar>(chunk_queries(saved.q, chunks, k), kview, vview,
+                                     kernels::heads_view<const Scalar>(saved.attn.data(), chunks, k, d_, 0, heads_, dk), saved.lse,
+                                     kernels::heads_view<const Scalar>(dattn.data(), chunks, k, d_, 0, heads_, dk),
+                                     kernels::heads_view<Scalar>(dq_rows.data(), chunks, k, d_, 0, heads_, dk),
+                                     kernels::heads_view<Scalar>(dkv.data(), chunks, k, 2 * d_, 0, heads_, dk),
+                                     kernels::heads_view<Scalar>(dkv.data(), chunks, k, 2 * d_, d_, heads_, dk), plan,
+                                     kernels::AttnDropout{}, kernels::default_scale<Scalar>(dk), threads);
+    }
+    dattn.resize(0, 0);
+    RowMatrix<Scalar> dq(chunks, d_), dtokens(chunks * k, d_);
+    for (Index c = 0; c < chunks; ++c) dq.row(c) = dq_rows.middleRows(c * k, k).colwise().sum();
+    kernels::linear_backward<Scalar>(tokens, kv_proj_.weight(), dkv, dtokens, grad.kv_proj_.weight(),
+                                     grad.kv_proj_.bias().data(), threads);
+    for (Index c = 0; c < chunks; ++c) dx.middleRows(grid.row(c), grid.count(c)) = dtokens.middleRows(c * k, grid.count(c));
+    kernels::linear_backward<Scalar>(saved.context, q_proj_.weight(), dq, dcontext, grad.q_proj_.weight(),
+                                     grad.q_proj_.bias().data(), threads);
+  }
+
+  /// Chunk c sees only its real keys: a key-length mask per chunk (on top of the caller's mask).
+  static KeyPaddingMask<Scalar> padding_of(const kernels::ChunkGrid& grid) {
+    std::vector<Index> real_keys(static_cast<std::size_t>(grid.chunks()));
+    for (Index c = 0; c < grid.chunks(); ++c) real_keys[static_cast<std::size_t>(c)] = grid.count(c);
+    return KeyPaddingMask<Scalar>::lengths(real_keys);
+  }
+  /// The plan of the chunks' attention problems: chunks × heads, k queries over k keys.
+  MaskView<Scalar> chunk_plan(const AttnMask<Scalar>& mask, const KeyPaddingMask<Scalar>& padding,
+                              const kernels::ChunkGrid& grid) const {
+    return MaskView<Scalar>(mask, padding, grid.chunks(), heads_, grid.chunk, grid.chunk);
+  }
+  /// The queries of the general path: every token of chunk c reads the chunk's q row (a row stride of 0).
+  kernels::HeadsView<const Scalar> chunk_queries(const RowMatrix<Scalar>& q, Index chunks, Index k) const {
+    kernels::HeadsView<const Scalar> qv = kernels::heads_view<const Scalar>(q.data(), chunks, k, d_, 0, heads_, head_dim());
+    qv.row_stride = 0;
+    qv.batch_stride = d_;
+    return qv;
+  }
+  /// The tokens on the padded grid [chunks·k, d]: x itself when L is divisible, else a copy whose padded
+  /// rows are zeros (their keys are masked).
+  static RowMatrix<Scalar> padded_tokens(const Eigen::Ref<const RowMatrix<Scalar>>& x, const kernels::ChunkGrid& grid) {
+    const Index k = grid.chunk;
+    if (grid.length % k == 0) return x;
+    RowMatrix<Scalar> padded = RowMatrix<Scalar>::Zero(grid.chunks() * k, x.cols());
+    for (Index c = 0; c < grid.chunks(); ++c) padded.middleRows(c * k, grid.count(c)) = x.middleRows(grid.row(c), grid.count(c));
+    return padded;
+  }
+
   void run_chunked(const ConstTensor3Ref<Scalar>& x, Index chunk, Index sequence_length,
                    const ConstTensor3Ref<Scalar>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out,
-                   const Masks<Scalar>& masks) const {
+                   const Masks<Scalar>& masks, Saved* saved = nullptr) const {
     detail::check_mask_fields(masks, "FineAttention", mask_fields);
     if (chunk < 1) detail::fail("FineAttention: chunk size must be >= 1, got ", chunk);
     detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
@@ -251,13 +419,17 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     }
     detail::check_out("FineAttention", out, {x.batch(), x.seq(), d_});
     const AttnMask<Scalar> mask = fine_mask(masks.attn_mask(), chunks, chunk, k);
+    if (saved != nullptr) {
+      saved->x = x.rows();
+      saved->context = coarse_context.rows();
+      saved->mask = mask;
+      saved->grid = grid;
+    }
     if (chunks == 0) return;
 
     // Chunk c sees only its real keys: a key-length mask per chunk on top of the caller's mask.
-    std::vector<Index> real_keys(static_cast<std::size_t>(chunks));
-    for (Index c = 0; c < chunks; ++c) real_keys[static_cast<std::size_t>(c)] = grid.count(c);
-    const KeyPaddingMask<Scalar> padding = KeyPaddingMask<Scalar>::lengths(real_keys);
-    const MaskView<Scalar> plan(mask, padding, chunks, heads_, k, k);
+    const KeyPaddingMask<Scalar> padding = padding_of(grid);
+    const MaskView<Scalar> plan = chunk_plan(mask, padding, grid);
 
     RowMatrix<Scalar> q(chunks, d_);
     q_proj_.forward_rows_independent(coarse_context.rows(), q);
@@ -266,10 +438,16 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     if (options_.fine_path() == FinePath::Folded && !rows_equal) {
       detail::fail("FineAttention: FinePath::Folded needs a mask whose rows are equal within each chunk");
     }
-    if (options_.fine_path() == FinePath::General || !rows_equal) {
-      forward_general(x, grid, q, plan, out);
+    const bool general = options_.fine_path() == FinePath::General || !rows_equal;
+    if (general) {
+      forward_general(x, grid, q, plan, out, saved);
     } else {
-      forward_folded(x.rows(), grid, q, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, out);
+      forward_folded(x.rows(), grid, q, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, out,
+                     saved != nullptr ? &saved->folded : nullptr);
+    }
+    if (saved != nullptr) {
+      saved->general = general;
+      saved->q = std::move(q);
     }
   }
 
@@ -320,7 +498,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
  private:
   template <class Grid>
   void run_blocks(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
-                  const Eigen::Ref<const RowMatrix<Scalar>>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out) const {
+                  const Eigen::Ref<const RowMatrix<Scalar>>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out,
+                  Saved* saved = nullptr) const {
     if (x.cols() != d_ || out.cols() != d_ || out.rows() != x.rows() || coarse_context.rows() != grid.blocks() ||
         coarse_context.cols() != d_) {
       detail::fail("FineAttention: forward_blocks needs x [rows, embed_dim=", d_, "], coarse_context [blocks=",
@@ -328,10 +507,15 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                    ", coarse_context ", detail::shape_string({coarse_context.rows(), coarse_context.cols()}), " and out ",
                    detail::shape_string({out.rows(), out.cols()}));
     }
+    if (saved != nullptr) {
+      saved->x = x;
+      saved->context = coarse_context;
+    }
     if (grid.blocks() == 0) return;
     RowMatrix<Scalar> q(grid.blocks(), d_);
     q_proj_.forward_rows_independent(coarse_context, q);
-    forward_folded(x, grid, q, [](Index, Index, Index) { return Scalar(0); }, out);
+    forward_folded(x, grid, q, [](Index, Index, Index) { return Scalar(0); }, out, saved != nullptr ? &saved->folded : nullptr);
+    if (saved != nullptr) saved->q = std::move(q);
   }
 
  public:
@@ -393,9 +577,10 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
   /// One attention row per block; kv_proj folded into the query (keys) and the pooled tokens (values).
   /// `bias(c, h, j)`: what is added to the score of token j of block c for head h (0, a value or -inf).
+  /// `keep`: nullptr, or where training keeps qk, pooled, mass and o.
   template <class Grid, class Bias>
   void forward_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, const RowMatrix<Scalar>& q,
-                      const Bias& bias, Eigen::Ref<RowMatrix<Scalar>> out) const {
+                      const Bias& bias, Eigen::Ref<RowMatrix<Scalar>> out, FoldedState* keep = nullptr) const {
     const Index chunks = grid.blocks(), dk = head_dim();
     // Every product is row by row independent (KernelOptions::rows_independent): a shard of the blocks
     // (c2f/dist) computes the bits of the whole.
@@ -423,34 +608,50 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     }
     out_proj_.forward_rows_independent(o, chunk_out);
     kernels::broadcast_chunks<Scalar>(chunk_out, grid, out, threads);
+    if (keep != nullptr) {
+      keep->qk = qk;
+      keep->pooled = pooled;
+      keep->mass = std::move(mass);
+      keep->o = std::move(o);
+    }
   }
 
   /// The article's formula: k, v = kv_proj(tokens); per token, softmax(q_chunk kᵀ / sqrt(dk) + mask) v.
+  /// `saved`: nullptr, or training's state, which then holds k, v, the heads' output and the log-sum-exp
+  /// (sdpa_train: the same output bits).
   void forward_general(const ConstTensor3Ref<Scalar>& x, const kernels::ChunkGrid& grid, const RowMatrix<Scalar>& q,
-                       const MaskView<Scalar>& plan, Eigen::Ref<RowMatrix<Scalar>> out) const {
+                       const MaskView<Scalar>& plan, Eigen::Ref<RowMatrix<Scalar>> out, Saved* saved = nullptr) const {
     const Index chunks = grid.chunks(), k = grid.chunk, dk = head_dim();
     // Tokens on the padded grid [chunks·k, d]; padded rows are zeros (their keys are masked).
     RowMatrix<Scalar> padded;
     const bool divisible = grid.length % k == 0;
-    if (!divisible) {
-      padded = RowMatrix<Scalar>::Zero(chunks * k, d_);
-      for (Index c = 0; c < chunks; ++c) padded.middleRows(c * k, grid.count(c)) = x.rows().middleRows(grid.row(c), grid.count(c));
-    }
+    if (!divisible) padded = padded_tokens(x.rows(), grid);
     const Eigen::Ref<const RowMatrix<Scalar>> tokens =
         divisible ? Eigen::Ref<const RowMatrix<Scalar>>(x.rows()) : Eigen::Ref<const RowMatrix<Scalar>>(padded);
 
-    detail::ScratchMatrix<Scalar> kv_s(chunks * k, 2 * d_), attn_s(chunks * k, d_);
-    typename detail::ScratchMatrix<Scalar>::MapType kv = kv_s.map(), attn = attn_s.map();
+    const Index rows = saved != nullptr ? 0 : chunks * k;  // training keeps them: heap buffers of its own
+    detail::ScratchMatrix<Scalar> kv_s(rows, 2 * d_), attn_s(rows, d_);
+    if (saved != nullptr) {
+      saved->kv.resize(chunks * k, 2 * d_);
+      saved->attn.resize(chunks * k, d_);
+      saved->lse.resize(chunks * heads_, k);
+    }
+    Eigen::Ref<RowMatrix<Scalar>> kv = saved != nullptr ? Eigen::Ref<RowMatrix<Scalar>>(saved->kv) : Eigen::Ref<RowMatrix<Scalar>>(kv_s.map());
+    Eigen::Ref<RowMatrix<Scalar>> attn =
+        saved != nullptr ? Eigen::Ref<RowMatrix<Scalar>>(saved->attn) : Eigen::Ref<RowMatrix<Scalar>>(attn_s.map());
     kv_proj_.forward_rows_independent(tokens, kv);
     // Every token of chunk c reads the chunk's one query: a row stride of 0.
-    kernels::HeadsView<const Scalar> qv = kernels::heads_view<const Scalar>(q.data(), chunks, k, d_, 0, heads_, dk);
-    qv.row_stride = 0;
-    qv.batch_stride = d_;
+    const kernels::HeadsView<const Scalar> qv = chunk_queries(q, chunks, k);
     const kernels::HeadsView<const Scalar> kview = kernels::heads_view<const Scalar>(kv.data(), chunks, k, 2 * d_, 0, heads_, dk);
     const kernels::HeadsView<const Scalar> vview = kernels::heads_view<const Scalar>(kv.data(), chunks, k, 2 * d_, d_, heads_, dk);
     const kernels::HeadsView<Scalar> oview = kernels::heads_view<Scalar>(attn.data(), chunks, k, d_, 0, heads_, dk);
-    kernels::sdpa_streaming<Scalar>(qv, kview, vview, oview, plan, kernels::default_scale<Scalar>(dk),
-                                    detail::kernel_options(options_));
+    if (saved != nullptr) {
+      kernels::sdpa_train<Scalar>(qv, kview, vview, oview, saved->lse, plan, kernels::AttnDropout{},
+                                  kernels::default_scale<Scalar>(dk), detail::kernel_options(options_));
+    } else {
+      kernels::sdpa_streaming<Scalar>(qv, kview, vview, oview, plan, kernels::default_scale<Scalar>(dk),
+                                      detail::kernel_options(options_));
+    }
 
     detail::ScratchMatrix<Scalar> projected_s(chunks * k, d_);
     typename detail::ScratchMatrix<Scalar>::MapType projected = projected_s.map();

@@ -1,0 +1,196 @@
+"""Fixture family "train_c2f": the gradients (torch.autograd) of the coarse-to-fine layers.
+
+generate.py registers this family with one line (``register(generate module)``); it uses the generator's
+streams, parameter draws and case vocabulary (C2fCase, C2f2dCase, SparseCase), so that a case here draws
+exactly as the forward families do. Each case builds the real PyTorch module in float64 and float32, runs
+``y = module(inputs)`` and ``y.backward(dy)`` with a random dy, and stores the inputs, the parameters, dy,
+the output and every input's and parameter's ``.grad`` (``grad.<input>``, ``grad.<module>.<parameter>``).
+
+* ``fine``: the article's FineAttention (c2f_reference.py), x [B, m, k, d] and coarse_context [B, m, d]
+  both requiring grad, an optional keep mask [B, m, k, k].
+* Rows whose keys are all masked: the article fills masked scores with -1e9, which averages every value
+  uniformly there; c2f gives zero attention (and zero gradient). Such cases use a written-out twin of the
+  module with c2f's semantics (``fine_forward``: -inf masking, zero rows), which the generator checks
+  equals the module, output and gradients, on every case without such rows (float64, 1e-12).
+"""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+import c2f_reference as c2f_ref
+
+G = None  # the generate module: its streams, helpers and case types (set by register())
+
+FAMILY = "train_c2f"
+
+
+def register(generate_module) -> None:
+    """Registers the family with generate.py's registry; `generate_module` is generate.py itself."""
+    global G
+    G = generate_module
+    G.register_family(FAMILY, computed=("output", "grad.*"),
+                      description="gradients of the coarse-to-fine layers (y.backward(dy)): the article's "
+                                  "FineAttention")(gen_train_c2f)
+
+
+# =====================================================================================================
+# c2f's semantics for rows without a visible key, written out (differentiable)
+# =====================================================================================================
+
+def softmax_zero_rows(s: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension of s where keep (bool, broadcast) is True; a row that keeps nothing
+    is zeros (not the -1e9 fill's uniform average, not NaN), and so is its gradient."""
+    keep = keep.expand_as(s)
+    seen = keep.any(dim=-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(~keep, -math.inf).masked_fill(~seen, 0.0), dim=-1)
+    return torch.where(seen, p, torch.zeros_like(p))
+
+
+def fine_forward(mod: c2f_ref.FineAttention, x: torch.Tensor, context: torch.Tensor,
+                 keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """The article's FineAttention.forward with c2f's semantics: keep [B, m, k, k] (True = keep)."""
+    B, m, k, d = x.shape
+    H, dk = mod.n_heads, mod.d_k
+
+    def heads(t):
+        return t.reshape(B, m, k, H, dk).permute(0, 3, 1, 2, 4)
+
+    q = mod.q_proj(context).unsqueeze(2).expand(-1, -1, k, -1)
+    kk, v = mod.kv_proj(x).chunk(2, dim=-1)
+    s = (heads(q) @ heads(kk).transpose(-2, -1)) / math.sqrt(dk)
+    p = torch.softmax(s, dim=-1) if keep is None else softmax_zero_rows(s, keep.unsqueeze(1))
+    return mod.out_proj((p @ heads(v)).permute(0, 2, 3, 1, 4).reshape(B, m, k, d))
+
+
+# =====================================================================================================
+# Cases
+# =====================================================================================================
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    seed: int
+    description: str
+    module: str  # "fine"
+    sizes: tuple = ()  # fine: (m, k)
+    batch: int = 2
+    d_model: int = 16
+    n_heads: int = 4
+    mask: Optional[str] = None  # fine: "per_token" | "per_chunk_key" | "fully_masked"
+
+
+def _cases() -> List[Case]:
+    return [
+        Case("fine_m3_k4", 17001, "FineAttention, 3 chunks of 4 tokens, no mask", "fine", (3, 4)),
+        Case("fine_m3_k4_keys", 17002, "FineAttention, 3 chunks of 4, a per-chunk key mask (rows equal: the folded "
+             "path with a mask)", "fine", (3, 4), mask="per_chunk_key"),
+        Case("fine_m3_k4_tokens", 17003, "FineAttention, 3 chunks of 4, a random per-token mask (the general path)",
+             "fine", (3, 4), mask="per_token"),
+        Case("fine_m5_k1_b3", 17004, "FineAttention, 5 chunks of 1 token, B = 3", "fine", (5, 1), batch=3),
+        Case("fine_m1_k1_b3", 17005, "FineAttention, one chunk of one token (L = 1), B = 3", "fine", (1, 1), batch=3),
+        Case("fine_m4_k5_fully_masked", 17006, "FineAttention, 4 chunks of 5, a mask with whole query rows masked and "
+             "one chunk of batch 1 masked for every row: zero attention there (c2f's semantics, fine_forward)",
+             "fine", (4, 5), mask="fully_masked"),
+        Case("fine_m3_k7_h8", 17007, "FineAttention, d_model 24 with 8 heads (head dim 3), 3 chunks of 7", "fine", (3, 7),
+             d_model=24, n_heads=8),
+    ]
+
+
+def _fully_masked_fine(rs, B: int, m: int, k: int) -> np.ndarray:
+    """[B, m, k, k] keep mask: random (60 % kept), query rows 0 and k - 1 of chunk 0 entirely masked, and
+    chunk m - 1 of batch item 1 masked for every row."""
+    keep = rs.uniform(size=(B, m, k, k)) < G.C2F_MASK_KEEP_PROBABILITY
+    keep[:, 0, 0, :] = False
+    keep[:, 0, k - 1, :] = False
+    keep[1, m - 1] = False
+    return keep
+
+
+def _backward(fn, inputs: Dict[str, torch.Tensor], module: torch.nn.Module, prefix: str, dy: np.ndarray, np_dt):
+    """y = fn(); y.backward(dy): (output, {grad.<input>, grad.<prefix><parameter>})."""
+    out, grads = G._backward(fn, inputs, module, dy, np_dt)
+    names = {k for k, _ in module.named_parameters()}
+    return out, {(f"grad.{prefix}{k[5:]}" if k[5:] in names else k): v for k, v in grads.items()}
+
+
+def _fine_case(c: Case, tag: str, check_twin: bool):
+    np_dt, t_dt = G.DTYPES[tag]
+    m, k = c.sizes
+    vocabulary = G.C2fCase(c.name, c.seed, c.description, "fine", m, k, d_model=c.d_model, n_heads=c.n_heads,
+                           batch=c.batch, fine_mask=c.mask if c.mask in ("per_token", "per_chunk_key") else None)
+    params = G._c2f_parameters(vocabulary)
+    inputs = G._c2f_inputs(vocabulary)
+    mask = None
+    if c.mask == "fully_masked":
+        mask = _fully_masked_fine(G.stream(c.seed, "fine_mask"), c.batch, m, k)
+    elif c.mask is not None:
+        mask = G._c2f_fine_mask(G.stream(c.seed, "fine_mask"), vocabulary)
+    fully_masked = mask is not None and not bool(mask.any(axis=-1).all())
+    if fully_masked != (c.mask == "fully_masked"):
+        raise RuntimeError(f"{c.name}: fully masked rows {fully_masked}, the case says {c.mask}")
+    dy = G.stream(c.seed, "grad_output").standard_normal(size=(c.batch, m, k, c.d_model))
+
+    def run(use_twin: bool):
+        mod = c2f_ref.FineAttention(c.d_model, c.n_heads).to(t_dt)
+        G._load_exactly(mod, params, np_dt, c.name)
+        x = {n: torch.from_numpy(v.astype(np_dt)) for n, v in inputs.items()}
+        mt = None if mask is None else torch.from_numpy(mask)
+        if use_twin:
+            fn = lambda: fine_forward(mod, x["x"], x["coarse_context"], mt)  # noqa: E731
+        else:
+            fn = lambda: mod(x["x"], x["coarse_context"], mask=mt)  # noqa: E731
+        return _backward(fn, x, mod, "fine.", dy, np_dt)
+
+    out, grads = run(use_twin=fully_masked)
+    if check_twin and not fully_masked:
+        _check_twin(c.name, (out, grads), run(use_twin=True))
+    tensors = {f"fine.{n}": v.astype(np_dt) for n, v in params.items()}
+    tensors.update({n: v.astype(np_dt) for n, v in inputs.items()})
+    if mask is not None:
+        tensors["mask"] = mask
+    rows_equal = mask is None or bool((mask == mask[:, :, :1, :]).all())
+    meta = {"d_model": str(c.d_model), "n_heads": str(c.n_heads), "batch": str(c.batch), "num_chunks": str(m),
+            "chunk_len": str(k), "mask": "none" if mask is None else "bool", "mask_rows_equal": G.b(rows_equal),
+            "fully_masked_rows": G.b(fully_masked),
+            "reference": "fine_forward" if fully_masked else "c2f_reference.FineAttention"}
+    return tensors, dy, out, grads, meta
+
+
+def _check_twin(name: str, module_result, twin_result) -> None:
+    """The written-out twin equals the module (float64): output and every gradient within 1e-12."""
+    (out, grads), (out2, grads2) = module_result, twin_result
+    if not np.allclose(out2, out, rtol=0, atol=1e-12) or grads.keys() != grads2.keys() or any(
+            not np.allclose(grads2[n], g, rtol=0, atol=1e-12) for n, g in grads.items()):
+        raise RuntimeError(f"{name}: the zero-rows twin disagrees with the module")
+
+
+BUILDERS = {"fine": _fine_case}
+
+
+def _case_files(family_dir: Path, c: Case) -> dict:
+    files, entry_meta = {}, None
+    for tag, (np_dt, _) in G.DTYPES.items():
+        tensors, dy, out, grads, meta = BUILDERS[c.module](c, tag, check_twin=tag == "f64")
+        if not (np.isfinite(out).all() and all(np.isfinite(g).all() for g in grads.values())):
+            raise RuntimeError(f"{c.name}/{tag}: output or gradients not finite")
+        tensors.update(grad_output=dy.astype(np_dt), output=out, **grads)
+        G._check_dtypes(c.name, {n: v for n, v in tensors.items() if v.dtype not in (bool, np.int64)}, np_dt)
+        meta = dict(meta, module=c.module, seed=str(c.seed), torch_version=G.torch_version(), description=c.description)
+        if entry_meta is not None and meta != entry_meta:
+            raise RuntimeError(f"{c.name}: f32 and f64 metadata differ")
+        entry_meta = meta
+        files[tag] = G.write_case(family_dir, c.name, tag, tensors, meta)
+    return {"name": c.name, "files": files, **{k: entry_meta[k] for k in sorted(entry_meta)}}
+
+
+def gen_train_c2f(family_dir: Path) -> List[dict]:
+    cases = _cases()
+    names = [c.name for c in cases]
+    if len(set(names)) != len(names) or len({c.seed for c in cases}) != len(cases):
+        raise RuntimeError("train_c2f case names and seeds must be unique")
+    return [_case_files(family_dir, c) for c in cases]
