@@ -46,7 +46,6 @@ using c2f_test::check_central;
 using c2f_test::check_one_input_case;
 using c2f_test::check_parameters;
 using c2f_test::Comparison;
-using c2f_test::finite_difference_check;
 using c2f_test::error_of;
 using c2f_test::meta_index;
 using c2f_test::ScalarOf;
@@ -440,16 +439,8 @@ TYPED_TEST_SUITE(FiniteDifferences, TrainEntries, c2f_test::EntryNames);
 // B = 2, L = 7 (several blocks of the small ones), without masks and with every mask the layer takes
 // (causal and key padding; batch item 1 pads its last two keys).
 TYPED_TEST(FiniteDifferences, GradientsEqualCentralDifferences) {
-  using Layer = typename TypeParam::Layer;
   TestRng rng(46);
-  Layer layer = TypeParam::make(typename TypeParam::Options().seed(5).num_threads(2));
-  c2f_test::randomize(layer, rng, 0.5);
-  const Tensor3<double> x = rng.tensor<double>(2, 7, c2f_test::kWidth);
-  std::vector<Masks<double>> sets{Masks<double>()};
-  if (Layer::mask_fields != c2f::MaskFields::None) sets.push_back(c2f_test::every_mask<double>(2, 7, Layer::mask_fields));
-  double worst = 0;
-  for (const Masks<double>& masks : sets) worst = std::max(worst, finite_difference_check<TypeParam>(layer, x, masks, rng));
-  std::cout << "[train] finite differences " << TypeParam::name << ": worst |fd - g| / (1e-5 + 1e-3 |fd|) = " << worst << "\n";
+  c2f_test::entry_finite_differences<TypeParam>(rng, 7);
 }
 
 // Cross-attention with kdim ≠ vdim ≠ embed_dim: dquery, dkey, dvalue and every parameter.

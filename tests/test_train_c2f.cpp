@@ -6,7 +6,8 @@
 //     and parameters' .grad after y.backward(dy), fp64 1e-10, fp32 atol 1e-5 / rtol 5e-6;
 //   - the folded and the general fine path give equal gradients;
 //   - central finite differences in double of every input and parameter element;
-//   - fully masked rows: zero gradients, no NaN.
+//   - fully masked rows: zero gradients, no NaN;
+//   - the memory of forward_train + backward of C2FAttention grows linearly in L (malloc counting).
 // The layer contract's training properties (names, shapes, thread bits, refused saved states) are in
 // test_layer_contract.cpp.
 #include "support/eigen_assert_throws.hpp"
@@ -19,6 +20,7 @@
 #include "support/layer_entries.hpp"
 #include "support/random.hpp"
 #include "support/train_checks.hpp"
+#include "tools/malloc_counter.hpp"
 
 #include <gtest/gtest.h>
 
@@ -40,9 +42,11 @@ using c2f::Masks;
 using c2f::RowMatrix;
 using c2f::StateDict;
 using c2f::Tensor3;
+using c2f_test::Calls;  // the entries of C2F_LAYER
 using c2f_test::check_central;
 using c2f_test::check_parameters;
 using c2f_test::Comparison;
+using c2f_test::ScalarOf;
 using c2f_test::TestRng;
 
 namespace kernels = c2f::kernels;
@@ -313,6 +317,20 @@ void check_fine_case(const StateDict& sd, Comparison& cmp) {
   }
 }
 
+// The article's C2FAttention (x [B, L, d], the coarse and the fine keep masks): output, grad.input and every
+// parameter's gradient, on every fine path the mask allows, 1 and 2 threads, small attention blocks.
+template <class Scalar>
+void check_c2f_case(const StateDict& sd, Comparison& cmp) {
+  using C2F = c2f::C2FAttention<Scalar>;
+  const Masks<Scalar> masks =
+      Masks<Scalar>().attn_mask(keep_mask<Scalar>(sd, "coarse_mask")).fine_attn_mask(keep_mask<Scalar>(sd, "fine_mask"));
+  for (FinePath path : fine_paths(sd.metadata().at("fine_mask_rows_equal") == "true")) {
+    C2F layer(c2f_test::meta_index(sd, "d_model"), c2f_test::meta_index(sd, "n_heads"), c2f_test::meta_index(sd, "chunk_size"),
+              typename C2F::Options().fine_path(path).query_block(3).key_block(4));
+    c2f_test::check_one_input_case<Scalar>(layer, sd, masks, "c2f.", cmp);
+  }
+}
+
 template <class Scalar>
 void check_train_c2f_case(const nlohmann::json& c) {
   const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(c2f_test::Tolerance<Scalar>::file_key)));
@@ -320,6 +338,8 @@ void check_train_c2f_case(const nlohmann::json& c) {
   Comparison cmp;
   if (module == "fine") {
     check_fine_case<Scalar>(sd, cmp);
+  } else if (module == "c2f") {
+    check_c2f_case<Scalar>(sd, cmp);
   } else {
     FAIL() << "unknown module " << module;
   }
@@ -339,11 +359,70 @@ TEST(TrainC2FFixtures, CoverTheRequiredShapes) {
     fully_masked[m] += c.value("fully_masked_rows", std::string()) == "true";
     batch3[m] += c.at("batch") == "3";
   }
-  for (const char* m : {"fine"}) {
+  for (const char* m : {"fine", "c2f"}) {
     EXPECT_GE(modules[m], 5) << m;
     EXPECT_GE(fully_masked[m], 1) << m;
     EXPECT_GE(batch3[m], 1) << m;
   }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Finite differences of the layers that take x [B, L, d], in double
+
+template <class E>
+class FiniteDifferencesC2F : public ::testing::Test {};
+
+// clang-format off
+C2F_LAYER(C2FF64, c2f::C2FAttention<double>, c2f_test::kWidth, 2, 3, o.query_block(2).key_block(3));
+C2F_LAYER(C2FGeneralF64, c2f::C2FAttention<double>, c2f_test::kWidth, 4, 4, o.fine_path(c2f::FinePath::General).query_block(3));
+C2F_LAYER(C2FChunk1F64, c2f::C2FAttention<double>, c2f_test::kWidth, 1, 1, o);
+// clang-format on
+using C2FEntries = ::testing::Types<C2FF64, C2FGeneralF64, C2FChunk1F64>;
+TYPED_TEST_SUITE(FiniteDifferencesC2F, C2FEntries, c2f_test::EntryNames);
+
+// B = 2, L = 7: chunks of 3 (the last holds one token), of 4 (the last three), of 1; without masks and with
+// causal coarse and fine masks (the fine one sends the auto path to the general one).
+TYPED_TEST(FiniteDifferencesC2F, GradientsEqualCentralDifferences) {
+  TestRng rng(65);
+  c2f_test::entry_finite_differences<TypeParam>(rng, 7);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Memory
+
+// forward_train + backward of C2FAttention (d = 64, 4 heads, chunk 32, B = 1, float, 2 threads) at length L
+// from an empty scratch cache: the heap held at once at the peak and the largest block.
+struct Measured {
+  long long peak, largest;
+};
+Measured measure_c2f_training(Index length) {
+  c2f::C2FAttention<float> layer(64, 4, 32, c2f::C2FAttention<float>::Options().num_threads(2));
+  TestRng rng(66);
+  const Tensor3<float> x = rng.tensor<float>(1, length, 64), dy = rng.tensor<float>(1, length, 64);
+  c2f::release_scratch_cache();
+  c2f_memory::reset();
+  {
+    const auto [y, saved] = layer.forward_train(x);
+    const c2f::Grads<float> g = layer.backward(saved, dy);
+    EXPECT_EQ(g.input.dimension(1), length);
+  }
+  c2f_memory::stop();
+  return {c2f_memory::peak_bytes(), c2f_memory::largest_allocation()};
+}
+
+// No term in L²: from L = 2048 to 8192 the peak grows about 4× (16× would be quadratic), and the largest block
+// is one [L, d] activation. Prints the bytes per token.
+TEST(TrainC2FMemory, PeakIsLinearInLength) {
+  if (!c2f_memory::available()) GTEST_SKIP() << "malloc counting is unavailable under sanitizers";
+  const Index short_length = 2048, long_length = 4 * short_length;
+  const Measured small = measure_c2f_training(short_length), large = measure_c2f_training(long_length);
+  const double ratio = double(large.peak) / double(small.peak);
+  std::cout << "[memory] C2FAttention forward_train + backward, d=64 H=4 chunk=32 B=1 float: L=" << short_length << " "
+            << small.peak / short_length << " bytes/token, L=" << long_length << " " << large.peak / long_length
+            << " bytes/token (peak " << large.peak << " bytes, largest block " << large.largest << ")\n";
+  EXPECT_GT(ratio, 3.0);
+  EXPECT_LT(ratio, 4.5) << "the peak grew " << ratio << "x for 4x the length";
+  EXPECT_LE(large.largest, long_length * 64 * static_cast<long long>(sizeof(float)) + 64) << "a block larger than [L, d]";
 }
 
 }  // namespace

@@ -8,9 +8,11 @@ the output and every input's and parameter's ``.grad`` (``grad.<input>``, ``grad
 
 * ``fine``: the article's FineAttention (c2f_reference.py), x [B, m, k, d] and coarse_context [B, m, d]
   both requiring grad, an optional keep mask [B, m, k, k].
+* ``c2f``: the article's C2FAttention with FIX 3's padding (partial last chunks: the mean divides by the
+  chunk's real tokens), an optional coarse keep mask [B, m, m] and fine keep mask [B, m, k, k].
 * Rows whose keys are all masked: the article fills masked scores with -1e9, which averages every value
   uniformly there; c2f gives zero attention (and zero gradient). Such cases use a written-out twin of the
-  module with c2f's semantics (``fine_forward``: -inf masking, zero rows), which the generator checks
+  module with c2f's semantics (``fine_forward``, ``c2f_forward``: -inf masking, zero rows), which the generator checks
   equals the module, output and gradients, on every case without such rows (float64, 1e-12).
 """
 
@@ -35,7 +37,7 @@ def register(generate_module) -> None:
     G = generate_module
     G.register_family(FAMILY, computed=("output", "grad.*"),
                       description="gradients of the coarse-to-fine layers (y.backward(dy)): the article's "
-                                  "FineAttention")(gen_train_c2f)
+                                  "FineAttention and C2FAttention")(gen_train_c2f)
 
 
 # =====================================================================================================
@@ -49,6 +51,38 @@ def softmax_zero_rows(s: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     seen = keep.any(dim=-1, keepdim=True)
     p = torch.softmax(s.masked_fill(~keep, -math.inf).masked_fill(~seen, 0.0), dim=-1)
     return torch.where(seen, p, torch.zeros_like(p))
+
+
+def coarse_forward(mod: c2f_ref.CoarseAttention, x: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """The article's CoarseAttention.forward with c2f's semantics: keep [B, m, m] (True = keep)."""
+    B, m, _ = x.shape
+    H, dk = mod.n_heads, mod.d_k
+
+    def heads(t):
+        return t.reshape(B, m, H, dk).transpose(1, 2)
+
+    q, k, v = mod.qkv_proj(x).chunk(3, dim=-1)
+    s = (heads(q) @ heads(k).transpose(-2, -1)) / math.sqrt(dk)
+    p = torch.softmax(s, dim=-1) if keep is None else softmax_zero_rows(s, keep.unsqueeze(1))
+    return mod.out_proj((p @ heads(v)).transpose(1, 2).reshape(B, m, -1))
+
+
+def c2f_forward(mod: c2f_ref.C2FAttention, x: torch.Tensor, coarse_keep: Optional[torch.Tensor],
+                fine_keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """The article's C2FAttention.forward (with FIX 3's padding) with c2f's semantics in both stages."""
+    B, L, d = x.shape
+    c = mod.chunk_size
+    m = mod.num_chunks(L, c)
+    x_p = torch.cat([x, x.new_zeros(B, m * c - L, d)], dim=1)
+    blocks = x_p.view(B, m, c, d)
+    real = torch.arange(m * c) < L
+    counts = real.view(m, c).sum(dim=1).to(x.dtype)
+    context = coarse_forward(mod.coarse_attn, blocks.sum(dim=2) / counts.view(1, m, 1), coarse_keep)
+    keep = real.view(1, m, 1, c).expand(B, m, c, c)
+    if fine_keep is not None:
+        keep = keep & fine_keep
+    fine = fine_forward(mod.fine_attn, blocks, context, keep)
+    return fine.reshape(B, m * c, d)[:, :L]
 
 
 def fine_forward(mod: c2f_ref.FineAttention, x: torch.Tensor, context: torch.Tensor,
@@ -76,12 +110,13 @@ class Case:
     name: str
     seed: int
     description: str
-    module: str  # "fine"
-    sizes: tuple = ()  # fine: (m, k)
+    module: str  # "fine" | "c2f"
+    sizes: tuple = ()  # fine: (m, k); c2f: (L, chunk)
     batch: int = 2
     d_model: int = 16
     n_heads: int = 4
-    mask: Optional[str] = None  # fine: "per_token" | "per_chunk_key" | "fully_masked"
+    mask: Optional[str] = None  # fine: "per_token" | "per_chunk_key" | "fully_masked"; c2f: the fine mask's
+    coarse_mask: bool = False  # c2f: a random coarse keep mask [B, m, m]
 
 
 def _cases() -> List[Case]:
@@ -98,6 +133,27 @@ def _cases() -> List[Case]:
              "fine", (4, 5), mask="fully_masked"),
         Case("fine_m3_k7_h8", 17007, "FineAttention, d_model 24 with 8 heads (head dim 3), 3 chunks of 7", "fine", (3, 7),
              d_model=24, n_heads=8),
+        Case("c2f_l64_c8", 17101, "C2FAttention, L = 64 in chunks of 8 (divisible), no masks", "c2f", (64, 8)),
+        Case("c2f_l61_c8", 17102, "C2FAttention, L = 61 in chunks of 8: the last chunk holds 5 tokens (its mean divides "
+             "by 5)", "c2f", (61, 8)),
+        Case("c2f_l1_c8_b3", 17103, "C2FAttention, L = 1 (one partial chunk of one token), B = 3", "c2f", (1, 8),
+             batch=3),
+        Case("c2f_l7_c8", 17104, "C2FAttention, L = chunk - 1 = 7: one partial chunk", "c2f", (7, 8)),
+        Case("c2f_l9_c8", 17105, "C2FAttention, L = chunk + 1 = 9: the last chunk holds one token", "c2f", (9, 8)),
+        Case("c2f_l13_c1", 17106, "C2FAttention, chunk_size 1: every token its own chunk", "c2f", (13, 1)),
+        Case("c2f_coarse_mask_l61_c8", 17107, "C2FAttention, L = 61, a random coarse keep mask [B, m, m]", "c2f",
+             (61, 8), coarse_mask=True),
+        Case("c2f_fine_tokens_l61_c8", 17108, "C2FAttention, L = 61, a random per-token fine keep mask [B, m, k, k] "
+             "(the general path)", "c2f", (61, 8), mask="per_token"),
+        Case("c2f_fine_keys_l61_c8", 17109, "C2FAttention, L = 61, a per-chunk key fine mask (rows equal: the folded "
+             "path with a mask)", "c2f", (61, 8), mask="per_chunk_key"),
+        Case("c2f_both_masks_l37_c8_b3", 17110, "C2FAttention, L = 37, B = 3, a coarse and a per-token fine mask",
+             "c2f", (37, 8), batch=3, coarse_mask=True, mask="per_token"),
+        Case("c2f_fully_masked_l29_c8", 17111, "C2FAttention, L = 29: a coarse mask row that keeps no chunk, fine "
+             "query rows that keep no key (one in the partial last chunk): zero attention there (c2f's semantics, "
+             "c2f_forward)", "c2f", (29, 8), coarse_mask=True, mask="fully_masked"),
+        Case("c2f_head_dim3_l37_c8", 17112, "C2FAttention, d_model 24 with 8 heads (head dim 3), L = 37", "c2f",
+             (37, 8), d_model=24, n_heads=8),
     ]
 
 
@@ -109,6 +165,24 @@ def _fully_masked_fine(rs, B: int, m: int, k: int) -> np.ndarray:
     keep[:, 0, k - 1, :] = False
     keep[1, m - 1] = False
     return keep
+
+
+def _fully_masked_c2f(rs_coarse, rs_fine, B: int, m: int, k: int, L: int):
+    """Coarse [B, m, m] and fine [B, m, k, k] keep masks: random (60 % kept), every row keeping a chunk and a
+    real key except: coarse row 1 of batch item 0, fine row 2 of chunk 0 (every batch item), and fine row 0 of
+    the last chunk of batch item 1 (a real token of the partial last chunk), which keep nothing."""
+    coarse = rs_coarse.uniform(size=(B, m, m)) < G.C2F_MASK_KEEP_PROBABILITY
+    fine = rs_fine.uniform(size=(B, m, k, k)) < G.C2F_MASK_KEEP_PROBABILITY
+    real = (np.arange(m * k) < L).reshape(m, k)
+    for bi in range(B):
+        for i in range(m):
+            G._keep_one_real(rs_coarse, coarse[bi, i], np.ones(m, dtype=bool))
+            for r in range(k):
+                G._keep_one_real(rs_fine, fine[bi, i, r], real[i])
+    coarse[0, 1, :] = False
+    fine[:, 0, 2, :] = False
+    fine[1, m - 1, 0, :] = False
+    return coarse, fine
 
 
 def _backward(fn, inputs: Dict[str, torch.Tensor], module: torch.nn.Module, prefix: str, dy: np.ndarray, np_dt):
@@ -169,7 +243,60 @@ def _check_twin(name: str, module_result, twin_result) -> None:
         raise RuntimeError(f"{name}: the zero-rows twin disagrees with the module")
 
 
-BUILDERS = {"fine": _fine_case}
+def _c2f_case(c: Case, tag: str, check_twin: bool):
+    np_dt, t_dt = G.DTYPES[tag]
+    L, chunk = c.sizes
+    vocabulary = G.C2fCase(c.name, c.seed, c.description, "c2f", L, chunk, d_model=c.d_model, n_heads=c.n_heads,
+                           batch=c.batch, coarse_mask="random" if c.coarse_mask else None,
+                           fine_mask=c.mask if c.mask in ("per_token", "per_chunk_key") else None)
+    m = vocabulary.num_chunks
+    params = G._c2f_parameters(vocabulary)
+    x_np = G._c2f_inputs(vocabulary)["x"]
+    if c.mask == "fully_masked":
+        coarse, fine = _fully_masked_c2f(G.stream(c.seed, "coarse_mask"), G.stream(c.seed, "fine_mask"), c.batch, m,
+                                         chunk, L)
+    else:
+        coarse = G._c2f_coarse_mask(G.stream(c.seed, "coarse_mask"), vocabulary) if c.coarse_mask else None
+        fine = G._c2f_fine_mask(G.stream(c.seed, "fine_mask"), vocabulary) if c.mask else None
+    real = vocabulary.real_keys()
+    fine_keep = np.broadcast_to(real[None, :, None, :], (c.batch, m, chunk, chunk)) & (True if fine is None else fine)
+    fully_masked = (coarse is not None and not bool(coarse.any(axis=-1).all())) or not bool(
+        fine_keep.reshape(c.batch, m * chunk, chunk)[:, :L].any(axis=-1).all())  # the real query rows
+    if fully_masked != (c.mask == "fully_masked"):
+        raise RuntimeError(f"{c.name}: fully masked rows {fully_masked}, the case says {c.mask}")
+    dy = G.stream(c.seed, "grad_output").standard_normal(size=(c.batch, L, c.d_model))
+
+    def run(use_twin: bool):
+        mod = c2f_ref.C2FAttention(c.d_model, c.n_heads, chunk_size=chunk).to(t_dt)
+        G._load_exactly(mod, params, np_dt, c.name)
+        x = {"input": torch.from_numpy(x_np.astype(np_dt))}
+        cm = None if coarse is None else torch.from_numpy(coarse)
+        fm = None if fine is None else torch.from_numpy(fine)
+        if use_twin:
+            fn = lambda: c2f_forward(mod, x["input"], cm, fm)  # noqa: E731
+        else:
+            fn = lambda: mod(x["input"], coarse_mask=cm, fine_mask=fm)  # noqa: E731
+        return _backward(fn, x, mod, "c2f.", dy, np_dt)
+
+    out, grads = run(use_twin=fully_masked)
+    if check_twin and not fully_masked:
+        _check_twin(c.name, (out, grads), run(use_twin=True))
+    tensors = {f"c2f.{n}": v.astype(np_dt) for n, v in params.items()}
+    tensors["x"] = x_np.astype(np_dt)
+    if coarse is not None:
+        tensors["coarse_mask"] = coarse
+    if fine is not None:
+        tensors["fine_mask"] = fine
+    rows_equal = fine is None or bool((fine == fine[:, :, :1, :]).all())
+    meta = {"d_model": str(c.d_model), "n_heads": str(c.n_heads), "batch": str(c.batch), "seq_len": str(L),
+            "chunk_size": str(chunk), "num_chunks": str(m), "coarse_mask": "none" if coarse is None else "bool",
+            "fine_mask": "none" if fine is None else "bool", "fine_mask_rows_equal": G.b(rows_equal),
+            "fully_masked_rows": G.b(fully_masked),
+            "reference": "c2f_forward" if fully_masked else "c2f_reference.C2FAttention"}
+    return tensors, dy, out, grads, meta
+
+
+BUILDERS = {"fine": _fine_case, "c2f": _c2f_case}
 
 
 def _case_files(family_dir: Path, c: Case) -> dict:

@@ -727,6 +727,16 @@ class C2FAttention : public detail::LayerBase<C2FAttention<Scalar>, Scalar> {
     return summaries;
   }
 
+  /// Training. What forward_train() keeps for backward(): the coarse stage's state (over the chunk means:
+  /// O((L / chunk)·d)) and the fine stage's (which keeps x) — O(L·d) values, no [L, L] term.
+  struct Saved : detail::SavedBase {
+    typename CoarseAttention<Scalar>::Saved coarse;
+    typename FineAttention<Scalar>::Saved fine;
+  };
+  /// forward_train(x, masks, step) and backward(saved, dy) (detail::LayerBase): the output has forward()'s
+  /// bits (C2FAttention has no dropout); g.input = dL/dx, to which the mean pooling gives dL/dmean_c / n_c
+  /// on each of chunk c's n_c real tokens (a partial last chunk: its own count).
+
   /// Bytes of temporary memory one forward_into() holds at its peak: the chunk means and the coarse
   /// output ([B·m, d] each), and the larger of the coarse stage's and the fine stage's working memory.
   std::size_t workspace_bytes(Index batch, Index seq) const {
@@ -742,6 +752,34 @@ class C2FAttention : public detail::LayerBase<C2FAttention<Scalar>, Scalar> {
     const Tensor3<Scalar> summaries = coarse_input(x);
     const Tensor3<Scalar> context = coarse_.forward(summaries, Masks<Scalar>().attn_mask(masks.attn_mask()));
     fine_.forward_chunked_into(x, chunk_, context, out, Masks<Scalar>().attn_mask(masks.fine_attn_mask()));
+  }
+
+  friend struct detail::TrainAccess;
+  /// compute() in train mode: the same stages, each keeping its state.
+  void compute_train(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks,
+                     std::uint64_t step, Saved& saved) const {
+    const Tensor3<Scalar> summaries = coarse_input(x);
+    Tensor3<Scalar> context(summaries.dimension(0), summaries.dimension(1), embed_dim());
+    detail::TrainAccess::train(coarse_, ConstTensor3Ref<Scalar>(summaries),
+                               Eigen::Map<RowMatrix<Scalar>>(context.data(), summaries.dimension(0) * summaries.dimension(1), embed_dim()),
+                               Masks<Scalar>().attn_mask(masks.attn_mask()), step, saved.coarse);
+    detail::TrainAccess::train(fine_, x, chunk_, ConstTensor3Ref<Scalar>(context), out,
+                               Masks<Scalar>().attn_mask(masks.fine_attn_mask()), step, saved.fine);
+  }
+  /// The fine stage's backward (dL/dx through its keys and values, dL/dcontext), the coarse stage's on
+  /// dL/dcontext (dL/dmeans), and the mean pooling's: dL/dx += dL/dmean_c / n_c on chunk c's real tokens.
+  void compute_backward(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+                        C2FAttention& grad) const {
+    Grads<Scalar> fine_g, coarse_g;
+    detail::TrainAccess::backward(fine_, saved.fine, dy, fine_g, grad.fine_);
+    const kernels::ChunkGrid grid{saved.fine.grid.batch, saved.fine.grid.length, chunk_};
+    detail::TrainAccess::backward(coarse_, saved.coarse,
+                                  Eigen::Map<const RowMatrix<Scalar>>(fine_g.context.data(), grid.chunks(), embed_dim()),
+                                  coarse_g, grad.coarse_);
+    g.input = std::move(fine_g.input);
+    kernels::chunk_mean_backward_add<Scalar>(Eigen::Map<const RowMatrix<Scalar>>(coarse_g.input.data(), grid.chunks(), embed_dim()),
+                                             grid, Eigen::Map<RowMatrix<Scalar>>(g.input.data(), grid.tokens(), embed_dim()),
+                                             detail::kernel_options(options_));
   }
 
   detail::HeadShape shape_;  // first: checked before the stages are built
