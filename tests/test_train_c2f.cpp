@@ -31,6 +31,7 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -143,6 +144,47 @@ TYPED_TEST(TrainC2FKernel, ChunkSumAndMeanBackwardEqualTheirLoops) {
     const double tol = c2f_test::tolerance<Scalar>() * std::sqrt(double(grid.chunk));
     c2f_test::expect_close(sum, sum_loop, tol, tol, "chunk_sum");
     c2f_test::expect_close(dx, dx_loop, tol, tol, "chunk_mean_backward_add");
+  }
+}
+
+// relative_position_bias_backward against its twin: self-attention over grids of awkward sizes (1 × 1, a row,
+// a column, primes) with tables larger than the grid, random tables, key padding on some; 1 and 3 threads
+// bit for bit.
+TYPED_TEST(TrainC2FKernel, RelativePositionBiasBackwardEqualsTheNaiveTwin) {
+  using Scalar = TypeParam;
+  TestRng rng(67);
+  for (int rep = 0; rep < 20; ++rep) {
+    const Index gh = rng.pick(std::vector<Index>{1, 2, 3, 5, 7}), gw = rng.pick(std::vector<Index>{1, 2, 4, 7, 13});
+    const Index max_h = gh + rng.uniform_int(0, 2), max_w = gw + rng.uniform_int(0, 2), n = gh * gw;
+    c2f_test::Problem<Scalar> p;
+    p.batch = 1 + rep % 2;
+    p.heads = 1 + rep % 3;
+    p.lq = p.lk = n;
+    p.dk = p.dv = rng.pick(std::vector<Index>{1, 3, 8});
+    p.q = rng.matrix<Scalar>(p.batch * n, p.heads * p.dk);
+    p.k = rng.matrix<Scalar>(p.batch * n, p.heads * p.dk);
+    p.v = rng.matrix<Scalar>(p.batch * n, p.heads * p.dv);
+    const RowMatrix<Scalar> table = rng.matrix<Scalar>((2 * max_h - 1) * (2 * max_w - 1), p.heads);
+    const c2f::AttnMask<Scalar> bias = c2f::AttnMask<Scalar>::relative_position(table, gh, gw, max_h, max_w);
+    const c2f::KeyPaddingMask<Scalar> pad =
+        rep % 3 == 0 ? c2f::KeyPaddingMask<Scalar>::lengths(std::vector<Index>(static_cast<std::size_t>(p.batch), std::max<Index>(1, n / 2)))
+                     : c2f::KeyPaddingMask<Scalar>();
+    const c2f::MaskView<Scalar> plan(bias, pad, p.batch, p.heads, n, n);
+    RowMatrix<Scalar> out(p.batch * n, p.heads * p.dv), lse(p.batch * p.heads, n);
+    kernels::sdpa_train<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(out), lse, plan, {}, p.scale(), kernels::with_threads(2));
+    const RowMatrix<Scalar> dout = rng.matrix<Scalar>(p.batch * n, p.heads * p.dv);
+    const kernels::HeadsView<const Scalar> ov = p.view(out, n, p.dv), gv = p.view(dout, n, p.dv);
+    RowMatrix<Scalar> fast(table.rows(), p.heads), fast3(table.rows(), p.heads), naive(table.rows(), p.heads);
+    kernels::relative_position_bias_backward<Scalar>(p.qv(), p.kv(), p.vv(), ov, lse, gv, plan, gh, gw, max_h, max_w, p.scale(),
+                                                     fast, kernels::with_threads(1));
+    kernels::relative_position_bias_backward<Scalar>(p.qv(), p.kv(), p.vv(), ov, lse, gv, plan, gh, gw, max_h, max_w, p.scale(),
+                                                     fast3, kernels::with_threads(3));
+    kernels::relative_position_bias_backward_naive<Scalar>(p.qv(), p.kv(), p.vv(), gv, plan, gh, gw, max_h, max_w, p.scale(), naive);
+    const std::string what = std::to_string(gh) + "x" + std::to_string(gw) + " in " + std::to_string(max_h) + "x" +
+                             std::to_string(max_w) + " heads " + std::to_string(p.heads);
+    const double tol = c2f_test::tolerance<Scalar>() * std::sqrt(double(p.batch * n * n));
+    c2f_test::expect_close(fast, naive, tol, tol, what);
+    EXPECT_TRUE(c2f_test::bitwise_equal(fast, fast3)) << what << ": 1 and 3 threads";
   }
 }
 
@@ -331,6 +373,32 @@ void check_c2f_case(const StateDict& sd, Comparison& cmp) {
   }
 }
 
+// C2FAttention2D (x [B, H·W, d] on its grid, the relative position bias table a parameter): output, grad.input
+// and every parameter's gradient, 1 and 2 threads, small attention blocks.
+template <class Scalar>
+void check_c2f2d_case(const StateDict& sd, Comparison& cmp) {
+  using C2F2D = c2f::C2FAttention2D<Scalar>;
+  const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x"), dy = c2f_test::tensor3<Scalar>(sd, "grad_output");
+  for (int threads : {1, 2}) {
+    C2F2D layer(c2f_test::meta_index(sd, "d_model"), c2f_test::meta_index(sd, "n_heads"), c2f_test::meta_index(sd, "block_h"),
+                c2f_test::meta_index(sd, "block_w"),
+                typename C2F2D::Options()
+                    .max_blocks_h(c2f_test::meta_index(sd, "max_blocks_h"))
+                    .max_blocks_w(c2f_test::meta_index(sd, "max_blocks_w"))
+                    .relative_position_bias(sd.metadata().at("relative_position_bias") == "true")
+                    .num_threads(threads)
+                    .query_block(3)
+                    .key_block(4));
+    layer.load_state_dict(sd, "c2f2d.");
+    const auto [y, saved] = layer.forward_train(x, c2f_test::meta_index(sd, "height"), c2f_test::meta_index(sd, "width"));
+    const c2f::Grads<Scalar> g = layer.backward(saved, dy);
+    const std::string what = "threads " + std::to_string(threads);
+    cmp.check(y, sd, "output", what);
+    cmp.check(g.input, sd, "grad.input", what);
+    cmp.template check_params<Scalar>(g.params, sd, "c2f2d.", what);
+  }
+}
+
 template <class Scalar>
 void check_train_c2f_case(const nlohmann::json& c) {
   const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(c2f_test::Tolerance<Scalar>::file_key)));
@@ -340,6 +408,8 @@ void check_train_c2f_case(const nlohmann::json& c) {
     check_fine_case<Scalar>(sd, cmp);
   } else if (module == "c2f") {
     check_c2f_case<Scalar>(sd, cmp);
+  } else if (module == "c2f2d") {
+    check_c2f2d_case<Scalar>(sd, cmp);
   } else {
     FAIL() << "unknown module " << module;
   }
@@ -359,9 +429,11 @@ TEST(TrainC2FFixtures, CoverTheRequiredShapes) {
     fully_masked[m] += c.value("fully_masked_rows", std::string()) == "true";
     batch3[m] += c.at("batch") == "3";
   }
-  for (const char* m : {"fine", "c2f"}) {
+  for (const char* m : {"fine", "c2f", "c2f2d"}) {
     EXPECT_GE(modules[m], 5) << m;
-    EXPECT_GE(fully_masked[m], 1) << m;
+    if (std::string(m) != "c2f2d") {  // C2FAttention2D takes no mask: every row sees its block
+      EXPECT_GE(fully_masked[m], 1) << m;
+    }
     EXPECT_GE(batch3[m], 1) << m;
   }
 }
@@ -376,15 +448,19 @@ class FiniteDifferencesC2F : public ::testing::Test {};
 C2F_LAYER(C2FF64, c2f::C2FAttention<double>, c2f_test::kWidth, 2, 3, o.query_block(2).key_block(3));
 C2F_LAYER(C2FGeneralF64, c2f::C2FAttention<double>, c2f_test::kWidth, 4, 4, o.fine_path(c2f::FinePath::General).query_block(3));
 C2F_LAYER(C2FChunk1F64, c2f::C2FAttention<double>, c2f_test::kWidth, 1, 1, o);
+C2F_LAYER(C2F2DF64, c2f::C2FAttention2D<double>, c2f_test::kWidth, 2, 2, 3, o.max_blocks_h(3).max_blocks_w(2).query_block(2));
+C2F_LAYER(C2F2DNoBiasF64, c2f::C2FAttention2D<double>, c2f_test::kWidth, 4, 2, 2, o.relative_position_bias(false));
 // clang-format on
-using C2FEntries = ::testing::Types<C2FF64, C2FGeneralF64, C2FChunk1F64>;
+using C2FEntries = ::testing::Types<C2FF64, C2FGeneralF64, C2FChunk1F64, C2F2DF64, C2F2DNoBiasF64>;
 TYPED_TEST_SUITE(FiniteDifferencesC2F, C2FEntries, c2f_test::EntryNames);
 
 // B = 2, L = 7: chunks of 3 (the last holds one token), of 4 (the last three), of 1; without masks and with
-// causal coarse and fine masks (the fine one sends the auto path to the general one).
+// causal coarse and fine masks (the fine one sends the auto path to the general one). C2FAttention2D on a
+// 3 × 4 grid (L = 12) in blocks of 2 × 3 (partial in both directions; a table of 3 × 2 blocks, larger than
+// the 2 × 2 grid of blocks) and 2 × 2.
 TYPED_TEST(FiniteDifferencesC2F, GradientsEqualCentralDifferences) {
   TestRng rng(65);
-  c2f_test::entry_finite_differences<TypeParam>(rng, 7);
+  c2f_test::entry_finite_differences<TypeParam>(rng, std::is_same<typename TypeParam::Layer, c2f::C2FAttention2D<double>>::value ? 12 : 7);
 }
 
 // ------------------------------------------------------------------------------------------------

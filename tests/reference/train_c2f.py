@@ -10,6 +10,8 @@ the output and every input's and parameter's ``.grad`` (``grad.<input>``, ``grad
   both requiring grad, an optional keep mask [B, m, k, k].
 * ``c2f``: the article's C2FAttention with FIX 3's padding (partial last chunks: the mean divides by the
   chunk's real tokens), an optional coarse keep mask [B, m, m] and fine keep mask [B, m, k, k].
+* ``c2f2d``: C2FAttention2D (c2f2d_reference.py), the relative position bias table a parameter whose
+  gradient is stored (``grad.c2f2d.coarse_attn.relative_position_bias_table``).
 * Rows whose keys are all masked: the article fills masked scores with -1e9, which averages every value
   uniformly there; c2f gives zero attention (and zero gradient). Such cases use a written-out twin of the
   module with c2f's semantics (``fine_forward``, ``c2f_forward``: -inf masking, zero rows), which the generator checks
@@ -24,6 +26,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+import c2f2d_reference as c2f2d_ref
 import c2f_reference as c2f_ref
 
 G = None  # the generate module: its streams, helpers and case types (set by register())
@@ -37,7 +40,7 @@ def register(generate_module) -> None:
     G = generate_module
     G.register_family(FAMILY, computed=("output", "grad.*"),
                       description="gradients of the coarse-to-fine layers (y.backward(dy)): the article's "
-                                  "FineAttention and C2FAttention")(gen_train_c2f)
+                                  "FineAttention and C2FAttention, C2FAttention2D")(gen_train_c2f)
 
 
 # =====================================================================================================
@@ -110,13 +113,14 @@ class Case:
     name: str
     seed: int
     description: str
-    module: str  # "fine" | "c2f"
-    sizes: tuple = ()  # fine: (m, k); c2f: (L, chunk)
+    module: str  # "fine" | "c2f" | "c2f2d"
+    sizes: tuple = ()  # fine: (m, k); c2f: (L, chunk); c2f2d: (H, W, block_h, block_w, Gh, Gw) (Gh = 0: Mh)
     batch: int = 2
     d_model: int = 16
     n_heads: int = 4
     mask: Optional[str] = None  # fine: "per_token" | "per_chunk_key" | "fully_masked"; c2f: the fine mask's
     coarse_mask: bool = False  # c2f: a random coarse keep mask [B, m, m]
+    bias: bool = True  # c2f2d: the relative position bias table
 
 
 def _cases() -> List[Case]:
@@ -154,6 +158,20 @@ def _cases() -> List[Case]:
              "c2f_forward)", "c2f", (29, 8), coarse_mask=True, mask="fully_masked"),
         Case("c2f_head_dim3_l37_c8", 17112, "C2FAttention, d_model 24 with 8 heads (head dim 3), L = 37", "c2f",
              (37, 8), d_model=24, n_heads=8),
+        Case("c2f2d_7x5_b2x3", 17201, "C2FAttention2D, a 7 x 5 grid in blocks of 2 x 3 (partial on both edges), "
+             "bias table 4 x 3 > the 4 x 2 blocks", "c2f2d", (7, 5, 2, 3, 4, 3)),
+        Case("c2f2d_7x5_b2x3_nobias", 17202, "C2FAttention2D, a 7 x 5 grid in blocks of 2 x 3, no bias", "c2f2d",
+             (7, 5, 2, 3, 0, 0), bias=False),
+        Case("c2f2d_9x13_b4x4", 17203, "C2FAttention2D, a 9 x 13 grid in blocks of 4 x 4 (3 x 4 blocks), table 5 x 6",
+             "c2f2d", (9, 13, 4, 4, 5, 6)),
+        Case("c2f2d_8x8_b4x4_b3", 17204, "C2FAttention2D, an 8 x 8 grid in full blocks of 4 x 4, B = 3", "c2f2d",
+             (8, 8, 4, 4, 0, 0), batch=3),
+        Case("c2f2d_1x1_b2x2_b3", 17205, "C2FAttention2D, a 1 x 1 grid (L = 1, one partial block), B = 3", "c2f2d",
+             (1, 1, 2, 2, 0, 0), batch=3),
+        Case("c2f2d_1x9_b1x8", 17206, "C2FAttention2D, a 1 x 9 grid in blocks of 1 x 8 (chunk + 1: a last block of one "
+             "token)", "c2f2d", (1, 9, 1, 8, 0, 0)),
+        Case("c2f2d_5x6_b2x2_h8", 17207, "C2FAttention2D, d_model 24 with 8 heads (head dim 3), a 5 x 6 grid in blocks "
+             "of 2 x 2", "c2f2d", (5, 6, 2, 2, 0, 0), d_model=24, n_heads=8),
     ]
 
 
@@ -296,7 +314,29 @@ def _c2f_case(c: Case, tag: str, check_twin: bool):
     return tensors, dy, out, grads, meta
 
 
-BUILDERS = {"fine": _fine_case, "c2f": _c2f_case}
+def _c2f2d_case(c: Case, tag: str, check_twin: bool):
+    np_dt, t_dt = G.DTYPES[tag]
+    H, W, bh, bw, gh, gw = c.sizes
+    vocabulary = G.C2f2dCase(c.name, c.seed, c.description, H, W, bh, bw, (gh, gw), bias=c.bias, d_model=c.d_model,
+                             n_heads=c.n_heads, batch=c.batch)
+    (mh, mw), (gh, gw) = vocabulary.blocks, vocabulary.gmax
+    params = G._c2f2d_parameters(vocabulary)
+    x_np = G.stream(c.seed, "inputs").standard_normal(size=(c.batch, H * W, c.d_model))
+    dy = G.stream(c.seed, "grad_output").standard_normal(size=(c.batch, H * W, c.d_model))
+    mod = G._c2f2d_module(vocabulary).to(t_dt)
+    G._load_exactly(mod, params, np_dt, c.name)
+    x = {"input": torch.from_numpy(x_np.astype(np_dt))}
+    out, grads = _backward(lambda: mod(x["input"], H, W), x, mod, "c2f2d.", dy, np_dt)
+    tensors = {f"c2f2d.{n}": v.astype(np_dt) for n, v in params.items()}
+    tensors["x"] = x_np.astype(np_dt)
+    meta = {"d_model": str(c.d_model), "n_heads": str(c.n_heads), "batch": str(c.batch), "height": str(H),
+            "width": str(W), "block_h": str(bh), "block_w": str(bw), "blocks_h": str(mh), "blocks_w": str(mw),
+            "max_blocks_h": str(gh), "max_blocks_w": str(gw), "relative_position_bias": G.b(c.bias),
+            "fully_masked_rows": "false", "reference": "c2f2d_reference.C2FAttention2D"}
+    return tensors, dy, out, grads, meta
+
+
+BUILDERS = {"fine": _fine_case, "c2f": _c2f_case, "c2f2d": _c2f2d_case}
 
 
 def _case_files(family_dir: Path, c: Case) -> dict:

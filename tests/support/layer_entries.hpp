@@ -119,6 +119,14 @@ struct Calls<c2f::C2FAttention2D<S>, S> {
     const auto [h, w] = grid(seq);
     return l.workspace_bytes(batch, h, w);
   }
+  static auto forward_train(const L& l, c2f::ConstTensor3Ref<S> x, const Masks<S>& m, std::uint64_t step = 0) {
+    const auto [h, w] = grid(x.dimension(1));
+    return l.forward_train(x, h, w, m, step);
+  }
+  template <class Saved>
+  static c2f::Grads<S> backward(const L& l, const Saved& saved, c2f::ConstTensor3Ref<S> dy) {
+    return l.backward(saved, dy);
+  }
 };
 
 /// The Scalar of a layer template instance (float for a layer class that is not a template, as the

@@ -11,13 +11,23 @@
 // fine_attention_folded work on it unchanged, reading the tokens in place — no permuted copy of x.
 // The *_naive functions below are the obviously-correct twins: they find a block's tokens from their
 // coordinates, one token at a time.
+//
+// For training: relative_position_bias_backward, the gradient of Swin's relative position bias table
+// (AttnMask::relative_position: the coarse stage's score bias between blocks), and its naive twin.
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/checks.hpp"
 #include "c2f/detail/masked_values.hpp"
+#include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
+#include "c2f/kernels/heads_view.hpp"
+#include "c2f/kernels/kernel_options.hpp"
+#include "c2f/kernels/sdpa.hpp"
+#include "c2f/mask_view.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 namespace c2f {
@@ -110,6 +120,122 @@ void fine_attention_folded_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, c
         Scalar acc = 0;
         for (std::size_t j = 0; j < tokens.size(); ++j) acc += p[static_cast<Index>(j)] * x(tokens[j], k);
         pooled(c, h * d + k) = acc;
+      }
+    }
+  }
+}
+
+}  // namespace kernels
+namespace detail {
+
+/// Row of the relative position bias table between positions i and j of a grid_w-wide grid, for a table
+/// covering max_h × max_w (AttnMask::relative_position's index).
+inline Index relative_position_entry(Index i, Index j, Index grid_w, Index max_h, Index max_w) {
+  return (i / grid_w - j / grid_w + max_h - 1) * (2 * max_w - 1) + (i % grid_w - j % grid_w + max_w - 1);
+}
+
+/// The entry checks of relative_position_bias_backward and its twin: a self-attention problem over the
+/// grid_h · grid_w positions, dout shaped like out, dtable [(2·max_h − 1)·(2·max_w − 1), heads].
+template <class Scalar>
+void check_table_backward(const char* kernel, const kernels::HeadsView<const Scalar>& q,
+                          const kernels::HeadsView<const Scalar>& k, const kernels::HeadsView<const Scalar>& v,
+                          const kernels::HeadsView<const Scalar>& dout, const MaskView<Scalar>& mask, Index grid_h,
+                          Index grid_w, Index max_h, Index max_w, Scalar scale, const Eigen::Ref<RowMatrix<Scalar>>& dtable) {
+  check_sdpa(kernel, q, k, v, dout, mask, scale);
+  if (grid_h < 0 || grid_w < 0 || grid_h > max_h || grid_w > max_w || q.seq != grid_h * grid_w || k.seq != q.seq) {
+    fail(kernel, ": a self-attention problem over a grid of grid_h x grid_w <= max_h x max_w positions, got ", q.seq,
+         " queries, ", k.seq, " keys, grid ", grid_h, " x ", grid_w, " and max ", max_h, " x ", max_w);
+  }
+  check_shape(kernel, "dtable", dtable, (2 * max_h - 1) * (2 * max_w - 1), q.heads);
+}
+
+}  // namespace detail
+namespace kernels {
+
+/// The gradient of a relative position bias table (AttnMask::relative_position(table, grid_h, grid_w,
+/// max_h, max_w), added to the scores of self-attention over the grid's positions) from the attention's
+/// forward — q, k, v, its output `out` and per-row log-sum-exp `lse` [batch·heads, positions]
+/// (sdpa_train, the same mask and scale) — and the output's gradient dout: for every (b, h, i, j) the
+/// score's gradient dS = P_ij (dout_i · v_j − dout_i · out_i), P = exp(scale · q_i·k_j + mask − lse_i)
+/// recomputed, summed into dtable[entry(i, j), h] (overwritten, [(2·max_h − 1)·(2·max_w − 1), heads]).
+/// Tasks are heads (each owns its column, summed in double in (b, i, j) order), so the bits do not depend
+/// on the thread count; working memory one block of 64 query rows × the positions per worker.
+/// Twin: relative_position_bias_backward_naive.
+template <class Scalar>
+void relative_position_bias_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                                     const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& out,
+                                     const Eigen::Ref<const RowMatrix<Scalar>>& lse, const HeadsView<const Scalar>& dout,
+                                     const MaskView<Scalar>& mask, Index grid_h, Index grid_w, Index max_h, Index max_w,
+                                     Scalar scale, Eigen::Ref<RowMatrix<Scalar>> dtable, const KernelOptions& options) {
+  namespace d = c2f::detail;
+  const char* kernel = "relative_position_bias_backward";
+  d::check_table_backward(kernel, q, k, v, dout, mask, grid_h, grid_w, max_h, max_w, scale, dtable);
+  d::check_sdpa(kernel, q, k, v, out, mask, scale);
+  d::check_lse(kernel, q, lse);
+  const Index n = q.seq, heads = q.heads;
+  constexpr Index kRows = 64;
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  const double work = 2.0 * d::attention_work(q.batch * heads, n, n, q.dim, v.dim);
+  d::parallel_for(heads, options.num_threads(), work, [&](Index h, int) {
+    Eigen::Matrix<double, Eigen::Dynamic, 1> sum = Eigen::Matrix<double, Eigen::Dynamic, 1>::Zero(dtable.rows());
+    RowMatrix<Scalar> s, dp;
+    Vector<Scalar> rowdot;
+    for (Index b = 0; b < q.batch; ++b) {
+      const Index bh = b * heads + h;
+      for (Index i0 = 0; i0 < n; i0 += kRows) {
+        const Index ni = std::min(kRows, n - i0);
+        s.noalias() = (q.block(b, h, i0, ni) * scale) * k.block(b, h, 0, n).transpose();
+        mask.apply(b, h, i0, 0, s);
+        for (Index r = 0; r < ni; ++r) {
+          if (lse(bh, i0 + r) == kNegInf) {
+            s.row(r).setZero();  // a row that sees no key gives no gradient
+          } else {
+            d::exp_shifted(s.row(r), lse(bh, i0 + r));
+          }
+        }
+        const typename HeadsView<const Scalar>::Block g = dout.block(b, h, i0, ni);
+        dp.noalias() = g * v.block(b, h, 0, n).transpose();
+        rowdot = g.cwiseProduct(out.block(b, h, i0, ni)).rowwise().sum();
+        for (Index r = 0; r < ni; ++r) {
+          for (Index j = 0; j < n; ++j) {
+            if (s(r, j) == Scalar(0)) continue;  // masked (or underflowed): no gradient, even from a NaN dp
+            sum[d::relative_position_entry(i0 + r, j, grid_w, max_h, max_w)] += static_cast<double>(s(r, j) * (dp(r, j) - rowdot[r]));
+          }
+        }
+      }
+    }
+    dtable.col(h) = sum.template cast<Scalar>();
+  });
+}
+
+/// Twin of relative_position_bias_backward, obviously correct and slow: per (batch, head) the
+/// probabilities P [positions, positions] from q, k and the mask (softmax_row), dP = dout vᵀ,
+/// dS = P ∘ (dP − rowsum(P ∘ dP)), and each dS_ij added to the table row of the two positions' grid
+/// coordinates. Needs no forward output or lse.
+template <class Scalar>
+void relative_position_bias_backward_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                                           const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
+                                           const MaskView<Scalar>& mask, Index grid_h, Index grid_w, Index max_h,
+                                           Index max_w, Scalar scale, Eigen::Ref<RowMatrix<Scalar>> dtable) {
+  c2f::detail::check_table_backward("relative_position_bias_backward_naive", q, k, v, dout, mask, grid_h, grid_w, max_h,
+                                    max_w, scale, dtable);
+  const Index n = q.seq;
+  dtable.setZero();
+  for (Index b = 0; b < q.batch; ++b) {
+    for (Index h = 0; h < q.heads; ++h) {
+      RowMatrix<Scalar> p(n, n), dp(n, n);
+      p.noalias() = (q.block(b, h, 0, n) * scale) * k.block(b, h, 0, n).transpose();
+      for (Index i = 0; i < n; ++i) {
+        for (Index j = 0; j < n; ++j) p(i, j) = c2f::detail::add_bias(p(i, j), mask.bias(b, h, i, j));
+        c2f::detail::softmax_row(p.row(i));
+      }
+      dp.noalias() = dout.block(b, h, 0, n) * v.block(b, h, 0, n).transpose();
+      for (Index i = 0; i < n; ++i) {
+        const Scalar rowdot = p.row(i).dot(dp.row(i));
+        for (Index j = 0; j < n; ++j) {
+          const Index entry = ((i / grid_w) - (j / grid_w) + max_h - 1) * (2 * max_w - 1) + (i % grid_w) - (j % grid_w) + max_w - 1;
+          dtable(entry, h) += p(i, j) * (dp(i, j) - rowdot);
+        }
       }
     }
   }

@@ -296,6 +296,12 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
       backward_blocks(saved, grid, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, dy, dx, dcontext, grad);
     }
   }
+  /// The folded path's backward on a block grid without a mask (forward_blocks()'s, C2FAttention2D's).
+  template <class Grid>
+  void compute_backward(const Saved& saved, const Grid& grid, const Eigen::Ref<const RowMatrix<Scalar>>& dy,
+                        Eigen::Ref<RowMatrix<Scalar>> dx, Eigen::Ref<RowMatrix<Scalar>> dcontext, FineAttention& grad) const {
+    backward_blocks(saved, grid, [](Index, Index, Index) { return Scalar(0); }, dy, dx, dcontext, grad);
+  }
   /// The folded path's backward on a block grid (bias(c, h, j) as in the forward): dx [rows, d] (every
   /// real token's row overwritten), dcontext [blocks, d] (overwritten) and the parameters' gradients into
   /// `grad`'s.

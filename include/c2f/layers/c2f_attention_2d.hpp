@@ -28,6 +28,11 @@
 //
 // With H = 1 and the bias off this is C2FAttention with chunk_size = block_w, bit for bit.
 // The PyTorch reference is tests/reference/c2f2d_reference.py.
+//
+// Training (docs/training.md): forward_train(x, height, width, masks, step) and backward(saved, dy): the
+// folded fine stage's backward on the 2-D blocks, the coarse stage's, the relative position bias table's
+// (kernels::relative_position_bias_backward) and the block means' (each real token of block n receives
+// dL/dmean_n / n's token count).
 #pragma once
 
 #include "c2f/detail/huge_pages.hpp"
@@ -41,6 +46,7 @@
 
 #include <array>
 #include <string>
+#include <utility>
 
 namespace c2f {
 
@@ -148,6 +154,32 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     });
   }
 
+  /// Training. What forward_train() keeps for backward(): the grid, the coarse stage's state (over the block
+  /// means; its masks hold the relative position bias) and the fine stage's folded state (which keeps x) —
+  /// O(L·d + blocks·H·d) values, no [L, L] term.
+  struct Saved : detail::SavedBase {
+    kernels::BlockGrid2D grid;
+    typename CoarseAttention<Scalar>::Saved coarse;
+    typename FineAttention<Scalar>::Saved fine;
+  };
+  /// forward() in train mode (no dropout: forward()'s bits) and what backward() needs.
+  TrainOutput<Scalar, Saved> forward_train(ConstTensor3Ref<Scalar> x, Index height, Index width,
+                                           const Masks<Scalar>& masks = {}, std::uint64_t step = 0) const {
+    return detail::named(type_name, [&] {
+      const kernels::BlockGrid2D grid = checked_grid(x, height, width);
+      detail::check_mask_fields(masks, type_name, mask_fields);
+      return detail::train_output<Scalar, Saved>(*this, {x.batch(), x.seq(), embed_dim()},
+                                                 [&](Eigen::Ref<RowMatrix<Scalar>> out, Saved& saved) {
+                                                   run(x, grid, out, step, &saved);
+                                                 });
+    });
+  }
+  /// The gradients of a loss given dy = dL/dy of forward_train()'s output: g.input = dL/dx, g.params under
+  /// state_dict()'s names — `coarse_attn.relative_position_bias_table` included when the bias is on.
+  Grads<Scalar> backward(const Saved& saved, ConstTensor3Ref<Scalar> dy) const {
+    return detail::named(type_name, [&] { return detail::run_backward<Scalar>(*this, saved, dy); });
+  }
+
   /// The coarse stage's input: the mean of each block's real tokens, [B, Mh·Mw, embed_dim].
   Tensor3<Scalar> coarse_input(ConstTensor3Ref<Scalar> x, Index height, Index width) const {
     const kernels::BlockGrid2D grid = detail::named(type_name, [&] { return checked_grid(x, height, width); });
@@ -222,15 +254,59 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     return grid;
   }
 
-  void run(const ConstTensor3Ref<Scalar>& x, const kernels::BlockGrid2D& grid, Eigen::Ref<RowMatrix<Scalar>> out) const {
+  /// The forward pass into out; `saved`: nullptr, or training's state (the same arithmetic, each stage
+  /// keeping its state).
+  void run(const ConstTensor3Ref<Scalar>& x, const kernels::BlockGrid2D& grid, Eigen::Ref<RowMatrix<Scalar>> out,
+           std::uint64_t step = 0, Saved* saved = nullptr) const {
+    if (saved != nullptr) saved->grid = grid;
     if (grid.blocks() == 0) return;
     const Index d = embed_dim();
     Tensor3<Scalar> summaries(x.batch(), grid.blocks_per_batch(), d);
     kernels::chunk_mean<Scalar>(x.rows(), grid, Eigen::Map<RowMatrix<Scalar>>(summaries.data(), grid.blocks(), d),
                                 detail::kernel_options(options_));
-    const Tensor3<Scalar> context =
-        coarse_.forward(summaries, Masks<Scalar>().attn_mask(coarse_mask(grid.blocks_h(), grid.blocks_w())));
-    fine_.forward_blocks(x.rows(), grid, Eigen::Map<const RowMatrix<Scalar>>(context.data(), grid.blocks(), d), out);
+    const Masks<Scalar> coarse_masks = Masks<Scalar>().attn_mask(coarse_mask(grid.blocks_h(), grid.blocks_w()));
+    if (saved == nullptr) {
+      const Tensor3<Scalar> context = coarse_.forward(summaries, coarse_masks);
+      fine_.forward_blocks(x.rows(), grid, Eigen::Map<const RowMatrix<Scalar>>(context.data(), grid.blocks(), d), out);
+      return;
+    }
+    RowMatrix<Scalar> context(grid.blocks(), d);
+    detail::TrainAccess::train(coarse_, ConstTensor3Ref<Scalar>(summaries), Eigen::Ref<RowMatrix<Scalar>>(context), coarse_masks,
+                               step, saved->coarse);
+    detail::TrainAccess::train(fine_, x.rows(), grid, context, out, saved->fine);
+  }
+
+  friend struct detail::TrainAccess;
+  /// The folded fine stage's backward on the blocks (dL/dx through the fold, dL/dcontext), the coarse
+  /// stage's on dL/dcontext (dL/dmeans and, from its saved attention, the bias table's gradient), and the
+  /// block means'.
+  void compute_backward(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+                        C2FAttention2D& grad) const {
+    const kernels::BlockGrid2D& grid = saved.grid;
+    const Index d = embed_dim(), h = num_heads(), blocks = grid.blocks(), m = grid.blocks_per_batch();
+    g.input = Tensor3<Scalar>(grid.batch, grid.height * grid.width, d);
+    if (blocks == 0) return;  // no tokens: every gradient stays zero
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
+    Eigen::Map<RowMatrix<Scalar>> dx(g.input.data(), grid.tokens(), d);
+    RowMatrix<Scalar> dcontext(blocks, d);
+    detail::TrainAccess::backward(fine_, saved.fine, grid, dy, dx, dcontext, grad.fine_);
+    Grads<Scalar> coarse_g;
+    detail::TrainAccess::backward(coarse_, saved.coarse, dcontext, coarse_g, grad.coarse_);
+    if (options_.relative_position_bias()) {
+      // The heads' output gradient of the coarse stage (out_proj's input), then the scores' gradient summed
+      // per table entry.
+      const typename CoarseAttention<Scalar>::Saved& c = saved.coarse;
+      RowMatrix<Scalar> dattn(blocks, d);
+      kernels::matmul_rows<Scalar>(dcontext, coarse_.as_multihead_attention().out_proj().weight(), nullptr, dattn, threads);
+      const MaskView<Scalar> mask(c.masks, grid.batch, h, m, m);
+      kernels::relative_position_bias_backward<Scalar>(
+          kernels::heads_view(c.q, grid.batch, m, h), kernels::heads_view(c.k, grid.batch, m, h),
+          kernels::heads_view(c.v, grid.batch, m, h), kernels::heads_view(c.attn, grid.batch, m, h), c.lse,
+          kernels::heads_view(std::as_const(dattn), grid.batch, m, h), mask, grid.blocks_h(), grid.blocks_w(),
+          options_.max_blocks_h(), options_.max_blocks_w(), kernels::default_scale<Scalar>(head_dim()), grad.table_, threads);
+    }
+    kernels::chunk_mean_backward_add<Scalar>(Eigen::Map<const RowMatrix<Scalar>>(coarse_g.input.data(), blocks, d), grid, dx,
+                                             threads);
   }
 
   detail::HeadShape shape_;  // first: checked before the stages are built
