@@ -132,7 +132,10 @@ inline void accumulate_grads(StateDict& total, const StateDict& grads) {
     return;
   }
   if (total.keys() != grads.keys()) detail::fail("accumulate_grads: the two state dicts have different names");
-  for (const auto& [name, g] : grads) {
+  for (const auto& entry : grads) {
+    // Named references, not a structured binding: C++17 lambdas cannot capture bindings (clang refuses).
+    const std::string& name = entry.first;
+    const auto& g = entry.second;
     if (total.at(name).shape() != g.shape() || total.at(name).dtype() != g.dtype()) {
       detail::fail("accumulate_grads: '", name, "' is ", dtype_name(total.at(name).dtype()), " ",
                    detail::shape_string(total.at(name).shape()), " in the sum and ", dtype_name(g.dtype()), " ",
