@@ -25,6 +25,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <iostream>
@@ -185,6 +186,95 @@ TYPED_TEST(TrainC2FKernel, RelativePositionBiasBackwardEqualsTheNaiveTwin) {
     const double tol = c2f_test::tolerance<Scalar>() * std::sqrt(double(p.batch * n * n));
     c2f_test::expect_close(fast, naive, tol, tol, what);
     EXPECT_TRUE(c2f_test::bitwise_equal(fast, fast3)) << what << ": 1 and 3 threads";
+  }
+}
+
+// sparse_attention_backward against its dense twin: both gatings (per token causal or not), selections made by
+// the forward's own gating on random q and k, lengths and chunks of awkward sizes (1, chunk ± 1, primes),
+// top_k 1 to 4, with and without masks (a random keep mask, key padding by lengths down to an empty item);
+// 1 and 3 threads bit for bit; no NaN.
+TYPED_TEST(TrainC2FKernel, SparseAttentionBackwardEqualsTheDenseTwin) {
+  using Scalar = TypeParam;
+  TestRng rng(68);
+  for (int rep = 0; rep < 30; ++rep) {
+    const Index chunk = rng.pick(std::vector<Index>{1, 3, 7, 8, 9}), length = rng.pick(std::vector<Index>{1, 2, 7, 8, 9, 13, 31, 37});
+    const Index batch = 1 + rep % 2, heads = 1 + rep % 3, dh = rng.pick(std::vector<Index>{1, 4, 5}), cols = heads * dh;
+    const Index top_k = 1 + rep % 4;
+    const int gating = rep % 3;  // 0: per chunk, 1: per token causal, 2: per token
+    const bool causal = gating == 1;
+    const kernels::ChunkGrid grid{batch, length, chunk};
+    const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, cols), k = rng.matrix<Scalar>(batch * length, cols),
+                            v = rng.matrix<Scalar>(batch * length, cols), dout = rng.matrix<Scalar>(batch * length, cols);
+    const kernels::KernelOptions one = kernels::with_threads(1);
+    kernels::ChunkSelection selection;
+    if (gating == 0) {
+      selection = kernels::select_chunks<Scalar>(q, k, grid, heads, top_k, one);
+    } else {
+      RowMatrix<Scalar> k_means(grid.chunks(), cols);
+      kernels::chunk_mean<Scalar>(k, grid, k_means, one);
+      selection = kernels::select_chunks_per_token<Scalar>(q, k_means, grid, heads, top_k, causal, one);
+    }
+    c2f::AttnMask<Scalar> attn;
+    c2f::KeyPaddingMask<Scalar> pad;
+    if (rep % 4 >= 2) {
+      c2f::BoolTensor2 keep(length, length);
+      for (Index i = 0; i < keep.size(); ++i) keep.data()[i] = rng.coin(0.7);
+      attn = c2f::AttnMask<Scalar>::keep(keep);
+      std::vector<Index> lengths{length};
+      if (batch == 2) lengths.push_back(rep % 8 >= 6 ? 0 : length / 2);
+      pad = c2f::KeyPaddingMask<Scalar>::lengths(lengths);
+    }
+    const c2f::MaskView<Scalar> plan(attn, pad, batch, heads, length, length);
+    const Scalar scale = kernels::default_scale<Scalar>(dh);
+    RowMatrix<Scalar> dq(q.rows(), cols), dk(q.rows(), cols), dv(q.rows(), cols), dq3 = dq, dk3 = dk, dv3 = dv, dqn = dq,
+                                                                                  dkn = dk, dvn = dv;
+    kernels::sparse_attention_backward<Scalar>(q, k, v, grid, heads, selection, dout, dq, dk, dv, causal, plan, scale, one);
+    kernels::sparse_attention_backward<Scalar>(q, k, v, grid, heads, selection, dout, dq3, dk3, dv3, causal, plan, scale,
+                                               kernels::with_threads(3));
+    kernels::sparse_attention_backward_naive<Scalar>(q, k, v, grid, heads, selection, dout, dqn, dkn, dvn, causal, plan, scale);
+    const std::string what = "L=" + std::to_string(length) + " chunk=" + std::to_string(chunk) + " top_k=" +
+                             std::to_string(top_k) + " gating " + std::to_string(gating) + (rep % 4 >= 2 ? " masked" : "");
+    const double tol = c2f_test::tolerance<Scalar>() * std::sqrt(double(length * dh));
+    c2f_test::expect_close(dq, dqn, tol, tol, what + " dq");
+    c2f_test::expect_close(dk, dkn, tol, tol, what + " dk");
+    c2f_test::expect_close(dv, dvn, tol, tol, what + " dv");
+    EXPECT_TRUE(c2f_test::bitwise_equal(dq, dq3) && c2f_test::bitwise_equal(dk, dk3) && c2f_test::bitwise_equal(dv, dv3))
+        << what << ": 1 and 3 threads";
+    ASSERT_TRUE(dq.allFinite() && dk.allFinite() && dv.allFinite()) << what;
+  }
+}
+
+// NaN and Inf in the keys and values of padded positions reach no gradient (every bit as with finite values
+// there); a row that sees no key gets zero dq.
+TYPED_TEST(TrainC2FKernel, SparseBackwardIgnoresNonFiniteHiddenKeys) {
+  using Scalar = TypeParam;
+  TestRng rng(69);
+  const kernels::ChunkGrid grid{2, 29, 8};
+  const Index heads = 2, cols = 8;
+  const RowMatrix<Scalar> q = rng.matrix<Scalar>(58, cols), dout = rng.matrix<Scalar>(58, cols);
+  RowMatrix<Scalar> k = rng.matrix<Scalar>(58, cols), v = rng.matrix<Scalar>(58, cols);
+  const c2f::KeyPaddingMask<Scalar> pad = c2f::KeyPaddingMask<Scalar>::lengths({29, 12});
+  const c2f::MaskView<Scalar> plan(c2f::AttnMask<Scalar>(), pad, 2, heads, 29, 29);
+  for (bool per_token : {false, true}) {
+    const kernels::ChunkSelection selection =
+        per_token ? kernels::select_chunks_per_token<Scalar>(q, RowMatrix<Scalar>::Ones(grid.chunks(), cols), grid, heads, 2, true,
+                                                             kernels::with_threads(1))
+                  : kernels::select_chunks<Scalar>(q, k, grid, heads, 2, kernels::with_threads(1));
+    const auto run = [&](const RowMatrix<Scalar>& kk, const RowMatrix<Scalar>& vv) {
+      std::array<RowMatrix<Scalar>, 3> g{RowMatrix<Scalar>(58, cols), RowMatrix<Scalar>(58, cols), RowMatrix<Scalar>(58, cols)};
+      kernels::sparse_attention_backward<Scalar>(q, kk, vv, grid, heads, selection, dout, g[0], g[1], g[2], per_token, plan,
+                                                 kernels::default_scale<Scalar>(4), kernels::with_threads(2));
+      return g;
+    };
+    const std::array<RowMatrix<Scalar>, 3> clean = run(k, v);
+    RowMatrix<Scalar> kp = k, vp = v;
+    kp.row(29 + 20).setConstant(std::numeric_limits<Scalar>::quiet_NaN());  // batch item 1, padded position 20
+    vp.row(29 + 15).setConstant(std::numeric_limits<Scalar>::infinity());
+    const std::array<RowMatrix<Scalar>, 3> got = run(kp, vp);
+    for (int i = 0; i < 3; ++i) EXPECT_TRUE(c2f_test::bitwise_equal(got[i], clean[i])) << "per_token " << per_token << " gradient " << i;
+    if (per_token) {  // causal: token 0 of a batch item sees key 0 only; padded tokens of item 1 in chunk 2+ may see none
+      EXPECT_TRUE(clean[0].allFinite());
+    }
   }
 }
 
@@ -399,6 +489,36 @@ void check_c2f2d_case(const StateDict& sd, Comparison& cmp) {
   }
 }
 
+// SparseC2FAttention with nn.MultiheadAttention's weights: c2f's selection equals the fixture's (`selected`),
+// then output, grad.input and every parameter's gradient (the selection constant), 1 and 2 threads.
+template <class Scalar>
+void check_sparse_case(const StateDict& sd, Comparison& cmp) {
+  using Sparse = c2f::SparseC2FAttention<Scalar>;
+  const bool per_token = sd.metadata().at("gating") == "token";
+  Sparse layer(c2f_test::meta_index(sd, "embed_dim"), c2f_test::meta_index(sd, "num_heads"), c2f_test::meta_index(sd, "chunk_size"),
+               c2f_test::meta_index(sd, "top_k"),
+               typename Sparse::Options()
+                   .gating(per_token ? c2f::Gating::PerToken : c2f::Gating::PerChunk)
+                   .causal(sd.metadata().at("causal") == "true"));
+  Masks<Scalar> masks;
+  if (sd.contains("key_padding_mask")) {
+    masks.key_padding_mask(c2f::key_padding_mask_from_tensor<Scalar>(c2f::MaskKind::Ignore, sd.at("key_padding_mask")));
+  }
+  layer.load_state_dict(sd, "mha.");
+  // c2f caps top_k at the m chunks; the fixture pads its rows with −1 up to top_k.
+  const std::vector<std::int64_t> want = c2f_test::int64_values(sd, "selected");
+  const kernels::ChunkSelection got = layer.forward_with_selection(c2f_test::tensor3<Scalar>(sd, "x"), masks).selection;
+  const std::size_t rows = static_cast<std::size_t>(got.batch * got.heads * got.queries), k = static_cast<std::size_t>(got.top_k);
+  const std::size_t wk = static_cast<std::size_t>(sd.at("selected").shape().back());
+  ASSERT_EQ(rows * wk, want.size());
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t t = 0; t < wk; ++t) {
+      ASSERT_EQ(t < k ? got.index[r * k + t] : Index(-1), want[r * wk + t]) << "selection row " << r << ", entry " << t;
+    }
+  }
+  c2f_test::check_one_input_case<Scalar>(layer, sd, masks, "mha.", cmp);
+}
+
 template <class Scalar>
 void check_train_c2f_case(const nlohmann::json& c) {
   const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(c2f_test::Tolerance<Scalar>::file_key)));
@@ -410,6 +530,8 @@ void check_train_c2f_case(const nlohmann::json& c) {
     check_c2f_case<Scalar>(sd, cmp);
   } else if (module == "c2f2d") {
     check_c2f2d_case<Scalar>(sd, cmp);
+  } else if (module == "sparse") {
+    check_sparse_case<Scalar>(sd, cmp);
   } else {
     FAIL() << "unknown module " << module;
   }
@@ -429,7 +551,7 @@ TEST(TrainC2FFixtures, CoverTheRequiredShapes) {
     fully_masked[m] += c.value("fully_masked_rows", std::string()) == "true";
     batch3[m] += c.at("batch") == "3";
   }
-  for (const char* m : {"fine", "c2f", "c2f2d"}) {
+  for (const char* m : {"fine", "c2f", "c2f2d", "sparse"}) {
     EXPECT_GE(modules[m], 5) << m;
     if (std::string(m) != "c2f2d") {  // C2FAttention2D takes no mask: every row sees its block
       EXPECT_GE(fully_masked[m], 1) << m;
@@ -450,14 +572,20 @@ C2F_LAYER(C2FGeneralF64, c2f::C2FAttention<double>, c2f_test::kWidth, 4, 4, o.fi
 C2F_LAYER(C2FChunk1F64, c2f::C2FAttention<double>, c2f_test::kWidth, 1, 1, o);
 C2F_LAYER(C2F2DF64, c2f::C2FAttention2D<double>, c2f_test::kWidth, 2, 2, 3, o.max_blocks_h(3).max_blocks_w(2).query_block(2));
 C2F_LAYER(C2F2DNoBiasF64, c2f::C2FAttention2D<double>, c2f_test::kWidth, 4, 2, 2, o.relative_position_bias(false));
+C2F_LAYER(SparseF64, c2f::SparseC2FAttention<double>, c2f_test::kWidth, 2, 3, 2, o);
+C2F_LAYER(CausalSparseF64, c2f::SparseC2FAttention<double>, c2f_test::kWidth, 2, 2, 2, o.causal(true));
+C2F_LAYER(TokenSparseNoBiasF64, c2f::SparseC2FAttention<double>, c2f_test::kWidth, 4, 3, 3, o.gating(c2f::Gating::PerToken).bias(false));
 // clang-format on
-using C2FEntries = ::testing::Types<C2FF64, C2FGeneralF64, C2FChunk1F64, C2F2DF64, C2F2DNoBiasF64>;
+using C2FEntries = ::testing::Types<C2FF64, C2FGeneralF64, C2FChunk1F64, C2F2DF64, C2F2DNoBiasF64, SparseF64, CausalSparseF64,
+                                    TokenSparseNoBiasF64>;
 TYPED_TEST_SUITE(FiniteDifferencesC2F, C2FEntries, c2f_test::EntryNames);
 
 // B = 2, L = 7: chunks of 3 (the last holds one token), of 4 (the last three), of 1; without masks and with
 // causal coarse and fine masks (the fine one sends the auto path to the general one). C2FAttention2D on a
 // 3 × 4 grid (L = 12) in blocks of 2 × 3 (partial in both directions; a table of 3 × 2 blocks, larger than
-// the 2 × 2 grid of blocks) and 2 × 2.
+// the 2 × 2 grid of blocks) and 2 × 2. SparseC2FAttention at L = 7: per-chunk gating in chunks of 3 with top_k
+// 2, per-token causal in chunks of 2, per-token without bias in chunks of 3 with top_k 3; with causal attention
+// masks and key padding (the selection, a constant of the backward, stays the same under the differences).
 TYPED_TEST(FiniteDifferencesC2F, GradientsEqualCentralDifferences) {
   TestRng rng(65);
   c2f_test::entry_finite_differences<TypeParam>(rng, std::is_same<typename TypeParam::Layer, c2f::C2FAttention2D<double>>::value ? 12 : 7);

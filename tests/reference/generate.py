@@ -1824,6 +1824,7 @@ def gen_train(family_dir: Path) -> List[dict]:
 
 
 __import__("train_c2f").register(sys.modules[__name__])  # family "train_c2f": tests/reference/train_c2f.py
+__import__("train_hmha").register(sys.modules[__name__])  # family "train_hmha": tests/reference/train_hmha.py
 
 
 # =====================================================================================================

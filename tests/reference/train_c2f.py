@@ -12,6 +12,9 @@ the output and every input's and parameter's ``.grad`` (``grad.<input>``, ``grad
   chunk's real tokens), an optional coarse keep mask [B, m, m] and fine keep mask [B, m, k, k].
 * ``c2f2d``: C2FAttention2D (c2f2d_reference.py), the relative position bias table a parameter whose
   gradient is stored (``grad.c2f2d.coarse_attn.relative_position_bias_table``).
+* ``sparse``: SparseC2FAttention with nn.MultiheadAttention's weights (``sparse_forward``: the sparse
+  family's dense reference with autograd), the selection a constant found as the sparse family finds its
+  own (a margin that float32 rounding cannot flip), stored as ``selected``.
 * Rows whose keys are all masked: the article fills masked scores with -1e9, which averages every value
   uniformly there; c2f gives zero attention (and zero gradient). Such cases use a written-out twin of the
   module with c2f's semantics (``fine_forward``, ``c2f_forward``: -inf masking, zero rows), which the generator checks
@@ -28,6 +31,7 @@ import torch
 
 import c2f2d_reference as c2f2d_ref
 import c2f_reference as c2f_ref
+import sparse_reference as sparse_ref
 
 G = None  # the generate module: its streams, helpers and case types (set by register())
 
@@ -40,7 +44,7 @@ def register(generate_module) -> None:
     G = generate_module
     G.register_family(FAMILY, computed=("output", "grad.*"),
                       description="gradients of the coarse-to-fine layers (y.backward(dy)): the article's "
-                                  "FineAttention and C2FAttention, C2FAttention2D")(gen_train_c2f)
+                                  "FineAttention and C2FAttention, C2FAttention2D, SparseC2FAttention")(gen_train_c2f)
 
 
 # =====================================================================================================
@@ -88,6 +92,19 @@ def c2f_forward(mod: c2f_ref.C2FAttention, x: torch.Tensor, coarse_keep: Optiona
     return fine.reshape(B, m * c, d)[:, :L]
 
 
+def sparse_forward(mha: torch.nn.MultiheadAttention, x: torch.Tensor, keep: torch.Tensor, chunk: int, gating: str,
+                   causal: bool, key_padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """sparse_reference.sparse_c2f_attention with autograd: the selection `keep` [B, H, R, m] is a constant
+    (as MoBA and NSA train), so the gradients flow through the selected chunks' keys only; a row without an
+    allowed key gives zero attention and zero gradient."""
+    B, L, E = x.shape
+    q, k, v = sparse_ref.project_heads(mha, x)
+    allowed = sparse_ref.allowed_mask(keep, L, chunk, gating, causal, key_padding_mask)
+    p = softmax_zero_rows((q @ k.transpose(-2, -1)) / math.sqrt(E // mha.num_heads), allowed)
+    o = (p @ v).transpose(1, 2).reshape(B, L, E)
+    return torch.nn.functional.linear(o, mha.out_proj.weight, mha.out_proj.bias)
+
+
 def fine_forward(mod: c2f_ref.FineAttention, x: torch.Tensor, context: torch.Tensor,
                  keep: Optional[torch.Tensor]) -> torch.Tensor:
     """The article's FineAttention.forward with c2f's semantics: keep [B, m, k, k] (True = keep)."""
@@ -113,14 +130,19 @@ class Case:
     name: str
     seed: int
     description: str
-    module: str  # "fine" | "c2f" | "c2f2d"
-    sizes: tuple = ()  # fine: (m, k); c2f: (L, chunk); c2f2d: (H, W, block_h, block_w, Gh, Gw) (Gh = 0: Mh)
+    module: str  # "fine" | "c2f" | "c2f2d" | "sparse"
+    sizes: tuple = ()  # fine: (m, k); c2f: (L, chunk); c2f2d: (H, W, block_h, block_w, Gh, Gw) (Gh = 0: Mh);
+    #                    sparse: (L, chunk, top_k)
     batch: int = 2
     d_model: int = 16
     n_heads: int = 4
     mask: Optional[str] = None  # fine: "per_token" | "per_chunk_key" | "fully_masked"; c2f: the fine mask's
     coarse_mask: bool = False  # c2f: a random coarse keep mask [B, m, m]
     bias: bool = True  # c2f2d: the relative position bias table
+    gating: str = "chunk"  # sparse: "chunk" | "token"
+    causal: bool = False  # sparse (per-token gating)
+    lengths: tuple = ()  # sparse: a bool key_padding_mask with these valid lengths
+    require_empty_rows: bool = False  # sparse: re-seed until some (b, h, query) has no allowed key
 
 
 def _cases() -> List[Case]:
@@ -172,6 +194,23 @@ def _cases() -> List[Case]:
              "token)", "c2f2d", (1, 9, 1, 8, 0, 0)),
         Case("c2f2d_5x6_b2x2_h8", 17207, "C2FAttention2D, d_model 24 with 8 heads (head dim 3), a 5 x 6 grid in blocks "
              "of 2 x 2", "c2f2d", (5, 6, 2, 2, 0, 0), d_model=24, n_heads=8),
+        Case("sparse_l37_c8_k2", 17300, "SparseC2FAttention, L = 37 in chunks of 8, top_k 2, per-chunk gating",
+             "sparse", (37, 8, 2)),
+        Case("sparse_tok_l37_c8_k2_causal", 17400, "SparseC2FAttention, L = 37, chunk 8, top_k 2, per-token gating, causal",
+             "sparse", (37, 8, 2), gating="token", causal=True),
+        Case("sparse_tok_l37_c8_k3", 17500, "SparseC2FAttention, L = 37, chunk 8, top_k 3, per-token gating, not causal",
+             "sparse", (37, 8, 3), gating="token"),
+        Case("sparse_kpm_l37_c8_k2", 17600, "SparseC2FAttention, L = 37, chunk 8, top_k 2, per-chunk gating, key padding "
+             "(lengths 37, 29: chunk 4 of batch 1 entirely padded)", "sparse", (37, 8, 2), lengths=(37, 29)),
+        Case("sparse_tok_kpm_l37_c8_k1_causal", 17700, "SparseC2FAttention, L = 37, chunk 8, top_k 1, per-token causal, "
+             "key padding (lengths 37, 20): padded tokens of batch 1 that see no allowed key (zero attention, zero "
+             "gradient)", "sparse", (37, 8, 1), gating="token", causal=True, lengths=(37, 20), require_empty_rows=True),
+        Case("sparse_l1_c8_k2_b3", 17800, "SparseC2FAttention, L = 1 (one chunk of one token), top_k 2, B = 3", "sparse",
+             (1, 8, 2), batch=3),
+        Case("sparse_l17_c8_k2_b3", 17900, "SparseC2FAttention, L = 17 (chunk + 1: 3 chunks, the last of one token), "
+             "top_k 2, per-chunk gating, B = 3", "sparse", (17, 8, 2), batch=3),
+        Case("sparse_all_l37_c8_k5", 18000, "SparseC2FAttention, L = 37, chunk 8, top_k 5 >= the 5 chunks: every chunk "
+             "selected (nn.MultiheadAttention's gradients)", "sparse", (37, 8, 5)),
     ]
 
 
@@ -336,7 +375,51 @@ def _c2f2d_case(c: Case, tag: str, check_twin: bool):
     return tensors, dy, out, grads, meta
 
 
-BUILDERS = {"fine": _fine_case, "c2f": _c2f_case, "c2f2d": _c2f2d_case}
+def _sparse_selection(c: Case):
+    """The sparse family's search: the first seed from c.seed whose selection is the same in float64 and
+    float32 with a margin (generate._sparse_try_seed), so that c2f selects exactly the stored chunks."""
+    L, chunk, top_k = c.sizes
+    vocabulary = G.SparseCase(c.name, c.seed, c.description, L, chunk, top_k, c.causal, batch=c.batch,
+                              embed_dim=c.d_model, num_heads=c.n_heads, lengths=c.lengths,
+                              require_empty_rows=c.require_empty_rows, gating=c.gating)
+    kpm = None if not c.lengths else np.arange(L)[None, :] >= np.asarray(c.lengths)[:, None]  # True = padding
+    for attempt in range(G.SPARSE_MAX_ATTEMPTS):
+        sel, _ = G._sparse_try_seed(vocabulary, c.seed + attempt, kpm)
+        if sel is not None:
+            return c.seed + attempt, sel, kpm
+    raise RuntimeError(f"{c.name}: no acceptable seed in {G.SPARSE_MAX_ATTEMPTS} attempts")
+
+
+def _sparse_case(c: Case, tag: str, check_twin: bool):
+    np_dt, t_dt = G.DTYPES[tag]
+    L, chunk, top_k = c.sizes
+    seed, sel, kpm = _sparse_selection(c)
+    kpm_t = None if kpm is None else torch.from_numpy(kpm)
+    dy = G.stream(c.seed, "grad_output").standard_normal(size=(c.batch, L, c.d_model))
+    mha = torch.nn.MultiheadAttention(c.d_model, c.n_heads, batch_first=True).to(t_dt)
+    G._load_exactly(mha, sel["params"], np_dt, c.name)
+    x = {"input": torch.from_numpy(sel["x"].astype(np_dt))}
+    fn = lambda: sparse_forward(mha, x["input"], sel["keep"], chunk, c.gating, c.causal, kpm_t)  # noqa: E731
+    out, grads = _backward(fn, x, mha, "mha.", dy, np_dt)
+    if check_twin:  # the forward is the sparse family's reference
+        with torch.no_grad():
+            want, _ = sparse_ref.sparse_c2f_attention(mha, x["input"], chunk, top_k, c.gating, c.causal, kpm_t,
+                                                      keep=sel["keep"])
+        if not np.allclose(out, G.to_numpy(want), rtol=0, atol=1e-12):
+            raise RuntimeError(f"{c.name}: sparse_forward disagrees with sparse_reference.sparse_c2f_attention")
+    tensors = {f"mha.{n}": v.astype(np_dt) for n, v in sel["params"].items()}
+    tensors["x"] = sel["x"].astype(np_dt)
+    if kpm is not None:
+        tensors["key_padding_mask"] = kpm
+    tensors["selected"] = sel["selected"]
+    meta = {"embed_dim": str(c.d_model), "num_heads": str(c.n_heads), "batch": str(c.batch), "seq_len": str(L),
+            "chunk_size": str(chunk), "top_k": str(top_k), "gating": c.gating, "causal": G.b(c.causal),
+            "key_padding_mask": "none" if kpm is None else "bool", "fully_masked_rows": G.b(sel["empty"]),
+            "selection_seed": str(seed), "reference": "sparse_forward (sparse_reference.py, selection constant)"}
+    return tensors, dy, out, grads, meta
+
+
+BUILDERS = {"fine": _fine_case, "c2f": _c2f_case, "c2f2d": _c2f2d_case, "sparse": _sparse_case}
 
 
 def _case_files(family_dir: Path, c: Case) -> dict:

@@ -10,6 +10,9 @@
 //     of the chunk — it reads every query of the chunk, so it is not causal;
 //   per token (select_chunks_per_token + token_sparse_attention, MoBA's gating): one choice per query
 //     token, from its own query — causal when only earlier chunks are eligible.
+// Training (docs/training.md): sparse_attention_backward, the fine stage's backward for either gating
+// with the selection a constant (as MoBA and NSA train: the gradients flow through the selected chunks'
+// keys only), and its dense twin sparse_attention_backward_naive.
 #pragma once
 
 #include "c2f/core.hpp"
@@ -341,6 +344,164 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
       }
     }
   });
+}
+
+}  // namespace kernels
+namespace detail {
+
+/// The entry checks of sparse_attention_backward and its twin: the fine stage's (a forward pass of all
+/// T = grid.length queries: n = T), dout shaped like q, dq, dk, dv like q, k, v.
+template <class Scalar>
+void check_sparse_backward(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                           const Eigen::Ref<const RowMatrix<Scalar>>& k, const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                           const Eigen::Ref<const RowMatrix<Scalar>>& dout, const Eigen::Ref<RowMatrix<Scalar>>& dq,
+                           const Eigen::Ref<RowMatrix<Scalar>>& dk, const Eigen::Ref<RowMatrix<Scalar>>& dv,
+                           const kernels::ChunkGrid& grid, Index heads, const kernels::ChunkSelection& selection,
+                           const MaskView<Scalar>& mask, Scalar scale) {
+  check_sparse_fine_inputs(kernel, q, k, v, dout, grid, heads, selection, selection.per_token, mask, scale);
+  if (q.rows() != grid.tokens()) fail(kernel, ": the queries of every position, [batch·length, cols], got ", q.rows(), " rows");
+  check_shape(kernel, "dq", dq, q.rows(), q.cols());
+  check_shape(kernel, "dk", dk, k.rows(), k.cols());
+  check_shape(kernel, "dv", dv, v.rows(), v.cols());
+}
+
+}  // namespace detail
+namespace kernels {
+
+/// The backward pass of chunk_sparse_attention (a per-chunk selection) and token_sparse_attention (a
+/// per-token one, causal or not) with the selection a constant — as MoBA and NSA train: the gradients flow
+/// through the selected chunks' keys and values only, and none through the gating. For the output's
+/// gradient dout, writes dq, dk, dv (overwritten; all [batch·length, heads·dh], the forward's q, k, v
+/// layout). Per (batch, head) task, the query groups in ascending order — a query chunk, or with a per-token
+/// selection one token — gather their selected keys and values, recompute the probabilities P (scores ·
+/// scale, the mask, the causal edge in the own chunk) and add dv += Pᵀ dout, dS = P ∘ (dout vᵀ −
+/// rowsum(P ∘ dout vᵀ)), dq = scale · dS k, dk += scale · dSᵀ q, back into the selected chunks' rows. A
+/// task owns its head's columns, so the bits do not depend on the thread count. A row with no visible key
+/// gets zero gradients and gives none; a key the mask hides receives none, NaN or Inf in it included.
+/// Working memory per worker: the gathered keys and values of one group and its scores. Twin:
+/// sparse_attention_backward_naive.
+template <class Scalar>
+void sparse_attention_backward(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                               const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads,
+                               const ChunkSelection& selection, const Eigen::Ref<const RowMatrix<Scalar>>& dout,
+                               Eigen::Ref<RowMatrix<Scalar>> dq, Eigen::Ref<RowMatrix<Scalar>> dk,
+                               Eigen::Ref<RowMatrix<Scalar>> dv, bool causal, const MaskView<Scalar>& mask, Scalar scale,
+                               const KernelOptions& options) {
+  detail::check_sparse_backward("sparse_attention_backward", q, k, v, dout, dq, dk, dv, grid, heads, selection, mask, scale);
+  const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k;
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  struct Workspace {
+    RowMatrix<Scalar> kg, vg, s, dp, qs, dkg, dvg;
+    Vector<Scalar> rowdot;
+    detail::MaskedValues<Scalar> hidden_k, hidden_v;
+  };
+  const double work = 2.5 * detail::attention_work(grid.batch * heads, grid.length, std::min(top_k, m) * grid.chunk, dh, dh);
+  detail::parallel_for_each_worker<Workspace>(grid.batch * heads, options.num_threads(), work, [&](Index task, Workspace& ws) {
+    const Index b = task / heads, h = task % heads;
+    dk.block(b * grid.length, h * dh, grid.length, dh).setZero();
+    dv.block(b * grid.length, h * dh, grid.length, dh).setZero();
+    // One group: `rows` queries from token row q_row (position t0 = its first query's), all with the
+    // selection `chosen`; `own` is the chunk of a per-token query (−1 for a query chunk).
+    const auto group = [&](Index q_row, Index rows, Index t0, const Index* chosen, Index own) {
+      Index n = 0;
+      for (Index t = 0; t < top_k && chosen[t] >= 0; ++t) n += grid.count(b * m + chosen[t]);
+      ws.kg.resize(n, dh);
+      ws.vg.resize(n, dh);
+      ws.s.resize(rows, n);
+      for (Index t = 0, filled = 0; t < top_k && chosen[t] >= 0; ++t) {
+        const Index kc = b * m + chosen[t], count = grid.count(kc);
+        ws.kg.middleRows(filled, count) = k.block(grid.row(kc), h * dh, count, dh);
+        ws.vg.middleRows(filled, count) = v.block(grid.row(kc), h * dh, count, dh);
+        filled += count;
+      }
+      ws.qs = q.block(q_row, h * dh, rows, dh) * scale;
+      ws.s.noalias() = ws.qs * ws.kg.transpose();
+      for (Index t = 0, filled = 0; t < top_k && chosen[t] >= 0; ++t) {
+        const Index kc = b * m + chosen[t], count = grid.count(kc), j0 = grid.first(kc);
+        Eigen::Block<RowMatrix<Scalar>> block = ws.s.middleCols(filled, count);
+        if (causal && chosen[t] == own && t0 - j0 < count - 1) {
+          block.rightCols(count - 1 - (t0 - j0)).setConstant(kNegInf);  // keys after the query
+        }
+        if (!mask.empty()) mask.apply(b, h, t0, j0, block);
+        filled += count;
+      }
+      // Keys hidden from a row may hold non-finite values: they take no part (masked_values.hpp).
+      const bool hides = causal || !mask.empty();
+      const bool guard_k = hides && ws.hidden_k.find(ws.kg), guard_v = hides && ws.hidden_v.find(ws.vg);
+      if (guard_k) ws.hidden_k.remember_hidden(ws.s);
+      if (guard_v) ws.hidden_v.remember_hidden(ws.s);
+      for (Index r = 0; r < rows; ++r) detail::softmax_row(ws.s.row(r));
+      const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstBlockXpr g = dout.block(q_row, h * dh, rows, dh);
+      ws.dvg.noalias() = ws.s.transpose() * g;
+      ws.dp.noalias() = g * ws.vg.transpose();
+      if (guard_v) ws.hidden_v.zero_hidden(ws.dp);  // 0 · Inf would poison the row's sum
+      ws.rowdot = ws.s.cwiseProduct(ws.dp).rowwise().sum();
+      ws.dp = ws.s.cwiseProduct(ws.dp.colwise() - ws.rowdot);  // dS
+      typename Eigen::Ref<RowMatrix<Scalar>>::BlockXpr dqb = dq.block(q_row, h * dh, rows, dh);
+      if (guard_k) {
+        ws.hidden_k.template product<false>(dqb, ws.dp, ws.kg);
+      } else {
+        dqb.noalias() = ws.dp * ws.kg;
+      }
+      dqb *= scale;
+      ws.dkg.noalias() = ws.dp.transpose() * ws.qs;  // qs = scale · q
+      for (Index t = 0, filled = 0; t < top_k && chosen[t] >= 0; ++t) {
+        const Index kc = b * m + chosen[t], count = grid.count(kc);
+        dk.block(grid.row(kc), h * dh, count, dh) += ws.dkg.middleRows(filled, count);
+        dv.block(grid.row(kc), h * dh, count, dh) += ws.dvg.middleRows(filled, count);
+        filled += count;
+      }
+    };
+    if (selection.per_token) {
+      for (Index t = 0; t < grid.length; ++t) group(b * grid.length + t, 1, t, selection.row(b, h, t), t / grid.chunk);
+    } else {
+      for (Index i = 0; i < m; ++i) {
+        const Index c = b * m + i;
+        group(grid.row(c), grid.count(c), grid.first(c), selection.row(b, h, i), -1);
+      }
+    }
+  });
+}
+
+/// Twin of sparse_attention_backward, obviously correct and slow: per (batch, head) the dense [T, T] matrix
+/// of the keys each query may see (its selected chunks; with `causal` only keys up to the query), the
+/// probabilities P of the scores with the mask's bias, then the textbook formulas dv = Pᵀ dout,
+/// dS = P ∘ (dP − rowsum(P ∘ dP)), dq = scale · dS k, dk = scale · dSᵀ q.
+template <class Scalar>
+void sparse_attention_backward_naive(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                     const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                     const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads,
+                                     const ChunkSelection& selection, const Eigen::Ref<const RowMatrix<Scalar>>& dout,
+                                     Eigen::Ref<RowMatrix<Scalar>> dq, Eigen::Ref<RowMatrix<Scalar>> dk,
+                                     Eigen::Ref<RowMatrix<Scalar>> dv, bool causal, const MaskView<Scalar>& mask,
+                                     Scalar scale) {
+  detail::check_sparse_backward("sparse_attention_backward_naive", q, k, v, dout, dq, dk, dv, grid, heads, selection, mask,
+                                scale);
+  const Index T = grid.length, dh = q.cols() / heads;
+  for (Index b = 0; b < grid.batch; ++b) {
+    for (Index h = 0; h < heads; ++h) {
+      const Index r0 = b * T, c0 = h * dh;
+      RowMatrix<Scalar> p(T, T), dp(T, T);
+      p.noalias() = (q.block(r0, c0, T, dh) * scale) * k.block(r0, c0, T, dh).transpose();
+      for (Index i = 0; i < T; ++i) {
+        const Index* chosen = selection.row(b, h, selection.per_token ? i : i / grid.chunk);
+        for (Index j = 0; j < T; ++j) {
+          bool selected = false;
+          for (Index t = 0; t < selection.top_k; ++t) selected = selected || chosen[t] == j / grid.chunk;
+          const bool visible = selected && !(causal && j > i);
+          p(i, j) = visible ? detail::add_bias(p(i, j), mask.empty() ? Scalar(0) : mask.bias(b, h, i, j))
+                            : -std::numeric_limits<Scalar>::infinity();
+        }
+        detail::softmax_row(p.row(i));
+      }
+      dp.noalias() = dout.block(r0, c0, T, dh) * v.block(r0, c0, T, dh).transpose();
+      const Vector<Scalar> rowdot = p.cwiseProduct(dp).rowwise().sum();
+      const RowMatrix<Scalar> ds = p.cwiseProduct(dp.colwise() - rowdot);
+      dv.block(r0, c0, T, dh).noalias() = p.transpose() * dout.block(r0, c0, T, dh);
+      dq.block(r0, c0, T, dh).noalias() = scale * (ds * k.block(r0, c0, T, dh));
+      dk.block(r0, c0, T, dh).noalias() = scale * (ds.transpose() * q.block(r0, c0, T, dh));
+    }
+  }
 }
 
 }  // namespace kernels

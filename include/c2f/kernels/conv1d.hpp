@@ -1,5 +1,6 @@
 // c2f kernels — 1-D convolution with torch.nn.Conv1d's semantics (cross-correlation, stride 1,
-// zero padding, groups) on [batch, length, channels] rows, computed as one GEMM per tap.
+// zero padding, groups) on [batch, length, channels] rows, computed as one GEMM per tap; and its
+// gradients (conv1d_backward, for training: docs/training.md).
 #pragma once
 
 #include "c2f/core.hpp"
@@ -8,6 +9,7 @@
 #include "c2f/detail/parallel.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 
+#include <algorithm>
 #include <vector>
 
 namespace c2f {
@@ -153,6 +155,111 @@ void conv1d_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Ind
           for (Index c = 0; c < cin; ++c) acc += torch_weight[(o * cin + c) * s.kernel + t] * x(b * length + src, g * cin + c);
         }
         y(b * out_len + i, o) = acc;
+      }
+    }
+  }
+}
+
+/// Weights per side of one task of conv1d_backward()'s weight gradient (a tile of one tap and group).
+constexpr Index kConv1dGradTile = 64;
+
+}  // namespace kernels
+namespace detail {
+/// conv1d_backward's arguments: x and dy as conv1d's x and y (check_conv1d), taps as conv1d's, dx shaped
+/// like x and dtaps like taps.
+template <class X, class Taps, class DY, class DX, class DTaps>
+void check_conv1d_backward(const char* kernel, const X& x, const Taps& taps, const DY& dy, const DX& dx, const DTaps& dtaps,
+                           Index batch, Index length, const kernels::Conv1dShape& s) {
+  check_conv1d(kernel, x, dy, batch, length, s);
+  check_shape(kernel, "taps", taps, s.kernel * s.out_channels, s.in_per_group());
+  check_shape(kernel, "dx", dx, x.rows(), x.cols());
+  check_shape(kernel, "dtaps", dtaps, taps.rows(), taps.cols());
+}
+}  // namespace detail
+namespace kernels {
+
+/// The gradients of conv1d() for the output's gradient dy [batch·out_length, out] (dy may be a column
+/// block of a wider matrix):
+///   dx[b, s, g·in/groups + c] = Σ_t Σ_(o in group g) dy[b, s − t + left_padding, o] · W[o, c, t]
+///     (overwritten, or added to with `add_dx`) — tasks of kConv1dRowChunk input rows, taps in order;
+///   dtaps (conv1d_taps' layout, overwritten) = Σ_b Σ_i dy[b, i, o] · x[b, i + t − left_padding, g·in/groups + c]
+///     — each tile of kConv1dGradTile × kConv1dGradTile weights of one tap and group one task, summing the
+///     batch items in order;
+///   dbias[o] = Σ dy[:, o] (overwritten; nullptr: no bias), added in double (a bias gradient is a long sum
+///     that cancels).
+/// The bits depend on the shapes only, not on the thread count. Twin: conv1d_backward_naive().
+template <class Scalar>
+void conv1d_backward(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length, const Conv1dShape& s,
+                     const RowMatrix<Scalar>& taps, const Eigen::Ref<const RowMatrix<Scalar>>& dy,
+                     Eigen::Ref<RowMatrix<Scalar>> dx, Eigen::Ref<RowMatrix<Scalar>> dtaps, Scalar* dbias,
+                     const KernelOptions& options, bool add_dx = false) {
+  detail::check_conv1d_backward("conv1d_backward", x, taps, dy, dx, dtaps, batch, length, s);
+  const Index out_len = s.out_length(length), cin = s.in_per_group(), cout = s.out_per_group(), lp = s.left_padding();
+  const double work = 2.0 * static_cast<double>(batch * out_len) * static_cast<double>(s.kernel * cin * s.out_channels);
+  // dx: input row r of batch item b is read by output row r − t + lp through tap t.
+  const Index chunks_per_batch = detail::ceil_div(length, kConv1dRowChunk);
+  detail::parallel_for(batch * chunks_per_batch, options.num_threads(), work, [&](Index task, int) {
+    const Index b = task / chunks_per_batch;
+    const Index r0 = (task % chunks_per_batch) * kConv1dRowChunk, r1 = std::min(length, r0 + kConv1dRowChunk);
+    typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr rows = dx.middleRows(b * length + r0, r1 - r0);
+    if (!add_dx) rows.setZero();
+    for (Index t = 0; t < s.kernel; ++t) {
+      const Index shift = lp - t;  // input row r ↔ output row r + shift
+      const Index i0 = std::max(r0, -shift), i1 = std::min(r1, out_len - shift);
+      if (i1 <= i0) continue;
+      for (Index g = 0; g < s.groups; ++g) {
+        rows.block(i0 - r0, g * cin, i1 - i0, cin).noalias() +=
+            dy.block(b * out_len + i0 + shift, g * cout, i1 - i0, cout) * taps.block(t * s.out_channels + g * cout, 0, cout, cin);
+      }
+    }
+  });
+  // dtaps and dbias: tiles of one tap and group, each summing over every output row.
+  const Index tiles_o = detail::ceil_div(cout, kConv1dGradTile), tiles_c = detail::ceil_div(cin, kConv1dGradTile);
+  const Index tiles = tiles_o * tiles_c;
+  detail::parallel_for(s.kernel * s.groups * tiles, options.num_threads(), work, [&](Index task, int) {
+    const Index t = task / (s.groups * tiles), g = (task / tiles) % s.groups;
+    const Index o0 = (task % tiles) / tiles_c * kConv1dGradTile, c0 = (task % tiles_c) * kConv1dGradTile;
+    const Index no = std::min(kConv1dGradTile, cout - o0), nc = std::min(kConv1dGradTile, cin - c0);
+    typename Eigen::Ref<RowMatrix<Scalar>>::BlockXpr tile = dtaps.block(t * s.out_channels + g * cout + o0, c0, no, nc);
+    tile.setZero();
+    const Index shift = t - lp;  // output row i reads input row i + shift
+    const Index i0 = std::max<Index>(0, -shift), i1 = std::min(out_len, length - shift);
+    for (Index b = 0; b < batch && i1 > i0; ++b) {
+      tile.noalias() += dy.block(b * out_len + i0, g * cout + o0, i1 - i0, no).transpose() *
+                        x.block(b * length + i0 + shift, g * cin + c0, i1 - i0, nc);
+    }
+    if (dbias != nullptr && t == 0 && c0 == 0) {
+      for (Index o = g * cout + o0; o < g * cout + o0 + no; ++o) dbias[o] = static_cast<Scalar>(dy.col(o).template cast<double>().sum());
+    }
+  });
+}
+
+/// Twin of conv1d_backward(): the defining sums, element by element, in index order, on PyTorch's weight
+/// layout: dx (overwritten), dweight [out, in/groups, kernel] and dbias [out] (overwritten; nullptr: none).
+template <class Scalar>
+void conv1d_backward_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length, const Conv1dShape& s,
+                           const Scalar* torch_weight, const Eigen::Ref<const RowMatrix<Scalar>>& dy,
+                           Eigen::Ref<RowMatrix<Scalar>> dx, Scalar* dweight, Scalar* dbias) {
+  detail::check_conv1d("conv1d_backward_naive", x, dy, batch, length, s);
+  detail::check_shape("conv1d_backward_naive", "dx", dx, x.rows(), x.cols());
+  const Index out_len = s.out_length(length), cin = s.in_per_group(), cout = s.out_per_group();
+  dx.setZero();
+  std::fill(dweight, dweight + s.out_channels * cin * s.kernel, Scalar(0));
+  if (dbias != nullptr) std::fill(dbias, dbias + s.out_channels, Scalar(0));
+  for (Index b = 0; b < batch; ++b) {
+    for (Index i = 0; i < out_len; ++i) {
+      for (Index o = 0; o < s.out_channels; ++o) {
+        const Index g = o / cout;
+        const Scalar d = dy(b * out_len + i, o);
+        if (dbias != nullptr) dbias[o] += d;
+        for (Index t = 0; t < s.kernel; ++t) {
+          const Index src = i + t - s.left_padding();
+          if (src < 0 || src >= length) continue;
+          for (Index c = 0; c < cin; ++c) {
+            dx(b * length + src, g * cin + c) += torch_weight[(o * cin + c) * s.kernel + t] * d;
+            dweight[(o * cin + c) * s.kernel + t] += d * x(b * length + src, g * cin + c);
+          }
+        }
       }
     }
   }

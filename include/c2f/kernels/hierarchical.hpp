@@ -8,6 +8,9 @@
 // `KV` (a KVCache's Eigen::half / bfloat16), converted block by block. Every kernel adds its result to
 // `out` (out += …: the `_add` of the names), so the levels sum into one buffer. Scores are q·k · scale. Arguments are checked at entry
 // (std::invalid_argument, every build type).
+//
+// Training (docs/training.md): each level's backward pass (`…_backward_add`), queries at every position
+// (n = T); the window means' and their broadcast's are chunk.hpp's chunk_mean_backward_add and chunk_sum.
 #pragma once
 
 #include "c2f/core.hpp"
@@ -261,6 +264,262 @@ void sparse_global_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   all.shift = length - n;
   const std::vector<OffsetRows<KV>> sources(sparse_offsets(length, causal).size(), all);
   sparse_global_attention_rows_add<Scalar, KV>(q, batch, length - n, length, heads, out, causal, scale, sources, options);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Training: the levels' backward passes. Each ADDS its gradients to dq, dk, dv (… += …), so the levels sum
+// into one buffer each as their outputs sum in the forward. Every gradient row is written by one task, its
+// terms added in a fixed order: the bits depend on the shapes only, never on the thread count. The
+// probabilities are recomputed from q and k (no [queries, keys] state is kept between the passes); where a
+// key's gradient gathers from queries of other tasks (levels 2 causal and 3), a first pass over the queries
+// keeps each (query, head)'s log-sum-exp and D = Σ_t p_t dp_t, O(T · heads), and a second pass over the
+// keys recomputes p = exp(s − lse). Twins: tests/support/hmha_dense.hpp (sdpa_backward_naive under dense
+// masks).
+
+}  // namespace kernels
+namespace detail {
+/// A level backward's [rows, width] matrix (`what`); `contiguous`: its rows are read as [rows·heads, dh].
+template <class M>
+void check_level_matrix(const char* kernel, const char* what, const M& m, Index rows, Index width, bool contiguous) {
+  check_shape(kernel, what, m, rows, width);
+  if (contiguous && m.outerStride() != width) fail(kernel, ": ", what, " must be a contiguous [rows, ", width, "] matrix");
+}
+
+/// The arguments of a level backward: the grid, heads dividing q's width, the scale; q, dout, dq
+/// [grid.tokens(), width]; k, v, dk, dv [key_rows, width].
+template <class Scalar, class Q, class DQ>
+void check_level_backward(const char* kernel, const kernels::ChunkGrid& grid, Index heads, Scalar scale, const Q& q,
+                          const Q& k, const Q& v, const Q& dout, const DQ& dq, const DQ& dk, const DQ& dv, Index key_rows,
+                          bool contiguous) {
+  check_grid(kernel, grid);
+  check_heads(kernel, q.cols(), heads);
+  check_scale(kernel, scale);
+  const Index rows = grid.tokens(), width = q.cols();
+  check_level_matrix(kernel, "q", q, rows, width, contiguous);
+  check_level_matrix(kernel, "dout", dout, rows, width, contiguous);
+  check_level_matrix(kernel, "dq", dq, rows, width, contiguous);
+  check_level_matrix(kernel, "k", k, key_rows, width, contiguous);
+  check_level_matrix(kernel, "v", v, key_rows, width, contiguous);
+  check_level_matrix(kernel, "dk", dk, key_rows, width, contiguous);
+  check_level_matrix(kernel, "dv", dv, key_rows, width, contiguous);
+}
+
+}  // namespace detail
+namespace kernels {
+
+/// Level 1's backward (window_attention_add with every position a query): per window and head the
+/// probabilities p = softmax(q kᵀ · scale) of the window (causal: keys ≤ the query), dp = dout vᵀ,
+/// D = rowsum(p ∘ dp), dS = p ∘ (dp − D); dq += scale · dS k, dk += scale · dSᵀ q, dv += pᵀ dout. A window's
+/// rows of dq, dk, dv come from its own queries only: tasks are (batch item, window). A NaN or Inf in a key
+/// or value a causal row hides reaches none of that row's gradients (masked_values.hpp). All matrices are
+/// [batch·T, heads·dh].
+template <class Scalar>
+void window_attention_backward_add(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                   const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                   const Eigen::Ref<const RowMatrix<Scalar>>& dout, const ChunkGrid& grid, Index heads,
+                                   Eigen::Ref<RowMatrix<Scalar>> dq, Eigen::Ref<RowMatrix<Scalar>> dk,
+                                   Eigen::Ref<RowMatrix<Scalar>> dv, bool causal, Scalar scale, const KernelOptions& options) {
+  const char* kernel = "window_attention_backward_add";
+  detail::check_level_backward(kernel, grid, heads, scale, q, k, v, dout, dq, dk, dv, grid.tokens(), false);
+  const Index dh = q.cols() / heads;
+  using Block = typename Eigen::Ref<const RowMatrix<Scalar>>::ConstBlockXpr;
+  using OutBlock = typename Eigen::Ref<RowMatrix<Scalar>>::BlockXpr;
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  struct Workspace {
+    RowMatrix<Scalar> p, ds;
+    Vector<Scalar> rowdot;
+    detail::MaskedValues<Scalar> hidden_k, hidden_v;
+  };
+  const double work = 2.5 * detail::attention_work(grid.batch * heads, grid.length, std::min(grid.chunk, grid.length), dh, dh);
+  detail::parallel_for_each_worker<Workspace>(grid.chunks(), options.num_threads(), work, [&](Index c, Workspace& ws) {
+    const Index row = grid.row(c), n = grid.count(c);
+    ws.p.resize(n, n);
+    ws.ds.resize(n, n);
+    for (Index h = 0; h < heads; ++h) {
+      const Block qb = q.block(row, h * dh, n, dh), kb = k.block(row, h * dh, n, dh), vb = v.block(row, h * dh, n, dh),
+                  g = dout.block(row, h * dh, n, dh);
+      ws.p.noalias() = (qb * scale) * kb.transpose();
+      bool guard_k = false, guard_v = false;
+      if (causal) {
+        for (Index i = 0; i + 1 < n; ++i) ws.p.row(i).tail(n - i - 1).setConstant(kNegInf);
+        guard_k = ws.hidden_k.find(kb);
+        if (guard_k) ws.hidden_k.remember_hidden(ws.p);
+        guard_v = ws.hidden_v.find(vb);
+        if (guard_v) ws.hidden_v.remember_hidden(ws.p);
+      }
+      for (Index i = 0; i < n; ++i) detail::softmax_row(ws.p.row(i));
+      ws.ds.noalias() = g * vb.transpose();  // dp
+      if (guard_v) ws.hidden_v.zero_hidden(ws.ds);
+      ws.rowdot = ws.p.cwiseProduct(ws.ds).rowwise().sum();
+      ws.ds = ws.p.cwiseProduct(ws.ds.colwise() - ws.rowdot) * scale;  // scale · dS
+      OutBlock dq_h = dq.block(row, h * dh, n, dh);
+      if (guard_k) {
+        ws.hidden_k.template product<true>(dq_h, ws.ds, kb);
+      } else {
+        dq_h.noalias() += ws.ds * kb;
+      }
+      dk.block(row, h * dh, n, dh).noalias() += ws.ds.transpose() * qb;
+      dv.block(row, h * dh, n, dh).noalias() += ws.p.transpose() * g;
+    }
+  });
+}
+
+/// Windows of summaries per task of window_summary_attention_backward_add's key pass; fixed, so the bits do
+/// not depend on the thread count.
+constexpr Index kSummaryBlock = 16;
+
+/// Causal level 2's backward (window_summary_attention_add with every position a query): k̄, v̄ and dk̄, dv̄
+/// [batch·m, heads·dh] with m = grid.chunks_per_batch(); q, dout, dq [batch·T, heads·dh]. Query pass, tasks
+/// (batch item, window): p = softmax over the summaries before the query's window, dp = dout v̄ᵀ, D =
+/// rowsum(p ∘ dp), dS = p ∘ (dp − D), dq += scale · dS k̄, and each (query, head)'s log-sum-exp and D kept.
+/// Summary pass, tasks (batch item, kSummaryBlock summaries): every later window's queries in order, p =
+/// exp(q·k̄ · scale − lse), dk̄ += scale · dSᵀ q, dv̄ += pᵀ dout. Memory: 2 values per (query, head) and a
+/// [window, m] block per worker — no [T, m] buffer.
+template <class Scalar>
+void window_summary_attention_backward_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                           const Eigen::Ref<const RowMatrix<Scalar>>& k_mean,
+                                           const Eigen::Ref<const RowMatrix<Scalar>>& v_mean,
+                                           const Eigen::Ref<const RowMatrix<Scalar>>& dout, const ChunkGrid& grid,
+                                           Index heads, Eigen::Ref<RowMatrix<Scalar>> dq,
+                                           Eigen::Ref<RowMatrix<Scalar>> dk_mean, Eigen::Ref<RowMatrix<Scalar>> dv_mean,
+                                           Scalar scale, const KernelOptions& options) {
+  const char* kernel = "window_summary_attention_backward_add";
+  detail::check_level_backward(kernel, grid, heads, scale, q, k_mean, v_mean, dout, dq, dk_mean, dv_mean, grid.chunks(), false);
+  const Index dh = q.cols() / heads, m = grid.chunks_per_batch();
+  using Block = typename Eigen::Ref<const RowMatrix<Scalar>>::ConstBlockXpr;
+  struct Workspace {
+    RowMatrix<Scalar> p, ds;
+  };
+  // Row h, column t: head h of the query at token row t.
+  RowMatrix<Scalar> lse(heads, grid.tokens()), rowdot(heads, grid.tokens());
+  const double work = 2.5 * detail::attention_work(grid.batch * heads, grid.length, m, dh, dh);
+  detail::parallel_for_each_worker<Workspace>(grid.chunks(), options.num_threads(), work, [&](Index task, Workspace& ws) {
+    const Index c = task % std::max<Index>(m, 1), first = task - c;  // summaries first … first + c − 1
+    if (c == 0) return;  // no window before the first
+    const Index row = grid.row(task), nq = grid.count(task);
+    ws.p.resize(nq, c);
+    ws.ds.resize(nq, c);
+    for (Index h = 0; h < heads; ++h) {
+      const Block qb = q.block(row, h * dh, nq, dh), g = dout.block(row, h * dh, nq, dh);
+      const Block km = k_mean.block(first, h * dh, c, dh), vm = v_mean.block(first, h * dh, c, dh);
+      ws.p.noalias() = (qb * scale) * km.transpose();
+      for (Index i = 0; i < nq; ++i) {
+        Scalar max = 0, sum = 0;
+        detail::softmax_row(ws.p.row(i), &max, &sum);
+        lse(h, row + i) = max + std::log(sum);
+      }
+      ws.ds.noalias() = g * vm.transpose();  // dp
+      rowdot.row(h).segment(row, nq) = ws.p.cwiseProduct(ws.ds).rowwise().sum().transpose();
+      ws.ds = ws.p.cwiseProduct(ws.ds.colwise() - rowdot.row(h).segment(row, nq).transpose()) * scale;
+      dq.block(row, h * dh, nq, dh).noalias() += ws.ds * km;
+    }
+  });
+  const Index blocks = detail::ceil_div(m, kSummaryBlock);
+  detail::parallel_for_each_worker<Workspace>(grid.batch * blocks, options.num_threads(), work, [&](Index task, Workspace& ws) {
+    const Index b = task / blocks, j0 = (task % blocks) * kSummaryBlock, j1 = std::min(m, j0 + kSummaryBlock);
+    for (Index c = j0 + 1; c < m; ++c) {  // the query windows that see summaries j0 …
+      const Index seen = std::min(j1, c) - j0, row = grid.row(b * m + c), nq = grid.count(b * m + c);
+      ws.p.resize(nq, seen);
+      ws.ds.resize(nq, seen);
+      for (Index h = 0; h < heads; ++h) {
+        const Block qb = q.block(row, h * dh, nq, dh), g = dout.block(row, h * dh, nq, dh);
+        ws.p.noalias() = (qb * scale) * k_mean.block(b * m + j0, h * dh, seen, dh).transpose();
+        for (Index i = 0; i < nq; ++i) detail::exp_shifted(ws.p.row(i), lse(h, row + i));
+        ws.ds.noalias() = g * v_mean.block(b * m + j0, h * dh, seen, dh).transpose();  // dp
+        ws.ds = ws.p.cwiseProduct(ws.ds.colwise() - rowdot.row(h).segment(row, nq).transpose()) * scale;
+        dk_mean.block(b * m + j0, h * dh, seen, dh).noalias() += ws.ds.transpose() * qb;
+        dv_mean.block(b * m + j0, h * dh, seen, dh).noalias() += ws.p.transpose() * g;
+      }
+    }
+  });
+}
+
+/// Level 3's backward (sparse_global_attention_add with every position a query; every matrix a contiguous
+/// [batch·length, heads·dh]). Query pass, tasks of kSparseRowBlock queries: the scores at every offset
+/// (as the forward computes them), p = their softmax, dp = dout·v at each offset, D = rowsum(p ∘ dp),
+/// dS = p ∘ (dp − D), dq += scale · Σ_δ dS_δ k_(i+δ), and each (query, head)'s log-sum-exp and D kept. Key
+/// pass, tasks of kSparseRowBlock keys: for every offset δ in sparse_offsets' order, the queries j − δ that
+/// read key j: p = exp(q·k · scale − lse), dk_j += scale · dS q_(j−δ), dv_j += p dout_(j−δ). Memory: 2
+/// values per (query, head) and [rows, heads · offsets] blocks per worker.
+template <class Scalar>
+void sparse_global_attention_backward_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
+                                          const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                          const Eigen::Ref<const RowMatrix<Scalar>>& v,
+                                          const Eigen::Ref<const RowMatrix<Scalar>>& dout, Index batch, Index length,
+                                          Index heads, Eigen::Ref<RowMatrix<Scalar>> dq, Eigen::Ref<RowMatrix<Scalar>> dk,
+                                          Eigen::Ref<RowMatrix<Scalar>> dv, bool causal, Scalar scale,
+                                          const KernelOptions& options) {
+  const char* kernel = "sparse_global_attention_backward_add";
+  if (batch < 0 || length < 0) detail::fail(kernel, ": batch and length must be >= 0, got ", batch, " and ", length);
+  const ChunkGrid tokens{batch, length, 1};
+  detail::check_level_backward(kernel, tokens, heads, scale, q, k, v, dout, dq, dk, dv, tokens.tokens(), true);
+  const Index dim = q.cols(), dh = dim / heads, T = length;
+  const std::vector<Index> offsets = sparse_offsets(T, causal);
+  const Index noff = static_cast<Index>(offsets.size());
+  using Heads = Eigen::Map<const RowMatrix<Scalar>>;  // [rows·heads, dh]: one (token, head) per row
+  using HeadsOut = Eigen::Map<RowMatrix<Scalar>>;
+  // Head-rows (token row·heads + h) of lse and D.
+  Vector<Scalar> lse(batch * T * heads), rowdot(batch * T * heads);
+  struct Workspace {
+    RowMatrix<Scalar> p, dp, prod;
+    Vector<Scalar> s, d;
+  };
+  // a ∘ b for `rows` token rows, as [rows·heads, dh]: its row sums are the heads' dot products (the
+  // forward's arithmetic).
+  const auto head_products = [&](Workspace& ws, const Scalar* a, const Scalar* b_, Index rows) {
+    ws.prod.resize(rows, dim);
+    ws.prod = Heads(a, rows, dim).cwiseProduct(Heads(b_, rows, dim));
+    return Heads(ws.prod.data(), rows * heads, dh);
+  };
+  const Index blocks_per_batch = detail::ceil_div(T, kSparseRowBlock);
+  const double work = 2.0 * detail::attention_work(batch * heads, T, noff, dh, dh);
+  // Query pass.
+  detail::parallel_for_each_worker<Workspace>(batch * blocks_per_batch, options.num_threads(), work, [&](Index task, Workspace& ws) {
+    const Index b = task / blocks_per_batch;
+    const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, T - a), base = b * T + a;
+    ws.p.setConstant(nb * heads, noff, -std::numeric_limits<Scalar>::infinity());
+    ws.dp.setZero(nb * heads, noff);
+    for (Index o = 0; o < noff; ++o) {
+      const Index delta = offsets[static_cast<std::size_t>(o)];
+      const Index i0 = std::max<Index>(0, -delta - a), i1 = std::min(nb, T - delta - a);  // queries with a key at δ
+      if (i1 <= i0) continue;
+      const Index rows = i1 - i0, qr = base + i0;
+      ws.p.col(o).segment(i0 * heads, rows * heads) = head_products(ws, q.row(qr).data(), k.row(qr + delta).data(), rows).rowwise().sum() * scale;
+      ws.dp.col(o).segment(i0 * heads, rows * heads) = head_products(ws, dout.row(qr).data(), v.row(qr + delta).data(), rows).rowwise().sum();
+    }
+    for (Index r = 0; r < nb * heads; ++r) {
+      Scalar max = 0, sum = 0;
+      detail::softmax_row(ws.p.row(r), &max, &sum);  // offset 0 is always there
+      lse(base * heads + r) = max + std::log(sum);
+    }
+    rowdot.segment(base * heads, nb * heads) = ws.p.cwiseProduct(ws.dp).rowwise().sum();
+    ws.dp = ws.p.cwiseProduct(ws.dp.colwise() - rowdot.segment(base * heads, nb * heads)) * scale;  // scale · dS
+    for (Index o = 0; o < noff; ++o) {
+      const Index delta = offsets[static_cast<std::size_t>(o)];
+      const Index i0 = std::max<Index>(0, -delta - a), i1 = std::min(nb, T - delta - a);
+      if (i1 <= i0) continue;
+      const Index rows = i1 - i0, qr = base + i0;
+      HeadsOut(dq.row(qr).data(), rows * heads, dh).noalias() +=
+          ws.dp.col(o).segment(i0 * heads, rows * heads).asDiagonal() * Heads(k.row(qr + delta).data(), rows * heads, dh);
+    }
+  });
+  // Key pass.
+  detail::parallel_for_each_worker<Workspace>(batch * blocks_per_batch, options.num_threads(), work, [&](Index task, Workspace& ws) {
+    const Index b = task / blocks_per_batch;
+    const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, T - a), base = b * T + a;
+    for (Index o = 0; o < noff; ++o) {
+      const Index delta = offsets[static_cast<std::size_t>(o)];
+      const Index j0 = std::max<Index>(0, delta - a), j1 = std::min(nb, T + delta - a);  // keys read from query j − δ
+      if (j1 <= j0) continue;
+      const Index rows = j1 - j0, kr = base + j0, qr = kr - delta, n = rows * heads;
+      ws.s = head_products(ws, q.row(qr).data(), k.row(kr).data(), rows).rowwise().sum() * scale;
+      ws.s = (ws.s - lse.segment(qr * heads, n)).array().exp().matrix();  // p
+      ws.d = head_products(ws, dout.row(qr).data(), v.row(kr).data(), rows).rowwise().sum();  // dp
+      ws.d = ws.s.cwiseProduct(ws.d - rowdot.segment(qr * heads, n)) * scale;  // scale · dS
+      HeadsOut(dk.row(kr).data(), n, dh).noalias() += ws.d.asDiagonal() * Heads(q.row(qr).data(), n, dh);
+      HeadsOut(dv.row(kr).data(), n, dh).noalias() += ws.s.asDiagonal() * Heads(dout.row(qr).data(), n, dh);
+    }
+  });
 }
 
 }  // namespace kernels

@@ -89,6 +89,29 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
     return kernels::conv1d_workspace_bytes<Scalar>(seq, shape_);
   }
 
+  /// Training (forward_train, backward: detail::RowLayerBase): the saved input x.
+  using Saved = detail::RowSaved<Scalar>;
+  void backward_rows(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx,
+                     Conv1d& grad) const {
+    backward_rows(saved.x, saved.batch, saved.seq, dy, dx, grad, /*add_dx=*/false);
+  }
+  /// The gradients on rows (kernels::conv1d_backward) of an input x [batch·length, in] for dy [batch·L_out,
+  /// out] (a column block of a wider matrix too): dx (overwritten, or added to with add_dx), and grad's
+  /// weight and bias, for `grad` a copy of this layer (backward() passes one with zero parameters). An input
+  /// shorter than the kernel (L_out = 0) has zero gradients.
+  void backward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
+                     const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx, Conv1d& grad,
+                     bool add_dx) const {
+    if (out_length(length) == 0) {
+      if (!add_dx) dx.setZero();
+      grad.taps_.setZero();
+      grad.bias_.setZero();
+      return;
+    }
+    kernels::conv1d_backward<Scalar>(x, batch, length, shape_, taps_, dy, dx, grad.taps_,
+                                     options_.bias() ? grad.bias_.data() : nullptr, detail::kernel_options(options_), add_dx);
+  }
+
  private:
   static kernels::Conv1dShape checked_shape(const kernels::Conv1dShape& s) {
     s.validate();
@@ -154,6 +177,23 @@ class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scala
   /// time, but the scratch cache may keep conv3's while conv2 runs).
   std::size_t workspace_bytes(Index batch, Index seq) const {
     return conv3_.workspace_bytes(batch, seq) + conv2_.workspace_bytes(batch, seq);
+  }
+
+  /// Training (forward_train, backward: detail::RowLayerBase): the saved input x.
+  using Saved = detail::RowSaved<Scalar>;
+  void backward_rows(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx,
+                     C3K2Projection& grad) const {
+    backward_rows(saved.x, saved.batch, saved.seq, dy, dx, grad, /*add_dx=*/false);
+  }
+  /// The gradients on rows of an input x [batch·length, E] for dy [batch·length, E]: conv3's (dy's channels
+  /// [0, E/2)) then conv2's ([E/2, E)) input gradients summed into dx (overwritten, or added to with
+  /// add_dx), their parameters' into grad's (Conv1d::backward_rows).
+  void backward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
+                     const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx,
+                     C3K2Projection& grad, bool add_dx) const {
+    const Index e = embed_dim();
+    conv3_.backward_rows(x, batch, length, dy.leftCols(e / 2), dx, grad.conv3_, add_dx);
+    conv2_.backward_rows(x, batch, length, dy.rightCols(e - e / 2), dx, grad.conv2_, /*add_dx=*/true);
   }
 
  private:

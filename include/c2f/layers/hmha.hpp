@@ -18,6 +18,8 @@
 //            j < window(i), one softmax (NSA's compressed branch); window 0 gets 0;
 //   level 3: S(i) = {i} ∪ {i − 2^p}.
 // Cost O(L·W·E + (L/W)²·E + L·log L·E) (causal level 2: O(L·(L/W)·E)); no L × L buffer anywhere.
+// Training (forward_train, backward: docs/training.md): the levels' backward kernels recompute their
+// probabilities from the saved q and k; memory stays O(L·E).
 // State dict: q_proj.conv3.*, q_proj.conv2.*, k_proj.*, v_proj.*, out_proj.weight, out_proj.bias.
 #pragma once
 
@@ -28,6 +30,7 @@
 #include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/hierarchical.hpp"
 #include "c2f/kernels/sdpa.hpp"
+#include "c2f/kernels/sdpa_backward.hpp"
 #include "c2f/layers/conv1d.hpp"
 #include "c2f/layers/linear.hpp"
 #include "c2f/mask.hpp"
@@ -180,19 +183,112 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
     }
   }
 
+  /// Training. What forward_train() keeps for backward(): the input x, its projections q, k, v and the
+  /// summed levels o ([B·L, E] each: 5·E values per token), and the levels that were on. backward()
+  /// recomputes each level's probabilities from q and k: no [L, L] or [L, L/W] state.
+  struct Saved : detail::SavedBase {
+    RowMatrix<Scalar> x, q, k, v, o;
+    Index batch = 0, seq = 0;
+    HMHALevels levels;
+  };
+
+  /// The backward of attend() for dout = dL/d(o1 + o2 + o3) [B·L, E]: adds the gradients of the `levels`
+  /// that are on to dq, dk, dv [B·L, E] — level 1, then 2, then 3 (kernels::window_attention_backward_add;
+  /// level 2 through the window means: causal window_summary_attention_backward_add, else sdpa_backward on
+  /// the means with chunk_sum of dout; sparse_global_attention_backward_add).
+  void attend_backward(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                       const Eigen::Ref<const RowMatrix<Scalar>>& v, const Eigen::Ref<const RowMatrix<Scalar>>& dout,
+                       Index batch, Index length, Eigen::Ref<RowMatrix<Scalar>> dq, Eigen::Ref<RowMatrix<Scalar>> dk,
+                       Eigen::Ref<RowMatrix<Scalar>> dv, const HMHALevels& levels) const {
+    const kernels::ChunkGrid windows{batch, length, window_};
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
+    const bool causal = options_.causal();
+    const Index h = shape_.num_heads, e = shape_.embed_dim;
+    const Scalar scale = kernels::default_scale<Scalar>(head_dim());
+    if (levels.local) kernels::window_attention_backward_add<Scalar>(q, k, v, dout, windows, h, dq, dk, dv, causal, scale, threads);
+    if (levels.cross && windows.chunks() > 0) {
+      const Index chunks = windows.chunks(), m = windows.chunks_per_batch();
+      RowMatrix<Scalar> km(chunks, e), vm(chunks, e), dkm(chunks, e), dvm(chunks, e);
+      kernels::chunk_mean<Scalar>(k, windows, km, threads);
+      kernels::chunk_mean<Scalar>(v, windows, vm, threads);
+      if (causal) {
+        dkm.setZero();
+        dvm.setZero();
+        kernels::window_summary_attention_backward_add<Scalar>(q, km, vm, dout, windows, h, dq, dkm, dvm, scale, threads);
+      } else {
+        // c = attention of the window means (the forward's), its gradient the window sums of dout.
+        RowMatrix<Scalar> qm(chunks, e), c(chunks, e), lse(batch * h, m), dc(chunks, e), dqm(chunks, e);
+        kernels::chunk_mean<Scalar>(q, windows, qm, threads);
+        const kernels::HeadsView<const Scalar> qv = kernels::heads_view(std::as_const(qm), batch, m, h),
+                                               kv = kernels::heads_view(std::as_const(km), batch, m, h),
+                                               vv = kernels::heads_view(std::as_const(vm), batch, m, h);
+        kernels::sdpa_streaming_lse<Scalar>(qv, kv, vv, kernels::heads_view(c, batch, m, h), lse, MaskView<Scalar>(), scale,
+                                            threads);
+        kernels::chunk_sum<Scalar>(dout, windows, dc, threads);
+        kernels::sdpa_backward<Scalar>(qv, kv, vv, kernels::heads_view(std::as_const(c), batch, m, h), lse,
+                                       kernels::heads_view(std::as_const(dc), batch, m, h), kernels::heads_view(dqm, batch, m, h),
+                                       kernels::heads_view(dkm, batch, m, h), kernels::heads_view(dvm, batch, m, h),
+                                       MaskView<Scalar>(), kernels::AttnDropout(), scale, threads);
+        kernels::chunk_mean_backward_add<Scalar>(dqm, windows, dq, threads);
+      }
+      kernels::chunk_mean_backward_add<Scalar>(dkm, windows, dk, threads);
+      kernels::chunk_mean_backward_add<Scalar>(dvm, windows, dv, threads);
+    }
+    if (levels.global) {
+      kernels::sparse_global_attention_backward_add<Scalar>(q, k, v, dout, batch, length, h, dq, dk, dv, causal, scale, threads);
+    }
+  }
+
  private:
   friend class detail::LayerBase<HMHA, Scalar>;
   void compute(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>&) const {
-    const Index batch = x.batch(), length = x.seq(), rows = batch * length, e = shape_.embed_dim;
+    const Index rows = x.batch() * x.seq(), e = shape_.embed_dim;
     // The projections live in reused scratch memory (detail/scratch.hpp): no fresh pages per call.
     detail::ScratchMatrix<Scalar> qs(rows, e), ks(rows, e), vs(rows, e), os(rows, e);
-    typename detail::ScratchMatrix<Scalar>::MapType q = qs.map(), k = ks.map(), v = vs.map(), o = os.map();
+    run(x, qs.map(), ks.map(), vs.map(), os.map(), out);
+  }
+  /// The forward into q, k, v, o [B·L, E] (the projections and the summed levels) and out.
+  void run(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> q, Eigen::Ref<RowMatrix<Scalar>> k,
+           Eigen::Ref<RowMatrix<Scalar>> v, Eigen::Ref<RowMatrix<Scalar>> o, Eigen::Ref<RowMatrix<Scalar>> out) const {
+    const Index batch = x.batch(), length = x.seq();
     q_proj_.forward_rows(x.rows(), batch, length, q);
     k_proj_.forward_rows(x.rows(), batch, length, k);
     v_proj_.forward_rows(x.rows(), batch, length, v);
     o.setZero();
     attend(q, k, v, batch, length, o);
     out_proj_.forward_rows(o, out);
+  }
+
+  friend struct detail::TrainAccess;
+  /// The forward (run()) into the saved state's buffers.
+  void compute_train(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>&, std::uint64_t,
+                     Saved& saved) const {
+    const Index rows = x.batch() * x.seq(), e = shape_.embed_dim;
+    saved.batch = x.batch();
+    saved.seq = x.seq();
+    saved.levels = options_.levels();
+    saved.x = x.rows();
+    for (RowMatrix<Scalar>* m : {&saved.q, &saved.k, &saved.v, &saved.o}) m->resize(rows, e);
+    run(x, saved.q, saved.k, saved.v, saved.o, out);
+  }
+  /// out_proj's backward (kernels::linear_backward), the levels' (attend_backward), then the three
+  /// projections' (C3K2Projection::backward_rows), summed into the input gradient.
+  void compute_backward(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g, HMHA& grad) const {
+    const Index batch = saved.batch, length = saved.seq, rows = batch * length, e = shape_.embed_dim;
+    RowMatrix<Scalar> dout(rows, e);
+    kernels::linear_backward<Scalar>(saved.o, out_proj_.weight(), dy, dout, grad.out_proj_.weight(),
+                                     grad.out_proj_.bias().data(), detail::kernel_options(options_));
+    RowMatrix<Scalar> dq = RowMatrix<Scalar>::Zero(rows, e), dk = RowMatrix<Scalar>::Zero(rows, e),
+                      dv = RowMatrix<Scalar>::Zero(rows, e);
+    attend_backward(saved.q, saved.k, saved.v, dout, batch, length, dq, dk, dv, saved.levels);
+    dout.resize(0, 0);
+    g.input = Tensor3<Scalar>(batch, length, e);
+    Eigen::Map<RowMatrix<Scalar>> dx(g.input.data(), rows, e);
+    q_proj_.backward_rows(saved.x, batch, length, dq, dx, grad.q_proj_, /*add_dx=*/false);
+    dq.resize(0, 0);
+    k_proj_.backward_rows(saved.x, batch, length, dk, dx, grad.k_proj_, /*add_dx=*/true);
+    dk.resize(0, 0);
+    v_proj_.backward_rows(saved.x, batch, length, dv, dx, grad.v_proj_, /*add_dx=*/true);
   }
 
   friend class detail::Decoder<HMHA, Scalar>;

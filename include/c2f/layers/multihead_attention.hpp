@@ -22,6 +22,9 @@
 
 namespace c2f {
 
+template <class Scalar>
+class SparseC2FAttention;
+
 /// Which attention weights forward_with_weights() returns (PyTorch's `average_attn_weights`).
 enum class AttnWeights {
   Averaged,  ///< mean over heads: weights [batch, 1, queries, keys]
@@ -346,6 +349,8 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   }
 
   friend struct detail::TrainAccess;
+  /// SparseC2FAttention runs other attention on these weights: its backward writes their gradients.
+  friend class SparseC2FAttention<Scalar>;
   void compute_train(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks,
                      std::uint64_t step, Saved& saved) const {
     train(x, x, x, out, masks, step, saved, true);

@@ -22,6 +22,10 @@
 // With top_k ≥ the number of chunks the output equals MultiHeadAttention's (with a causal mask when
 // `causal`). Cost per head O(L·top_k·chunk·dh + (L/chunk)²·dh) (per token: + O(L·(L/chunk)·dh) for the
 // scores of the chunk summaries); no L × L buffer.
+//
+// Training (docs/training.md): forward_train(x, masks, step) and backward(saved, dy) with the selection
+// treated as a constant, as MoBA and NSA train: the gradients flow through the selected chunks' keys and
+// values (kernels::sparse_attention_backward), and none through the gating's chunk means and scores.
 #pragma once
 
 #include "c2f/detail/decoding.hpp"
@@ -126,6 +130,17 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
 
   /// forward(x, masks), forward_into(x, out, masks) (detail::LayerBase): x [B, L, E] → [B, L, E].
 
+  /// Training: forward_train(x, masks, step) and backward(saved, dy) (detail::LayerBase). What
+  /// forward_train() keeps: x, the projections q, k, v, the heads' output, the selection and the masks —
+  /// O(L·E + L·H·top_k) values (per-chunk gating: (L / chunk)·H·top_k), no [L, L] term. The output has
+  /// forward()'s bits (no dropout).
+  struct Saved : detail::SavedBase {
+    RowMatrix<Scalar> x, q, k, v, attn;  ///< [B·L, E] each
+    kernels::ChunkSelection selection;
+    Masks<Scalar> masks;
+    Index batch = 0, length = 0;
+  };
+
   /// forward(), and also the selected key chunks of every (batch, head, query chunk) — of every (batch,
   /// head, token) with per-token gating.
   SparseAttnOutput<Scalar> forward_with_selection(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
@@ -175,14 +190,65 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
     run(x, out, masks);
   }
 
-  /// The forward pass into out, after the checks; returns the selection.
+  friend struct detail::TrainAccess;
+  void compute_train(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks,
+                     std::uint64_t, Saved& saved) const {
+    saved.x = x.rows();
+    saved.masks = masks;
+    saved.batch = x.batch();
+    saved.length = x.seq();
+    saved.selection = run(x, out, masks, &saved);
+  }
+  /// out_proj's backward, the fine stage's (the selection constant) and the in-projection's (x feeds the
+  /// query, key and value paths: dL/dx is their sum).
+  void compute_backward(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+                        SparseC2FAttention& grad) const {
+    const Index batch = saved.batch, length = saved.length, e = embed_dim(), heads = num_heads(), rows = batch * length;
+    const kernels::KernelOptions threads = detail::kernel_options(options_);
+    const bool bias = options_.bias();
+    MultiHeadAttention<Scalar>& gm = grad.mha_;
+    g.input = Tensor3<Scalar>(batch, length, e);
+    Eigen::Map<RowMatrix<Scalar>> dx(g.input.data(), rows, e);
+    RowMatrix<Scalar> dattn(rows, e);
+    kernels::linear_backward<Scalar>(saved.attn, mha_.out_proj_.weight(), dy, dattn, gm.out_proj_.weight(),
+                                     bias ? gm.out_proj_.bias().data() : nullptr, threads);
+    RowMatrix<Scalar> dq(rows, e), dk(rows, e), dv(rows, e);
+    {
+      const MaskView<Scalar> mask(saved.masks, batch, heads, length, length);
+      kernels::sparse_attention_backward<Scalar>(saved.q, saved.k, saved.v, kernels::ChunkGrid{batch, length, chunk_}, heads,
+                                                 saved.selection, dattn, dq, dk, dv, options_.causal(), mask,
+                                                 kernels::default_scale<Scalar>(head_dim()), threads);
+    }
+    dattn.resize(0, 0);
+    const RowMatrix<Scalar>* dproj[3] = {&dq, &dk, &dv};
+    RowMatrix<Scalar> part(rows, e);
+    for (int i = 0; i < 3; ++i) {
+      Scalar* db = bias ? gm.b_.data() + i * e : nullptr;
+      if (i == 0) {
+        kernels::linear_backward<Scalar>(saved.x, mha_.w_[i], *dproj[i], dx, gm.w_[i], db, threads);
+      } else {
+        kernels::linear_backward<Scalar>(saved.x, mha_.w_[i], *dproj[i], part, gm.w_[i], db, threads);
+        dx += part;
+      }
+    }
+  }
+
+  /// The forward pass into out, after the checks; returns the selection. `saved`: nullptr, or training's
+  /// state, which then holds q, k, v and the heads' output (the same arithmetic in heap buffers of its own).
   kernels::ChunkSelection run(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out,
-                              const Masks<Scalar>& masks) const {
+                              const Masks<Scalar>& masks, Saved* saved = nullptr) const {
     const Index batch = x.batch(), length = x.seq(), e = embed_dim(), heads = num_heads();
     // The large temporaries live in reused scratch memory (detail/scratch.hpp): no fresh pages per call.
-    detail::ScratchMatrix<Scalar> qs(batch * length, e), ks(batch * length, e), vs(batch * length, e),
-        attn_s(batch * length, e);
-    typename detail::ScratchMatrix<Scalar>::MapType q = qs.map(), k = ks.map(), v = vs.map(), attn = attn_s.map();
+    const Index scratch_rows = saved != nullptr ? 0 : batch * length;
+    detail::ScratchMatrix<Scalar> qs(scratch_rows, e), ks(scratch_rows, e), vs(scratch_rows, e), attn_s(scratch_rows, e);
+    if (saved != nullptr) {
+      for (RowMatrix<Scalar>* m : {&saved->q, &saved->k, &saved->v, &saved->attn}) m->resize(batch * length, e);
+    }
+    const auto buffer = [&](detail::ScratchMatrix<Scalar>& scratch, RowMatrix<Scalar>* kept) {
+      return kept != nullptr ? Eigen::Ref<RowMatrix<Scalar>>(*kept) : Eigen::Ref<RowMatrix<Scalar>>(scratch.map());
+    };
+    Eigen::Ref<RowMatrix<Scalar>> q = buffer(qs, saved ? &saved->q : nullptr), k = buffer(ks, saved ? &saved->k : nullptr),
+                                  v = buffer(vs, saved ? &saved->v : nullptr), attn = buffer(attn_s, saved ? &saved->attn : nullptr);
     mha_.project_into(x, x, x, q, k, v);
     const kernels::KernelOptions threads = detail::kernel_options(options_);
     const bool causal = options_.causal();
