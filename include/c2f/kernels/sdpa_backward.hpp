@@ -5,7 +5,11 @@
 //                        and per-row log-sum-exp (sdpa_train), D = rowsum(dout ∘ out), and per (query block,
 //                        key block) P = exp(scale · q kᵀ + mask − lse) recomputed, dv += Pᵀ dout,
 //                        dS = P ∘ (dout vᵀ − D), dq += scale · dS k, dk += scale · dSᵀ q. Working memory
-//                        O(query_block · key_block) per worker — never a [queries, keys] buffer;
+//                        O(query_block · key_block) per worker — never a [queries, keys] buffer. Where
+//                        the build has the packed micro-kernel (detail/packed_gemm.hpp) and there is no
+//                        dropout, the five products run on it: each task packs its head's kᵀ, vᵀ and k
+//                        once, each query block its dout and scale · q (the forward's packed path);
+//                        otherwise on Eigen's product;
 //   sdpa_backward_naive  the twin: one (batch, head)'s probabilities P materialised from q and k, and the
 //                        textbook formulas (D = rowsum(P ∘ dP)).
 // Both OVERWRITE dq, dk, dv and check their arguments at entry. A row with no visible key (lse = −inf)
@@ -16,6 +20,7 @@
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/masked_values.hpp"
+#include "c2f/detail/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/kernels/heads_view.hpp"
@@ -74,11 +79,16 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
 
   // Parts after the first accumulate dk | dv into their own [lk, dqk + ddv] buffer.
   std::vector<RowMatrix<Scalar>> partial(static_cast<std::size_t>(pairs * (parts - 1)));
+  // The packed path (see the file comment): the micro-kernel's products need key blocks that start on
+  // its panels (as sdpa_streaming's packed path).
+  const bool packed = d::kPackedGemm && !drop && lq >= d::kPackedAttentionMinQueries &&
+                      (bk % d::GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
   struct Workspace {
-    RowMatrix<Scalar> qs, s, t, dq;
+    RowMatrix<Scalar> qs, s, t, dq, st, tt;  // st, tt: Pᵀ and dSᵀ of a block (packed path)
     Vector<Scalar> rowdot;
     std::vector<std::uint8_t> keep;
     d::MaskedValues<Scalar> hidden_k, hidden_v;
+    d::PackedB<Scalar> kt, vt, kp, gp, qp;  // kᵀ, vᵀ, k of the head; dout, scale · q of the query block
   };
   const double work = 2.5 * d::attention_work(pairs, lq, lk, dqk, ddv);
   d::parallel_for_each_worker<Workspace>(pairs * parts, options.num_threads(), work, [&](Index task, Workspace& ws) {
@@ -90,6 +100,15 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
       ws.dq.resize(bq, dqk);
       ws.rowdot.resize(bq);
       ws.keep.resize(static_cast<std::size_t>(bq * bk));
+      if (packed) {
+        ws.st.resize(bk, bq);
+        ws.tt.resize(bk, bq);
+      }
+    }
+    if (packed) {
+      ws.kt.pack(k.block(b, h, 0, lk).transpose());
+      ws.vt.pack(v.block(b, h, 0, lk).transpose());
+      ws.kp.pack(k.block(b, h, 0, lk));
     }
     RowMatrix<Scalar>* buffer = part > 0 ? &partial[static_cast<std::size_t>(bh * (parts - 1) + part - 1)] : nullptr;
     if (buffer != nullptr) buffer->setZero(lk, dqk + ddv);
@@ -109,13 +128,22 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
       const typename HeadsView<const Scalar>::Block g = dout.block(b, h, i0, ni);
       Eigen::VectorBlock<Vector<Scalar>> rowdot = ws.rowdot.head(ni);  // D = rowsum(dout ∘ out)
       rowdot = g.cwiseProduct(out.block(b, h, i0, ni)).rowwise().sum();
+      if (packed) {
+        ws.gp.pack(g);
+        ws.qp.pack(qs);
+      }
       for (Index j0 = 0; j0 < lk; j0 += bk) {
         const Index nj = std::min(bk, lk - j0);
         const BlockMask status = mask.classify(b, i0, ni, j0, nj);
         if (status == BlockMask::Skip) continue;
         const typename HeadsView<const Scalar>::Block kb = k.block(b, h, j0, nj), vb = v.block(b, h, j0, nj);
         Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj), t = ws.t.topLeftCorner(ni, nj);
-        s.noalias() = qs * kb.transpose();
+        if (packed) {
+          d::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, ws.kt, 0, dqk, j0, nj, nullptr, false, s.data(),
+                                       s.outerStride());
+        } else {
+          s.noalias() = qs * kb.transpose();
+        }
         bool guard_k = false, guard_v = false;  // non-finite keys or values a mask hides (masked_values.hpp)
         if (status == BlockMask::Partial) {
           mask.apply(b, h, i0, j0, s);
@@ -137,10 +165,20 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
           t = s;
           d::apply_dropout(dropout, bh, i0, j0, t, kept_scale, ws.keep.data());
           dv_sum.middleRows(j0, nj).noalias() += t.transpose() * g;
+        } else if (packed) {  // dv += Pᵀ dout
+          Eigen::Block<RowMatrix<Scalar>> st = ws.st.topLeftCorner(nj, ni);
+          st = s.transpose();
+          d::packed_gemm_range<Scalar>(st.data(), st.outerStride(), nj, ws.gp, 0, ni, 0, ddv, nullptr, true,
+                                       &dv_sum.coeffRef(j0, 0), dv_sum.outerStride());
         } else {
           dv_sum.middleRows(j0, nj).noalias() += s.transpose() * g;
         }
-        t.noalias() = g * vb.transpose();  // dP (of the dropped probabilities)
+        if (packed) {  // dP = dout vᵀ
+          d::packed_gemm_range<Scalar>(g.data(), g.outerStride(), ni, ws.vt, 0, ddv, j0, nj, nullptr, false, t.data(),
+                                       t.outerStride());
+        } else {
+          t.noalias() = g * vb.transpose();  // dP (of the dropped probabilities)
+        }
         if (drop) {
           for (Index r = 0; r < ni; ++r) {
             for (Index c = 0; c < nj; ++c) t(r, c) = ws.keep[static_cast<std::size_t>(r * nj + c)] ? t(r, c) * kept_scale : 0;
@@ -150,10 +188,20 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
         if (guard_v) ws.hidden_v.zero_hidden(t);
         if (guard_k) {
           ws.hidden_k.template product<true>(dq_acc, t, kb);
+        } else if (packed) {
+          d::packed_gemm_range<Scalar>(t.data(), t.outerStride(), ni, ws.kp, j0, j0 + nj, 0, dqk, nullptr, true,
+                                       dq_acc.data(), dq_acc.outerStride());
         } else {
           dq_acc.noalias() += t * kb;
         }
-        dk_sum.middleRows(j0, nj).noalias() += t.transpose() * qs;  // qs = scale · q
+        if (packed) {  // dk += dSᵀ (scale · q)
+          Eigen::Block<RowMatrix<Scalar>> tt = ws.tt.topLeftCorner(nj, ni);
+          tt = t.transpose();
+          d::packed_gemm_range<Scalar>(tt.data(), tt.outerStride(), nj, ws.qp, 0, ni, 0, dqk, nullptr, true,
+                                       &dk_sum.coeffRef(j0, 0), dk_sum.outerStride());
+        } else {
+          dk_sum.middleRows(j0, nj).noalias() += t.transpose() * qs;  // qs = scale · q
+        }
       }
       dq.block(b, h, i0, ni) = dq_acc * scale;
     }
