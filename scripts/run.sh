@@ -2,7 +2,9 @@
 # The main job: install what is missing, build Release for this machine, run the examples, then the
 # benchmark sweep (tables on stdout; Google Benchmark JSON, summary.md and PNG plots in the output
 # folder), including the runtime sweeps (OpenMP, latency, concurrency, SIMD flags), and last the Python
-# module's example and benchmark (python_bench.md in the output folder), and, with MPI, the sequence-parallel
+# module's example and benchmark (python_bench.md in the output folder), the training step against torch
+# autograd (train_default/ and train_kept/: bench_train.json, torch_train_peer.md) and examples/train_c2f
+# against its PyTorch twin, and, with MPI, the sequence-parallel
 # layers under mpirun (bench_dist at 1 and 2 ranks, bench_dist.txt in the output folder; examples/dist_c2f).
 #
 #   scripts/run.sh [--long] [--portable] [--out DIR]
@@ -35,6 +37,18 @@ for example in mha_from_pytorch c2f_from_pytorch c2f_multihead_article vit_pyram
 done
 echo "== benchmark sweep"
 /usr/bin/python3 benchmarks/sweep.py --build "build/$preset" "${sweep_args[@]}"
+echo "== training (issue 25): bench_train and its PyTorch peer (torch_train_peer.py), with glibc's default malloc"
+echo "   and with large blocks kept between steps (GLIBC_TUNABLES, docs/benchmarks.md#training); examples/train_c2f"
+for mode in default kept; do
+  tunables=""
+  [ "$mode" = kept ] && tunables="glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+  mkdir -p "$out/train_$mode"
+  GLIBC_TUNABLES="$tunables" "build/$preset/benchmarks/bench_train" --benchmark_out="$out/train_$mode/bench_train.json" \
+    --benchmark_out_format=json
+  GLIBC_TUNABLES="$tunables" /usr/bin/python3 benchmarks/torch_train_peer.py --build "build/$preset" --out "$out/train_$mode"
+done
+/usr/bin/python3 examples/train_c2f.py --out "$out/train_c2f" --cpp "build/$preset/examples/train_c2f" \
+  --plot "$out/train_c2f_loss.png"
 echo "== Python (issue 24): examples/python/accelerate.py, then benchmarks/python_bench.py"
 PYTHONPATH="build/$preset/python" /usr/bin/python3 examples/python/accelerate.py
 /usr/bin/python3 benchmarks/python_bench.py --build "build/$preset" "${sweep_args[@]}"
