@@ -26,6 +26,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <iostream>
@@ -243,14 +244,14 @@ TYPED_TEST(TrainKernel, RowsWithoutAVisibleKeyHaveZeroGradients) {
 // NaN and Inf in the keys and values of padded (masked) positions never reach a gradient: every bit is the
 // one a run with finite values there gives (the forward's guarantee, masked_values.hpp, carried to dq, dk,
 // dv). A NaN in a key a row sees does reach that row's dq.
-TYPED_TEST(TrainKernel, NonFiniteMaskedKeysReachNoGradient) {
-  using Scalar = TypeParam;
+template <class Scalar>
+void check_non_finite_masked_keys(Index lq, Index query_block, Index key_block) {
   TestRng rng(43);
-  c2f_test::Problem<Scalar> p = sized_problem<Scalar>(rng, 2, 2, 23, 41, 4, 3);
+  c2f_test::Problem<Scalar> p = sized_problem<Scalar>(rng, 2, 2, lq, 41, 4, 3);
   p.pad = c2f::KeyPaddingMask<Scalar>::lengths({30, 17});
   const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
   kernels::KernelOptions opt;
-  opt.query_block(5).key_block(8).num_threads(2);
+  opt.query_block(query_block).key_block(key_block).num_threads(2);
   const RowMatrix<Scalar> dout = rng.matrix<Scalar>(p.batch * p.lq, p.heads * p.dv);
   const AttnGrads<Scalar> clean = attention_backward(p, dout, plan, {}, opt, false);
   c2f_test::Problem<Scalar> poisoned = p;
@@ -265,6 +266,16 @@ TYPED_TEST(TrainKernel, NonFiniteMaskedKeysReachNoGradient) {
   EXPECT_TRUE(seen.dq.topLeftCorner(p.lq, p.dk).array().isNaN().all()) << "head 0 of batch item 0 sees the NaN";
   EXPECT_TRUE(seen.dq.topRightCorner(p.lq, p.dk) == clean.dq.topRightCorner(p.lq, p.dk)) << "head 1 does not";
   EXPECT_TRUE(seen.dq.bottomRows(p.lq) == clean.dq.bottomRows(p.lq)) << "batch item 1 does not";
+}
+
+// Twice: small blocks (Eigen's products), and 37 queries in key blocks of 32 (sdpa_backward's packed path in
+// builds with the micro-kernel — test_train_native).
+TYPED_TEST(TrainKernel, NonFiniteMaskedKeysReachNoGradient) {
+  using Scalar = TypeParam;
+  for (const auto& [lq, query_block, key_block] : {std::array<Index, 3>{23, 5, 8}, std::array<Index, 3>{37, 16, 32}}) {
+    SCOPED_TRACE("lq " + std::to_string(lq) + ", blocks " + std::to_string(query_block) + " x " + std::to_string(key_block));
+    check_non_finite_masked_keys<Scalar>(lq, query_block, key_block);
+  }
 }
 
 // The same bits for 1, 2 and 3 threads, on shapes where the query parts split each head (few heads, many

@@ -186,7 +186,9 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
         }
         t = s.cwiseProduct((t.colwise() - rowdot));  // dS = P ∘ (dP − D)
         if (guard_v) ws.hidden_v.zero_hidden(t);
-        if (guard_k) {
+        if (guard_k && packed) {  // the packed product's bits for the rows that hide the non-finite keys
+          ws.hidden_k.product_packed_add(dq_acc, t, kb, j0);
+        } else if (guard_k) {
           ws.hidden_k.template product<true>(dq_acc, t, kb);
         } else if (packed) {
           d::packed_gemm_range<Scalar>(t.data(), t.outerStride(), ni, ws.kp, j0, j0 + nj, 0, dqk, nullptr, true,
