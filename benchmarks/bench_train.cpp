@@ -23,13 +23,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
+#include "benchmarks/rooflines.hpp"
 #include "tools/malloc_counter.hpp"
 #if C2F_BENCH_PEER
 #include <c2f/io/safetensors.hpp>
@@ -38,22 +39,17 @@
 namespace {
 
 using c2f::Index;
+using c2f_bench::bench_threads;
 
 constexpr Index kEmbed = 512;
 constexpr Index kHeads = 8;
 constexpr Index kChunk = 32;
 constexpr Index kWindow = 64;
 
-int bench_threads() {
-  const char* env = std::getenv("C2F_BENCH_THREADS");
-  return env != nullptr ? std::max(1, std::atoi(env)) : 2;
-}
-
-c2f::Tensor3<float> random_tensor(Index length, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> normal;
+/// [1, length, E] of uniform values in [-1, 1) (c2f_bench::fill).
+c2f::Tensor3<float> random_tensor(Index length, std::uint64_t seed) {
   c2f::Tensor3<float> x(1, length, kEmbed);
-  for (Index i = 0; i < x.size(); ++i) x.data()[i] = normal(gen);
+  c2f_bench::fill(x.data(), x.size(), seed);
   return x;
 }
 

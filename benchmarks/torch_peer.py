@@ -203,13 +203,20 @@ def save_tensors(path, tensors, metadata):
                         for name, t in tensors.items()}, metadata)
 
 
-def load_tensor(torch, path, name):
+def load_tensors(torch, path):
+    """Every tensor of a safetensors file, as float32 torch tensors (another dtype is an error)."""
     import safetensors_io as st
     tensors, _ = st.load_file(path)
-    t = tensors[name]
-    if t.dtype != "F32":
-        raise ValueError(f"{path}: {name} is {t.dtype}, expected F32")
-    return torch.frombuffer(bytearray(t.data), dtype=torch.float32).reshape(t.shape)
+    out = {}
+    for name, t in tensors.items():
+        if t.dtype != "F32":
+            raise ValueError(f"{path}: {name} is {t.dtype}, expected F32")
+        out[name] = torch.frombuffer(bytearray(t.data), dtype=torch.float32).reshape(t.shape)
+    return out
+
+
+def load_tensor(torch, path, name):
+    return load_tensors(torch, path)[name]
 
 
 def c2f_output(torch, binary, weights, x_file, out_file):

@@ -66,12 +66,6 @@ def build(torch, layer):
     return m, m, {"window": str(WINDOW)}
 
 
-def load_all(torch, path):
-    import safetensors_io as st
-    tensors, _ = st.load_file(path)
-    return {name: torch.frombuffer(bytearray(t.data), dtype=torch.float32).reshape(t.shape) for name, t in tensors.items()}
-
-
 def entry_name(layer, L):
     return {"mha": f"train_mha/{L}", "c2f": f"train_c2f/{L}/{CHUNK}", "hmha": f"train_hmha/{L}/{WINDOW}"}[layer]
 
@@ -162,7 +156,7 @@ def main(argv=None):
             if r.returncode != 0:
                 print(f"torch_train_peer: bench_train's check mode failed: {r.stderr.strip()}", file=sys.stderr)
                 return 1
-            ours = load_all(torch, Path(tmp) / "c2f.safetensors")
+            ours = torch_peer.load_tensors(torch, Path(tmp) / "c2f.safetensors")
 
         def step():
             for prm in module.parameters():
