@@ -197,6 +197,60 @@ class ScratchMatrix {
   Index rows_, cols_;
 };
 
+/// A row-major matrix that owns a scratch block: what a layer's forward_train keeps for its backward
+/// (Saved), which a training loop allocates and frees every step — from the cache, those blocks come
+/// back without being faulted in again. It is an Eigen::Map over its block, so every Map expression and
+/// Eigen::Ref binds to it; resize() re-points it (the contents are lost), assigning an Eigen expression
+/// resizes it first (the expression must not read the matrix itself), copies are deep and a move hands
+/// the block over.
+template <class Scalar>
+class ScratchRowMatrix : public Eigen::Map<RowMatrix<Scalar>, Eigen::Aligned64> {
+ public:
+  using Base = Eigen::Map<RowMatrix<Scalar>, Eigen::Aligned64>;
+
+  ScratchRowMatrix() : Base(nullptr, 0, 0) {}
+  ScratchRowMatrix(Index rows, Index cols) : Base(nullptr, 0, 0) { resize(rows, cols); }
+  ScratchRowMatrix(const ScratchRowMatrix& o) : Base(nullptr, 0, 0) { assign(o); }
+  ScratchRowMatrix(ScratchRowMatrix&& o) noexcept : Base(nullptr, 0, 0) { take(o); }
+  ScratchRowMatrix& operator=(const ScratchRowMatrix& o) {
+    if (this != &o) assign(o);
+    return *this;
+  }
+  ScratchRowMatrix& operator=(ScratchRowMatrix&& o) noexcept {
+    if (this != &o) take(o);
+    return *this;
+  }
+  template <class Derived>
+  ScratchRowMatrix& operator=(const Eigen::DenseBase<Derived>& e) {
+    assign(e.derived());
+    return *this;
+  }
+
+  /// [rows, cols], uninitialised unless the size is unchanged.
+  void resize(Index rows, Index cols) {
+    if (rows == this->rows() && cols == this->cols()) return;
+    buffer_.reserve(static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols));
+    rebind(buffer_.data(), rows, cols);
+  }
+
+ private:
+  template <class Expr>
+  void assign(const Expr& e) {
+    resize(e.rows(), e.cols());
+    if (e.size() > 0) static_cast<Base&>(*this) = e;
+  }
+  void take(ScratchRowMatrix& o) noexcept {
+    const Index rows = o.rows(), cols = o.cols();
+    buffer_ = std::move(o.buffer_);
+    rebind(buffer_.data(), rows, cols);
+    o.rebind(nullptr, 0, 0);
+  }
+  /// Eigen's way to re-point a Map: placement new (a Map has no other state).
+  void rebind(Scalar* data, Index rows, Index cols) noexcept { new (static_cast<Base*>(this)) Base(data, rows, cols); }
+
+  ScratchArray<Scalar> buffer_;
+};
+
 }  // namespace detail
 
 /// Bytes of freed scratch memory c2f keeps for the next calls (default 256 MiB, or the environment

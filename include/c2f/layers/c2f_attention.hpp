@@ -233,19 +233,19 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// What the folded path keeps for training, one row per block: the folded queries qk [blocks, H·d], the
   /// pooled tokens [blocks, H·d], the masses [blocks, H] and the heads' output o [blocks, d].
   struct FoldedState {
-    RowMatrix<Scalar> qk, pooled, mass, o;
+    detail::ScratchRowMatrix<Scalar> qk, pooled, mass, o;
   };
   /// Training. What forward_train() keeps for backward(): the tokens, the coarse context and its query
   /// projection, the fine mask and the chunk grid; on the folded path the per-chunk FoldedState, on the
   /// general path the article's keys and values [L, 2d], the heads' output and each attention row's
   /// log-sum-exp — O(L·d) values, no [L, L] term.
   struct Saved : detail::SavedBase {
-    RowMatrix<Scalar> x, context, q;  ///< tokens [B·L, d], coarse context [chunks, d], q_proj(context)
+    detail::ScratchRowMatrix<Scalar> x, context, q;  ///< tokens [B·L, d], coarse context [chunks, d], q_proj(context)
     AttnMask<Scalar> mask;            ///< the fine mask over the grid (cropped to k when the chunk exceeds L)
     kernels::ChunkGrid grid;          ///< the chunks (forward_train's form)
     bool general = false;             ///< which path ran
     FoldedState folded;               ///< the folded path's
-    RowMatrix<Scalar> kv, attn, lse;  ///< the general path's: [chunks·k, 2d], [chunks·k, d], [chunks·H, k]
+    detail::ScratchRowMatrix<Scalar> kv, attn, lse;  ///< the general path's: [chunks·k, 2d], [chunks·k, d], [chunks·H, k]
   };
 
   /// forward_chunked() in train mode (FineAttention has no dropout: its output has forward_chunked()'s
@@ -312,13 +312,16 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const kernels::KernelOptions threads = detail::kernel_options(options_);
     const FoldedState& f = saved.folded;
     // out = broadcast(chunk_out): each block's row read by its tokens; chunk_out = o W_oᵀ + b_o.
-    RowMatrix<Scalar> dchunk(blocks, d_), dout_heads(blocks, d_);
+    // The temporaries in reused scratch memory (detail/scratch.hpp), as the forward's.
+    detail::ScratchMatrix<Scalar> dchunk_s(blocks, d_), dout_heads_s(blocks, d_);
+    typename detail::ScratchMatrix<Scalar>::MapType dchunk = dchunk_s.map(), dout_heads = dout_heads_s.map();
     kernels::chunk_sum<Scalar>(dy, grid, dchunk, threads);
     kernels::linear_backward<Scalar>(f.o, out_proj_.weight(), dchunk, dout_heads, grad.out_proj_.weight(),
                                      grad.out_proj_.bias().data(), threads);
     // o_h = pooled_h W_v,hᵀ + mass_h b_v,h: dpooled_h = do_h W_v,h, dW_v,h = do_hᵀ pooled_h, db_v,h = Σ mass do_h.
     const Scalar scale = kernels::default_scale<Scalar>(dk);
-    RowMatrix<Scalar> dpooled(blocks, heads_ * d_), dqk(blocks, heads_ * d_), dq(blocks, d_);
+    detail::ScratchMatrix<Scalar> dpooled_s(blocks, heads_ * d_), dqk_s(blocks, heads_ * d_), dq_s(blocks, d_);
+    typename detail::ScratchMatrix<Scalar>::MapType dpooled = dpooled_s.map(), dqk = dqk_s.map(), dq = dq_s.map();
     for (Index h = 0; h < heads_; ++h) {
       kernels::linear_backward<Scalar>(f.pooled.middleCols(h * d_, d_), kv_proj_.weight().middleRows(d_ + h * dk, dk),
                                        dout_heads.middleCols(h * dk, dk), dpooled.middleCols(h * d_, d_),
@@ -389,7 +392,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     return MaskView<Scalar>(mask, padding, grid.chunks(), heads_, grid.chunk, grid.chunk);
   }
   /// The queries of the general path: every token of chunk c reads the chunk's q row (a row stride of 0).
-  kernels::HeadsView<const Scalar> chunk_queries(const RowMatrix<Scalar>& q, Index chunks, Index k) const {
+  kernels::HeadsView<const Scalar> chunk_queries(const Eigen::Ref<const RowMatrix<Scalar>>& q, Index chunks, Index k) const {
     kernels::HeadsView<const Scalar> qv = kernels::heads_view<const Scalar>(q.data(), chunks, k, d_, 0, heads_, head_dim());
     qv.row_stride = 0;
     qv.batch_stride = d_;

@@ -187,7 +187,7 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   /// summed levels o ([B·L, E] each: 5·E values per token), and the levels that were on. backward()
   /// recomputes each level's probabilities from q and k: no [L, L] or [L, L/W] state.
   struct Saved : detail::SavedBase {
-    RowMatrix<Scalar> x, q, k, v, o;
+    detail::ScratchRowMatrix<Scalar> x, q, k, v, o;
     Index batch = 0, seq = 0;
     HMHALevels levels;
   };
@@ -268,26 +268,29 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
     saved.seq = x.seq();
     saved.levels = options_.levels();
     saved.x = x.rows();
-    for (RowMatrix<Scalar>* m : {&saved.q, &saved.k, &saved.v, &saved.o}) m->resize(rows, e);
+    for (detail::ScratchRowMatrix<Scalar>* m : {&saved.q, &saved.k, &saved.v, &saved.o}) m->resize(rows, e);
     run(x, saved.q, saved.k, saved.v, saved.o, out);
   }
   /// out_proj's backward (kernels::linear_backward), the levels' (attend_backward), then the three
   /// projections' (C3K2Projection::backward_rows), summed into the input gradient.
   void compute_backward(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g, HMHA& grad) const {
     const Index batch = saved.batch, length = saved.seq, rows = batch * length, e = shape_.embed_dim;
-    RowMatrix<Scalar> dout(rows, e);
+    // The temporaries in reused scratch memory (detail/scratch.hpp), as the forward's; each block goes
+    // back to the cache once it is read.
+    using Rows = detail::ScratchRowMatrix<Scalar>;
+    Rows dout(rows, e);
     kernels::linear_backward<Scalar>(saved.o, out_proj_.weight(), dy, dout, grad.out_proj_.weight(),
                                      grad.out_proj_.bias().data(), detail::kernel_options(options_));
-    RowMatrix<Scalar> dq = RowMatrix<Scalar>::Zero(rows, e), dk = RowMatrix<Scalar>::Zero(rows, e),
-                      dv = RowMatrix<Scalar>::Zero(rows, e);
+    Rows dq(rows, e), dk(rows, e), dv(rows, e);
+    for (Rows* m : {&dq, &dk, &dv}) m->setZero();
     attend_backward(saved.q, saved.k, saved.v, dout, batch, length, dq, dk, dv, saved.levels);
-    dout.resize(0, 0);
+    dout = Rows();
     g.input = Tensor3<Scalar>(batch, length, e);
     Eigen::Map<RowMatrix<Scalar>> dx(g.input.data(), rows, e);
     q_proj_.backward_rows(saved.x, batch, length, dq, dx, grad.q_proj_, /*add_dx=*/false);
-    dq.resize(0, 0);
+    dq = Rows();
     k_proj_.backward_rows(saved.x, batch, length, dk, dx, grad.k_proj_, /*add_dx=*/true);
-    dk.resize(0, 0);
+    dk = Rows();
     v_proj_.backward_rows(saved.x, batch, length, dv, dx, grad.v_proj_, /*add_dx=*/true);
   }
 

@@ -192,9 +192,9 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   /// and each attention row's log-sum-exp, the masks and the dropout's key — O((Lq + Lk)·E) values, no
   /// [Lq, Lk] term.
   struct Saved : detail::SavedBase {
-    RowMatrix<Scalar> query, key, value;  ///< the inputs' rows; self-attention: query only
-    RowMatrix<Scalar> q, k, v, attn;      ///< projections [B·L, E] and the heads' output [B·Lq, E]
-    RowMatrix<Scalar> lse;                ///< [B·H, Lq]
+    detail::ScratchRowMatrix<Scalar> query, key, value;  ///< the inputs' rows; self-attention: query only
+    detail::ScratchRowMatrix<Scalar> q, k, v, attn;      ///< projections [B·L, E] and the heads' output [B·Lq, E]
+    detail::ScratchRowMatrix<Scalar> lse;                ///< [B·H, Lq]
     Masks<Scalar> masks;
     kernels::AttnDropout dropout;
     Index batch = 0, lq = 0, lk = 0;
@@ -405,10 +405,11 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     const Index batch = saved.batch, lq = saved.lq, lk = saved.lk, e = embed_dim(), h = num_heads();
     const kernels::KernelOptions opts = kernel_options();
     const bool bias = options_.bias();
-    RowMatrix<Scalar> dattn(batch * lq, e);
+    // The temporaries in reused scratch memory (detail/scratch.hpp), as the forward's.
+    detail::ScratchRowMatrix<Scalar> dattn(batch * lq, e);
     kernels::linear_backward<Scalar>(saved.attn, out_proj_.weight(), dy, dattn, grad.out_proj_.weight(),
                                      bias ? grad.out_proj_.bias().data() : nullptr, opts);
-    RowMatrix<Scalar> dq(batch * lq, e), dk(batch * lk, e), dv(batch * lk, e);
+    detail::ScratchRowMatrix<Scalar> dq(batch * lq, e), dk(batch * lk, e), dv(batch * lk, e);
     {
       const MaskView<Scalar> mask(saved.masks, batch, h, lq, lk, options_.causal());
       const Scalar scale = kernels::default_scale<Scalar>(head_dim());
@@ -425,15 +426,16 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
                                        dvv, mask, saved.dropout, scale, opts);
       }
     }
-    dattn.resize(0, 0);
+    dattn = detail::ScratchRowMatrix<Scalar>();  // its block back to the cache
     // The in-projection: input gradient i of query, key, value (self-attention: their sum).
     Scalar* db = bias ? grad.b_.data() : nullptr;
-    const RowMatrix<Scalar>* inputs[3] = {&saved.query, saved.self_attention ? &saved.query : &saved.key,
-                                          saved.self_attention ? &saved.query : &saved.value};
-    const RowMatrix<Scalar>* dproj[3] = {&dq, &dk, &dv};
+    using Rows = detail::ScratchRowMatrix<Scalar>;
+    const Rows* inputs[3] = {&saved.query, saved.self_attention ? &saved.query : &saved.key,
+                             saved.self_attention ? &saved.query : &saved.value};
+    const Rows* dproj[3] = {&dq, &dk, &dv};
     const Index lengths[3] = {lq, lk, lk};
     Tensor3<Scalar>* targets[3] = {&g.input, &g.key, &g.value};
-    RowMatrix<Scalar> part;
+    Rows part;
     for (int i = 0; i < 3; ++i) {
       const Index rows = batch * lengths[i], cols = inputs[i]->cols();
       Scalar* bias_grad = db != nullptr ? db + i * e : nullptr;

@@ -135,7 +135,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   /// O(L·E + L·H·top_k) values (per-chunk gating: (L / chunk)·H·top_k), no [L, L] term. The output has
   /// forward()'s bits (no dropout).
   struct Saved : detail::SavedBase {
-    RowMatrix<Scalar> x, q, k, v, attn;  ///< [B·L, E] each
+    detail::ScratchRowMatrix<Scalar> x, q, k, v, attn;  ///< [B·L, E] each
     kernels::ChunkSelection selection;
     Masks<Scalar> masks;
     Index batch = 0, length = 0;
@@ -242,9 +242,9 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
     const Index scratch_rows = saved != nullptr ? 0 : batch * length;
     detail::ScratchMatrix<Scalar> qs(scratch_rows, e), ks(scratch_rows, e), vs(scratch_rows, e), attn_s(scratch_rows, e);
     if (saved != nullptr) {
-      for (RowMatrix<Scalar>* m : {&saved->q, &saved->k, &saved->v, &saved->attn}) m->resize(batch * length, e);
+      for (detail::ScratchRowMatrix<Scalar>* m : {&saved->q, &saved->k, &saved->v, &saved->attn}) m->resize(batch * length, e);
     }
-    const auto buffer = [&](detail::ScratchMatrix<Scalar>& scratch, RowMatrix<Scalar>* kept) {
+    const auto buffer = [&](detail::ScratchMatrix<Scalar>& scratch, detail::ScratchRowMatrix<Scalar>* kept) {
       return kept != nullptr ? Eigen::Ref<RowMatrix<Scalar>>(*kept) : Eigen::Ref<RowMatrix<Scalar>>(scratch.map());
     };
     Eigen::Ref<RowMatrix<Scalar>> q = buffer(qs, saved ? &saved->q : nullptr), k = buffer(ks, saved ? &saved->k : nullptr),
