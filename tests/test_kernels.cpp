@@ -109,6 +109,15 @@ TYPED_TEST(KernelTest, PackedGemmMatchesNaiveOnAwkwardShapes) {
                                            range.data(), out);
     expect_close(range, range_naive, tolerance<Scalar>() * std::sqrt(double(k)), tolerance<Scalar>(),
                  what.str() + " rows [" + std::to_string(k_begin) + ", " + std::to_string(k_end) + ")");
+    // TransA (sdpa_backward's Pᵀ and dSᵀ): A read in place from its transpose, stored with a row stride
+    // wider than A's rows — the bits of the same range with A copied.
+    const Index pad = 3;
+    RowMatrix<Scalar> xt = RowMatrix<Scalar>::Constant(k, n + pad, Scalar(7)), range_t(n, out);
+    xt.leftCols(n) = x.transpose();
+    c2f::detail::packed_gemm_range<Scalar>(x.data(), k, n, packed, 0, 0, 0, out, bias, false, range_t.data(), out);
+    c2f::detail::packed_gemm_range<Scalar, true>(xt.data() + k_begin * (n + pad), n + pad, n, packed, k_begin, k_end, 0, out,
+                                                 nullptr, true, range_t.data(), out);
+    EXPECT_TRUE(bitwise_equal(range_t, range)) << what.str() << ": TransA gave other bits";
   }
 }
 

@@ -168,11 +168,12 @@ class PackedB {
   ScratchArray<Scalar> data_;  ///< reused between calls (detail/scratch.hpp)
 };
 
-/// The micro-kernel: the MR × kNR tile Σ_kk A[i, kk] · b[kk][j] over kc steps of a packed B panel, A's
-/// row i read in place at a + i·lda; then c[i, j] = (first ? bias[j] (or 0) : c[i, j]) + tile for
+/// The micro-kernel: the MR × kNR tile Σ_kk A[i, kk] · b[kk][j] over kc steps of a packed B panel, A
+/// read in place — A[i, kk] at a[i·lda + kk], or at a[kk·lda + i] when TransA (A stored transposed, as
+/// the [k, rows] row-major matrix Aᵀ); then c[i, j] = (first ? bias[j] (or 0) : c[i, j]) + tile for
 /// j < cols. MR = kMR for the full tiles, fewer for the last rows of a product: the same multiply-adds
-/// per element in the same order, whatever MR.
-template <class Scalar, int MR>
+/// per element in the same order, whatever MR or TransA.
+template <class Scalar, int MR, bool TransA = false>
 void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c, Index ldc, Index cols, bool first,
                const Scalar* bias) {
   using B = GemmBlocking<Scalar>;
@@ -188,7 +189,7 @@ void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c,
     for (int p = 0; p < kNP; ++p) bv[p] = Eigen::internal::ploadu<Packet>(b + kk * kNR + p * kP);
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
-      const Packet av = Eigen::internal::pset1<Packet>(a[i * lda + kk]);
+      const Packet av = Eigen::internal::pset1<Packet>(TransA ? a[kk * lda + i] : a[i * lda + kk]);
       for (int p = 0; p < kNP; ++p) acc[i][p] = Eigen::internal::pmadd(av, bv[p], acc[i][p]);
     }
   }
@@ -221,14 +222,14 @@ void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c,
 }
 
 /// gemm_tile for the last `rows` (< kMR) rows of a product: the kernel of exactly that many rows.
-template <class Scalar, int MR = GemmBlocking<Scalar>::kMR - 1>
+template <class Scalar, bool TransA = false, int MR = GemmBlocking<Scalar>::kMR - 1>
 void gemm_tile_rows(Index rows, Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c, Index ldc, Index cols,
                     bool first, const Scalar* bias) {
   if constexpr (MR >= 1) {
     if (rows == MR) {
-      gemm_tile<Scalar, MR>(kc, a, lda, b, c, ldc, cols, first, bias);
+      gemm_tile<Scalar, MR, TransA>(kc, a, lda, b, c, ldc, cols, first, bias);
     } else {
-      gemm_tile_rows<Scalar, MR - 1>(rows, kc, a, lda, b, c, ldc, cols, first, bias);
+      gemm_tile_rows<Scalar, TransA, MR - 1>(rows, kc, a, lda, b, c, ldc, cols, first, bias);
     }
   }
 }
@@ -238,8 +239,9 @@ void gemm_tile_rows(Index rows, Index kc, const Scalar* a, Index lda, const Scal
 /// that row on, and the sum is split at the k-blocks' ends):
 ///   c[i·ldc + j] (= or +=) Σ_{kk ∈ [k_begin, k_end)} a[i·lda + kk − k_begin] · B[kk, c0 + j] (+ bias[j])
 /// for i < rows, j < cols — "=" (with the bias, if not nullptr) unless `accumulate`. `a` points to
-/// A's column k_begin, `c` and `bias` to column c0. A is read in place.
-template <class Scalar>
+/// A's column k_begin, `c` and `bias` to column c0. A is read in place; with TransA, A[i, kk] is
+/// a[kk·lda + i] (Aᵀ row-major: a points to its row k_begin) — the same bits as A copied transposed.
+template <class Scalar, bool TransA = false>
 void packed_gemm_range(const Scalar* a, Index lda, Index rows, const PackedB<Scalar>& b, Index k_begin, Index k_end,
                        Index c0, Index cols, const Scalar* bias, bool accumulate, Scalar* c, Index ldc) {
   using B = GemmBlocking<Scalar>;
@@ -255,17 +257,19 @@ void packed_gemm_range(const Scalar* a, Index lda, Index rows, const PackedB<Sca
     const Index block = k0 / B::kKC * B::kKC;  // the k-block holding row k0
     const Index kc = std::min(block + B::kKC, k_end) - k0;
     const bool first = k0 == k_begin && !accumulate;
-    const Scalar* a_k = a + (k0 - k_begin);
+    const Scalar* a_k = a + (k0 - k_begin) * (TransA ? lda : 1);
+    const Index a_rows = TransA ? 1 : lda;  // from one row of A to the next
     for (Index p = p0; p < p1; ++p) {
       const Scalar* panel = b.panel(block, p) + (k0 - block) * B::kNR;
       const Index j = p * B::kNR - c0, nr = std::min<Index>(B::kNR, cols - j);
       const Scalar* bias_j = bias != nullptr ? bias + j : nullptr;
       for (Index t = 0; t < full; ++t) {
-        gemm_tile<Scalar, B::kMR>(kc, a_k + t * B::kMR * lda, lda, panel, c + t * B::kMR * ldc + j, ldc, nr, first, bias_j);
+        gemm_tile<Scalar, B::kMR, TransA>(kc, a_k + t * B::kMR * a_rows, lda, panel, c + t * B::kMR * ldc + j, ldc, nr, first,
+                                          bias_j);
       }
       if (rest > 0) {
-        gemm_tile_rows<Scalar>(rest, kc, a_k + full * B::kMR * lda, lda, panel, c + full * B::kMR * ldc + j, ldc, nr, first,
-                               bias_j);
+        gemm_tile_rows<Scalar, TransA>(rest, kc, a_k + full * B::kMR * a_rows, lda, panel, c + full * B::kMR * ldc + j, ldc, nr,
+                                       first, bias_j);
       }
     }
     k0 += kc;

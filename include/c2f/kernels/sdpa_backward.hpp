@@ -84,7 +84,7 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
   const bool packed = d::kPackedGemm && !drop && lq >= d::kPackedAttentionMinQueries &&
                       (bk % d::GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
   struct Workspace {
-    RowMatrix<Scalar> qs, s, t, dq, st, tt;  // st, tt: Pᵀ and dSᵀ of a block (packed path)
+    RowMatrix<Scalar> qs, s, t, dq;
     Vector<Scalar> rowdot;
     std::vector<std::uint8_t> keep;
     d::MaskedValues<Scalar> hidden_k, hidden_v;
@@ -100,10 +100,6 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
       ws.dq.resize(bq, dqk);
       ws.rowdot.resize(bq);
       ws.keep.resize(static_cast<std::size_t>(bq * bk));
-      if (packed) {
-        ws.st.resize(bk, bq);
-        ws.tt.resize(bk, bq);
-      }
     }
     if (packed) {
       ws.kt.pack(k.block(b, h, 0, lk).transpose());
@@ -165,11 +161,9 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
           t = s;
           d::apply_dropout(dropout, bh, i0, j0, t, kept_scale, ws.keep.data());
           dv_sum.middleRows(j0, nj).noalias() += t.transpose() * g;
-        } else if (packed) {  // dv += Pᵀ dout
-          Eigen::Block<RowMatrix<Scalar>> st = ws.st.topLeftCorner(nj, ni);
-          st = s.transpose();
-          d::packed_gemm_range<Scalar>(st.data(), st.outerStride(), nj, ws.gp, 0, ni, 0, ddv, nullptr, true,
-                                       &dv_sum.coeffRef(j0, 0), dv_sum.outerStride());
+        } else if (packed) {  // dv += Pᵀ dout (Pᵀ read in place from P)
+          d::packed_gemm_range<Scalar, true>(s.data(), s.outerStride(), nj, ws.gp, 0, ni, 0, ddv, nullptr, true,
+                                             &dv_sum.coeffRef(j0, 0), dv_sum.outerStride());
         } else {
           dv_sum.middleRows(j0, nj).noalias() += s.transpose() * g;
         }
@@ -196,11 +190,9 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
         } else {
           dq_acc.noalias() += t * kb;
         }
-        if (packed) {  // dk += dSᵀ (scale · q)
-          Eigen::Block<RowMatrix<Scalar>> tt = ws.tt.topLeftCorner(nj, ni);
-          tt = t.transpose();
-          d::packed_gemm_range<Scalar>(tt.data(), tt.outerStride(), nj, ws.qp, 0, ni, 0, dqk, nullptr, true,
-                                       &dk_sum.coeffRef(j0, 0), dk_sum.outerStride());
+        if (packed) {  // dk += dSᵀ (scale · q) (dSᵀ read in place from dS)
+          d::packed_gemm_range<Scalar, true>(t.data(), t.outerStride(), nj, ws.qp, 0, ni, 0, dqk, nullptr, true,
+                                             &dk_sum.coeffRef(j0, 0), dk_sum.outerStride());
         } else {
           dk_sum.middleRows(j0, nj).noalias() += t.transpose() * qs;  // qs = scale · q
         }
