@@ -14,6 +14,10 @@ n threads, n = C2F_BENCH_THREADS, default 2), in training mode with autograd:
     hmha   tests/reference/hmha_reference.py's HMHA (dense), window 64, L = 4096 — against train_hmha/L/64
 One training step = y = module(x); y.backward(dy) with x.requires_grad (the input gradient too), the
 parameters' .grad set to None before each step. Timed: the median of --reps steps after the check.
+Interleaved: bench_train's entry for the same (layer, L) runs right before and right after torch's timed
+steps (`--benchmark_filter`), and the table's c2f figures are the mean of those two runs — on a VM whose
+speed drifts by tens of percent over minutes, the ratio compares c2f and torch measured within seconds of
+each other (--no-interleave: bench_train.json's figures instead).
 
 The check, per (layer, L): the module's parameters (PyTorch's default initialisation, seeded), x and dy
 (torch.randn, seeded) are written as safetensors; `bench_train --c2f_train_check=DIR` writes c2f's output,
@@ -70,10 +74,37 @@ def entry_name(layer, L):
     return {"mha": f"train_mha/{L}", "c2f": f"train_c2f/{L}/{CHUNK}", "hmha": f"train_hmha/{L}/{WINDOW}"}[layer]
 
 
+def c2f_entry(binary, layer, L):
+    """bench_train's entry for (layer, L), run now: its counters (one Google Benchmark record)."""
+    with tempfile.TemporaryDirectory(prefix="c2f-train-entry-") as tmp:
+        out = Path(tmp) / "entry.json"
+        r = subprocess.run([str(binary), f"--benchmark_filter=^{entry_name(layer, L)}/", f"--benchmark_out={out}",
+                            "--benchmark_out_format=json"], capture_output=True, text=True)
+        runs = json.loads(out.read_text()).get("benchmarks", []) if r.returncode == 0 and out.exists() else []
+    if len(runs) != 1:
+        raise RuntimeError(f"bench_train --benchmark_filter=^{entry_name(layer, L)}/ gave {len(runs)} entries: "
+                           f"{r.stderr.strip()}")
+    return runs[0]
+
+
+def mean_entry(a, b):
+    """The two runs' numeric counters averaged (bwd_over_fwd recomputed from the means)."""
+    m = dict(a)
+    for key, value in a.items():
+        if isinstance(value, (int, float)) and isinstance(b.get(key), (int, float)):
+            m[key] = 0.5 * (value + b[key])
+    m["bwd_over_fwd"] = m["backward_ms"] / m["forward_ms"]
+    return m
+
+
 def table(rows, bench):
     by_name = {}
     for b in bench.get("benchmarks", []):
         by_name[re.split(r"/(?:min_time|manual_time)", b["name"])[0]] = b
+    for r in rows:  # the interleaved runs, where there are some
+        if "c2f" in r:
+            by_name[entry_name(r["layer"], r["L"])] = dict(r["c2f"], bytes_per_token=by_name.get(
+                entry_name(r["layer"], r["L"]), r["c2f"])["bytes_per_token"])
     out = ["| layer | L | c2f forward ms | c2f step ms (fwd_train + bwd) | backward / forward | c2f peak bytes/token "
            "| torch step ms | speed-up | target |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -124,6 +155,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3, help="timed steps per (layer, L) after the check")
     p.add_argument("--only", action="append", choices=["mha", "c2f", "hmha"], help="run only these layers")
     p.add_argument("--max-length", type=int, default=0, help="skip the lengths above this (0: none)")
+    p.add_argument("--no-interleave", action="store_true",
+                   help="do not rerun bench_train's entry around torch's steps (use bench_train.json's figures)")
     args = p.parse_args(argv)
     threads = torch_peer.bench_threads()
     try:
@@ -184,6 +217,7 @@ def main(argv=None):
             print(f"torch_train_peer: {layer} L = {L}: {worst_name} differs by {worst_diff:.2e}, {worst:.2f} of the "
                   f"bound {TOL:g} * max |torch| + {ATOL:g}", file=sys.stderr)
             return 1
+        before = None if args.no_interleave else c2f_entry(binary, layer, L)
         times = []
         for _ in range(args.reps):
             t0 = time.perf_counter()
@@ -192,10 +226,16 @@ def main(argv=None):
         row = {"layer": layer, "L": L, "torch_step_ms": 1e3 * statistics.median(times), "first_step_s": first,
                "worst_fraction_of_bound": worst, "worst_abs_diff": worst_diff, "worst_tensor": worst_name,
                "reps": args.reps}
+        if before is not None:
+            after = c2f_entry(binary, layer, L)
+            row["c2f"] = mean_entry(before, after)
+            row["c2f_step_ms_before_after"] = [before["step_ms"], after["step_ms"]]
         rows.append(row)
+        c2f_note = (f"; c2f step {row['c2f']['step_ms']:.1f} ms (before {before['step_ms']:.1f}, after "
+                    f"{row['c2f_step_ms_before_after'][1]:.1f})" if before is not None else "")
         print(f"  {layer} L = {L}: gradients equal (worst {worst:.2f} of the bound, |diff| {worst_diff:.1e} in "
               f"{worst_name}); torch step "
-              f"{row['torch_step_ms']:.1f} ms", flush=True)
+              f"{row['torch_step_ms']:.1f} ms{c2f_note}", flush=True)
         del module, y, dx, ref, ours
     doc = {"setup": setup, "tolerance": f"max |c2f - torch| <= {TOL:g} * max |torch| + {ATOL:g} per tensor", "results": rows,
            "load_average": os.getloadavg()}
