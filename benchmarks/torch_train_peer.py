@@ -101,10 +101,13 @@ def table(rows, bench):
     by_name = {}
     for b in bench.get("benchmarks", []):
         by_name[re.split(r"/(?:min_time|manual_time)", b["name"])[0]] = b
-    for r in rows:  # the interleaved runs, where there are some
+    for r in rows:  # the interleaved runs' timings, where there are some; the heap peak stays bench_train's
+        name = entry_name(r["layer"], r["L"])
         if "c2f" in r:
-            by_name[entry_name(r["layer"], r["L"])] = dict(r["c2f"], bytes_per_token=by_name.get(
-                entry_name(r["layer"], r["L"]), r["c2f"])["bytes_per_token"])
+            interleaved = dict(r["c2f"])
+            if name in by_name:
+                interleaved["bytes_per_token"] = by_name[name]["bytes_per_token"]
+            by_name[name] = interleaved
     out = ["| layer | L | c2f forward ms | c2f step ms (fwd_train + bwd) | backward / forward | c2f peak bytes/token "
            "| torch step ms | speed-up | target |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]

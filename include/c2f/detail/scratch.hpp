@@ -183,23 +183,9 @@ class ScratchArray {
   std::size_t capacity_ = 0;  ///< bytes
 };
 
-/// A row-major [rows, cols] matrix in scratch memory, seen through map().
-template <class Scalar>
-class ScratchMatrix {
- public:
-  using MapType = Eigen::Map<RowMatrix<Scalar>, Eigen::Aligned64>;
-  ScratchMatrix(Index rows, Index cols)
-      : buffer_(static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols)), rows_(rows), cols_(cols) {}
-  MapType map() { return MapType(buffer_.data(), rows_, cols_); }
-
- private:
-  ScratchArray<Scalar> buffer_;
-  Index rows_, cols_;
-};
-
-/// A row-major matrix that owns a scratch block: what a layer's forward_train keeps for its backward
-/// (Saved), which a training loop allocates and frees every step — from the cache, those blocks come
-/// back without being faulted in again. It is an Eigen::Map over its block, so every Map expression and
+/// A row-major matrix that owns a scratch block: a layer's temporaries within one call, and what its
+/// forward_train keeps for its backward (Saved), which a training loop allocates and frees every step —
+/// from the cache, those blocks come back without being faulted in again. It is an Eigen::Map over its block, so every Map expression and
 /// Eigen::Ref binds to it; resize() re-points it (the contents are lost), assigning an Eigen expression
 /// resizes it first (the expression must not read the matrix itself), copies are deep and a move hands
 /// the block over.

@@ -313,15 +313,13 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const FoldedState& f = saved.folded;
     // out = broadcast(chunk_out): each block's row read by its tokens; chunk_out = o W_oᵀ + b_o.
     // The temporaries in reused scratch memory (detail/scratch.hpp), as the forward's.
-    detail::ScratchMatrix<Scalar> dchunk_s(blocks, d_), dout_heads_s(blocks, d_);
-    typename detail::ScratchMatrix<Scalar>::MapType dchunk = dchunk_s.map(), dout_heads = dout_heads_s.map();
+    detail::ScratchRowMatrix<Scalar> dchunk(blocks, d_), dout_heads(blocks, d_);
     kernels::chunk_sum<Scalar>(dy, grid, dchunk, threads);
     kernels::linear_backward<Scalar>(f.o, out_proj_.weight(), dchunk, dout_heads, grad.out_proj_.weight(),
                                      grad.out_proj_.bias().data(), threads);
     // o_h = pooled_h W_v,hᵀ + mass_h b_v,h: dpooled_h = do_h W_v,h, dW_v,h = do_hᵀ pooled_h, db_v,h = Σ mass do_h.
     const Scalar scale = kernels::default_scale<Scalar>(dk);
-    detail::ScratchMatrix<Scalar> dpooled_s(blocks, heads_ * d_), dqk_s(blocks, heads_ * d_), dq_s(blocks, d_);
-    typename detail::ScratchMatrix<Scalar>::MapType dpooled = dpooled_s.map(), dqk = dqk_s.map(), dq = dq_s.map();
+    detail::ScratchRowMatrix<Scalar> dpooled(blocks, heads_ * d_), dqk(blocks, heads_ * d_), dq(blocks, d_);
     for (Index h = 0; h < heads_; ++h) {
       kernels::linear_backward<Scalar>(f.pooled.middleCols(h * d_, d_), kv_proj_.weight().middleRows(d_ + h * dk, dk),
                                        dout_heads.middleCols(h * dk, dk), dpooled.middleCols(h * d_, d_),
@@ -440,7 +438,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const KeyPaddingMask<Scalar> padding = padding_of(grid);
     const MaskView<Scalar> plan = chunk_plan(mask, padding, grid);
 
-    RowMatrix<Scalar> q(chunks, d_);
+    detail::ScratchRowMatrix<Scalar> q(chunks, d_);
     q_proj_.forward_rows_independent(coarse_context.rows(), q);
 
     const bool rows_equal = mask.is_none() || mask_rows_equal_in_chunks(plan, grid);
@@ -521,7 +519,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
       saved->context = coarse_context;
     }
     if (grid.blocks() == 0) return;
-    RowMatrix<Scalar> q(grid.blocks(), d_);
+    detail::ScratchRowMatrix<Scalar> q(grid.blocks(), d_);
     q_proj_.forward_rows_independent(coarse_context, q);
     forward_folded(x, grid, q, [](Index, Index, Index) { return Scalar(0); }, out, saved != nullptr ? &saved->folded : nullptr);
     if (saved != nullptr) saved->q = std::move(q);
@@ -588,7 +586,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// `bias(c, h, j)`: what is added to the score of token j of block c for head h (0, a value or -inf).
   /// `keep`: nullptr, or where training keeps qk, pooled, mass and o.
   template <class Grid, class Bias>
-  void forward_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, const RowMatrix<Scalar>& q,
+  void forward_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, const Eigen::Ref<const RowMatrix<Scalar>>& q,
                       const Bias& bias, Eigen::Ref<RowMatrix<Scalar>> out, FoldedState* keep = nullptr) const {
     const Index chunks = grid.blocks(), dk = head_dim();
     // Every product is row by row independent (KernelOptions::rows_independent): a shard of the blocks
@@ -599,17 +597,15 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
     // qk[c, h·d:(h+1)·d] = q[c, h·dk:(h+1)·dk] W_k,h / sqrt(dk)   (the key bias only shifts a softmax row)
     // The large temporaries live in reused scratch memory (detail/scratch.hpp).
-    detail::ScratchMatrix<Scalar> qk_s(chunks, heads_ * d_), pooled_s(chunks, heads_ * d_);
-    typename detail::ScratchMatrix<Scalar>::MapType qk = qk_s.map(), pooled = pooled_s.map();
+    detail::ScratchRowMatrix<Scalar> qk(chunks, heads_ * d_), pooled(chunks, heads_ * d_), mass(chunks, heads_), o(chunks, d_);
     for (Index h = 0; h < heads_; ++h) {
       kernels::matmul_rows<Scalar>(q.middleCols(h * dk, dk), wk.middleRows(h * dk, dk) * scale, nullptr,
                                    qk.middleCols(h * d_, d_), threads);
     }
-    RowMatrix<Scalar> mass(chunks, heads_);
     kernels::fine_attention_folded<Scalar>(x, grid, qk, heads_, pooled, mass, bias, threads);
 
     // o[c, h·dk:(h+1)·dk] = pooled[c, h] W_v,hᵀ + mass[c, h] b_v,h
-    RowMatrix<Scalar> o(chunks, d_), chunk_out(chunks, d_);
+    RowMatrix<Scalar> chunk_out(chunks, d_);
     for (Index h = 0; h < heads_; ++h) {
       kernels::matmul_rows<Scalar>(pooled.middleCols(h * d_, d_), wv.middleRows(h * dk, dk).transpose(), nullptr,
                                    o.middleCols(h * dk, dk), threads);
@@ -618,8 +614,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     out_proj_.forward_rows_independent(o, chunk_out);
     kernels::broadcast_chunks<Scalar>(chunk_out, grid, out, threads);
     if (keep != nullptr) {
-      keep->qk = qk;
-      keep->pooled = pooled;
+      keep->qk = std::move(qk);
+      keep->pooled = std::move(pooled);
       keep->mass = std::move(mass);
       keep->o = std::move(o);
     }
@@ -628,7 +624,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// The article's formula: k, v = kv_proj(tokens); per token, softmax(q_chunk kᵀ / sqrt(dk) + mask) v.
   /// `saved`: nullptr, or training's state, which then holds k, v, the heads' output and the log-sum-exp
   /// (sdpa_train: the same output bits).
-  void forward_general(const ConstTensor3Ref<Scalar>& x, const kernels::ChunkGrid& grid, const RowMatrix<Scalar>& q,
+  void forward_general(const ConstTensor3Ref<Scalar>& x, const kernels::ChunkGrid& grid, const Eigen::Ref<const RowMatrix<Scalar>>& q,
                        const MaskView<Scalar>& plan, Eigen::Ref<RowMatrix<Scalar>> out, Saved* saved = nullptr) const {
     const Index chunks = grid.chunks(), k = grid.chunk, dk = head_dim();
     // Tokens on the padded grid [chunks·k, d]; padded rows are zeros (their keys are masked).
@@ -639,15 +635,15 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
         divisible ? Eigen::Ref<const RowMatrix<Scalar>>(x.rows()) : Eigen::Ref<const RowMatrix<Scalar>>(padded);
 
     const Index rows = saved != nullptr ? 0 : chunks * k;  // training keeps them: heap buffers of its own
-    detail::ScratchMatrix<Scalar> kv_s(rows, 2 * d_), attn_s(rows, d_);
+    detail::ScratchRowMatrix<Scalar> kv_s(rows, 2 * d_), attn_s(rows, d_);
     if (saved != nullptr) {
       saved->kv.resize(chunks * k, 2 * d_);
       saved->attn.resize(chunks * k, d_);
       saved->lse.resize(chunks * heads_, k);
     }
-    Eigen::Ref<RowMatrix<Scalar>> kv = saved != nullptr ? Eigen::Ref<RowMatrix<Scalar>>(saved->kv) : Eigen::Ref<RowMatrix<Scalar>>(kv_s.map());
+    Eigen::Ref<RowMatrix<Scalar>> kv = saved != nullptr ? Eigen::Ref<RowMatrix<Scalar>>(saved->kv) : Eigen::Ref<RowMatrix<Scalar>>(kv_s);
     Eigen::Ref<RowMatrix<Scalar>> attn =
-        saved != nullptr ? Eigen::Ref<RowMatrix<Scalar>>(saved->attn) : Eigen::Ref<RowMatrix<Scalar>>(attn_s.map());
+        saved != nullptr ? Eigen::Ref<RowMatrix<Scalar>>(saved->attn) : Eigen::Ref<RowMatrix<Scalar>>(attn_s);
     kv_proj_.forward_rows_independent(tokens, kv);
     // Every token of chunk c reads the chunk's one query: a row stride of 0.
     const kernels::HeadsView<const Scalar> qv = chunk_queries(q, chunks, k);
@@ -662,8 +658,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                                       detail::kernel_options(options_));
     }
 
-    detail::ScratchMatrix<Scalar> projected_s(chunks * k, d_);
-    typename detail::ScratchMatrix<Scalar>::MapType projected = projected_s.map();
+    detail::ScratchRowMatrix<Scalar> projected(chunks * k, d_);
     out_proj_.forward_rows_independent(attn, projected);
     for (Index c = 0; c < chunks; ++c) out.middleRows(grid.row(c), grid.count(c)) = projected.middleRows(c * k, grid.count(c));
   }

@@ -244,8 +244,8 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   void compute(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>&) const {
     const Index rows = x.batch() * x.seq(), e = shape_.embed_dim;
     // The projections live in reused scratch memory (detail/scratch.hpp): no fresh pages per call.
-    detail::ScratchMatrix<Scalar> qs(rows, e), ks(rows, e), vs(rows, e), os(rows, e);
-    run(x, qs.map(), ks.map(), vs.map(), os.map(), out);
+    detail::ScratchRowMatrix<Scalar> q(rows, e), k(rows, e), v(rows, e), o(rows, e);
+    run(x, q, k, v, o, out);
   }
   /// The forward into q, k, v, o [B·L, E] (the projections and the summed levels) and out.
   void run(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> q, Eigen::Ref<RowMatrix<Scalar>> k,

@@ -526,8 +526,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     detail::check_call(type_name, masks, mask_fields, {batch, lq, e}, out);
     const MaskView<Scalar> mask(masks, batch, h, lq, lk, options_.causal());
     // The temporaries live in reused scratch memory (detail/scratch.hpp): no fresh pages per call.
-    detail::ScratchMatrix<Scalar> qs(batch * lq, e), ks(batch * lk, e), vs(batch * lk, e), attn_s(batch * lq, e);
-    typename detail::ScratchMatrix<Scalar>::MapType qp = qs.map(), kp = ks.map(), vp = vs.map(), attn = attn_s.map();
+    detail::ScratchRowMatrix<Scalar> qp(batch * lq, e), kp(batch * lk, e), vp(batch * lk, e), attn(batch * lq, e);
     project_into(query, key, value, qp, kp, vp);
     const Scalar scale = kernels::default_scale<Scalar>(head_dim());
 

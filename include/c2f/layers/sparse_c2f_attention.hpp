@@ -240,12 +240,12 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
     const Index batch = x.batch(), length = x.seq(), e = embed_dim(), heads = num_heads();
     // The large temporaries live in reused scratch memory (detail/scratch.hpp): no fresh pages per call.
     const Index scratch_rows = saved != nullptr ? 0 : batch * length;
-    detail::ScratchMatrix<Scalar> qs(scratch_rows, e), ks(scratch_rows, e), vs(scratch_rows, e), attn_s(scratch_rows, e);
+    detail::ScratchRowMatrix<Scalar> qs(scratch_rows, e), ks(scratch_rows, e), vs(scratch_rows, e), attn_s(scratch_rows, e);
     if (saved != nullptr) {
       for (detail::ScratchRowMatrix<Scalar>* m : {&saved->q, &saved->k, &saved->v, &saved->attn}) m->resize(batch * length, e);
     }
-    const auto buffer = [&](detail::ScratchMatrix<Scalar>& scratch, detail::ScratchRowMatrix<Scalar>* kept) {
-      return kept != nullptr ? Eigen::Ref<RowMatrix<Scalar>>(*kept) : Eigen::Ref<RowMatrix<Scalar>>(scratch.map());
+    const auto buffer = [&](detail::ScratchRowMatrix<Scalar>& scratch, detail::ScratchRowMatrix<Scalar>* kept) {
+      return Eigen::Ref<RowMatrix<Scalar>>(kept != nullptr ? *kept : scratch);
     };
     Eigen::Ref<RowMatrix<Scalar>> q = buffer(qs, saved ? &saved->q : nullptr), k = buffer(ks, saved ? &saved->k : nullptr),
                                   v = buffer(vs, saved ? &saved->v : nullptr), attn = buffer(attn_s, saved ? &saved->attn : nullptr);
