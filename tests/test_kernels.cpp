@@ -577,37 +577,58 @@ TYPED_TEST(KernelTest, MaskShapeErrorsNameBothShapes) {
                std::invalid_argument);  // one length for two batches
 }
 
-// The softmax's AVX-512 exp (detail::exp_avx512, built with -march=native on AVX-512 CPUs) against the
-// correctly rounded exp (double precision, rounded once): within 2 ulp of float over the whole range the
-// softmax feeds it, exactly 0 for −inf and below, NaN for NaN; and exp_shifted_sum against its Eigen twin
-// (exp_shifted, then sum) on rows of every tail length, masked entries included.
-TEST(ExpAvx512, MatchesCorrectlyRoundedExpAndItsEigenTwin) {
-  if (!c2f::detail::kExpAvx512) GTEST_SKIP() << "this build has no AVX-512 (the native build runs it)";
-#if C2F_EXP_AVX512
+// The softmax's exp micro-kernel (built with -march=native: detail::exp_avx512 on AVX-512 CPUs,
+// detail::exp_avx2 on AVX2 + FMA ones) against the correctly rounded exp (double precision, rounded
+// once): within 2 ulp of float over the whole range the softmax feeds it, exactly 0 for −inf and below,
+// NaN for NaN, inf above FLT_MAX; and exp_shifted_sum against its Eigen twin (exp_shifted, then sum) on
+// rows of every tail length, masked entries included.
+#if C2F_EXP_SIMD
+namespace {
+float exp_simd(float x) {
+#if C2F_EXP_SIMD == 16
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, c2f::detail::exp_avx512(_mm512_set1_ps(x)));
+#else
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, c2f::detail::exp_avx2(_mm256_set1_ps(x)));
+#endif
+  return lanes[0];
+}
+}  // namespace
+#endif
+
+TEST(ExpSimd, MatchesCorrectlyRoundedExpAndItsEigenTwin) {
+  if (c2f::detail::kExpSimdLanes == 0) GTEST_SKIP() << "this build has no exp micro-kernel (the native build runs it)";
+#if C2F_EXP_SIMD
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  const auto exp16 = [](float x) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, c2f::detail::exp_avx512(_mm512_set1_ps(x)));
-    return lanes[0];
-  };
   double worst_ulp = 0.0;
-  for (float x = -87.3f; x <= 88.7f; x += 0.00173f) {
+  // From where both kernels give normal results (AVX2 flushes below 2^−125.5) to FLT_MAX.
+  for (float x = -86.9f; x <= 88.7f; x += 0.00173f) {
     const double want = std::exp(static_cast<double>(x));
-    const float got = exp16(x), rounded = static_cast<float>(want);
+    const float got = exp_simd(x), rounded = static_cast<float>(want);
     const double ulp = std::nextafter(rounded, kInf) - rounded;
     worst_ulp = std::max(worst_ulp, std::abs(got - want) / ulp);
   }
   EXPECT_LE(worst_ulp, 2.0);
-  std::printf("exp_avx512: worst error %.2f ulp over [-87.3, 88.7]\n", worst_ulp);
-  EXPECT_EQ(exp16(0.0f), 1.0f);
-  EXPECT_EQ(exp16(-kInf), 0.0f);
-  EXPECT_EQ(exp16(-200.0f), 0.0f);
-  EXPECT_EQ(exp16(-104.0f), static_cast<float>(std::exp(-104.0)));  // subnormal results are kept
-  EXPECT_EQ(exp16(100.0f), kInf);
-  EXPECT_TRUE(std::isnan(exp16(std::numeric_limits<float>::quiet_NaN())));
+  std::printf("exp micro-kernel (%d lanes): worst error %.2f ulp over [-86.9, 88.7]\n", c2f::detail::kExpSimdLanes,
+              worst_ulp);
+  EXPECT_EQ(exp_simd(0.0f), 1.0f);
+  EXPECT_EQ(exp_simd(-kInf), 0.0f);
+  EXPECT_EQ(exp_simd(-200.0f), 0.0f);
+  if (c2f::detail::kExpSimdLanes == 16) {
+    EXPECT_EQ(exp_simd(-104.0f), static_cast<float>(std::exp(-104.0)));  // vscalefps keeps subnormal results
+  } else {
+    EXPECT_EQ(exp_simd(-87.0f), 0.0f);  // AVX2: flushed below 2^−125.5
+  }
+  const double near_max = std::exp(static_cast<double>(88.72f));  // 2^128 · 0.997: m = 128, still finite
+  EXPECT_NEAR(exp_simd(88.72f), near_max, 2.4e-7 * near_max);
+  EXPECT_EQ(exp_simd(88.8f), kInf);
+  EXPECT_EQ(exp_simd(100.0f), kInf);
+  EXPECT_EQ(exp_simd(kInf), kInf);
+  EXPECT_TRUE(std::isnan(exp_simd(std::numeric_limits<float>::quiet_NaN())));
 
   TestRng rng(5);
-  for (const Index n : {1, 2, 15, 16, 17, 31, 33, 64, 255, 256, 257}) {
+  for (const Index n : {1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 64, 255, 256, 257}) {
     RowMatrix<float> row = rng.matrix<float>(1, n, 4.0);
     for (Index j = 0; j < n; j += 3) row(0, j) = -kInf;
     const float shift = row.maxCoeff() == -kInf ? 0.0f : row.maxCoeff();
@@ -624,6 +645,12 @@ TEST(ExpAvx512, MatchesCorrectlyRoundedExpAndItsEigenTwin) {
     }
     EXPECT_NEAR(sum, twin_sum, 1e-6f * twin_sum) << "n=" << n;
   }
+  // A row that is not a multiple of the lanes leaves what follows it alone (the masked tail store).
+  RowMatrix<float> wide = RowMatrix<float>::Constant(1, 12, 5.0f);
+  const float tail_sum = c2f::detail::exp_shifted_sum(wide.row(0).head(11), 5.0f);
+  EXPECT_EQ(tail_sum, 11.0f);
+  EXPECT_EQ(wide(0, 10), 1.0f);
+  EXPECT_EQ(wide(0, 11), 5.0f);
 #endif
 }
 

@@ -37,23 +37,29 @@ void exp_shifted(Row&& row, Scalar shift) {
   row.array() = ((row.array() - shift).exp() - floor).binaryExpr(Plain::Zero(row.rows(), row.cols()).array(), NanMax());
 }
 
-/// Builds with AVX-512 compute exp_shifted_sum on float rows with exp_avx512 (the AVX-512 micro-kernel
-/// of the softmax); the others, and double everywhere, with Eigen's packet exp — its tested twin.
-#if defined(EIGEN_VECTORIZE_AVX512) && !defined(C2F_NO_MICROKERNELS)
-#define C2F_EXP_AVX512 1
+/// The softmax's exp micro-kernel: builds with AVX-512 compute exp_shifted_sum on float rows with
+/// exp_avx512, builds with AVX2 + FMA with exp_avx2; the others, and double everywhere, with Eigen's
+/// packet exp — the tested twin of both (tests/test_kernels.cpp, ExpSimd). C2F_EXP_SIMD is the lanes of
+/// the build's kernel (16, 8, or 0 for none).
+#if defined(C2F_NO_MICROKERNELS)
+#define C2F_EXP_SIMD 0
+#elif defined(EIGEN_VECTORIZE_AVX512)
+#define C2F_EXP_SIMD 16
+#elif defined(EIGEN_VECTORIZE_AVX2) && defined(EIGEN_VECTORIZE_FMA)
+#define C2F_EXP_SIMD 8
 #else
-#define C2F_EXP_AVX512 0
+#define C2F_EXP_SIMD 0
 #endif
-constexpr bool kExpAvx512 = C2F_EXP_AVX512 != 0;
+constexpr int kExpSimdLanes = C2F_EXP_SIMD;
 
-#if C2F_EXP_AVX512
+/// Both kernels take x = m·ln 2 + r with m = round(x·log2 e), |r| ≤ ln 2 / 2, and exp(r) by Cephes'
+/// degree-7 expansion 1 + r + r²·P5(r) (~1 ulp: ExpSimd); they differ in how they multiply by 2^m.
+#if C2F_EXP_SIMD == 16
 
-/// exp of 16 floats, ~1 ulp (tests/test_kernels.cpp, ExpAvx512): x = m·ln 2 + r with m = round(x·log2 e),
-/// |r| ≤ ln 2 / 2, exp(r) by Cephes' degree-7 expansion 1 + r + r²·P5(r), times 2^m by vscalefps, which
-/// also gives 0 below the smallest subnormal and inf above FLT_MAX. −inf (a masked score) → exactly 0
-/// (clamped to −120 first: 2^−173 rounds to 0); NaN stays NaN. 14 instructions against Eigen 3.4's ~30
-/// (its exponent is set by integer operations); measured: streaming attention at L = 2048 on one core
-/// 146 → 158 GFLOP/s.
+/// exp of 16 floats, 2^m by vscalefps, which also gives 0 below the smallest subnormal and inf above
+/// FLT_MAX. −inf (a masked score) → exactly 0 (clamped to −120 first: 2^−173 rounds to 0); NaN stays
+/// NaN. 14 instructions against Eigen 3.4's ~30 (its exponent is set by integer operations); measured:
+/// streaming attention at L = 2048 on one core 146 → 158 GFLOP/s.
 inline __m512 exp_avx512(__m512 x) {
   x = _mm512_max_ps(_mm512_set1_ps(-120.0f), x);  // vmaxps returns its second operand when one is NaN
   x = _mm512_min_ps(_mm512_set1_ps(89.0f), x);
@@ -71,7 +77,7 @@ inline __m512 exp_avx512(__m512 x) {
 }
 
 /// p[j] ← exp(p[j] − shift) for j < n; returns their sum (one accumulator, lanes added at the end).
-inline float exp_shifted_sum_avx512(float* p, Index n, float shift) {
+inline float exp_shifted_sum_simd(float* p, Index n, float shift) {
   const __m512 s = _mm512_set1_ps(shift);
   __m512 sum = _mm512_setzero_ps();
   Index j = 0;
@@ -88,16 +94,63 @@ inline float exp_shifted_sum_avx512(float* p, Index n, float shift) {
   }
   return _mm512_reduce_add_ps(sum);
 }
+
+#elif C2F_EXP_SIMD == 8
+
+/// exp of 8 floats. AVX2 has no vscalefps: 2^(m−1) is built in the exponent field (normal for
+/// m ∈ [−125, 128]) and the expansion is computed doubled, 2 + 2r + r²·2P5(r) (the same bits as
+/// doubling it: the coefficients are the same times 2), so y·2^(m−1) is exp(x), and rounds to inf above
+/// FLT_MAX by itself. Below x ≈ −86.99 (m = −126: a weight under 2e-38 of the row's largest) the
+/// result is exactly 0, −inf (a masked score, clamped to −87) included; NaN stays NaN. 16 instructions.
+inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // m ≥ −126; vmaxps returns its second operand when one is NaN
+  x = _mm256_min_ps(_mm256_set1_ps(88.75f), x);   // m ≤ 128
+  const __m256 m = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(m, _mm256_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: m·hi is exact
+  r = _mm256_fnmadd_ps(m, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(2 * 1.9875691500e-4f), r, _mm256_set1_ps(2 * 1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2 * 8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2 * 4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2 * 1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2 * 5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_fmadd_ps(r, _mm256_set1_ps(2.0f), _mm256_set1_ps(2.0f)));
+  // 2^(m−1): the biased exponent m − 1 + 127 in bits 23…30; m = −126 gives the field 0, the float 0.
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(m), _mm256_set1_epi32(126)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+/// p[j] ← exp(p[j] − shift) for j < n; returns their sum (one accumulator, lanes added at the end).
+inline float exp_shifted_sum_simd(float* p, Index n, float shift) {
+  const __m256 s = _mm256_set1_ps(shift);
+  __m256 sum = _mm256_setzero_ps();
+  Index j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + j), s));
+    _mm256_storeu_ps(p + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (j < n) {  // lanes below n − j: all bits set
+    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(p + j, k), s));
+    _mm256_maskstore_ps(p + j, k, e);
+    sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(k)));
+  }
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
 #endif
 
 /// exp_shifted(row, shift), returning the sum of the row afterwards. Float rows of contiguous memory
-/// take exp_avx512 where the build has it (kExpAvx512); the rest exp_shifted then Eigen's sum.
+/// take the build's exp micro-kernel (kExpSimdLanes > 0); the rest exp_shifted then Eigen's sum.
 template <class Row, class Scalar>
 Scalar exp_shifted_sum(Row&& row, Scalar shift) {
-#if C2F_EXP_AVX512
+#if C2F_EXP_SIMD
   using R = std::decay_t<Row>;
   if constexpr (std::is_same<Scalar, float>::value && (Eigen::internal::traits<R>::Flags & Eigen::DirectAccessBit) != 0) {
-    if (row.innerStride() == 1 && (row.rows() == 1 || row.cols() == 1)) return exp_shifted_sum_avx512(row.data(), row.size(), shift);
+    if (row.innerStride() == 1 && (row.rows() == 1 || row.cols() == 1)) return exp_shifted_sum_simd(row.data(), row.size(), shift);
   }
 #endif
   exp_shifted(row, shift);
