@@ -634,16 +634,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const Eigen::Ref<const RowMatrix<Scalar>> tokens =
         divisible ? Eigen::Ref<const RowMatrix<Scalar>>(x.rows()) : Eigen::Ref<const RowMatrix<Scalar>>(padded);
 
-    const Index rows = saved != nullptr ? 0 : chunks * k;  // training keeps them: heap buffers of its own
-    detail::ScratchRowMatrix<Scalar> kv_s(rows, 2 * d_), attn_s(rows, d_);
-    if (saved != nullptr) {
-      saved->kv.resize(chunks * k, 2 * d_);
-      saved->attn.resize(chunks * k, d_);
-      saved->lse.resize(chunks * heads_, k);
-    }
-    Eigen::Ref<RowMatrix<Scalar>> kv = saved != nullptr ? Eigen::Ref<RowMatrix<Scalar>>(saved->kv) : Eigen::Ref<RowMatrix<Scalar>>(kv_s);
-    Eigen::Ref<RowMatrix<Scalar>> attn =
-        saved != nullptr ? Eigen::Ref<RowMatrix<Scalar>>(saved->attn) : Eigen::Ref<RowMatrix<Scalar>>(attn_s);
+    // In reused scratch memory (detail/scratch.hpp); training keeps kv and attn (moved there at the end).
+    detail::ScratchRowMatrix<Scalar> kv(chunks * k, 2 * d_), attn(chunks * k, d_);
     kv_proj_.forward_rows_independent(tokens, kv);
     // Every token of chunk c reads the chunk's one query: a row stride of 0.
     const kernels::HeadsView<const Scalar> qv = chunk_queries(q, chunks, k);
@@ -651,6 +643,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const kernels::HeadsView<const Scalar> vview = kernels::heads_view<const Scalar>(kv.data(), chunks, k, 2 * d_, d_, heads_, dk);
     const kernels::HeadsView<Scalar> oview = kernels::heads_view<Scalar>(attn.data(), chunks, k, d_, 0, heads_, dk);
     if (saved != nullptr) {
+      saved->lse.resize(chunks * heads_, k);
       kernels::sdpa_train<Scalar>(qv, kview, vview, oview, saved->lse, plan, kernels::AttnDropout{},
                                   kernels::default_scale<Scalar>(dk), detail::kernel_options(options_));
     } else {
@@ -661,6 +654,10 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     detail::ScratchRowMatrix<Scalar> projected(chunks * k, d_);
     out_proj_.forward_rows_independent(attn, projected);
     for (Index c = 0; c < chunks; ++c) out.middleRows(grid.row(c), grid.count(c)) = projected.middleRows(c * k, grid.count(c));
+    if (saved != nullptr) {
+      saved->kv = std::move(kv);
+      saved->attn = std::move(attn);
+    }
   }
 
   detail::HeadShape shape_;  // first: checked before the projections are built

@@ -234,21 +234,12 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   }
 
   /// The forward pass into out, after the checks; returns the selection. `saved`: nullptr, or training's
-  /// state, which then holds q, k, v and the heads' output (the same arithmetic in heap buffers of its own).
+  /// state, which then holds q, k, v and the heads' output (moved there at the end: the same arithmetic).
   kernels::ChunkSelection run(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out,
                               const Masks<Scalar>& masks, Saved* saved = nullptr) const {
     const Index batch = x.batch(), length = x.seq(), e = embed_dim(), heads = num_heads();
     // The large temporaries live in reused scratch memory (detail/scratch.hpp): no fresh pages per call.
-    const Index scratch_rows = saved != nullptr ? 0 : batch * length;
-    detail::ScratchRowMatrix<Scalar> qs(scratch_rows, e), ks(scratch_rows, e), vs(scratch_rows, e), attn_s(scratch_rows, e);
-    if (saved != nullptr) {
-      for (detail::ScratchRowMatrix<Scalar>* m : {&saved->q, &saved->k, &saved->v, &saved->attn}) m->resize(batch * length, e);
-    }
-    const auto buffer = [&](detail::ScratchRowMatrix<Scalar>& scratch, detail::ScratchRowMatrix<Scalar>* kept) {
-      return Eigen::Ref<RowMatrix<Scalar>>(kept != nullptr ? *kept : scratch);
-    };
-    Eigen::Ref<RowMatrix<Scalar>> q = buffer(qs, saved ? &saved->q : nullptr), k = buffer(ks, saved ? &saved->k : nullptr),
-                                  v = buffer(vs, saved ? &saved->v : nullptr), attn = buffer(attn_s, saved ? &saved->attn : nullptr);
+    detail::ScratchRowMatrix<Scalar> q(batch * length, e), k(batch * length, e), v(batch * length, e), attn(batch * length, e);
     mha_.project_into(x, x, x, q, k, v);
     const kernels::KernelOptions threads = detail::kernel_options(options_);
     const bool causal = options_.causal();
@@ -280,6 +271,12 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
       kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, selection, attn, mask, scale, threads);
     }
     mha_.out_proj().forward_rows(attn, out);
+    if (saved != nullptr) {
+      saved->q = std::move(q);
+      saved->k = std::move(k);
+      saved->v = std::move(v);
+      saved->attn = std::move(attn);
+    }
     return selection;
   }
 
