@@ -524,6 +524,42 @@ TYPED_TEST(KernelTest, NonFiniteKeysBehindTheMaskChangeNoBitOnEitherPath) {
   }
 }
 
+// The split-key kernel on both sides of its row-by-row limit (detail::kSplitKeysByRowMaxQueries queries,
+// a decode step: every head on each cached row at once; above it head by head): the naive kernel's
+// result, with head widths off the packet size, blocks the padding cuts through, and NaN and Inf in the
+// hidden keys and values changing no output bit.
+TYPED_TEST(KernelTest, SplitKeysRowAndHeadPathsAtTheirLimit) {
+  using Scalar = TypeParam;
+  TestRng rng(43);
+  const Index limit = c2f::detail::kSplitKeysByRowMaxQueries;
+  for (const Index lq : {Index(1), limit - 1, limit, limit + 1, 2 * limit + 1}) {
+    Problem<Scalar> p;
+    p.batch = 2, p.heads = 3, p.lq = lq, p.lk = 77, p.dk = 11, p.dv = 9;
+    p.q = rng.matrix<Scalar>(p.batch * p.lq, p.heads * p.dk, 2.0);
+    p.k = rng.matrix<Scalar>(p.batch * p.lk, p.heads * p.dk, 2.0);
+    p.v = rng.matrix<Scalar>(p.batch * p.lk, p.heads * p.dv);
+    p.pad = c2f::KeyPaddingMask<Scalar>::lengths({58, 77});
+    const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+    Problem<Scalar> poisoned = p;
+    for (Index j = 58; j < p.lk; j += 2) {
+      poisoned.k.row(j).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+      poisoned.v.row(j).setConstant(j % 4 == 0 ? std::numeric_limits<Scalar>::infinity()
+                                               : std::numeric_limits<Scalar>::quiet_NaN());
+    }
+    c2f::kernels::KernelOptions opt;
+    opt.key_block(16).key_part(40).num_threads(2);
+    RowMatrix<Scalar> naive(p.batch * p.lq, p.heads * p.dv), clean = naive, dirty = naive;
+    c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt);
+    c2f::kernels::sdpa_split_keys<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(clean), plan, p.scale(), opt);
+    c2f::kernels::sdpa_split_keys<Scalar>(poisoned.qv(), poisoned.kv(), poisoned.vv(), poisoned.out_view(dirty), plan,
+                                          p.scale(), opt);
+    const std::string what = "lq " + std::to_string(lq);
+    ASSERT_TRUE(clean.allFinite()) << what;
+    expect_close(clean, naive, tolerance<Scalar>(), tolerance<Scalar>(), what);
+    EXPECT_TRUE(bitwise_equal(clean, dirty)) << what;
+  }
+}
+
 // Masked keys get exactly zero weight (Eigen 3.4's vectorised exp(-inf) is ~1e-38, not 0): huge values
 // behind the mask, e.g. uninitialised padding, must not leak into the output.
 TYPED_TEST(KernelTest, MaskedKeysGetExactlyZeroWeight) {

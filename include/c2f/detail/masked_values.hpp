@@ -61,6 +61,17 @@ class MaskedValues {
     add_visible(out, p, v);
   }
 
+  /// product<true>() for a kernel whose clean product is its own: `add(clean)` adds p · clean to out,
+  /// clean the block with the non-finite rows zeroed, as the kernel adds p · v for a finite block (so the
+  /// rows that hide those keys get that product's bits); then each non-finite row's true contribution.
+  template <class Out, class P, class V, class Add>
+  void product_add_with(Out&& out, const P& p, const V& v, Add&& add) {
+    clean_ = v;
+    for (Index j : bad_) clean_.row(j).setZero();
+    add(static_cast<const RowMatrix<Scalar>&>(clean_));
+    add_visible(out, p, v);
+  }
+
   /// Sets m(r, j) = 0 for each non-finite row j of the last find() and each row r that hides it (the
   /// attention backward's dS, whose entries there are 0 · NaN from the hidden value's dP).
   template <class M>

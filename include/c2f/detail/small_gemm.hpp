@@ -1,4 +1,5 @@
-// c2f — the two small products of the folded fine attention, read in place without packing.
+// c2f — small products read in place without packing: the two of the folded fine attention, and the
+// row-streaming products of the split-key (decode) kernel.
 //
 // For one run of n tokens x [n, d] (rows `ldx` apart) and `heads` query rows q [heads, d]:
 //   scores   s [heads, n] = q xᵀ
@@ -9,6 +10,11 @@
 // vectorised along d) and 4 query rows × 2 packets of columns (pooled), on Eigen's packet primitives,
 // so the same code is SSE, AVX, AVX-512 or NEON as the build selects. The summation order differs from
 // Eigen's GEMM; kernels::fine_attention_folded's tests compare with a naive twin.
+//
+// For a decode step (few queries over a long cache of keys [keys, heads·d], every head's d values side by
+// side in a row), head_scores_by_row and head_values_by_row walk the rows of the cache once, front to
+// back, and do every head's work on a row while it is in cache: the read is sequential, as a copy's is,
+// instead of one strided pass per head. kernels::sdpa_split_keys's tests compare with sdpa_naive.
 #pragma once
 
 #include "c2f/core.hpp"
@@ -67,6 +73,34 @@ struct SmallGemm {
     for (int i = 0; i < MR; ++i) {
       for (int c = 0; c < NC; ++c) Eigen::internal::pstoreu(o + i * ldo + c * kP, acc[i][c]);
     }
+  }
+
+  /// Σ_k a[k] · b[k] for k < d: two chains of packets, the leftover packet, then the leftover values.
+  static Scalar dot(const Scalar* a, const Scalar* b, Index d) {
+    Packet s0 = Eigen::internal::pset1<Packet>(Scalar(0)), s1 = s0;
+    Index k = 0;
+    for (; k + 2 * kP <= d; k += 2 * kP) {
+      s0 = Eigen::internal::pmadd(Eigen::internal::ploadu<Packet>(a + k), Eigen::internal::ploadu<Packet>(b + k), s0);
+      s1 = Eigen::internal::pmadd(Eigen::internal::ploadu<Packet>(a + k + kP), Eigen::internal::ploadu<Packet>(b + k + kP), s1);
+    }
+    if (k + kP <= d) {
+      s0 = Eigen::internal::pmadd(Eigen::internal::ploadu<Packet>(a + k), Eigen::internal::ploadu<Packet>(b + k), s0);
+      k += kP;
+    }
+    Scalar v = Eigen::internal::predux(Eigen::internal::padd(s0, s1));
+    for (; k < d; ++k) v += a[k] * b[k];
+    return v;
+  }
+
+  /// y[k] += w · x[k] for k < d.
+  static void axpy(Scalar w, const Scalar* x, Scalar* y, Index d) {
+    const Packet wv = Eigen::internal::pset1<Packet>(w);
+    Index k = 0;
+    for (; k + kP <= d; k += kP) {
+      Eigen::internal::pstoreu(y + k, Eigen::internal::pmadd(wv, Eigen::internal::ploadu<Packet>(x + k),
+                                                             Eigen::internal::ploadu<Packet>(y + k)));
+    }
+    for (; k < d; ++k) y[k] += w * x[k];
   }
 
   /// Also asks the cache for rows [pf_begin, pf_end) of `next` (rows ldx apart), spread over the tiles:
@@ -136,6 +170,37 @@ void weighted_rows(const Scalar* p, Index ldp, Index rows, Index n, const Scalar
     case 2: G::template axpy_rows_mr<2>(p + h * ldp, ldp, n, x, ldx, d, o + h * ldo, ldo); break;
     case 1: G::template axpy_rows_mr<1>(p + h * ldp, ldp, n, x, ldx, d, o + h * ldo, ldo); break;
     default: break;
+  }
+}
+
+/// Every head's scores against `keys` rows of x, x [keys, heads·d] with row stride ldx (head h's d values
+/// at column h·d), one pass over x's rows in order:
+///   s[(h·n + i)·lds + j] = Σ_k q[(h·n + i)·d + k] · x[j·ldx + h·d + k]
+/// for h < heads, i < n, j < keys; q [heads·n, d] with contiguous rows.
+template <class Scalar>
+void head_scores_by_row(const Scalar* q, Index heads, Index n, Index d, const Scalar* x, Index ldx, Index keys,
+                        Scalar* s, Index lds) {
+  for (Index j = 0; j < keys; ++j) {
+    const Scalar* row = x + j * ldx;
+    for (Index h = 0; h < heads; ++h) {
+      for (Index i = 0; i < n; ++i) s[(h * n + i) * lds + j] = SmallGemm<Scalar>::dot(q + (h * n + i) * d, row + h * d, d);
+    }
+  }
+}
+
+/// The weighted sum of `keys` value rows added to every head's accumulator, one pass over x's rows in
+/// order, x [keys, heads·dv] with row stride ldx:
+///   o[(h·n + i)·dv + c] += Σ_j p[(h·n + i)·ldp + j] · x[j·ldx + h·dv + c]   (j in order)
+/// for the heads h with skip == nullptr or !skip[h], i < n, c < dv; o [heads·n, dv] with contiguous rows.
+template <class Scalar>
+void head_values_by_row(const Scalar* p, Index ldp, Index heads, Index n, const Scalar* x, Index ldx, Index keys,
+                        Index dv, Scalar* o, const unsigned char* skip = nullptr) {
+  for (Index j = 0; j < keys; ++j) {
+    const Scalar* row = x + j * ldx;
+    for (Index h = 0; h < heads; ++h) {
+      if (skip != nullptr && skip[h]) continue;
+      for (Index i = 0; i < n; ++i) SmallGemm<Scalar>::axpy(p[(h * n + i) * ldp + j], row + h * dv, o + (h * n + i) * dv, dv);
+    }
   }
 }
 
