@@ -188,9 +188,8 @@ Index score_stride(Index bk) {
 }
 
 /// sdpa_split_keys computes row by row of the cache (every head on a row at once) up to this many
-/// queries; with more, head by head on Eigen's products, whose register tiles then pay. Measured on a
-/// 16k-token cache, 8 heads of 64, 2 threads (AVX2): 1.3× at 1 query, 2× at 2, 1.4× at 4, even at 8,
-/// 0.6× at 16.
+/// queries; with more, head by head on Eigen's products, whose register tiles then pay (measured:
+/// docs/benchmarks.md, "The row-by-row decode kernel").
 constexpr Index kSplitKeysByRowMaxQueries = 4;
 
 /// From this many queries on, sdpa_streaming packs each head's keys and values once (where the build has
