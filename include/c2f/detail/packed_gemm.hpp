@@ -2,12 +2,13 @@
 // primitives: C [m, n] = A [m, k] · B [k, n] (+ bias on every row), A row-major.
 //
 // B is packed once per call into panels of kNR columns (k-block by k-block, kKC deep); A is read in place
-// (the last rows of a product by a kernel of that many rows); the micro-kernel keeps a kMR × kNR tile of C in registers (kMR · kNP packets) and
-// per k step loads kNP packets of B and broadcasts kMR values of A: kMR · kNP multiply-adds per
-// kNP + kMR loads. The blocking follows the build's vector registers: 16 (SSE, AVX2): 6 × 2 packets =
-// 12 accumulators; 32 (AVX-512): 12 × 2 packets = 24. Every element of C is the same sum whatever tile,
-// task or thread computes it: per k-block a multiply-add chain from 0 in k order, the blocks added to C
-// (the first to the bias, or to nothing) in order — so the bits depend on the shape only.
+// (the last rows of a product by a kernel of that many rows); the micro-kernel keeps a kMR × kNR tile of C
+// in registers (kMR · kNP packets) and per k step loads kNP packets of B and broadcasts kMR values of A:
+// kMR · kNP multiply-adds per kNP + kMR loads. The blocking follows the build's vector registers: 16 (SSE,
+// AVX2): 6 × 2 packets = 12 accumulators; 32 (AVX-512): 12 × 2 packets = 24. Every element of C is the
+// same sum whatever tile, task or thread computes it: per k-block a multiply-add chain from 0 in k order,
+// the blocks added to C (the first to the bias, or to nothing) in order — so the bits depend on the shape
+// only.
 //
 // This is the fast path of kernels::matmul_rows (projections); Eigen's product stays the portable path
 // and, with kernels::linear_naive, its tested twin (tests/test_kernels.cpp, GemmMicroKernel).

@@ -186,9 +186,9 @@ class ScratchArray {
 /// A row-major matrix that owns a scratch block: a layer's temporaries within one call, and what its
 /// forward_train keeps for its backward (Saved), which a training loop allocates and frees every step —
 /// from the cache, those blocks come back without being faulted in again. It is an Eigen::Map over its
-/// block, so every Map expression and Eigen::Ref binds to it; resize() re-points it (the contents are lost), assigning an Eigen expression
-/// resizes it first (the expression must not read the matrix itself), copies are deep and a move hands
-/// the block over.
+/// block, so every Map expression and Eigen::Ref binds to it. resize() re-points it (the contents are
+/// lost); assigning an Eigen expression resizes it first (the expression must not read the matrix
+/// itself); copies are deep, and a move hands the block over.
 template <class Scalar>
 class ScratchRowMatrix : public Eigen::Map<RowMatrix<Scalar>, Eigen::Aligned64> {
  public:

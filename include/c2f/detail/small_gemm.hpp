@@ -75,23 +75,6 @@ struct SmallGemm {
     }
   }
 
-  /// Σ_k a[k] · b[k] for k < d: two chains of packets, the leftover packet, then the leftover values.
-  static Scalar dot(const Scalar* a, const Scalar* b, Index d) {
-    Packet s0 = Eigen::internal::pset1<Packet>(Scalar(0)), s1 = s0;
-    Index k = 0;
-    for (; k + 2 * kP <= d; k += 2 * kP) {
-      s0 = Eigen::internal::pmadd(Eigen::internal::ploadu<Packet>(a + k), Eigen::internal::ploadu<Packet>(b + k), s0);
-      s1 = Eigen::internal::pmadd(Eigen::internal::ploadu<Packet>(a + k + kP), Eigen::internal::ploadu<Packet>(b + k + kP), s1);
-    }
-    if (k + kP <= d) {
-      s0 = Eigen::internal::pmadd(Eigen::internal::ploadu<Packet>(a + k), Eigen::internal::ploadu<Packet>(b + k), s0);
-      k += kP;
-    }
-    Scalar v = Eigen::internal::predux(Eigen::internal::padd(s0, s1));
-    for (; k < d; ++k) v += a[k] * b[k];
-    return v;
-  }
-
   /// y[k] += w · x[k] for k < d.
   static void axpy(Scalar w, const Scalar* x, Scalar* y, Index d) {
     const Packet wv = Eigen::internal::pset1<Packet>(w);
@@ -180,10 +163,20 @@ void weighted_rows(const Scalar* p, Index ldp, Index rows, Index n, const Scalar
 template <class Scalar>
 void head_scores_by_row(const Scalar* q, Index heads, Index n, Index d, const Scalar* x, Index ldx, Index keys,
                         Scalar* s, Index lds) {
+  using G = SmallGemm<Scalar>;
   for (Index j = 0; j < keys; ++j) {
     const Scalar* row = x + j * ldx;
-    for (Index h = 0; h < heads; ++h) {
-      for (Index i = 0; i < n; ++i) s[(h * n + i) * lds + j] = SmallGemm<Scalar>::dot(q + (h * n + i) * d, row + h * d, d);
+    for (Index h = 0; h < heads; ++h) {  // a head's queries share each packet of its keys, 4 at a time
+      for (Index i = 0; i < n; i += 4) {
+        const Scalar* qi = q + (h * n + i) * d;
+        Scalar* si = s + (h * n + i) * lds + j;
+        switch (std::min<Index>(4, n - i)) {
+          case 4: G::template dot_tile<4, 1>(qi, d, row + h * d, ldx, si, lds); break;
+          case 3: G::template dot_tile<3, 1>(qi, d, row + h * d, ldx, si, lds); break;
+          case 2: G::template dot_tile<2, 1>(qi, d, row + h * d, ldx, si, lds); break;
+          default: G::template dot_tile<1, 1>(qi, d, row + h * d, ldx, si, lds); break;
+        }
+      }
     }
   }
 }

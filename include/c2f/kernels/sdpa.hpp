@@ -428,7 +428,7 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
     for (Index h = 0; h < heads; ++h) ws.q.middleRows(h * n, n) = q.block(b, h, 0, n) * scale;
     ws.s.resize(by_row ? rows : n, std::min(bk, last - first));
     ws.alpha.resize(n);
-    ws.guarded.assign(static_cast<std::size_t>(heads), 0);
+    if (by_row) ws.guarded.assign(static_cast<std::size_t>(heads), 0);
     Eigen::Map<RowMatrix<Scalar>> acc(acc_all.data() + task * rows * dv, rows, dv);
     Eigen::Map<Vector<Scalar>> m(max_all.data() + task * rows, rows), l(sum_all.data() + task * rows, rows);
     acc.setZero();
@@ -471,7 +471,7 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
         const bool guard = status == BlockMask::Partial && ws.masked.find(vblock);  // masked_values.hpp
         if (guard) ws.masked.remember_hidden(s);
         if (c2f::detail::online_softmax_step(s, mh, lh, ws.alpha)) ah = ws.alpha.asDiagonal() * ah;
-        ws.guarded[static_cast<std::size_t>(h)] = guard;
+        if (by_row) ws.guarded[static_cast<std::size_t>(h)] = guard;
         if (guard && by_row) {  // this head's row pass, on the block with the hidden non-finite rows zeroed
           ws.masked.product_add_with(ah, s, vblock, [&](const RowMatrix<Scalar>& clean) {
             c2f::detail::head_values_by_row(s.data(), s.outerStride(), 1, n, clean.data(), clean.outerStride(), nj, dv,
