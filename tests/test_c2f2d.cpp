@@ -14,6 +14,7 @@
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <vector>
 
 namespace {
 
@@ -238,6 +239,43 @@ TYPED_TEST(BlockKernelTest, SmallProductsMatchEigenProducts) {
     const std::string what = "rows " + std::to_string(rows) + ", n " + std::to_string(n) + ", d " + std::to_string(d);
     expect_close(s.data(), s_want.data(), s.size(), loose_tol<Scalar>() * 10, loose_tol<Scalar>() * 10, what + " scores");
     expect_close(o.data(), o_want.data(), o.size(), loose_tol<Scalar>() * 10, loose_tol<Scalar>() * 10, what + " pooled");
+  }
+}
+
+// Large outputs are broadcast with streaming stores (detail/stream_store.hpp): the same bits as an
+// ordinary copy, with unaligned rows (a one-element offset, a prime width, a padded row stride), and
+// nothing written outside the rows and columns of y.
+TYPED_TEST(BlockKernelTest, LargeBroadcastWritesTheSameBitsWithStreamingStores) {
+  using Scalar = TypeParam;
+  TestRng rng(157);
+  for (Index offset = 0; offset < 9; ++offset) {  // every alignment of dst within a 32-byte vector, and more
+    for (Index n = 0; n < 41; ++n) {
+      const RowMatrix<Scalar> src = rng.matrix<Scalar>(1, n);
+      std::vector<Scalar> dst(static_cast<std::size_t>(offset + n + 1), Scalar(7));
+      c2f::detail::copy_streaming(src.data(), dst.data() + offset, n);
+      c2f::detail::stream_fence();
+      for (Index k = 0; k < offset + n + 1; ++k) {
+        const Scalar want = k >= offset && k < offset + n ? src(0, k - offset) : Scalar(7);
+        ASSERT_TRUE(same_bits(&dst[static_cast<std::size_t>(k)], &want, 1)) << "offset " << offset << ", n " << n << ", k " << k;
+      }
+    }
+  }
+  const BlockGrid2D g{1, 179, 181, 25, 27};  // partial blocks on both edges
+  const Index d = 131, ld = d + 2, tokens = g.batch * g.height * g.width;
+  ASSERT_GE(static_cast<std::size_t>(tokens * d) * sizeof(Scalar), c2f::detail::kStreamStoreMinBytes)
+      << "the output must be large enough for the streaming path";
+  const RowMatrix<Scalar> rows = rng.matrix<Scalar>(g.blocks(), d);
+  std::vector<Scalar> buffer(static_cast<std::size_t>(tokens * ld + 1), Scalar(-3));
+  Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> y(buffer.data() + 1, tokens, d, Eigen::OuterStride<>(ld));
+  c2f::kernels::broadcast_chunks<Scalar>(rows, g, y, c2f::kernels::with_threads(2));
+  ASSERT_EQ(buffer[0], Scalar(-3));
+  for (Index yy = 0; yy < g.height; ++yy) {
+    for (Index xx = 0; xx < g.width; ++xx) {
+      const Index t = c2f::kernels::token_row(g, 0, yy, xx);
+      ASSERT_TRUE(y.row(t) == rows.row(c2f::kernels::token_block(g, 0, yy, xx))) << "token " << t;
+      ASSERT_EQ(buffer[static_cast<std::size_t>(1 + t * ld + d)], Scalar(-3)) << "padding after token " << t;
+      ASSERT_EQ(buffer[static_cast<std::size_t>(1 + t * ld + d + 1)], Scalar(-3)) << "padding after token " << t;
+    }
   }
 }
 

@@ -25,6 +25,18 @@
 namespace c2f {
 namespace detail {
 
+/// Keeps a loaded packet in a vector register. Without it GCC folds the load into every multiply-add
+/// that uses the packet (a memory operand each time): one load per use instead of one per packet, and
+/// the tiles below become bound by the load ports instead of the multiply-add units.
+template <class Packet>
+inline void keep_in_register(Packet& packet) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && defined(__SSE2__)
+  __asm__("" : "+x"(packet));
+#else
+  (void)packet;
+#endif
+}
+
 template <class Scalar>
 struct SmallGemm {
   using Packet = typename GemmBlocking<Scalar>::Packet;
@@ -40,9 +52,13 @@ struct SmallGemm {
     Index k = 0;
     for (; k + kP <= d; k += kP) {
       Packet xv[NR];
-      for (int j = 0; j < NR; ++j) xv[j] = Eigen::internal::ploadu<Packet>(x + j * ldx + k);
+      for (int j = 0; j < NR; ++j) {
+        xv[j] = Eigen::internal::ploadu<Packet>(x + j * ldx + k);
+        keep_in_register(xv[j]);
+      }
       for (int i = 0; i < MR; ++i) {
-        const Packet qv = Eigen::internal::ploadu<Packet>(q + i * d + k);
+        Packet qv = Eigen::internal::ploadu<Packet>(q + i * d + k);
+        keep_in_register(qv);
         for (int j = 0; j < NR; ++j) acc[i][j] = Eigen::internal::pmadd(qv, xv[j], acc[i][j]);
       }
     }
@@ -64,7 +80,10 @@ struct SmallGemm {
     }
     for (Index j = 0; j < n; ++j) {
       Packet xv[NC];
-      for (int c = 0; c < NC; ++c) xv[c] = Eigen::internal::ploadu<Packet>(x + j * ldx + c * kP);
+      for (int c = 0; c < NC; ++c) {
+        xv[c] = Eigen::internal::ploadu<Packet>(x + j * ldx + c * kP);
+        keep_in_register(xv[c]);
+      }
       for (int i = 0; i < MR; ++i) {
         const Packet pv = Eigen::internal::pset1<Packet>(p[i * ldp + j]);
         for (int c = 0; c < NC; ++c) acc[i][c] = Eigen::internal::pmadd(pv, xv[c], acc[i][c]);

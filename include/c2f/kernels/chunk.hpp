@@ -18,6 +18,7 @@
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/small_gemm.hpp"
 #include "c2f/detail/softmax.hpp"
+#include "c2f/detail/stream_store.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 
 #include <algorithm>
@@ -139,6 +140,9 @@ void broadcast_rows(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>
   check_shape(kernel, "chunk_rows", chunk_rows, grid.blocks(), y.cols());
   check_shape(kernel, "y", y, grid.tokens(), chunk_rows.cols());
   const double work = kElementWork * static_cast<double>(grid.tokens() * y.cols());
+  // A large overwritten output is written with streaming stores (detail/stream_store.hpp).
+  const bool stream = !Add && has_stream_stores<Scalar>() &&
+                      static_cast<std::size_t>(grid.tokens() * y.cols()) * sizeof(Scalar) >= kStreamStoreMinBytes;
   parallel_for(grid.blocks(), options.num_threads(), work, [&](Index c, int) {
     for (Index s = 0; s < grid.segments(c); ++s) {
       typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr rows = y.middleRows(grid.segment_row(c, s), grid.segment_length(c, s));
@@ -146,10 +150,13 @@ void broadcast_rows(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>
         rows.rowwise() += chunk_rows.row(c) / static_cast<Scalar>(grid.count(c));
       } else if constexpr (Add) {
         rows.rowwise() += chunk_rows.row(c);
+      } else if (stream) {
+        for (Index r = 0; r < rows.rows(); ++r) copy_streaming(chunk_rows.row(c).data(), &rows(r, 0), y.cols());
       } else {
         rows.rowwise() = chunk_rows.row(c);
       }
     }
+    if (stream) stream_fence();
   });
 }
 }  // namespace detail
