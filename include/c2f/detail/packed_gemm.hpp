@@ -169,6 +169,22 @@ class PackedB {
   ScratchArray<Scalar> data_;  ///< reused between calls (detail/scratch.hpp)
 };
 
+/// Keeps a loaded packet in a vector register. Without it GCC may fold the load into every multiply-add
+/// that uses the packet (a memory operand each time): one load per use instead of one per packet, and
+/// a register tile becomes bound by the load ports instead of the multiply-add units.
+template <class Packet>
+inline void keep_in_register(Packet& packet) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && defined(__SSE2__)
+#if defined(__AVX512F__)
+  __asm__("" : "+v"(packet));
+#else
+  __asm__("" : "+x"(packet));
+#endif
+#else
+  (void)packet;
+#endif
+}
+
 /// The micro-kernel: the MR × kNR tile Σ_kk A[i, kk] · b[kk][j] over kc steps of a packed B panel, A
 /// read in place — A[i, kk] at a[i·lda + kk], or at a[kk·lda + i] when TransA (A stored transposed, as
 /// the [k, rows] row-major matrix Aᵀ); then c[i, j] = (first ? bias[j] (or 0) : c[i, j]) + tile for
@@ -187,7 +203,10 @@ void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c,
   }
   for (Index kk = 0; kk < kc; ++kk) {
     Packet bv[kNP];
-    for (int p = 0; p < kNP; ++p) bv[p] = Eigen::internal::ploadu<Packet>(b + kk * kNR + p * kP);
+    for (int p = 0; p < kNP; ++p) {
+      bv[p] = Eigen::internal::ploadu<Packet>(b + kk * kNR + p * kP);
+      keep_in_register(bv[p]);
+    }
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
       const Packet av = Eigen::internal::pset1<Packet>(TransA ? a[kk * lda + i] : a[i * lda + kk]);

@@ -25,18 +25,6 @@
 namespace c2f {
 namespace detail {
 
-/// Keeps a loaded packet in a vector register. Without it GCC folds the load into every multiply-add
-/// that uses the packet (a memory operand each time): one load per use instead of one per packet, and
-/// the tiles below become bound by the load ports instead of the multiply-add units.
-template <class Packet>
-inline void keep_in_register(Packet& packet) {
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && defined(__SSE2__)
-  __asm__("" : "+x"(packet));
-#else
-  (void)packet;
-#endif
-}
-
 template <class Scalar>
 struct SmallGemm {
   using Packet = typename GemmBlocking<Scalar>::Packet;
