@@ -21,6 +21,7 @@
 #include "c2f/detail/packed_gemm.hpp"
 
 #include <algorithm>
+#include <type_traits>
 
 namespace c2f {
 namespace detail {
@@ -129,6 +130,18 @@ struct SmallGemm {
   }
 };
 
+/// fn(std::integral_constant<int, R>{}) with R = min(4, rows), rows ≥ 1: the register tile of 4 query
+/// rows, or the kernel of exactly the rows left at the end.
+template <class Fn>
+void with_rows_upto_4(Index rows, Fn&& fn) {
+  switch (std::min<Index>(4, rows)) {
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    default: fn(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 /// s [rows, n] (row stride lds) = q [rows, d] (contiguous rows) · xᵀ, x [n, d] with row stride ldx.
 /// `next` (next_n rows, stride ldx; may be null) is prefetched along the way: the run to come.
 template <class Scalar>
@@ -139,12 +152,9 @@ void dot_rows(const Scalar* q, Index rows, Index d, const Scalar* x, Index ldx, 
   const Index groups = (rows + 3) / 4;
   for (Index g = 0, h = 0; h < rows; ++g, h += 4) {  // group g prefetches its share of the next run
     const Index b = next_n * g / groups, e = next_n * (g + 1) / groups;
-    switch (std::min<Index>(4, rows - h)) {
-      case 4: G::template dot_rows_mr<4>(q + h * d, d, x, ldx, n, s + h * lds, lds, next, b, e); break;
-      case 3: G::template dot_rows_mr<3>(q + h * d, d, x, ldx, n, s + h * lds, lds, next, b, e); break;
-      case 2: G::template dot_rows_mr<2>(q + h * d, d, x, ldx, n, s + h * lds, lds, next, b, e); break;
-      default: G::template dot_rows_mr<1>(q + h * d, d, x, ldx, n, s + h * lds, lds, next, b, e); break;
-    }
+    with_rows_upto_4(rows - h, [&](auto r) {
+      G::template dot_rows_mr<decltype(r)::value>(q + h * d, d, x, ldx, n, s + h * lds, lds, next, b, e);
+    });
   }
 }
 
@@ -153,13 +163,10 @@ template <class Scalar>
 void weighted_rows(const Scalar* p, Index ldp, Index rows, Index n, const Scalar* x, Index ldx, Index d, Scalar* o,
                    Index ldo) {
   using G = SmallGemm<Scalar>;
-  Index h = 0;
-  for (; h + 4 <= rows; h += 4) G::template axpy_rows_mr<4>(p + h * ldp, ldp, n, x, ldx, d, o + h * ldo, ldo);
-  switch (rows - h) {
-    case 3: G::template axpy_rows_mr<3>(p + h * ldp, ldp, n, x, ldx, d, o + h * ldo, ldo); break;
-    case 2: G::template axpy_rows_mr<2>(p + h * ldp, ldp, n, x, ldx, d, o + h * ldo, ldo); break;
-    case 1: G::template axpy_rows_mr<1>(p + h * ldp, ldp, n, x, ldx, d, o + h * ldo, ldo); break;
-    default: break;
+  for (Index h = 0; h < rows; h += 4) {
+    with_rows_upto_4(rows - h, [&](auto r) {
+      G::template axpy_rows_mr<decltype(r)::value>(p + h * ldp, ldp, n, x, ldx, d, o + h * ldo, ldo);
+    });
   }
 }
 
@@ -177,12 +184,9 @@ void head_scores_by_row(const Scalar* q, Index heads, Index n, Index d, const Sc
       for (Index i = 0; i < n; i += 4) {
         const Scalar* qi = q + (h * n + i) * d;
         Scalar* si = s + (h * n + i) * lds + j;
-        switch (std::min<Index>(4, n - i)) {
-          case 4: G::template dot_tile<4, 1>(qi, d, row + h * d, ldx, si, lds); break;
-          case 3: G::template dot_tile<3, 1>(qi, d, row + h * d, ldx, si, lds); break;
-          case 2: G::template dot_tile<2, 1>(qi, d, row + h * d, ldx, si, lds); break;
-          default: G::template dot_tile<1, 1>(qi, d, row + h * d, ldx, si, lds); break;
-        }
+        with_rows_upto_4(n - i, [&](auto r) {
+          G::template dot_tile<decltype(r)::value, 1>(qi, d, row + h * d, ldx, si, lds);
+        });
       }
     }
   }
