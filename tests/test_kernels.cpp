@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <sstream>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -688,6 +689,50 @@ TEST(ExpSimd, MatchesCorrectlyRoundedExpAndItsEigenTwin) {
   EXPECT_EQ(wide(0, 10), 1.0f);
   EXPECT_EQ(wide(0, 11), 5.0f);
 #endif
+}
+
+// online_softmax_step passes float rows of a row-major block through the exp kernel kExpRows at a time:
+// each row must get the bits it gets alone (a one-row block takes the row-by-row path) — scores, running
+// max and sum, alpha — with masked keys, a row with no visible key, a row not seen before (max −inf),
+// NaN, a padded row stride and lengths that are not a multiple of the lanes.
+TEST(OnlineSoftmaxStep, RowsTakenTogetherGetTheBitsOfEachRowAlone) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  TestRng rng(17);
+  for (const Index rows : {1, 2, 3, 4, 5, 8, 9, 13}) {
+    for (const Index cols : {1, 7, 8, 16, 17, 255, 256, 257}) {
+      RowMatrix<float> scores = rng.matrix<float>(rows, cols + 3, 4.0);
+      for (Index j = 0; j < cols; j += 5) scores(rows / 2, j) = -kInf;
+      if (rows > 2) scores.row(1).setConstant(-kInf);
+      if (rows > 3) scores(3, cols / 2) = std::numeric_limits<float>::quiet_NaN();
+      const RowMatrix<float> start_m = rng.matrix<float>(rows, 1, 4.0);
+      Eigen::VectorXf m0 = Eigen::Map<const Eigen::VectorXf>(start_m.data(), rows);
+      m0[0] = -kInf;  // nothing seen yet
+      const Eigen::VectorXf l0 = m0.array().isInf().select(0.0f, m0.array().abs() + 1.0f).matrix();
+
+      RowMatrix<float> together = scores;
+      Eigen::VectorXf m = m0, l = l0, alpha = Eigen::VectorXf::Zero(rows);
+      Eigen::Block<RowMatrix<float>> block = together.block(0, 0, rows, cols);
+      const bool rescale = c2f::detail::online_softmax_step(block, m, l, alpha);
+
+      RowMatrix<float> alone = scores;
+      Eigen::VectorXf m1 = m0, l1 = l0, alpha1 = Eigen::VectorXf::Zero(rows);
+      bool rescale_alone = false;
+      for (Index r = 0; r < rows; ++r) {
+        Eigen::Block<RowMatrix<float>> row = alone.block(r, 0, 1, cols);
+        Eigen::VectorBlock<Eigen::VectorXf> mr = m1.segment(r, 1), lr = l1.segment(r, 1), ar = alpha1.segment(r, 1);
+        rescale_alone = c2f::detail::online_softmax_step(row, mr, lr, ar) || rescale_alone;
+      }
+      const auto same = [](const Eigen::VectorXf& a, const Eigen::VectorXf& b) {
+        return std::memcmp(a.data(), b.data(), sizeof(float) * static_cast<std::size_t>(a.size())) == 0;
+      };
+      const std::string where = "rows=" + std::to_string(rows) + " cols=" + std::to_string(cols);
+      EXPECT_TRUE(bitwise_equal(together, alone)) << where;
+      EXPECT_TRUE(same(m, m1)) << where;
+      EXPECT_TRUE(same(l, l1)) << where;
+      EXPECT_TRUE(same(alpha, alpha1)) << where;
+      EXPECT_EQ(rescale, rescale_alone) << where;
+    }
+  }
 }
 
 TEST(KernelWorkspace, StreamingScratchDoesNotGrowWithSequenceLength) {

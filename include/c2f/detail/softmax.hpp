@@ -76,23 +76,36 @@ inline __m512 exp_avx512(__m512 x) {
   return _mm512_scalef_ps(y, m);
 }
 
-/// p[j] ← exp(p[j] − shift) for j < n; returns their sum (one accumulator, lanes added at the end).
-inline float exp_shifted_sum_simd(float* p, Index n, float shift) {
-  const __m512 s = _mm512_set1_ps(shift);
-  __m512 sum = _mm512_setzero_ps();
+/// Rows that online_softmax_step passes through the exp kernel together.
+constexpr int kExpRows = 4;
+
+/// For the R rows p + r·ld (r < R): p[r·ld + j] ← exp(p[r·ld + j] − shift[r]) for j < n, and sum[r] ←
+/// their sum (one accumulator per row, lanes added at the end). Each row gets the same operations in the
+/// same order as alone (R = 1); the R rows' independent chains overlap the exp's latency.
+template <int R>
+inline void exp_shifted_sum_rows_simd(float* p, Index ld, Index n, const float* shift, float* sum) {
+  __m512 s[R], acc[R];
+  for (int r = 0; r < R; ++r) {
+    s[r] = _mm512_set1_ps(shift[r]);
+    acc[r] = _mm512_setzero_ps();
+  }
   Index j = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(p + j), s));
-    _mm512_storeu_ps(p + j, e);
-    sum = _mm512_add_ps(sum, e);
+    for (int r = 0; r < R; ++r) {
+      const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(p + r * ld + j), s[r]));
+      _mm512_storeu_ps(p + r * ld + j, e);
+      acc[r] = _mm512_add_ps(acc[r], e);
+    }
   }
   if (j < n) {
     const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1u);
-    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + j), s));
-    _mm512_mask_storeu_ps(p + j, k, e);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+    for (int r = 0; r < R; ++r) {
+      const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + r * ld + j), s[r]));
+      _mm512_mask_storeu_ps(p + r * ld + j, k, e);
+      acc[r] = _mm512_add_ps(acc[r], _mm512_maskz_mov_ps(k, e));
+    }
   }
-  return _mm512_reduce_add_ps(sum);
+  for (int r = 0; r < R; ++r) sum[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
 #elif C2F_EXP_SIMD == 8
@@ -120,26 +133,49 @@ inline __m256 exp_avx2(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
-/// p[j] ← exp(p[j] − shift) for j < n; returns their sum (one accumulator, lanes added at the end).
-inline float exp_shifted_sum_simd(float* p, Index n, float shift) {
-  const __m256 s = _mm256_set1_ps(shift);
-  __m256 sum = _mm256_setzero_ps();
+/// Rows that online_softmax_step passes through the exp kernel together (16 vector registers).
+constexpr int kExpRows = 2;
+
+/// As the AVX-512 kernel: R rows p + r·ld, p[r·ld + j] ← exp(p[r·ld + j] − shift[r]) for j < n, sum[r]
+/// ← their sum; each row the same operations in the same order as alone (R = 1).
+template <int R>
+inline void exp_shifted_sum_rows_simd(float* p, Index ld, Index n, const float* shift, float* sum) {
+  __m256 s[R], acc[R];
+  for (int r = 0; r < R; ++r) {
+    s[r] = _mm256_set1_ps(shift[r]);
+    acc[r] = _mm256_setzero_ps();
+  }
   Index j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + j), s));
-    _mm256_storeu_ps(p + j, e);
-    sum = _mm256_add_ps(sum, e);
+    for (int r = 0; r < R; ++r) {
+      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + r * ld + j), s[r]));
+      _mm256_storeu_ps(p + r * ld + j, e);
+      acc[r] = _mm256_add_ps(acc[r], e);
+    }
   }
   if (j < n) {  // lanes below n − j: all bits set
     const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)),
                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(p + j, k), s));
-    _mm256_maskstore_ps(p + j, k, e);
-    sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(k)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(p + r * ld + j, k), s[r]));
+      _mm256_maskstore_ps(p + r * ld + j, k, e);
+      acc[r] = _mm256_add_ps(acc[r], _mm256_and_ps(e, _mm256_castsi256_ps(k)));
+    }
   }
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+  for (int r = 0; r < R; ++r) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    sum[r] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+  }
+}
+#endif
+
+#if C2F_EXP_SIMD
+/// p[j] ← exp(p[j] − shift) for j < n; returns their sum (one accumulator, lanes added at the end).
+inline float exp_shifted_sum_simd(float* p, Index n, float shift) {
+  float sum = 0.0f;
+  exp_shifted_sum_rows_simd<1>(p, 0, n, &shift, &sum);
+  return sum;
 }
 #endif
 
@@ -159,20 +195,44 @@ Scalar exp_shifted_sum(Row&& row, Scalar shift) {
 
 /// One online-softmax step over a block of scores s [rows, cols] (−inf = masked): updates each row's
 /// running max m and sum l, turns s into exp(s − the new max) and sets alpha to the factor earlier
-/// accumulations of the row must be scaled by. Returns whether any alpha differs from 1.
+/// accumulations of the row must be scaled by. Returns whether any alpha differs from 1. Each row gets
+/// the same bits whatever rows share the block and whatever the compiler contracts: l ← fma(alpha, l,
+/// the block's sum) is one rounding on every build (a·b + c may or may not become an FMA).
 template <class Scores, class Max, class Sum, class Alpha>
 bool online_softmax_step(Scores& s, Max&& m, Sum&& l, Alpha&& alpha) {
-  using Scalar = typename std::decay_t<Scores>::Scalar;
+  using S = std::decay_t<Scores>;
+  using Scalar = typename S::Scalar;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   bool rescale = false;
-  for (Index r = 0; r < s.rows(); ++r) {
+  // Row r's new max m[r], its factor alpha[r], and the shift of its exponentials.
+  const auto shift_of = [&](Index r) {
     const Scalar m_new = std::max(m[r], s.row(r).maxCoeff());
     // All keys so far hidden: shift by 0, not by -inf (which would give exp(-inf + inf) = NaN).
     const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;
     alpha[r] = std::exp(m[r] - shift);
     rescale = rescale || alpha[r] != Scalar(1);
     m[r] = m_new;
-    l[r] = alpha[r] * l[r] + exp_shifted_sum(s.row(r), shift);
+    return shift;
+  };
+  Index r = 0;
+#if C2F_EXP_SIMD
+  // Float blocks of contiguous rows: kExpRows rows at a time through the exp kernel, whose independent
+  // chains hide its latency (docs/benchmarks.md, "The online softmax four rows at a time").
+  constexpr bool kRowsInPlace = std::is_same<Scalar, float>::value &&
+                                (Eigen::internal::traits<S>::Flags & Eigen::DirectAccessBit) != 0 &&
+                                (Eigen::internal::traits<S>::Flags & Eigen::RowMajorBit) != 0;
+  if constexpr (kRowsInPlace) {
+    for (; r + kExpRows <= s.rows() && s.innerStride() == 1; r += kExpRows) {
+      float shift[kExpRows], sum[kExpRows];
+      for (int i = 0; i < kExpRows; ++i) shift[i] = shift_of(r + i);
+      exp_shifted_sum_rows_simd<kExpRows>(s.data() + r * s.outerStride(), s.outerStride(), s.cols(), shift, sum);
+      for (int i = 0; i < kExpRows; ++i) l[r + i] = std::fma(alpha[r + i], l[r + i], sum[i]);
+    }
+  }
+#endif
+  for (; r < s.rows(); ++r) {
+    const Scalar shift = shift_of(r);
+    l[r] = std::fma(alpha[r], l[r], exp_shifted_sum(s.row(r), shift));
   }
   return rescale;
 }
