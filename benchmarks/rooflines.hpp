@@ -1,6 +1,7 @@
 // Shared by the benchmark binaries: the thread count, fast deterministic inputs, the common counters and
 // the machine's rooflines measured in the same run as the entries they are compared with: the FMA peaks
-// (fp32 and, where the CPU has AVX512_BF16, bf16 dot products) and the memory bandwidths.
+// (fp32 and, where the CPU has them, bf16 dot products: AVX512_BF16's vdpbf16ps and AMX's tile product)
+// and the memory bandwidths.
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -18,8 +19,13 @@
 #include <vector>
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define C2F_BENCH_X86 1
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #else
 #define C2F_BENCH_X86 0
 #endif
@@ -155,7 +161,70 @@ __attribute__((target("avx512f,avx512bf16"))) inline float bf16_avx512(std::int6
   for (int i = 1; i < kAccumulators; ++i) sum = _mm512_add_ps(sum, acc[i]);
   return _mm512_reduce_add_ps(sum);
 }
+
+// AMX (Sapphire Rapids on): tdpbf16ps multiplies a tile of 16 × 32 bf16 by one of 32 × 16 into a 16 × 16
+// fp32 tile, 16·16·32·2 = 16384 FLOP per instruction. Four accumulator tiles (0-3) from two A tiles (4, 5)
+// and two B tiles (6, 7) that stay in the tile registers: no memory operand in the loop.
+struct TileConfig {
+  std::uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile,amx-bf16"))) inline float amx_bf16(std::int64_t iterations) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;  // 16 fp32 or 32 bf16 per row
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+  alignas(64) std::uint16_t ab[16 * 32];
+  for (int i = 0; i < 16 * 32; ++i) ab[i] = i % 2 ? 0x3a83 : 0xba83;  // ±1e-3 in bf16: the sums stay small
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, ab, 64);
+  _tile_loadd(5, ab, 64);
+  _tile_loadd(6, ab, 64);
+  _tile_loadd(7, ab, 64);
+  for (std::int64_t it = 0; it < iterations; ++it) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float c[4][16 * 16];
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  _tile_stored(2, c[2], 64);
+  _tile_stored(3, c[3], 64);
+  _tile_release();
+  float sum = 0.0f;
+  for (const auto& tile : c) {
+    for (float v : tile) sum += v;
+  }
+  return sum;
+}
 #endif
+
+/// Whether the CPU has AMX-BF16 and Linux lets this process use the tile registers (the permission is
+/// asked once per process, arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); kernels before 5.16
+/// have no AMX support and refuse it).
+inline bool has_amx_bf16() {
+#if C2F_BENCH_X86 && defined(__linux__)
+  static const bool ok = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return tile && bf16 && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
 
 /// The widest fp32 FMA this CPU runs: "avx512f" (16 lanes), "avx2+fma" (8 lanes), or "" (none).
 inline std::string fp32_isa() {
@@ -175,13 +244,17 @@ inline bool has_bf16_dot() {
 #endif
 }
 
-/// FLOP of one loop iteration of `kind` ("fp32" or "bf16") on this CPU, and runs `iterations` of it.
+/// FLOP of one loop iteration of `kind` ("fp32", "bf16" or "amx_bf16") on this CPU, and runs `iterations` of it.
 inline double run(const std::string& kind, std::int64_t iterations, float* sink) {
 #if C2F_BENCH_X86
   const std::string isa = fp32_isa();
   if (kind == "bf16") {
     *sink += bf16_avx512(iterations);
     return 64.0 * kAccumulators;
+  }
+  if (kind == "amx_bf16") {  // a trip is 16 times longer than the vector loops': 1/16 of the trips
+    *sink += amx_bf16(iterations / 16);
+    return 4.0 * 16384.0 / 16.0;
   }
   if (isa == "avx512f") {
     *sink += fma_avx512(iterations);
@@ -198,12 +271,17 @@ inline double run(const std::string& kind, std::int64_t iterations, float* sink)
 }
 }  // namespace peak
 
-/// The FMA peak of `kind` ("fp32", "bf16") on range(0) threads: each thread runs the register-only loop
+/// The FMA peak of `kind` ("fp32", "bf16", "amx_bf16") on range(0) threads: each thread runs the register-only loop
 /// for the same number of iterations at once. Skipped (with the reason) where the CPU lacks the ISA.
 inline void BM_Peak(benchmark::State& state, const std::string& kind) {
   const int threads = static_cast<int>(state.range(0));
-  if (kind == "bf16" ? !peak::has_bf16_dot() : peak::fp32_isa().empty()) {
-    state.SkipWithError(kind == "bf16" ? "this CPU has no AVX512_BF16 (vdpbf16ps)" : "this CPU has no AVX2+FMA or AVX-512");
+  const bool runs = kind == "bf16"       ? peak::has_bf16_dot()
+                   : kind == "amx_bf16" ? peak::has_amx_bf16()
+                                        : !peak::fp32_isa().empty();
+  if (!runs) {
+    state.SkipWithError(kind == "bf16"       ? "this CPU has no AVX512_BF16 (vdpbf16ps)"
+                        : kind == "amx_bf16" ? "this CPU or kernel has no AMX-BF16 (tdpbf16ps)"
+                                             : "this CPU has no AVX2+FMA or AVX-512");
     return;
   }
   constexpr std::int64_t kIterations = 1 << 24;
@@ -221,7 +299,7 @@ inline void BM_Peak(benchmark::State& state, const std::string& kind) {
   state.counters["FLOP"] = flop;
   state.counters["GFLOPS"] = benchmark::Counter(flop * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["threads"] = threads;
-  state.SetLabel(kind == "bf16" ? "avx512bf16" : peak::fp32_isa());
+  state.SetLabel(kind == "fp32" ? peak::fp32_isa() : kind == "bf16" ? "avx512bf16" : "amx-bf16");
 }
 
 }  // namespace c2f_bench

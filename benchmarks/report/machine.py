@@ -1,19 +1,20 @@
-"""The machine's rooflines (bench_machine): the fp32 FMA peak and the bf16 dot peak of register-only loops
-on 1 and n threads, STREAM copy bandwidth, and the GEMMs of Eigen, c2f and oneDNN on the same projection
-shape as reference points (% of the FMA peak). The other report modules divide by `peaks(result)`."""
+"""The machine's rooflines (bench_machine): the fp32 FMA peak and the bf16 dot peaks (vdpbf16ps, and AMX's
+tile product where the CPU has it) of register-only loops on 1 and n threads, STREAM copy bandwidth, and
+the GEMMs of Eigen, c2f and oneDNN on the same projection shape as reference points (% of the FMA peak).
+The other report modules divide by `peaks(result)`."""
 
 from .common import entries, table
 
 
 def peaks(result):
-    """{'fp32': {threads: GFLOPS}, 'bf16': {...}, 'copy': GB/s, 'isa': str, 'threads': n} from a
-    bench_machine result; an entry that was skipped (the CPU lacks the ISA) is absent."""
+    """{'fp32': {threads: GFLOPS}, 'bf16': {...}, 'amx_bf16': {...}, 'copy': GB/s, 'isa': str, 'threads': n}
+    from a bench_machine result; an entry that was skipped (the CPU lacks the ISA) is absent."""
     e = entries(result)
-    out = {"fp32": {}, "bf16": {}, "copy": None, "isa": ""}
+    out = {"fp32": {}, "bf16": {}, "amx_bf16": {}, "copy": None, "isa": ""}
     for key, b in e.items():
         if b.get("error_occurred"):
             continue
-        if key[0] in ("peak_fp32", "peak_bf16"):
+        if key[0] in ("peak_fp32", "peak_bf16", "peak_amx_bf16"):
             out[key[0][5:]][key[1]] = b["GFLOPS"]
             if key[0] == "peak_fp32":
                 out["isa"] = b.get("label", "")
@@ -34,9 +35,11 @@ def machine_section(result):
     p, e = peaks(result), entries(result)
     out = ["## The machine's rooflines (bench_machine, same sweep)", ""]
     rows = []
-    for kind, what in (("fp32", "fp32 FMA peak (register-only loop)"), ("bf16", "bf16 dot peak (vdpbf16ps loop)")):
+    for kind, what, isa in (("fp32", "fp32 FMA peak (register-only loop)", p["isa"]),
+                            ("bf16", "bf16 dot peak (vdpbf16ps loop)", "avx512bf16"),
+                            ("amx_bf16", "bf16 tile peak (AMX tdpbf16ps loop)", "amx-bf16")):
         for threads, gflops in sorted(p[kind].items()):
-            rows.append([what, threads, f"{gflops:.1f} GFLOP/s", p["isa"] if kind == "fp32" else "avx512bf16"])
+            rows.append([what, threads, f"{gflops:.1f} GFLOP/s", isa])
     if p["copy"]:
         rows.append(["STREAM copy (2 × 256 MiB)", p["threads"], f"{p['copy']:.1f} GB/s", ""])
     for name, reason in sorted(skipped(result).items()):
@@ -47,7 +50,9 @@ def machine_section(result):
         if not key[0].startswith("gemm_") or b.get("error_occurred"):
             continue
         threads = key[2]
-        kind = "bf16" if key[0].endswith("_bf16") else "fp32"
+        kind = "fp32"
+        if key[0].endswith("_bf16"):  # a library on AMX against the tile peak, on vdpbf16ps against the dot peak
+            kind = "amx_bf16" if "amx" in b.get("label", "") and p["amx_bf16"] else "bf16"
         peak = p[kind].get(threads)
         share = f"{100 * b['GFLOPS'] / peak:.0f} %" if peak else "—"
         gemm_rows.append([key[0][5:], key[1], threads, f"{b['GFLOPS']:.1f}", share, b.get("label", "")])
