@@ -210,10 +210,12 @@ void BM_Gemm(benchmark::State& state) {
   });
 }
 
-void BM_Mha(benchmark::State& state, c2f::AttnKernel kernel) {
+// MultiHeadAttention::forward() with `kernel`, its products in fp32 or (mha_bf16) bfloat16.
+void BM_Mha(benchmark::State& state, c2f::AttnKernel kernel, c2f::Compute compute) {
   const Index length = state.range(0);
   const c2f::MultiHeadAttention<float> mha(
-      kEmbed, kHeads, c2f::MultiHeadAttention<float>::Options().num_threads(bench_threads()).kernel(kernel));
+      kEmbed, kHeads,
+      c2f::MultiHeadAttention<float>::Options().num_threads(bench_threads()).kernel(kernel).compute(compute));
   const c2f::Tensor3<float> x = random_input(length);
   const double L = double(length), E = double(kEmbed);
   run(state, 8.0 * L * E * E + 4.0 * L * L * E, must_move_bytes(length, kMhaWeights), length,
@@ -336,8 +338,11 @@ void register_sweep(bool long_sweep) {
   timed(benchmark::RegisterBenchmark("triad", BM_Triad)->Arg(kStreamFloats));
   for (Index L : lengths) {
     timed(benchmark::RegisterBenchmark("gemm", BM_Gemm)->Arg(L));
-    timed(benchmark::RegisterBenchmark("mha_streaming", BM_Mha, c2f::AttnKernel::Streaming)->Arg(L));
-    if (L <= naive_max) timed(benchmark::RegisterBenchmark("mha_naive", BM_Mha, c2f::AttnKernel::Naive)->Arg(L));
+    timed(benchmark::RegisterBenchmark("mha_streaming", BM_Mha, c2f::AttnKernel::Streaming, c2f::Compute::Float32)->Arg(L));
+    timed(benchmark::RegisterBenchmark("mha_bf16", BM_Mha, c2f::AttnKernel::Streaming, c2f::Compute::BFloat16)->Arg(L));
+    if (L <= naive_max) {
+      timed(benchmark::RegisterBenchmark("mha_naive", BM_Mha, c2f::AttnKernel::Naive, c2f::Compute::Float32)->Arg(L));
+    }
     for (Index chunk : chunks) timed(benchmark::RegisterBenchmark("c2f", BM_C2F, false)->Args({L, chunk}));
     if (L >= 4096) timed(benchmark::RegisterBenchmark("c2f_into", BM_C2F, true)->Args({L, Index(32)}));
   }

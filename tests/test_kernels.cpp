@@ -751,4 +751,141 @@ TEST(KernelWorkspace, StreamingScratchDoesNotGrowWithSequenceLength) {
             sizeof(float) * static_cast<std::size_t>(5 * 64 + 5 * stride + 5 * 64 + 3 * 5));
 }
 
+
+// --- bfloat16 products (Compute::BFloat16, detail/bf16_gemm.hpp) ---------------------------------------
+
+// Runs fn once on each engine this machine has: the tile unit (where the CPU has AMX) and the fallback.
+template <class Fn>
+void on_each_bf16_engine(Fn&& fn) {
+  const bool allowed = c2f::get_bf16_tiles();
+  for (bool tiles : {true, false}) {
+    if (tiles && !c2f::detail::cpu_has_amx_bf16()) continue;
+    c2f::set_bf16_tiles(tiles);
+    fn(tiles ? "tiles" : "fallback");
+  }
+  c2f::set_bf16_tiles(allowed);
+}
+
+TEST(Bf16Round, NearestEvenWithInfinityAndNaNKept) {
+  using c2f::detail::round_bf16;
+  EXPECT_EQ(round_bf16(1.0f), 1.0f);
+  // 7 stored bits: the neighbours of 1 are 1 and 1 + 2^-7.
+  EXPECT_EQ(round_bf16(1.0f + 0x1p-8f), 1.0f);                // a tie: to the even neighbour 1
+  EXPECT_EQ(round_bf16(1.0f + 3 * 0x1p-8f), 1.0f + 0x1p-6f);  // a tie: to the even neighbour 1 + 2^-6
+  EXPECT_EQ(round_bf16(1.0f + 0x1p-8f + 0x1p-20f), 1.0f + 0x1p-7f);
+  EXPECT_EQ(round_bf16(-2.5f), -2.5f);
+  EXPECT_EQ(round_bf16(std::numeric_limits<float>::max()), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(round_bf16(-std::numeric_limits<float>::infinity()), -std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(round_bf16(std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_EQ(round_bf16(0x1p-130f), 0x1p-130f);  // a subnormal that fits in 7 bits stays
+}
+
+// linear() in bfloat16 on awkward shapes, both engines, against a double product of the rounded operands:
+// the products of bfloat16 values are exact in fp32, so the only error is the fp32 summation, bounded by
+// 1e-5 · Σ|x w| per element. Forgetting to round an operand misses that bound by 10× at these depths.
+TEST(Bf16Gemm, MatchesTheRoundedProductOnAwkwardShapes) {
+  TestRng rng(0xbf16);
+  on_each_bf16_engine([&](const char* engine) {
+    for (int rep = 0; rep < 24; ++rep) {
+      const Index n = rng.pick(kAwkward), k = rng.pick(std::vector<Index>{1, 7, 31, 32, 33, 64, 129, 257, 512});
+      const Index out = rng.pick(std::vector<Index>{1, 15, 16, 17, 31, 32, 33, 100, 129});
+      const RowMatrix<float> x = rng.matrix<float>(n, k), w = rng.matrix<float>(out, k);
+      const Eigen::VectorXf bias = rng.matrix<float>(out, 1);
+      const bool with_bias = rng.coin();
+      RowMatrix<float> y(n, out), y1(n, out);
+      c2f::kernels::KernelOptions o;
+      o.compute(c2f::Compute::BFloat16).num_threads(2);
+      c2f::kernels::linear<float>(x, w, with_bias ? bias.data() : nullptr, y, o);
+      c2f::kernels::linear<float>(x, w, with_bias ? bias.data() : nullptr, y1, o.num_threads(1));
+      EXPECT_TRUE(bitwise_equal(y, y1)) << engine << ": 1 and 2 threads differ";
+      const Eigen::MatrixXd xr = x.unaryExpr(c2f::detail::RoundBf16<float>()).cast<double>();
+      const Eigen::MatrixXd wr = w.unaryExpr(c2f::detail::RoundBf16<float>()).cast<double>();
+      Eigen::MatrixXd want = xr * wr.transpose();
+      if (with_bias) want.rowwise() += bias.cast<double>().transpose();
+      const Eigen::MatrixXd bound = (xr.cwiseAbs() * wr.cwiseAbs().transpose()).array() * 1e-5 + 1e-6;
+      const Eigen::MatrixXd err = (y.cast<double>() - want).cwiseAbs();
+      EXPECT_TRUE((err.array() <= bound.array()).all())
+          << engine << " n=" << n << " k=" << k << " out=" << out << ": max error " << err.maxCoeff();
+    }
+  });
+}
+
+// sdpa_streaming in bfloat16 against sdpa_naive in bfloat16 on random problems (masks, padding, awkward
+// lengths), with one key block and with several. Both round q·scale, k, v and the unnormalised
+// probabilities exp(s − running max); the running max differs between key blocks, and the two exps
+// differ in their last bits, so a probability may round to the neighbouring bfloat16 value: 2^-8 of it.
+// Bound per element: 2^-8 · (P|V|) + 1e-5 (P the probabilities, |V| the rounded values' magnitudes).
+// The tile engine against the fallback: the same roundings, only the fp32 sums' order differs (1e-5).
+TEST(Bf16Sdpa, StreamingMatchesNaiveAndTheEnginesAgree) {
+  TestRng rng(0xbf17);
+  for (int rep = 0; rep < 40; ++rep) {
+    const c2f_test::Problem<float> p = random_problem<float>(rng, rep);
+    const c2f::MaskView<float> mask(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+    c2f::kernels::KernelOptions o;
+    o.compute(c2f::Compute::BFloat16).num_threads(2).query_block(rng.pick(std::vector<Index>{16, 64}));
+    RowMatrix<float> naive(p.batch * p.lq, p.heads * p.dv), magnitude(naive.rows(), naive.cols());
+    c2f::kernels::sdpa_naive<float>(p.qv(), p.kv(), p.vv(), p.out_view(naive), mask, p.scale(), o);
+    const RowMatrix<float> abs_v = p.v.unaryExpr(c2f::detail::RoundBf16<float>()).cwiseAbs();
+    c2f::kernels::sdpa_naive<float>(p.qv(), p.kv(), p.view(abs_v, p.lk, p.dv), p.out_view(magnitude), mask, p.scale(),
+                                    c2f::kernels::KernelOptions());
+    for (Index key_block : {Index(32), Index(4096)}) {
+      RowMatrix<float> engines[2];
+      int e = 0;
+      on_each_bf16_engine([&](const char* engine) {
+        RowMatrix<float>& out = engines[e++];
+        out.resize(naive.rows(), naive.cols());
+        c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(out), mask, p.scale(), o.key_block(key_block));
+        const RowMatrix<float> bound = magnitude.array() * 0x1p-8f + 1e-5f;
+        const RowMatrix<float> err = (out - naive).cwiseAbs();
+        EXPECT_TRUE((err.array() <= bound.array()).all())
+            << engine << " key_block " << key_block << ", " << p.description << ": max error " << err.maxCoeff();
+        RowMatrix<float> one(out.rows(), out.cols());
+        c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(one), mask, p.scale(), o.num_threads(1));
+        o.num_threads(2);
+        EXPECT_TRUE(bitwise_equal(out, one)) << engine << ": 1 and 2 threads differ, " << p.description;
+      });
+      if (e == 2) {
+        const RowMatrix<float> bound = magnitude.array() * 1e-5f + 1e-6f;
+        EXPECT_TRUE(((engines[0] - engines[1]).cwiseAbs().array() <= bound.array()).all())
+            << "tiles vs fallback, key_block " << key_block << ", " << p.description << ": max difference "
+            << (engines[0] - engines[1]).cwiseAbs().maxCoeff();
+      }
+    }
+  }
+}
+
+// A bfloat16 call rounds: on inputs whose bfloat16 values differ from their floats, its output differs
+// from the fp32 one's by far more than fp32 summation order could (else Compute::BFloat16 would be
+// silently fp32).
+TEST(Bf16Sdpa, RoundsTheOperands) {
+  TestRng rng(0xbf18);
+  c2f_test::Problem<float> p = random_problem<float>(rng, 0);
+  p.batch = 1, p.heads = 1, p.lq = p.lk = 64, p.dk = p.dv = 16;
+  p.q = rng.matrix<float>(64, 16), p.k = rng.matrix<float>(64, 16), p.v = rng.matrix<float>(64, 16);
+  p.attn = c2f::AttnMask<float>(), p.pad = c2f::KeyPaddingMask<float>();
+  const c2f::MaskView<float> mask(p.attn, p.pad, 1, 1, 64, 64);
+  RowMatrix<float> fp32(64, 16), bf16(64, 16);
+  c2f::kernels::KernelOptions o;
+  c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(fp32), mask, p.scale(), o);
+  c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(bf16), mask, p.scale(), o.compute(c2f::Compute::BFloat16));
+  EXPECT_GT((fp32 - bf16).cwiseAbs().maxCoeff(), 1e-4f);
+  EXPECT_LT((fp32 - bf16).cwiseAbs().maxCoeff(), 5e-2f);
+}
+
+TEST(Bf16Sdpa, DoubleIsRefusedWithTheTypes) {
+  TestRng rng(0xbf19);
+  const c2f_test::Problem<double> p = random_problem<double>(rng, 0);
+  const c2f::MaskView<double> mask(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
+  RowMatrix<double> out(p.batch * p.lq, p.heads * p.dv);
+  c2f::kernels::KernelOptions o;
+  o.compute(c2f::Compute::BFloat16);
+  try {
+    c2f::kernels::sdpa_streaming<double>(p.qv(), p.kv(), p.vv(), p.out_view(out), mask, p.scale(), o);
+    ADD_FAILURE() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("compute BFloat16 needs float queries, keys and values, got double"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace

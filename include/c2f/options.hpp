@@ -23,6 +23,12 @@ enum class AttnKernel {
   Naive,      ///< materialises the scores of one (batch, head) at a time; the reference
 };
 
+/// The arithmetic of a layer's products (docs/bf16.md).
+enum class Compute {
+  Float32,   ///< fp32 throughout (default)
+  BFloat16,  ///< operands of the products rounded to bfloat16, sums, softmax and biases in fp32
+};
+
 /// Options every layer has. `Derived` is the layer's options type (its setters return it).
 template <class Derived>
 class RuntimeOptions {
@@ -55,6 +61,12 @@ class CausalOption {
 template <class Derived>
 class DropoutOption {
   C2F_SHARED_ARG(double, dropout) = 0.0;
+};
+
+/// The `compute` option of the layers whose products can run in bfloat16 (docs/bf16.md, which lists them).
+template <class Derived>
+class ComputeOption {
+  C2F_SHARED_ARG(Compute, compute) = Compute::Float32;
 };
 
 /// Options of the dense softmax-attention kernel, on every layer built on MultiHeadAttention.

@@ -491,6 +491,55 @@ def gen_mha(family_dir: Path) -> List[dict]:
 
 
 # =====================================================================================================
+# Family "bf16": torch.nn.MultiheadAttention under torch.autocast("cpu", dtype=torch.bfloat16), the peer of
+# c2f's Compute::BFloat16 (docs/bf16.md). Outputs in fp32 and under autocast (bf16, stored as f32).
+# =====================================================================================================
+
+BF16_CASES: List[MhaCase] = [
+    MhaCase("mha_self_l128", 1101, "self-attention, embed_dim 64, 4 heads, L = 128, batch 2",
+            embed_dim=64, num_heads=4, lq=128),
+    MhaCase("mha_causal_l128", 1102, "self-attention with a causal bool attn_mask, embed_dim 64, 4 heads, L = 128",
+            embed_dim=64, num_heads=4, lq=128, attn_mask="causal"),
+]
+
+
+@register_family(
+    "bf16", computed=("output", "output_autocast"),
+    description="torch.nn.MultiheadAttention in fp32 and under torch.autocast('cpu', dtype=torch.bfloat16)")
+def gen_bf16(family_dir: Path) -> List[dict]:
+    entries = []
+    for c in BF16_CASES:
+        params, inputs = _mha_parameters(c), _mha_inputs(c)
+        attn_mask = ATTN_MASK_BUILDERS[c.attn_mask](stream(c.seed, "attn_mask"), c) if c.attn_mask else None
+        mha = torch.nn.MultiheadAttention(c.embed_dim, c.num_heads, bias=c.bias, batch_first=True)
+        mha.load_state_dict({k: torch.from_numpy(v.astype(np.float32)) for k, v in params.items()}, strict=True)
+        mha.eval()
+        q = torch.from_numpy(inputs["query"].astype(np.float32))
+        mask = None if attn_mask is None else torch.from_numpy(attn_mask)
+        # Key and value copies: torch 1.13's fast path (same tensor thrice, eval) fails under autocast
+        # ("expected scalar type BFloat16 but found Float"); the general path autocasts each product.
+        k, v = q.clone(), q.clone()
+        with torch.no_grad():
+            out = mha(q, k, v, need_weights=False, attn_mask=mask)[0]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out_bf16 = mha(q, k, v, need_weights=False, attn_mask=mask)[0]
+        if out_bf16.dtype != torch.bfloat16:
+            raise RuntimeError(f"{c.name}: autocast gave {out_bf16.dtype}, not bfloat16")
+        tensors = {f"mha.{k}": to_numpy(t) for k, t in mha.state_dict().items()}
+        tensors["query"] = inputs["query"].astype(np.float32)
+        if attn_mask is not None:
+            tensors["attn_mask"] = attn_mask
+        tensors["output"] = to_numpy(out)
+        tensors["output_autocast"] = to_numpy(out_bf16.float())
+        meta = {"embed_dim": str(c.embed_dim), "num_heads": str(c.num_heads), "batch": str(c.batch),
+                "lq": str(c.lq), "causal": b(attn_mask is not None), "seed": str(c.seed),
+                "torch_version": torch_version(), "description": c.description}
+        entries.append({"name": c.name, "files": {"f32": write_case(family_dir, c.name, "f32", tensors, meta)},
+                        **{k: meta[k] for k in sorted(meta)}})
+    return entries
+
+
+# =====================================================================================================
 # Family "c2f": the coarse-to-fine attention article's CoarseAttention / FineAttention / C2FAttention (c2f_reference.py)
 # =====================================================================================================
 

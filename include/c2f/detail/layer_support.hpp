@@ -76,7 +76,16 @@ kernels::KernelOptions kernel_options(const Options& o) {
   if constexpr (std::is_base_of<AttnKernelOptions<Options>, Options>::value) {
     k.query_block(o.query_block()).key_block(o.key_block());
   }
+  if constexpr (std::is_base_of<ComputeOption<Options>, Options>::value) k.compute(o.compute());
   return k;
+}
+
+/// "<layer>: compute BFloat16 needs float, got double" when a double layer asks for bfloat16 products.
+template <class Scalar>
+void check_compute_option(const char* layer, Compute compute) {
+  if (compute == Compute::BFloat16 && !std::is_same<Scalar, float>::value) {
+    fail(layer, ": compute BFloat16 needs float, got double");
+  }
 }
 
 /// The options of a layer another one wraps, from the wrapper's: num_threads, seed + seed_offset and,
@@ -91,6 +100,9 @@ To inner_options(const From& from, std::uint64_t seed_offset = 0) {
   }
   if constexpr (std::is_base_of<DropoutOption<To>, To>::value && std::is_base_of<DropoutOption<From>, From>::value) {
     to.dropout(from.dropout());
+  }
+  if constexpr (std::is_base_of<ComputeOption<To>, To>::value && std::is_base_of<ComputeOption<From>, From>::value) {
+    to.compute(from.compute());
   }
   return to;
 }

@@ -8,6 +8,7 @@
 
 #include "c2f/core.hpp"
 #include "c2f/detail/arg.hpp"
+#include "c2f/options.hpp"
 
 namespace c2f {
 namespace kernels {
@@ -28,6 +29,10 @@ class KernelOptions {
   /// detail::kPackedGemmMinRows rows). A layer whose rows may be split across processes (c2f/dist) sets
   /// it, so that a shard computes exactly the rows of the whole.
   C2F_ARG(bool, rows_independent) = false;
+  /// The products' arithmetic: Compute::BFloat16 rounds their operands to bfloat16 and sums in fp32
+  /// (detail/bf16_gemm.hpp), in the kernels that say they honour it (matmul_rows, linear, sdpa_naive,
+  /// sdpa_streaming); float only.
+  C2F_ARG(Compute, compute) = Compute::Float32;
 };
 
 /// KernelOptions with only the thread count set (the kernels that have no blocking).

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/bf16_gemm.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
@@ -32,6 +33,8 @@ constexpr Index kPackedRowChunk = 120;
 /// whatever task computes it (detail/packed_gemm.hpp), so the split changes no bit.
 constexpr Index kPackedWideRows = 16;
 constexpr Index kPackedColChunk = 128;
+/// Rows per task of the bfloat16 path (KernelOptions::compute): whole 32-row blocks of the tile engine.
+constexpr Index kBf16RowChunk = 128;
 
 }  // namespace kernels
 namespace detail {
@@ -64,6 +67,25 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
   }
   const Index n = x.rows(), out_cols = rhs.cols();
   const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
+  if (options.compute() == Compute::BFloat16) {
+    if constexpr (std::is_same<Scalar, float>::value) {
+      // Every element is one sum over the whole depth whatever task computes it: the bits depend on the
+      // shape and the engine only.
+      if (n == 0) return;
+      detail::Bf16PackedB packed;
+      packed.pack(rhs, options.num_threads());
+      detail::row_col_tasks(n, out_cols, kBf16RowChunk, kPackedWideRows, kPackedColChunk, options, work,
+                            [&](Index r0, Index rows, Index c0, Index cols) {
+                              const detail::Bf16Tiles tile_registers(packed.tiles());
+                              detail::bf16_gemm_range(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, 0,
+                                                      x.cols(), c0, cols, bias != nullptr ? bias + c0 : nullptr, false,
+                                                      y.data() + r0 * y.outerStride() + c0, y.outerStride());
+                            });
+      return;
+    } else {
+      detail::fail("matmul_rows: compute BFloat16 needs float, got double");
+    }
+  }
   if (detail::packed_gemm_for(n, options.rows_independent())) {
     detail::PackedB<Scalar> packed;
     packed.pack(rhs, options.num_threads());

@@ -19,6 +19,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/bf16_gemm.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
 #include "c2f/detail/masked_values.hpp"
@@ -96,6 +97,26 @@ Scalar dropout_scale(const kernels::AttnDropout& d) {
   return static_cast<Scalar>(1.0 / (1.0 - d.p));
 }
 
+/// x rounded to bfloat16 (Compute::BFloat16's operands), as a functor for Eigen's unaryExpr.
+template <class Scalar>
+struct RoundBf16 {
+  template <class T>
+  Scalar operator()(const T& x) const { return static_cast<Scalar>(round_bf16(static_cast<float>(x))); }
+};
+
+/// Whether `options` ask for bfloat16 products; "<kernel>: compute BFloat16 needs float ..." when they do
+/// for another Scalar (or, unless `narrow_kv`, keys and values of another type).
+template <class Scalar, class KV = Scalar>
+bool check_compute(const char* kernel, const kernels::KernelOptions& options, bool narrow_kv = false) {
+  if (options.compute() != Compute::BFloat16) return false;
+  if (!std::is_same<Scalar, float>::value || !(std::is_same<KV, float>::value || (narrow_kv && !std::is_same<KV, double>::value))) {
+    fail(kernel, ": compute BFloat16 needs float queries, keys and values, got ",
+         std::is_same<Scalar, double>::value ? "double" : "float", " queries and ",
+         std::is_same<KV, float>::value ? "float" : (std::is_same<KV, double>::value ? "double" : "16-bit"), " keys");
+  }
+  return true;
+}
+
 /// The body of sdpa_naive and sdpa_naive_train: weights, lse ([batch·heads, queries]) and dropout each
 /// optional (nullptr).
 template <class Scalar>
@@ -107,31 +128,69 @@ void sdpa_naive_impl(const char* kernel, const kernels::HeadsView<const Scalar>&
   check_sdpa(kernel, q, k, v, out, mask, scale);
   const Index lq = q.seq, lk = k.seq;
   const bool drop = dropout != nullptr && dropout->active();
+  const bool bf16 = check_compute<Scalar>(kernel, options);
   const double work = attention_work(q.batch * q.heads, lq, lk, q.dim, v.dim);
   parallel_for(q.batch * q.heads, options.num_threads(), work, [&](Index task, int) {
     const Index b = task / q.heads, h = task % q.heads;
     RowMatrix<Scalar> s(lq, lk);
-    s.noalias() = (q.block(b, h, 0, lq) * scale) * k.block(b, h, 0, lk).transpose();
+    const typename HeadsView<const Scalar>::Block vb = v.block(b, h, 0, lk);
+    RowMatrix<Scalar> vr;  // Compute::BFloat16: the rounded values
+    if (bf16) {
+      s.noalias() = (q.block(b, h, 0, lq) * scale).unaryExpr(RoundBf16<Scalar>()) *
+                    k.block(b, h, 0, lk).unaryExpr(RoundBf16<Scalar>()).transpose();
+      vr = vb.unaryExpr(RoundBf16<Scalar>());
+    } else {
+      s.noalias() = (q.block(b, h, 0, lq) * scale) * k.block(b, h, 0, lk).transpose();
+    }
     for (Index i = 0; i < lq; ++i) {
       for (Index j = 0; j < lk; ++j) s(i, j) = add_bias(s(i, j), mask.bias(b, h, i, j));
     }
-    const typename HeadsView<const Scalar>::Block vb = v.block(b, h, 0, lk);
     MaskedValues<Scalar> masked;
-    const bool guard = masked.find(vb);
+    const bool guard = bf16 ? masked.find(vr) : masked.find(vb);
     if (guard) masked.remember_hidden(s);
+    RowMatrix<Scalar> e;  // Compute::BFloat16: the scores, then exp(score − row max) rounded, as sdpa_streaming rounds them
+    if (bf16) e = s;
     for (Index i = 0; i < lq; ++i) {
       Scalar max = 0, sum = 0;
       softmax_row(s.row(i), &max, &sum);
       if (lse != nullptr) (*lse)(task, i) = sum == Scalar(0) ? max : max + std::log(sum);
     }
     if (drop) apply_dropout(*dropout, task, 0, 0, s, dropout_scale<Scalar>(*dropout));
-    if (guard) {
+    if (weights != nullptr) {
+      Eigen::Map<RowMatrix<Scalar>>(weights + task * lq * lk, lq, lk) = s;
+    }
+    if (bf16) {
+      // softmax(s) v = (exp(s − max) v) / Σ exp(s − max), with the unnormalised exp rounded for the product.
+      Vector<Scalar> sums(lq);
+      for (Index i = 0; i < lq; ++i) {
+        const Scalar max = e.row(i).maxCoeff();
+        Scalar sum = 0;
+        for (Index j = 0; j < lk; ++j) {
+          const Scalar p = e(i, j) == -std::numeric_limits<Scalar>::infinity() ? Scalar(0) : std::exp(e(i, j) - max);
+          sum += p;
+          e(i, j) = p;
+        }
+        sums[i] = sum;
+      }
+      if (drop) apply_dropout(*dropout, task, 0, 0, e, dropout_scale<Scalar>(*dropout));
+      e = e.unaryExpr(RoundBf16<Scalar>());
+      typename HeadsView<Scalar>::Block dst = out.block(b, h, 0, lq);
+      if (guard) {
+        masked.template product<false>(dst, e, vr);
+      } else {
+        dst.noalias() = e * vr;
+      }
+      for (Index i = 0; i < lq; ++i) {
+        if (sums[i] == Scalar(0)) {
+          dst.row(i).setZero();
+        } else {
+          dst.row(i) /= sums[i];
+        }
+      }
+    } else if (guard) {
       masked.template product<false>(out.block(b, h, 0, lq), s, vb);
     } else {
       out.block(b, h, 0, lq).noalias() = s * vb;
-    }
-    if (weights != nullptr) {
-      Eigen::Map<RowMatrix<Scalar>>(weights + task * lq * lk, lq, lk) = s;
     }
   });
 }
@@ -293,10 +352,12 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const bool drop = dropout != nullptr && dropout->active();
   const Scalar kept_scale = drop ? c2f::detail::dropout_scale<Scalar>(*dropout) : Scalar(1);
+  const bool bf16 = c2f::detail::check_compute<Scalar, KV>(kernel, options, true);
 
   struct Workspace {
     RowMatrix<Scalar> q, s, acc, kv;  // kv: a converted key or value block (KV ≠ Scalar)
     Vector<Scalar> m, l, alpha;
+    c2f::detail::Bf16A q16, p16;  // Compute::BFloat16: the query block and the probabilities, rounded
     c2f::detail::MaskedValues<Scalar> masked;
   };
   // Work: the key blocks a causal or length mask skips are not counted (an upper bound).
@@ -304,8 +365,24 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
   // The packed path (detail::packed_gemm, where the build has it): each head's keys and values packed
   // once into the micro-kernel's panels, shared by all of its query blocks; the products of a block are
   // then QKᵀ and PV on those panels.
-  const bool packed = c2f::detail::streaming_packed<Scalar, KV>(options, lq, lk);
+  const bool packed = !bf16 && c2f::detail::streaming_packed<Scalar, KV>(options, lq, lk);
   std::vector<c2f::detail::PackedB<Scalar>> packed_k, packed_v;
+  // Compute::BFloat16: each head's keys and values packed once for bf16_gemm_range, on the tile engine
+  // where key blocks start on its 32-row steps.
+  std::vector<c2f::detail::Bf16PackedB> packed_k16, packed_v16;
+  if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
+    if (bf16) {
+      packed_k16.resize(static_cast<std::size_t>(q.batch * q.heads));
+      packed_v16.resize(packed_k16.size());
+      const bool tiles = bk % c2f::detail::kTileK == 0 || bk >= lk;
+      const double copy_work = c2f::detail::kElementWork * static_cast<double>(q.batch * q.heads * lk * (dk + dv));
+      c2f::detail::parallel_for(q.batch * q.heads, options.num_threads(), copy_work, [&](Index bh, int) {
+        const Index b = bh / q.heads, h = bh % q.heads;
+        packed_k16[static_cast<std::size_t>(bh)].pack(k.block(b, h, 0, lk).template cast<float>().transpose(), 1, tiles);
+        packed_v16[static_cast<std::size_t>(bh)].pack(v.block(b, h, 0, lk).template cast<float>(), 1, tiles);
+      });
+    }
+  }
   if (packed) {
     packed_k.resize(static_cast<std::size_t>(q.batch * q.heads));
     packed_v.resize(packed_k.size());
@@ -330,11 +407,15 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
     const Index qb = task % query_blocks, bh = task / query_blocks;
     const Index b = bh / q.heads, h = bh % q.heads;
     const Index i0 = qb * bq, ni = std::min(bq, lq - i0);
+    const c2f::detail::Bf16Tiles tile_registers(bf16 && packed_k16[static_cast<std::size_t>(bh)].tiles());
 
     typename RowMatrix<Scalar>::RowsBlockXpr qs = ws.q.topRows(ni);
     qs = q.block(b, h, i0, ni) * scale;
     typename RowMatrix<Scalar>::RowsBlockXpr acc = ws.acc.topRows(ni);
     acc.setZero();
+    if constexpr (std::is_same<Scalar, float>::value) {
+      if (bf16) ws.q16.prepare(qs.data(), qs.outerStride(), ni, dk, packed_k16[static_cast<std::size_t>(bh)].tiles());
+    }
     Eigen::VectorBlock<Vector<Scalar>> m = ws.m.head(ni), l = ws.l.head(ni), alpha = ws.alpha.head(ni);
     m.setConstant(kNegInf);
     l.setZero();
@@ -344,6 +425,29 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
       const BlockMask status = mask.classify(b, i0, ni, j0, nj);
       if (status == BlockMask::Skip) continue;
       Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
+      if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
+        if (bf16) {
+          c2f::detail::bf16_gemm(ws.q16, packed_k16[static_cast<std::size_t>(bh)], 0, dk, j0, nj, nullptr, false, s.data(),
+                                 s.outerStride());
+          if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
+          // The rounded values: a finite value beyond bfloat16's range is infinite there.
+          const Eigen::CwiseUnaryOp<c2f::detail::RoundBf16<Scalar>, const typename HeadsView<const KV>::Block> vr =
+              v.block(b, h, j0, nj).unaryExpr(c2f::detail::RoundBf16<Scalar>());
+          const bool guard = status == BlockMask::Partial && ws.masked.find(vr);
+          if (guard) ws.masked.remember_hidden(s);
+          if (c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
+          if (drop) c2f::detail::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
+          if (guard) {
+            c2f::detail::round_bf16_rows(s.data(), ni, nj, s.outerStride());
+            ws.masked.template product<true>(acc, s, vr);
+          } else {
+            const c2f::detail::Bf16PackedB& pv = packed_v16[static_cast<std::size_t>(bh)];
+            ws.p16.prepare(s.data(), s.outerStride(), ni, nj, pv.tiles());
+            c2f::detail::bf16_gemm(ws.p16, pv, j0, j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
+          }
+          continue;
+        }
+      }
       if (packed) {
         c2f::detail::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)], 0, dk, j0, nj,
                                                nullptr, false, s.data(), s.outerStride());
@@ -401,6 +505,9 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
                      const c2f::detail::NoDeduce<HeadsView<const KV>>& v, const HeadsView<Scalar>& out,
                      const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
   c2f::detail::check_sdpa("sdpa_split_keys", q, k, v, out, mask, scale);
+  // Compute::BFloat16: the queries, the key and value blocks (copied, as a narrow cache's are) and the
+  // probabilities rounded to bfloat16, the same products in fp32.
+  const bool bf16 = c2f::detail::check_compute<Scalar, KV>("sdpa_split_keys", options, true);
   const Index bk = std::max<Index>(1, options.key_block()), part_keys = std::max<Index>(1, options.key_part());
   const Index n = q.seq, lk = k.seq, dk = q.dim, dv = v.dim, heads = q.heads;
   const Index parts = std::max<Index>(1, c2f::detail::ceil_div(lk, part_keys));
@@ -426,6 +533,7 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
     const Index first = part * part_keys, last = std::min(lk, first + part_keys);
     ws.q.resize(rows, dk);
     for (Index h = 0; h < heads; ++h) ws.q.middleRows(h * n, n) = q.block(b, h, 0, n) * scale;
+    if (bf16) ws.q = ws.q.unaryExpr(c2f::detail::RoundBf16<Scalar>());
     ws.s.resize(by_row ? rows : n, std::min(bk, last - first));
     ws.alpha.resize(n);
     if (by_row) ws.guarded.assign(static_cast<std::size_t>(heads), 0);
@@ -439,17 +547,25 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
       const BlockMask status = mask.classify(b, 0, n, j0, nj);
       if (status == BlockMask::Skip) continue;
       // A narrow cache converts the block of every head at once (one sequential read), into kb / vb.
-      if constexpr (!std::is_same<KV, Scalar>::value) {
+      const bool copies = bf16 || !std::is_same<KV, Scalar>::value;
+      if (copies) {
         c2f::detail::convert_block<Scalar>(k.rows(b, j0, nj), ws.kb);
         c2f::detail::convert_block<Scalar>(v.rows(b, j0, nj), ws.vb);
+        if (bf16 && !std::is_same<KV, Eigen::bfloat16>::value) {  // a half value is not a bfloat16 one
+          ws.kb = ws.kb.unaryExpr(c2f::detail::RoundBf16<Scalar>());
+          ws.vb = ws.vb.unaryExpr(c2f::detail::RoundBf16<Scalar>());
+        }
       }
       // The block's key and value rows, every head side by side: the cache's, or the converted copies.
       const Scalar *key_rows = nullptr, *value_rows = nullptr;
       Index key_stride = 0, value_stride = 0;
       if constexpr (std::is_same<KV, Scalar>::value) {
-        key_rows = k.rows(b, j0, nj).data(), key_stride = k.row_stride;
-        value_rows = v.rows(b, j0, nj).data(), value_stride = v.row_stride;
-      } else {
+        if (!copies) {
+          key_rows = k.rows(b, j0, nj).data(), key_stride = k.row_stride;
+          value_rows = v.rows(b, j0, nj).data(), value_stride = v.row_stride;
+        }
+      }
+      if (copies) {
         key_rows = ws.kb.data(), key_stride = ws.kb.outerStride();
         value_rows = ws.vb.data(), value_stride = ws.vb.outerStride();
       }
@@ -471,6 +587,7 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
         const bool guard = status == BlockMask::Partial && ws.masked.find(vblock);  // masked_values.hpp
         if (guard) ws.masked.remember_hidden(s);
         if (c2f::detail::online_softmax_step(s, mh, lh, ws.alpha)) ah = ws.alpha.asDiagonal() * ah;
+        if (bf16) c2f::detail::round_bf16_rows(s.data(), n, nj, s.outerStride());
         if (by_row) ws.guarded[static_cast<std::size_t>(h)] = guard;
         if (guard && by_row) {  // this head's row pass, on the block with the hidden non-finite rows zeroed
           ws.masked.product_add_with(ah, s, vblock, [&](const RowMatrix<Scalar>& clean) {

@@ -19,7 +19,7 @@ struct NoInit {};
 template <class Scalar>
 class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
  public:
-  class Options : public RuntimeOptions<Options>, public BiasOption<Options> {};
+  class Options : public RuntimeOptions<Options>, public BiasOption<Options>, public ComputeOption<Options> {};
   C2F_LAYER_TRAITS("Linear", MaskFields::None);  // takes no masks
 
   /// Zero weights and bias, for a layer that initialises its Linear members itself.
@@ -28,6 +28,7 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
         bias_(Vector<Scalar>::Zero(options.bias() ? out_features : 0)),
         options_(options) {
     detail::check_scalar<Scalar>();
+    detail::check_compute_option<Scalar>("Linear", options.compute());
   }
   /// weight [out, in] initialised like torch.nn.Linear (U(±1/sqrt(in)), here for the weight and the
   /// bias alike) from options.seed(); call load_state_dict() to use trained weights.

@@ -56,7 +56,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
  public:
   /// causal: query i attends only to keys j <= i.
   class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public BiasOption<Options>,
-                  public CausalOption<Options>, public DropoutOption<Options> {
+                  public CausalOption<Options>, public DropoutOption<Options>, public ComputeOption<Options> {
     /// Key features; 0 = embed_dim.
     C2F_ARG(Index, kdim) = 0;
     /// Value features; 0 = embed_dim.
@@ -336,7 +336,8 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     return given > 0 ? given : embed_dim;
   }
   static typename Linear<Scalar>::Options out_proj_options(const Options& o) {
-    return typename Linear<Scalar>::Options().bias(o.bias()).num_threads(o.num_threads());
+    detail::check_compute_option<Scalar>("MultiHeadAttention", o.compute());  // before out_proj_ refuses it as "Linear"
+    return typename Linear<Scalar>::Options().bias(o.bias()).num_threads(o.num_threads()).compute(o.compute());
   }
   kernels::KernelOptions kernel_options() const {
     return detail::kernel_options(options_).rows_independent(options_.rows_independent());
@@ -368,6 +369,9 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     check_inputs(query, key, value);
     const Index batch = query.batch(), lq = query.seq(), lk = key.seq(), e = embed_dim(), h = num_heads();
     detail::check_call(type_name, masks, mask_fields, {batch, lq, e}, out);
+    if (options_.compute() == Compute::BFloat16) {
+      detail::fail(type_name, ": forward_train needs compute Float32 (the backward pass is fp32; docs/bf16.md), got BFloat16");
+    }
     saved.self_attention = self_attention;
     saved.batch = batch;
     saved.lq = lq;

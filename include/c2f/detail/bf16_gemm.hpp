@@ -1,0 +1,385 @@
+// c2f — products in bfloat16 with fp32 accumulation (Compute::BFloat16, docs/bf16.md): C [m, n] =
+// round(A) [m, k] · round(B) [k, n] (+ bias), where round() is the nearest bfloat16 (ties to even) and
+// every sum is accumulated in fp32.
+//
+// Two engines with one contract:
+//   tiles     AMX (Sapphire Rapids on): B packed once into the tile unit's VNNI layout (pairs of k
+//             interleaved, 32 columns × 32 k per 2 KiB block), A rounded into bf16 rows, and a 32 × 32
+//             block of C in four 16 × 16 fp32 accumulator tiles per tdpbf16ps step (16384 FLOP each);
+//   fallback  every other CPU, and where c2f::set_bf16_tiles(false) asks: the same rounded operands as
+//             fp32 values on detail::packed_gemm. The product of two bfloat16 values is exact in fp32,
+//             so the two engines differ only in the order of the fp32 additions.
+// The engine is chosen at run time (CPUID + Linux's permission for the tile registers, asked once per
+// process) — a portable build uses the tiles where the CPU has them. Each element is the same sum
+// whatever rows, task or thread surround it, so the bits do not depend on the thread count.
+#pragma once
+
+#include "c2f/core.hpp"
+#include "c2f/detail/packed_gemm.hpp"
+#include "c2f/detail/parallel.hpp"
+#include "c2f/detail/scratch.hpp"
+#include "c2f/runtime.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define C2F_AMX_POSSIBLE 1
+#else
+#define C2F_AMX_POSSIBLE 0
+#endif
+
+namespace c2f {
+namespace detail {
+
+/// The bfloat16 nearest to x (ties to even), as its 16 bits; a NaN stays a (quiet) NaN, ±Inf stays.
+inline std::uint16_t bf16_bits(float x) {
+  std::uint32_t u = 0;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+  return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+/// The float of bfloat16 bits b.
+inline float bf16_float(std::uint16_t b) {
+  const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
+  float x = 0;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+/// x rounded to the nearest bfloat16, as a float.
+inline float round_bf16(float x) { return bf16_float(bf16_bits(x)); }
+
+/// Rounds rows × cols values (rows `ld` apart) to bfloat16 values in place.
+template <class Scalar>
+void round_bf16_rows(Scalar* x, Index rows, Index cols, Index ld) {
+  for (Index r = 0; r < rows; ++r) {
+    Scalar* row = x + r * ld;
+    for (Index c = 0; c < cols; ++c) row[c] = static_cast<Scalar>(round_bf16(static_cast<float>(row[c])));
+  }
+}
+
+/// Whether this CPU has AMX-BF16 and Linux lets the process use the tile registers
+/// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once; kernels before 5.16 refuse it).
+inline bool cpu_has_amx_bf16() {
+#if C2F_AMX_POSSIBLE
+  static const bool ok = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool tile = ((edx >> 24) & 1u) != 0, bf16 = ((edx >> 22) & 1u) != 0;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return tile && bf16 && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+/// Whether the bf16 products of a call run on the tile unit: the CPU has it and c2f::set_bf16_tiles()
+/// has not turned it off.
+inline bool bf16_tiles() { return bf16_tiles_allowed().load(std::memory_order_relaxed) && cpu_has_amx_bf16(); }
+
+/// The tile engine's blocking: a tile holds 16 rows of 64 bytes (32 bfloat16 or 16 floats); a block of
+/// C is 2 × 2 tiles.
+constexpr Index kTileK = 32;   ///< k per tile step (bf16 per tile row)
+constexpr Index kTileMN = 32;  ///< rows and columns of a block of C
+
+/// B [k, n] rounded to bfloat16 for bf16_gemm_range: on the tile engine in VNNI blocks — for each panel
+/// of 32 columns and each k-step of 32 rows, two 16-column tiles of 16 rows, row r holding (B[2r, j],
+/// B[2r + 1, j]) for each column j, zero past k and n; on the fallback as rounded floats in a PackedB.
+class Bf16PackedB {
+ public:
+  /// Packs `rhs` [k, n] (any Eigen expression of floats) for the engine bf16_tiles() names now (the
+  /// fallback when not `allow_tiles`: the caller's ranges would not start on the tile steps), the panels
+  /// split over `threads` (a copy: the bits do not depend on it).
+  template <class Rhs>
+  void pack(const Rhs& rhs, int threads = 1, bool allow_tiles = true) {
+    k_ = rhs.rows();
+    n_ = rhs.cols();
+    tiles_ = allow_tiles && bf16_tiles();
+    if (!tiles_) {
+      fallback_.pack(rhs.unaryExpr([](float x) { return round_bf16(x); }), threads);
+      return;
+    }
+    ksteps_ = ceil_div(k_, kTileK);
+    panels_ = ceil_div(n_, kTileMN);
+    vnni_.reserve(static_cast<std::size_t>(std::max<Index>(1, panels_ * ksteps_ * kBlock)));
+    const Eigen::internal::evaluator<Rhs> ev(rhs);
+    parallel_for(panels_, threads, 2.0 * static_cast<double>(panels_ * ksteps_ * kBlock), [&](Index p, int) {
+      std::uint16_t* dst = vnni_.data() + p * ksteps_ * kBlock;
+      for (Index t = 0; t < ksteps_; ++t) {
+        for (Index half = 0; half < 2; ++half) {
+          std::uint16_t* tile = dst + t * kBlock + half * kBlock / 2;
+          const Index col0 = p * kTileMN + half * 16, row0 = t * kTileK;
+          const Index cols = std::clamp<Index>(n_ - col0, 0, 16), rows = std::min(kTileK, k_ - row0);
+          if (cols < 16 || rows < kTileK) std::fill(tile, tile + kBlock / 2, std::uint16_t(0));
+          // tile[(r·16 + j)·2 + e] = B[row0 + 2r + e, col0 + j]
+          if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) {
+            const float* src = rhs.data();
+            const Index rs = rhs.rowStride(), cs = rhs.colStride();
+            for (Index j = 0; j < cols; ++j) {
+              const float* column = src + (col0 + j) * cs + row0 * rs;
+              for (Index kk = 0; kk < rows; ++kk) tile[((kk / 2) * 16 + j) * 2 + kk % 2] = bf16_bits(column[kk * rs]);
+            }
+          } else {
+            for (Index j = 0; j < cols; ++j) {
+              for (Index kk = 0; kk < rows; ++kk) {
+                tile[((kk / 2) * 16 + j) * 2 + kk % 2] = bf16_bits(ev.coeff(row0 + kk, col0 + j));
+              }
+            }
+          }
+        }
+      }
+    });
+  }
+
+  Index rows() const { return k_; }
+  Index cols() const { return n_; }
+  bool tiles() const { return tiles_; }
+  /// Tile engine: the block of k-step t and panel p (two tiles of 16 × 32 bf16, 512 apart).
+  const std::uint16_t* block(Index t, Index p) const { return vnni_.data() + (p * ksteps_ + t) * kBlock; }
+  /// Fallback: the rounded floats.
+  const PackedB<float>& fallback() const { return fallback_; }
+
+  /// Bytes pack() holds for a [k, n] operand on the engine `tiles`.
+  static std::size_t bytes(Index k, Index n, bool tiles) {
+    return tiles ? sizeof(std::uint16_t) * static_cast<std::size_t>(ceil_div(k, kTileK) * ceil_div(n, kTileMN) * kBlock)
+                 : PackedB<float>::bytes(k, n);
+  }
+
+ private:
+  static constexpr Index kBlock = kTileK * kTileMN;  ///< bf16 of one (k-step, panel) block
+  Index k_ = 0, n_ = 0, ksteps_ = 0, panels_ = 0;
+  bool tiles_ = false;
+  ScratchArray<std::uint16_t> vnni_;
+  PackedB<float> fallback_;
+};
+
+#if C2F_AMX_POSSIBLE
+/// The tile registers' layout (palette 1): eight tiles of 16 rows × 64 bytes.
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+/// C's 32 × 32 block = init + A's 32 rows (bf16, `lda` apart, from the first k-step) · B's block column
+/// p over k-steps [t0, t1): tiles 0–3 accumulate, 4–5 hold A, 6–7 hold B. `init` (floats, `ldi` apart;
+/// ldi = 0 repeats one row: a bias) or nullptr for zeros; the result goes to `c` (`ldc` apart).
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_block(const std::uint16_t* a, Index lda,
+                                                                    const Bf16PackedB& b, Index t0, Index t1, Index p,
+                                                                    const float* init, Index ldi, float* c, Index ldc) {
+  if (init == nullptr) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    const long si = static_cast<long>(ldi * 4);
+    _tile_loadd(0, init, si);
+    _tile_loadd(1, init + 16, si);
+    _tile_loadd(2, init + 16 * ldi, si);
+    _tile_loadd(3, init + 16 * ldi + 16, si);
+  }
+  const long sa = static_cast<long>(lda * 2);
+  for (Index t = t0; t < t1; ++t) {
+    const std::uint16_t* at = a + (t - t0) * kTileK;
+    const std::uint16_t* bt = b.block(t, p);
+    _tile_loadd(4, at, sa);
+    _tile_loadd(5, at + 16 * lda, sa);
+    _tile_loadd(6, bt, 64);
+    _tile_loadd(7, bt + kTileK * kTileMN / 2, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  const long sc = static_cast<long>(ldc * 4);
+  _tile_stored(0, c, sc);
+  _tile_stored(1, c + 16, sc);
+  _tile_stored(2, c + 16 * ldc, sc);
+  _tile_stored(3, c + 16 * ldc + 16, sc);
+}
+
+__attribute__((target("amx-tile"))) inline void amx_configure() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  // ldtilecfg on the whole struct: GCC's _tile_loadconfig names only its first 8 bytes as the asm's
+  // operand, so an optimiser may drop the stores of the rest (seen at -O1: #GP on the first tile load).
+  __asm__ volatile("ldtilecfg %0" ::"m"(config));
+}
+__attribute__((target("amx-tile"))) inline void amx_release() { _tile_release(); }
+#endif
+
+#if C2F_AMX_POSSIBLE
+// GCC 12's _mm512_undefined_* (`__m512i __Y = __Y`) trips -Wmaybe-uninitialized where these intrinsics
+// inline (GCC bug 105593, fixed in GCC 13; see core.hpp).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+/// dst[c] = bf16_bits(src[c]) for c < n, 16 at a time (every CPU with the tile unit has AVX-512BW/VL).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void bf16_bits_avx512(const float* src, Index n, std::uint16_t* dst) {
+  const __m512i rounding = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x400000);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  Index c = 0;
+  for (; c < n; c += 16) {
+    const __mmask16 lanes = n - c >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - c)) - 1u);
+    const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, src + c));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs_mask), inf);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(rounding, lsb));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, quiet));
+    _mm256_mask_storeu_epi16(dst + c, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic pop
+#endif
+#endif
+
+/// An A operand of bf16_gemm: rows × depth values rounded to bfloat16 — on the tile engine as bf16 in
+/// whole 32-row blocks and 32-value steps (zero past rows and depth), on the fallback as floats. Reused
+/// between calls (its storage grows).
+class Bf16A {
+ public:
+  /// Rounds a [rows, depth] (rows `lda` apart) for the engine `tiles`.
+  void prepare(const float* a, Index lda, Index rows, Index depth, bool tiles) {
+    rows_ = rows, depth_ = depth, tiles_ = tiles;
+    if (!tiles) {
+      a32_.resize(static_cast<std::size_t>(std::max<Index>(1, rows * depth)));
+      for (Index i = 0; i < rows; ++i) {
+        for (Index kk = 0; kk < depth; ++kk) a32_[static_cast<std::size_t>(i * depth + kk)] = round_bf16(a[i * lda + kk]);
+      }
+      return;
+    }
+#if C2F_AMX_POSSIBLE
+    ld_ = ceil_div(depth, kTileK) * kTileK;
+    const Index padded = ceil_div(rows, kTileMN) * kTileMN;
+    a16_.resize(static_cast<std::size_t>(std::max<Index>(1, padded * ld_)));
+    for (Index i = 0; i < rows; ++i) {
+      std::uint16_t* dst = a16_.data() + i * ld_;
+      bf16_bits_avx512(a + i * lda, depth, dst);
+      std::fill(dst + depth, dst + ld_, std::uint16_t(0));
+    }
+    std::fill(a16_.data() + rows * ld_, a16_.data() + padded * ld_, std::uint16_t(0));
+#endif
+  }
+  Index rows() const { return rows_; }
+  Index depth() const { return depth_; }
+  bool tiles() const { return tiles_; }
+  const std::uint16_t* bf16() const { return a16_.data(); }
+  Index bf16_stride() const { return ld_; }
+  const float* floats() const { return a32_.data(); }
+
+ private:
+  Index rows_ = 0, depth_ = 0, ld_ = 0;
+  bool tiles_ = false;
+  std::vector<std::uint16_t> a16_;
+  std::vector<float> a32_;
+};
+
+/// packed_gemm_range in bfloat16 (the same contract, A and B rounded, sums in fp32), A prepared: for
+/// i < a.rows(), j < cols
+///   c[i·ldc + j] (= or +=) Σ_{kk ∈ [k_begin, k_end)} A[i, kk − k_begin] · B[kk, c0 + j] (+ bias[j])
+/// — "=" (with the bias, if not nullptr) unless `accumulate`; a.depth() = k_end − k_begin and a and b on
+/// one engine. c0 is a multiple of 32; on the tile engine k_begin is a multiple of 32 and k_end one or
+/// B's last row (the callers' key blocks), and the tile registers are configured on this thread
+/// (Bf16Tiles).
+inline void bf16_gemm(const Bf16A& a, const Bf16PackedB& b, Index k_begin, Index k_end, Index c0, Index cols,
+                      const float* bias, bool accumulate, float* c, Index ldc) {
+  if (a.depth() != k_end - k_begin || a.tiles() != b.tiles()) {
+    fail("bf16_gemm: A of depth ", a.depth(), " on the ", a.tiles() ? "tile" : "fallback", " engine for rows [", k_begin,
+         ", ", k_end, ") of B on the ", b.tiles() ? "tile" : "fallback", " engine");
+  }
+  const Index rows = a.rows();
+  if (!b.tiles()) {
+    packed_gemm_range<float>(a.floats(), a.depth(), rows, b.fallback(), k_begin, k_end, c0, cols, bias, accumulate, c, ldc);
+    return;
+  }
+#if C2F_AMX_POSSIBLE
+  if (k_begin % kTileK != 0 || (k_end % kTileK != 0 && k_end != b.rows()) || c0 % kTileMN != 0) {
+    fail("bf16_gemm: the tile engine needs k_begin and c0 multiples of 32 and k_end one or B's rows, got ", k_begin,
+         ", ", c0, ", ", k_end);
+  }
+  const Index t0 = k_begin / kTileK, t1 = ceil_div(k_end, kTileK);
+  const Index lda = a.bf16_stride(), row_blocks = ceil_div(rows, kTileMN);
+  const Index p0 = c0 / kTileMN, p1 = ceil_div(c0 + cols, kTileMN);
+  alignas(64) float tmp[kTileMN * kTileMN];
+  alignas(64) float bias_row[kTileMN];
+  for (Index rb = 0; rb < row_blocks; ++rb) {
+    const Index i0 = rb * kTileMN, ni = std::min(kTileMN, rows - i0);
+    const std::uint16_t* ab = a.bf16() + i0 * lda;
+    for (Index p = p0; p < p1; ++p) {
+      const Index j = p * kTileMN - c0, nj = std::min(kTileMN, cols - j);
+      float* cb = c + i0 * ldc + j;
+      const bool full = ni == kTileMN && nj == kTileMN;
+      const float* init = nullptr;
+      Index ldi = 0;
+      if (accumulate) {
+        if (full) {
+          init = cb, ldi = ldc;
+        } else {
+          std::fill(tmp, tmp + kTileMN * kTileMN, 0.0f);
+          for (Index r = 0; r < ni; ++r) std::copy_n(cb + r * ldc, nj, tmp + r * kTileMN);
+          init = tmp, ldi = kTileMN;
+        }
+      } else if (bias != nullptr) {
+        std::fill(bias_row, bias_row + kTileMN, 0.0f);
+        std::copy_n(bias + j, nj, bias_row);
+        init = bias_row, ldi = 0;
+      }
+      if (full) {
+        amx_block(ab, lda, b, t0, t1, p, init, ldi, cb, ldc);
+      } else {
+        amx_block(ab, lda, b, t0, t1, p, init, ldi, tmp, kTileMN);
+        for (Index r = 0; r < ni; ++r) std::copy_n(tmp + r * kTileMN, nj, cb + r * ldc);
+      }
+    }
+  }
+#else
+  fail("bf16_gemm: no tile engine in this build");
+#endif
+}
+
+/// bf16_gemm on a [rows, k_end − k_begin] (rows `lda` apart) rounded into this thread's scratch.
+inline void bf16_gemm_range(const float* a, Index lda, Index rows, const Bf16PackedB& b, Index k_begin, Index k_end,
+                            Index c0, Index cols, const float* bias, bool accumulate, float* c, Index ldc) {
+  thread_local Bf16A scratch;
+  scratch.prepare(a, lda, rows, k_end - k_begin, b.tiles());
+  bf16_gemm(scratch, b, k_begin, k_end, c0, cols, bias, accumulate, c, ldc);
+}
+
+/// Configures this thread's tile registers for bf16_gemm_range while it lives (where the engine is the
+/// tile unit; else nothing), and releases them after: construct one in each task that calls it.
+class Bf16Tiles {
+ public:
+  explicit Bf16Tiles(bool tiles) : on_(tiles) {
+#if C2F_AMX_POSSIBLE
+    if (on_) amx_configure();
+#endif
+  }
+  ~Bf16Tiles() {
+#if C2F_AMX_POSSIBLE
+    if (on_) amx_release();
+#endif
+  }
+  Bf16Tiles(const Bf16Tiles&) = delete;
+  Bf16Tiles& operator=(const Bf16Tiles&) = delete;
+
+ private:
+  bool on_;
+};
+
+}  // namespace detail
+}  // namespace c2f
