@@ -12,6 +12,7 @@
 //   read             the sum of one 512 MiB buffer (bytes = size) — the roofline of a read-only scan
 //   mha              MultiHeadAttention::decode, the cache holds the projected K and V
 //   mha_bf16         the same with an Eigen::bfloat16 cache (batch 1)
+//   mha_bf16_compute the same with a bfloat16 cache and Compute::BFloat16 (docs/bf16.md; batch 1)
 //   sparse           SparseC2FAttention::decode, chunk 64, top_k 8 (per-token gating)
 //   hmha             HMHA::decode, window 64 (all three levels)
 //
@@ -55,12 +56,13 @@ constexpr Index kWindow = 64;
 constexpr Index kPrefillPiece = 2048;  // tokens per prefill call while growing a state
 constexpr int kRepetitions = 3;
 
-enum class Kind { Mha, MhaBf16, Sparse, Hmha };
+enum class Kind { Mha, MhaBf16, MhaBf16Compute, Sparse, Hmha };
 
 const char* name_of(Kind kind) {
   switch (kind) {
     case Kind::Mha: return "mha";
     case Kind::MhaBf16: return "mha_bf16";
+    case Kind::MhaBf16Compute: return "mha_bf16_compute";
     case Kind::Sparse: return "sparse";
     case Kind::Hmha: return "hmha";
   }
@@ -103,8 +105,11 @@ std::unique_ptr<Decoding> make(Kind kind, Index batch) {
   const int t = bench_threads();
   switch (kind) {
     case Kind::Mha:
-    case Kind::MhaBf16: {
-      c2f::MultiHeadAttention<float> mha(kEmbed, kHeads, c2f::MultiHeadAttention<float>::Options().causal(true).num_threads(t));
+    case Kind::MhaBf16:
+    case Kind::MhaBf16Compute: {
+      const c2f::Compute compute = kind == Kind::MhaBf16Compute ? c2f::Compute::BFloat16 : c2f::Compute::Float32;
+      c2f::MultiHeadAttention<float> mha(kEmbed, kHeads,
+                                         c2f::MultiHeadAttention<float>::Options().causal(true).num_threads(t).compute(compute));
       if (kind == Kind::Mha) return std::make_unique<DecodingOf<c2f::MultiHeadAttention<float>, float>>(std::move(mha), batch);
       return std::make_unique<DecodingOf<c2f::MultiHeadAttention<float>, Eigen::bfloat16>>(std::move(mha), batch);
     }
@@ -135,8 +140,8 @@ c2f::Tensor3<float> tokens(Index batch, Index n, std::uint64_t seed) {
 // Timed steps of one entry: about 0.3 s of a repetition at an estimated 8 GB/s for the cache scan
 // (mha) or 0.5 ms per step (the others), at least 4 and at most 200.
 Index steps_for(Kind kind, Index batch, Index context) {
-  const double cache = kind == Kind::MhaBf16 ? 2.0 : 4.0;
-  const double seconds = (kind == Kind::Mha || kind == Kind::MhaBf16)
+  const double cache = kind != Kind::Mha ? 2.0 : 4.0;
+  const double seconds = (kind == Kind::Mha || kind == Kind::MhaBf16 || kind == Kind::MhaBf16Compute)
                              ? 2e-4 + double(batch) * double(context) * 2.0 * kEmbed * cache / 8e9
                              : 5e-4 * double(batch);
   return std::clamp<Index>(Index(0.3 / seconds), 4, 200);
@@ -168,8 +173,8 @@ void BM_Decode(benchmark::State& state, Kind kind, bool last) {
   state.counters["new_threads"] = double(thread_count() - threads_before);
   state.counters["threads"] = bench_threads();
   state.counters["steps"] = double(steps);
-  if (kind == Kind::Mha || kind == Kind::MhaBf16) {
-    const double cache = kind == Kind::MhaBf16 ? 2.0 : 4.0;
+  if (kind == Kind::Mha || kind == Kind::MhaBf16 || kind == Kind::MhaBf16Compute) {
+    const double cache = kind != Kind::Mha ? 2.0 : 4.0;
     const double bytes = double(batch) * (double(first) + 0.5 * double(steps)) * 2.0 * kEmbed * cache;
     state.counters["kv_bytes"] = bytes;
     state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
@@ -185,9 +190,9 @@ void register_sweep(bool quick) {
   benchmark::RegisterBenchmark("read", c2f_bench::BM_Read)
       ->Arg(Index(512) << 20)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.2)
       ->Repetitions(5)->ReportAggregatesOnly(true);
-  for (Kind kind : {Kind::Mha, Kind::Sparse, Kind::Hmha, Kind::MhaBf16}) {
+  for (Kind kind : {Kind::Mha, Kind::Sparse, Kind::Hmha, Kind::MhaBf16, Kind::MhaBf16Compute}) {
     for (Index batch : {Index(1), Index(8)}) {
-      if (kind == Kind::MhaBf16 && batch != 1) continue;
+      if ((kind == Kind::MhaBf16 || kind == Kind::MhaBf16Compute) && batch != 1) continue;
       for (Index context = 1024; context <= max_context; context *= 2) {
         const bool last = context * 2 > max_context;
         benchmark::RegisterBenchmark(name_of(kind), BM_Decode, kind, last)

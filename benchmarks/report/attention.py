@@ -237,6 +237,11 @@ def roofline_section(e, lengths, ctx, fma_peak=None):
     out.append(table(["entry", "ms", "GFLOPS", f"% of {name}", "bytes", "GB/s", "% of copy BW", "FLOP/byte",
                       "binding roofline, fraction", "cores"], rows))
     checks = roofline_checks(e, lengths, ctx, gemm_peak)
+    bf16 = [(ms(e[("mha_streaming", L)]) / ms(e[("mha_bf16", L)]), L) for L in lengths if 1024 <= L <= 8192
+            and ("mha_bf16", L) in e and ("mha_streaming", L) in e]
+    if bf16:
+        checks.append(("MHA with Compute::BFloat16, L = 1024 … 8192, ≥ 1.7× the fp32 layer (issue 22)",
+                       ", ".join(f"{L}: {r:.2f}×" for r, L in bf16), min(bf16)[0] >= 1.7))
     if fma_peak:
         mha = [(e[("mha_streaming", L)]["GFLOPS"] / peak, L) for L in lengths if 1024 <= L <= 8192
                and ("mha_streaming", L) in e]

@@ -4,7 +4,8 @@ copy bandwidth. The latency plot is plots.decode_plots()."""
 
 from .common import entries, fmt_bytes, ms, table, targets_table
 
-DECODE_LAYERS = [("mha", "MHA"), ("mha_bf16", "MHA, bf16 cache"), ("sparse", "SparseC2F"), ("hmha", "HMHA")]
+DECODE_LAYERS = [("mha", "MHA"), ("mha_bf16", "MHA, bf16 cache"), ("mha_bf16_compute", "MHA, bf16 cache and compute"),
+                 ("sparse", "SparseC2F"), ("hmha", "HMHA")]
 
 
 def per_token(b):
@@ -51,15 +52,17 @@ def batch_table(e, B, contexts, bw):
         if not m:
             continue
         row = [f"{c // 1024}k", f"{per_token(m):.3f}", f"{m['GB/s']:.1f} ({100 * m['GB/s'] / bw:.0f} %)"]
-        bf = e.get(("mha_bf16", B, c))
-        row.append(f"{per_token(bf):.3f}" if bf else "—")
+        for name in ("mha_bf16", "mha_bf16_compute"):
+            bf = e.get((name, B, c))
+            row.append(f"{per_token(bf):.3f} ({per_token(bf) / per_token(m):.2f}×)" if bf else "—")
         for name in ("sparse", "hmha"):
             b = e.get((name, B, c))
             row.append(f"{per_token(b):.3f} ({per_token(m) / per_token(b):.1f}×)" if b else "—")
         mem = [e.get((name, B, c)) for name in ("mha", "mha_bf16", "sparse", "hmha")]
         row.append(" / ".join(fmt_bytes(b["state_bytes"]) if b else "—" for b in mem))
         rows.append(row)
-    out.append(table(["context", "MHA ms", "MHA GB/s (of copy)", "MHA bf16-cache ms", "SparseC2F ms (vs MHA)",
+    out.append(table(["context", "MHA ms", "MHA GB/s (of copy)", "MHA bf16-cache ms (of MHA)",
+                      "MHA bf16 cache + compute ms (of MHA)", "SparseC2F ms (vs MHA)",
                       "HMHA ms (vs MHA)", "state: MHA / MHA bf16 / SparseC2F / HMHA"], rows))
     return out
 
@@ -73,6 +76,10 @@ def decode_checks(e, batches, contexts, bw):
         checks.append((f"MHA decode ≥ 50 % of the copy bandwidth from 32k context on (B = "
                        f"{', '.join(map(str, batches))})",
                        f"lowest {100 * worst[0]:.0f} % (B = {worst[1]}, {worst[2] // 1024}k)", worst[0] >= 0.5))
+    if ("mha", 1, 32768) in e and ("mha_bf16_compute", 1, 32768) in e:
+        r = per_token(e[("mha_bf16_compute", 1, 32768)]) / per_token(e[("mha", 1, 32768)])
+        checks.append(("MHA decode with bf16 compute and cache ≤ 0.6× the fp32 step at 32k (B = 1; issue 22)",
+                       f"{r:.2f}×", r <= 0.6))
     top = contexts[-1] if contexts else None
     if top == 131072:
         for B in batches:

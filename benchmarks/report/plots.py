@@ -115,7 +115,7 @@ def decode_plots(result, out_dir):
     e = entries(result)
     contexts, batches = contexts_and_batches(e)
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    colors = {"mha": "k", "mha_bf16": "0.5", "sparse": "tab:green", "hmha": "tab:purple"}
+    colors = {"mha": "k", "mha_bf16": "0.5", "mha_bf16_compute": "tab:orange", "sparse": "tab:green", "hmha": "tab:purple"}
     for name, label in DECODE_LAYERS:
         for B, style in zip(batches, ("-o", "--s")):
             cs = [c for c in contexts if (name, B, c) in e]

@@ -55,14 +55,6 @@ inline float bf16_float(std::uint16_t b) {
 /// x rounded to the nearest bfloat16, as a float.
 inline float round_bf16(float x) { return bf16_float(bf16_bits(x)); }
 
-/// Rounds rows × cols values (rows `ld` apart) to bfloat16 values in place.
-template <class Scalar>
-void round_bf16_rows(Scalar* x, Index rows, Index cols, Index ld) {
-  for (Index r = 0; r < rows; ++r) {
-    Scalar* row = x + r * ld;
-    for (Index c = 0; c < cols; ++c) row[c] = static_cast<Scalar>(round_bf16(static_cast<float>(row[c])));
-  }
-}
 
 /// Whether this CPU has AMX-BF16 and Linux lets the process use the tile registers
 /// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once; kernels before 5.16 refuse it).
@@ -358,6 +350,92 @@ inline void bf16_gemm_range(const float* a, Index lda, Index rows, const Bf16Pac
   thread_local Bf16A scratch;
   scratch.prepare(a, lda, rows, k_end - k_begin, b.tiles());
   bf16_gemm(scratch, b, k_begin, k_end, c0, cols, bias, accumulate, c, ldc);
+}
+
+/// A packet of floats rounded to bfloat16 values (round_bf16 on each lane), in registers.
+template <class Packet>
+inline Packet round_bf16_packet(const Packet& x) {
+  constexpr int kP = Eigen::internal::unpacket_traits<Packet>::size;
+#if defined(EIGEN_VECTORIZE_AVX512)
+  if constexpr (kP == 16) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+#endif
+#if defined(EIGEN_VECTORIZE_AVX2)
+  if constexpr (kP == 8) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+#endif
+  alignas(64) float lanes[kP];
+  Eigen::internal::pstore(lanes, x);
+  for (int i = 0; i < kP; ++i) lanes[i] = round_bf16(lanes[i]);
+  return Eigen::internal::pload<Packet>(lanes);
+}
+
+/// Rounds rows × cols values (rows `ld` apart) to bfloat16 values in place (floats a packet at a time).
+template <class Scalar>
+void round_bf16_rows(Scalar* x, Index rows, Index cols, Index ld) {
+  for (Index r = 0; r < rows; ++r) {
+    Scalar* row = x + r * ld;
+    Index c = 0;
+    if constexpr (std::is_same<Scalar, float>::value) {
+      using Packet = typename GemmBlocking<float>::Packet;
+      for (; c + GemmBlocking<float>::kP <= cols; c += GemmBlocking<float>::kP) {
+        Eigen::internal::pstoreu(row + c, round_bf16_packet(Eigen::internal::ploadu<Packet>(row + c)));
+      }
+    }
+    for (; c < cols; ++c) row[c] = static_cast<Scalar>(round_bf16(static_cast<float>(row[c])));
+  }
+}
+
+/// Fewer rows than this take bf16_gemm_rows (no packing) in kernels::matmul_rows.
+constexpr Index kBf16PackedMinRows = 32;
+
+/// The bfloat16 product of few rows without packing B: for i < rows, o < cols
+///   c[i·ldc + o] = Σ_k round(a[i·lda + k]) · round(w[o·ldw + k]) (+ bias[o])
+/// — B = wᵀ read in place, w's rows rounded in registers; for a decode step, whose one row would not pay
+/// for packing the weight. The sums are in fp32, in another order than bf16_gemm's.
+inline void bf16_gemm_rows(const float* a, Index lda, Index rows, const float* w, Index ldw, Index depth, Index cols,
+                           const float* bias, float* c, Index ldc) {
+  using Packet = typename GemmBlocking<float>::Packet;
+  constexpr Index kP = GemmBlocking<float>::kP;
+  thread_local std::vector<float> rounded;
+  rounded.resize(static_cast<std::size_t>(std::max<Index>(1, rows * depth)));
+  for (Index i = 0; i < rows; ++i) {
+    for (Index k = 0; k < depth; ++k) rounded[static_cast<std::size_t>(i * depth + k)] = round_bf16(a[i * lda + k]);
+  }
+  const float* ar = rounded.data();
+  for (Index i0 = 0; i0 < rows; i0 += 4) {
+    const Index ni = std::min<Index>(4, rows - i0);
+    for (Index o = 0; o < cols; ++o) {
+      const float* wo = w + o * ldw;
+      Packet acc[4] = {Eigen::internal::pset1<Packet>(0.0f), Eigen::internal::pset1<Packet>(0.0f),
+                       Eigen::internal::pset1<Packet>(0.0f), Eigen::internal::pset1<Packet>(0.0f)};
+      Index k = 0;
+      for (; k + kP <= depth; k += kP) {
+        const Packet wv = round_bf16_packet(Eigen::internal::ploadu<Packet>(wo + k));
+        for (Index i = 0; i < ni; ++i) {
+          acc[i] = Eigen::internal::pmadd(Eigen::internal::ploadu<Packet>(ar + (i0 + i) * depth + k), wv, acc[i]);
+        }
+      }
+      for (Index i = 0; i < ni; ++i) {
+        float sum = Eigen::internal::predux(acc[i]);
+        for (Index kk = k; kk < depth; ++kk) sum += ar[(i0 + i) * depth + kk] * round_bf16(wo[kk]);
+        c[(i0 + i) * ldc + o] = bias != nullptr ? bias[o] + sum : sum;
+      }
+    }
+  }
 }
 
 /// Configures this thread's tile registers for bf16_gemm_range while it lives (where the engine is the

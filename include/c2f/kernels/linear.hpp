@@ -72,6 +72,22 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
       // Every element is one sum over the whole depth whatever task computes it: the bits depend on the
       // shape and the engine only.
       if (n == 0) return;
+      // Few rows (a decode step): B read in place where it is a weight's transpose, [out, in] row-major.
+      if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) {
+        if (n < detail::kBf16PackedMinRows && !detail::honoured_rows_independent(options.rows_independent()) &&
+            rhs.rowStride() == 1) {
+          // Work: the multiply-adds and the rounding of every weight in registers (a few operations each).
+          const double rounding = 4.0 * detail::kElementWork * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
+          detail::row_col_tasks(n, out_cols, kBf16RowChunk, kPackedWideRows, kPackedColChunk, options, work + rounding,
+                                [&](Index r0, Index rows, Index c0, Index cols) {
+                                  detail::bf16_gemm_rows(x.data() + r0 * x.outerStride(), x.outerStride(), rows,
+                                                         rhs.data() + c0 * rhs.colStride(), rhs.colStride(), x.cols(), cols,
+                                                         bias != nullptr ? bias + c0 : nullptr,
+                                                         y.data() + r0 * y.outerStride() + c0, y.outerStride());
+                                });
+          return;
+        }
+      }
       detail::Bf16PackedB packed;
       packed.pack(rhs, options.num_threads());
       detail::row_col_tasks(n, out_cols, kBf16RowChunk, kPackedWideRows, kPackedColChunk, options, work,

@@ -546,8 +546,12 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
       const Index nj = std::min(bk, last - j0);
       const BlockMask status = mask.classify(b, 0, n, j0, nj);
       if (status == BlockMask::Skip) continue;
-      // A narrow cache converts the block of every head at once (one sequential read), into kb / vb.
-      const bool copies = bf16 || !std::is_same<KV, Scalar>::value;
+      // A bfloat16 cache is read in place by the row-by-row kernels (widened in registers: exact, the bits
+      // of the converted block) where the mask does not cut through the block; elsewhere a narrow cache
+      // converts the block of every head at once (one sequential read), into kb / vb.
+      constexpr bool kWidenInPlace = std::is_same<Scalar, float>::value && std::is_same<KV, Eigen::bfloat16>::value;
+      const bool in_place = kWidenInPlace && by_row && status == BlockMask::Clear;
+      const bool copies = !in_place && (bf16 || !std::is_same<KV, Scalar>::value);
       if (copies) {
         c2f::detail::convert_block<Scalar>(k.rows(b, j0, nj), ws.kb);
         c2f::detail::convert_block<Scalar>(v.rows(b, j0, nj), ws.vb);
@@ -569,7 +573,12 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
         key_rows = ws.kb.data(), key_stride = ws.kb.outerStride();
         value_rows = ws.vb.data(), value_stride = ws.vb.outerStride();
       }
-      if (by_row) {
+      if (by_row && in_place) {
+        if constexpr (kWidenInPlace) {
+          c2f::detail::head_scores_by_row<Scalar, KV>(ws.q.data(), heads, n, dk, k.rows(b, j0, nj).data(), k.row_stride, nj,
+                                                      ws.s.data(), ws.s.outerStride());
+        }
+      } else if (by_row) {
         c2f::detail::head_scores_by_row(ws.q.data(), heads, n, dk, key_rows, key_stride, nj, ws.s.data(), ws.s.outerStride());
       }
       for (Index h = 0; h < heads; ++h) {
@@ -600,7 +609,12 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
           ah.noalias() += s * vblock;
         }
       }
-      if (by_row) {  // every other head's weighted values, one pass over the value rows
+      if (by_row && in_place) {  // (no head is guarded: the block is not cut by the mask)
+        if constexpr (kWidenInPlace) {
+          c2f::detail::head_values_by_row<Scalar, KV>(ws.s.data(), ws.s.outerStride(), heads, n, v.rows(b, j0, nj).data(),
+                                                      v.row_stride, nj, dv, acc.data());
+        }
+      } else if (by_row) {  // every other head's weighted values, one pass over the value rows
         c2f::detail::head_values_by_row(ws.s.data(), ws.s.outerStride(), heads, n, value_rows, value_stride, nj, dv,
                                         acc.data(), ws.guarded.data());
       }
