@@ -393,4 +393,55 @@ TEST(C2FMultiHeadArticle, CoarseAttentionIsMultiHeadAttentionWithQkvProjNames) {
   EXPECT_TRUE(same_bits(coarse.forward(x), mha.forward(x)));
 }
 
+
+// --- Compute::BFloat16 (docs/bf16.md) -------------------------------------------------------------------
+
+// The article's C2FAttention in fp32 and under torch.autocast("cpu", bfloat16) (tests/data/bf16): c2f's
+// bfloat16 layer within 2e-2 · max|y| of both on the folded and the general fine path, on both engines,
+// the same bits for 1 and 2 threads; the printed figures are docs/bf16.md's.
+TEST(C2fBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
+  const StateDict sd = c2f::load_safetensors(c2f_test::data_path("bf16/c2f_chunk8_l64_f32.safetensors"));
+  const Tensor3<float> x = c2f_test::tensor3<float>(sd, "x");
+  const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
+  const auto relative = [](const float* a, const std::vector<float>& b) {
+    double diff = 0, scale = 0;
+    for (std::size_t i = 0; i < b.size(); ++i) {
+      diff = std::max(diff, std::abs(double(a[i]) - double(b[i])));
+      scale = std::max(scale, std::abs(double(b[i])));
+    }
+    return diff / scale;
+  };
+  const bool allowed = c2f::get_bf16_tiles();
+  for (FinePath path : {FinePath::Folded, FinePath::General}) {
+    for (bool tiles : {true, false}) {
+      c2f::set_bf16_tiles(tiles);
+      const char* engine = tiles && c2f::detail::cpu_has_amx_bf16() ? "tiles" : "fallback";
+      C2FAttention<float> m(meta_index(sd, "d_model"), meta_index(sd, "num_heads"), meta_index(sd, "chunk_size"),
+                            C2FAttention<float>::Options().fine_path(path).compute(c2f::Compute::BFloat16).num_threads(2));
+      m.load_state_dict(sd, "c2f.");
+      const Tensor3<float> y = m.forward(x);
+      m.set_num_threads(1);
+      EXPECT_TRUE(same_bits(m.forward(x), y)) << engine;
+      const double vs_autocast = relative(y.data(), autocast), vs_fp32 = relative(y.data(), fp32);
+      std::printf("[bf16] c2f_chunk8_l64 (%s path), %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, vs torch fp32 %.2e "
+                  "(torch autocast vs fp32 %.2e)\n",
+                  path == FinePath::Folded ? "folded" : "general", engine, vs_autocast, vs_fp32, relative(autocast.data(), fp32));
+      EXPECT_LE(vs_autocast, 2e-2) << engine;
+      EXPECT_LE(vs_fp32, 2e-2) << engine;
+      EXPECT_GT(vs_fp32, 1e-5) << engine << ": no rounding (fp32 products?)";
+    }
+  }
+  c2f::set_bf16_tiles(allowed);
+  TestRng rng(0xbf21);
+  const Tensor3<float> tokens = rng.tensor<float>(1, 16, 8);
+  const C2FAttention<float> bf16(8, 2, 4, C2FAttention<float>::Options().compute(c2f::Compute::BFloat16));
+  EXPECT_THROW((void)bf16.forward_train(tokens, c2f::Masks<float>(), 0), std::invalid_argument);
+  try {
+    C2FAttention<double> bad(8, 2, 4, C2FAttention<double>::Options().compute(c2f::Compute::BFloat16));
+    ADD_FAILURE() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("compute BFloat16 needs float, got double"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace

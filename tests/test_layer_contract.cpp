@@ -96,6 +96,25 @@ class LayerContract : public ::testing::Test {
   static std::string what(const char* property, std::size_t mask_set) {
     return std::string(E::name) + ": " + property + (mask_set ? " (with masks)" : "");
   }
+  /// Whether the entry computes in bfloat16 (docs/bf16.md).
+  static bool bf16() {
+    if constexpr (std::is_base_of<c2f::ComputeOption<OptionsType>, OptionsType>::value) {
+      return E::make(OptionsType()).options().compute() == c2f::Compute::BFloat16;
+    } else {
+      return false;
+    }
+  }
+  /// A bfloat16 layer's forward_train refuses, naming the reason (its backward pass is fp32).
+  static void expect_training_refused() {
+    TestRng rng(1016);
+    const LayerType layer = random_layer(26);
+    try {
+      (void)E::forward_train(layer, input(rng, kBatch, kLength), {});
+      ADD_FAILURE() << E::name << ": forward_train in bfloat16 did not refuse";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("forward_train needs compute Float32"), std::string::npos) << e.what();
+    }
+  }
 
  private:
   double saved_work_ = 0;
@@ -385,6 +404,8 @@ TYPED_TEST_P(LayerContract, ForwardTrainWithoutDropoutHasTheForwardBits) {
   using S = typename TestFixture::ScalarType;
   if constexpr (!c2f_test::HasTrain<typename TestFixture::LayerType>::value) {
     GTEST_SKIP() << TypeParam::name << " does not train yet";
+  } else if (TestFixture::bf16()) {
+    TestFixture::expect_training_refused();
   } else {
     TestRng rng(1012);
     const typename TestFixture::LayerType layer = TestFixture::random_layer(22);
@@ -403,6 +424,8 @@ TYPED_TEST_P(LayerContract, GradientsHaveTheStateDictNamesAndTheInputShape) {
   using S = typename TestFixture::ScalarType;
   if constexpr (!c2f_test::HasTrain<typename TestFixture::LayerType>::value) {
     GTEST_SKIP() << TypeParam::name << " does not train yet";
+  } else if (TestFixture::bf16()) {
+    TestFixture::expect_training_refused();
   } else {
     TestRng rng(1013);
     const typename TestFixture::LayerType layer = TestFixture::random_layer(23);
@@ -435,6 +458,8 @@ TYPED_TEST_P(LayerContract, GradientBitsDoNotDependOnThreadCount) {
   using S = typename TestFixture::ScalarType;
   if constexpr (!c2f_test::HasTrain<typename TestFixture::LayerType>::value) {
     GTEST_SKIP() << TypeParam::name << " does not train yet";
+  } else if (TestFixture::bf16()) {
+    TestFixture::expect_training_refused();
   } else {
     TestRng rng(1014);
     typename TestFixture::LayerType layer = TestFixture::random_layer(24);
@@ -461,6 +486,8 @@ TYPED_TEST_P(LayerContract, BackwardRefusesAWrongDyOrAnotherSavedState) {
   using S = typename TestFixture::ScalarType;
   if constexpr (!c2f_test::HasTrain<typename TestFixture::LayerType>::value) {
     GTEST_SKIP() << TypeParam::name << " does not train yet";
+  } else if (TestFixture::bf16()) {
+    TestFixture::expect_training_refused();
   } else {
     TestRng rng(1015);
     typename TestFixture::LayerType layer = TestFixture::random_layer(25);

@@ -44,6 +44,7 @@ std::vector<OptionSpec<typename Entry::Options>> all_options() {
   std::vector<OptionSpec<Options>> all = {C2F_PY_OPTION(num_threads), C2F_PY_OPTION(seed)};
   if constexpr (std::is_base_of<c2f::BiasOption<Options>, Options>::value) all.push_back(C2F_PY_OPTION(bias));
   if constexpr (std::is_base_of<c2f::CausalOption<Options>, Options>::value) all.push_back(C2F_PY_OPTION(causal));
+  if constexpr (std::is_base_of<c2f::ComputeOption<Options>, Options>::value) all.push_back(C2F_PY_OPTION(compute));
   if constexpr (std::is_base_of<c2f::AttnKernelOptions<Options>, Options>::value) {
     all.insert(all.end(), {C2F_PY_OPTION(kernel), C2F_PY_OPTION(query_block), C2F_PY_OPTION(key_block)});
   }

@@ -238,6 +238,11 @@ struct EnumNames<c2f::AttnKernel> {
                                                                        {c2f::AttnKernel::Naive, "naive"}};
 };
 template <>
+struct EnumNames<c2f::Compute> {
+  static constexpr std::pair<c2f::Compute, const char*> values[] = {{c2f::Compute::Float32, "float32"},
+                                                                    {c2f::Compute::BFloat16, "bfloat16"}};
+};
+template <>
 struct EnumNames<c2f::FinePath> {
   static constexpr std::pair<c2f::FinePath, const char*> values[] = {
       {c2f::FinePath::Auto, "auto"}, {c2f::FinePath::Folded, "folded"}, {c2f::FinePath::General, "general"}};

@@ -112,6 +112,28 @@ def test_mha_kernels_and_threads_agree(kernel):
     np.testing.assert_array_equal(outs[0], outs[1])  # the same bits for any thread count
 
 
+def test_mha_bfloat16_compute():
+    """compute="bfloat16" (docs/bf16.md): within 2e-2 · max|y| of torch under torch.autocast("cpu",
+    bfloat16) and of fp32, not equal to fp32 (it rounds), the same bits for any thread count; a double
+    layer and an unknown name are refused."""
+    ref, _ = mha_pair("float32")
+    x = tokens(2, 70, E)
+    outs = [c2f_layer("MultiHeadAttention", ref, "float32", E, H, compute="bfloat16", num_threads=t)(x)
+            for t in (1, 2)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    want = ref(x, x.clone(), x.clone(), need_weights=False)[0].detach().numpy()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = ref(x, x.clone(), x.clone(), need_weights=False)[0].float().detach().numpy()
+    scale = np.abs(want).max()
+    assert np.abs(outs[0] - want).max() <= 2e-2 * scale
+    assert np.abs(outs[0] - autocast).max() <= 2e-2 * scale
+    assert np.abs(outs[0] - want).max() > 1e-6 * scale
+    with pytest.raises(ValueError, match="compute BFloat16 needs float, got double"):
+        c2f.MultiHeadAttention(E, H, dtype="float64", compute="bfloat16")
+    with pytest.raises((ValueError, TypeError), match="compute"):
+        c2f.MultiHeadAttention(E, H, compute="fp8")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The coarse-to-fine article's modules (tests/reference/c2f_reference.py); masks 1 = keep.
 

@@ -536,6 +536,27 @@ def gen_bf16(family_dir: Path) -> List[dict]:
                 "torch_version": torch_version(), "description": c.description}
         entries.append({"name": c.name, "files": {"f32": write_case(family_dir, c.name, "f32", tensors, meta)},
                         **{k: meta[k] for k in sorted(meta)}})
+    # The coarse-to-fine article's C2FAttention (c2f_reference.py), the same two ways.
+    c = C2fCase("c2f_chunk8_l64", 1103, "the article's C2FAttention, d_model 64, 4 heads, chunk 8, L = 64, batch 2",
+                module="c2f", seq_len=64, chunk=8, d_model=64, n_heads=4)
+    params, inputs = _c2f_parameters(c), _c2f_inputs(c)
+    mod = c2f_ref.C2FAttention(c.d_model, c.n_heads, chunk_size=c.chunk)
+    mod.load_state_dict({k: torch.from_numpy(v.astype(np.float32)) for k, v in params.items()}, strict=True)
+    mod.eval()
+    x = torch.from_numpy(inputs["x"].astype(np.float32))
+    with torch.no_grad():
+        out = mod(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out_bf16 = mod(x)
+    tensors = {f"c2f.{k}": to_numpy(t) for k, t in mod.state_dict().items()}
+    tensors["x"] = inputs["x"].astype(np.float32)
+    tensors["output"] = to_numpy(out)
+    tensors["output_autocast"] = to_numpy(out_bf16.float())
+    meta = {"d_model": str(c.d_model), "num_heads": str(c.n_heads), "chunk_size": str(c.chunk), "batch": str(c.batch),
+            "seq_len": str(c.seq_len), "seed": str(c.seed), "autocast_dtype": str(out_bf16.dtype),
+            "torch_version": torch_version(), "description": c.description}
+    entries.append({"name": c.name, "files": {"f32": write_case(family_dir, c.name, "f32", tensors, meta)},
+                    **{k: meta[k] for k in sorted(meta)}})
     return entries
 
 

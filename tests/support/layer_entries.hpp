@@ -169,6 +169,14 @@ C2F_LAYER(HMHA, c2f::HMHA<float>, kWidth, 2, 4, o);
 C2F_LAYER(CausalHMHA, c2f::HMHA<float>, kWidth, 2, 6, o.causal(true));
 C2F_LAYER(SparseC2FAttention, c2f::SparseC2FAttention<float>, kWidth, 2, 4, 3, o);
 C2F_LAYER(CausalSparseC2FAttention, c2f::SparseC2FAttention<float>, kWidth, 2, 4, 16, o.causal(true));
+// Compute::BFloat16 (docs/bf16.md): the layers that have it.
+C2F_LAYER(LinearBf16, c2f::Linear<float>, kWidth, 5, o.compute(c2f::Compute::BFloat16));
+C2F_LAYER(MultiHeadAttentionBf16, c2f::MultiHeadAttention<float>, kWidth, 2, o.compute(c2f::Compute::BFloat16));
+C2F_LAYER(CausalMultiHeadAttentionBf16, c2f::MultiHeadAttention<float>, kWidth, 2,
+          o.causal(true).key_block(32).compute(c2f::Compute::BFloat16));
+C2F_LAYER(C2FAttentionBf16, c2f::C2FAttention<float>, kWidth, 2, 4, o.compute(c2f::Compute::BFloat16));
+C2F_LAYER(C2FAttentionGeneralPathBf16, c2f::C2FAttention<float>, kWidth, 2, 6,
+          o.fine_path(c2f::FinePath::General).compute(c2f::Compute::BFloat16));
 // clang-format on
 
 // ------------------------------------------------------------------------------------------------
@@ -210,9 +218,10 @@ Masks<S> every_mask(Index batch, Index seq, MaskFields fields) {
 using AllLayers = ::testing::Types<Linear, Conv1d, CausalConv1d, C3K2Projection, CausalC3K2Projection, MultiHeadAttention,
                                    MultiHeadAttentionF64, CausalMultiHeadAttention, CoarseAttention, FineAttention,
                                    C2FAttention, C2FAttentionGeneralPath, C2FAttention2D, HMHA, CausalHMHA,
-                                   SparseC2FAttention, CausalSparseC2FAttention>;
+                                   SparseC2FAttention, CausalSparseC2FAttention, LinearBf16, MultiHeadAttentionBf16,
+                                   CausalMultiHeadAttentionBf16, C2FAttentionBf16, C2FAttentionGeneralPathBf16>;
 using CausalLayers = ::testing::Types<CausalConv1d, CausalC3K2Projection, CausalMultiHeadAttention, CausalHMHA,
-                                      CausalSparseC2FAttention>;
+                                      CausalSparseC2FAttention, CausalMultiHeadAttentionBf16>;
 
 /// gtest's names for the typed suites: the entry's name.
 struct EntryNames {

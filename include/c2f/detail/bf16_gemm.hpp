@@ -15,6 +15,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/options.hpp"
 #include "c2f/detail/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/scratch.hpp"
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && defined(__linux__)
@@ -55,6 +57,26 @@ inline float bf16_float(std::uint16_t b) {
 /// x rounded to the nearest bfloat16, as a float.
 inline float round_bf16(float x) { return bf16_float(bf16_bits(x)); }
 
+
+/// x rounded to bfloat16 (Compute::BFloat16's operands), as a functor for Eigen's unaryExpr.
+template <class Scalar>
+struct RoundBf16 {
+  template <class T>
+  Scalar operator()(const T& x) const { return static_cast<Scalar>(round_bf16(static_cast<float>(x))); }
+};
+
+/// Whether `options` ask for bfloat16 products; "<kernel>: compute BFloat16 needs float ..." when they do
+/// for another Scalar (or, unless `narrow_kv`, keys and values of another type).
+template <class Scalar, class KV = Scalar>
+bool check_compute(const char* kernel, Compute compute, bool narrow_kv = false) {
+  if (compute != Compute::BFloat16) return false;
+  if (!std::is_same<Scalar, float>::value || !(std::is_same<KV, float>::value || (narrow_kv && !std::is_same<KV, double>::value))) {
+    fail(kernel, ": compute BFloat16 needs float queries, keys and values, got ",
+         std::is_same<Scalar, double>::value ? "double" : "float", " queries and ",
+         std::is_same<KV, float>::value ? "float" : (std::is_same<KV, double>::value ? "double" : "16-bit"), " keys");
+  }
+  return true;
+}
 
 /// Whether this CPU has AMX-BF16 and Linux lets the process use the tile registers
 /// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once; kernels before 5.16 refuse it).

@@ -13,6 +13,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/bf16_gemm.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/masked_values.hpp"
 #include "c2f/detail/parallel.hpp"
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace c2f {
@@ -200,6 +202,8 @@ void chunk_mean_backward_add(const Eigen::Ref<const RowMatrix<Scalar>>& dmeans, 
 /// run order, so the bits do not depend on the thread count). A block of one run (a chunk) is exactly
 /// softmax then Σ p x. Working memory: heads × (longest run + d) values per worker. The two products
 /// per run read the run in place (detail/small_gemm.hpp): no packed copy of x.
+/// With options.compute() == Compute::BFloat16 (float only) the products' operands are rounded to
+/// bfloat16 — qk, x (in registers) and the probabilities — and summed in fp32 (docs/bf16.md).
 template <class Scalar, class Grid, class Bias>
 void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
                            const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads,
@@ -212,10 +216,29 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
   detail::check_shape("fine_attention_folded", "qk", qk, grid.blocks(), heads * d);
   detail::check_shape("fine_attention_folded", "pooled", pooled, grid.blocks(), heads * d);
   detail::check_shape("fine_attention_folded", "mass", mass, grid.blocks(), heads);
+  const bool bf16 = detail::check_compute<Scalar>("fine_attention_folded", options.compute());
   struct Workspace {
     RowMatrix<Scalar> p, o;            // one run: scores [heads, run length] and pooled rows [heads, d]
     Vector<Scalar> max, sum;           // per head: the block's running max and softmax sum
     Vector<Scalar> run_max, run_sum;   // per head: the run's
+    RowMatrix<Scalar> q16;             // Compute::BFloat16: the block's qk rounded
+  };
+  // The run's two products, x rounded in registers for Compute::BFloat16.
+  constexpr bool kFloat = std::is_same<Scalar, float>::value;  // bf16 holds only for float (checked above)
+  const auto scores = [&](const Scalar* q, const Scalar* xs, Index n, Scalar* p, const Scalar* next, Index next_n) {
+    if (bf16) {
+      detail::dot_rows<Scalar, kFloat>(q, heads, d, xs, x.outerStride(), n, p, n, next, next_n);
+    } else {
+      detail::dot_rows<Scalar>(q, heads, d, xs, x.outerStride(), n, p, n, next, next_n);
+    }
+  };
+  const auto pool = [&](Scalar* p, Index n, const Scalar* xs, Scalar* o) {
+    if (bf16) {
+      detail::round_bf16_rows(p, heads, n, n);
+      detail::weighted_rows<Scalar, kFloat>(p, n, heads, n, xs, x.outerStride(), d, o, d);
+    } else {
+      detail::weighted_rows<Scalar>(p, n, heads, n, xs, x.outerStride(), d, o, d);
+    }
   };
   const double work = static_cast<double>(grid.tokens() * heads) * (4.0 * static_cast<double>(d) + detail::kElementWork);
   detail::parallel_for_each_worker<Workspace>(grid.blocks(), options.num_threads(), work, [&](Index c, Workspace& ws) {
@@ -225,16 +248,19 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
       ws.run_max.resize(heads);
       ws.run_sum.resize(heads);
     }
-    const Eigen::Map<const RowMatrix<Scalar>> q(qk.row(c).data(), heads, d);
+    const Scalar* q = qk.row(c).data();
+    if (bf16) {
+      ws.q16 = Eigen::Map<const RowMatrix<Scalar>>(q, heads, d).unaryExpr(detail::RoundBf16<Scalar>());
+      q = ws.q16.data();
+    }
     Eigen::Map<RowMatrix<Scalar>> acc(pooled.row(c).data(), heads, d);
     for (Index s = 0, j0 = 0; s < grid.segments(c); ++s) {
       const Index n = grid.segment_length(c, s);
       const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstRowsBlockXpr xs = x.middleRows(grid.segment_row(c, s), n);
       if (ws.p.rows() != heads || ws.p.cols() != n) ws.p.resize(heads, n);
       const bool more = s + 1 < grid.segments(c);  // the next run, read ahead while this one is scored
-      detail::dot_rows(q.data(), heads, d, xs.data(), x.outerStride(), n, ws.p.data(), n,
-                       more ? x.data() + grid.segment_row(c, s + 1) * x.outerStride() : nullptr,
-                       more ? grid.segment_length(c, s + 1) : 0);  // p = q xsᵀ
+      scores(q, xs.data(), n, ws.p.data(), more ? x.data() + grid.segment_row(c, s + 1) * x.outerStride() : nullptr,
+             more ? grid.segment_length(c, s + 1) : 0);  // p = q xsᵀ
       for (Index h = 0; h < heads; ++h) {
         for (Index j = 0; j < n; ++j) ws.p(h, j) = detail::add_bias(ws.p(h, j), bias(c, h, j0 + j));
         const bool visible = detail::softmax_row(ws.p.row(h), &ws.run_max[h], &ws.run_sum[h]);
@@ -242,14 +268,14 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
       }
       j0 += n;
       if (s == 0) {
-        detail::weighted_rows(ws.p.data(), n, heads, n, xs.data(), x.outerStride(), d, acc.data(), d);  // p xs
+        pool(ws.p.data(), n, xs.data(), acc.data());  // p xs
         ws.max = ws.run_max;
         ws.sum = ws.run_sum;
         continue;
       }
       // Merge the run into the block: o_block = (L·e^(M−M')·o_block + l·e^(m−M')·o_run) / (L·e^(M−M') + l·e^(m−M')).
       if (ws.o.rows() != heads || ws.o.cols() != d) ws.o.resize(heads, d);
-      detail::weighted_rows(ws.p.data(), n, heads, n, xs.data(), x.outerStride(), d, ws.o.data(), d);
+      pool(ws.p.data(), n, xs.data(), ws.o.data());
       for (Index h = 0; h < heads; ++h) {
         const Scalar l = ws.run_sum[h], m = ws.run_max[h];
         if (l == Scalar(0)) continue;  // every key of this run is masked for head h

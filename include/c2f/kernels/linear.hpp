@@ -128,8 +128,16 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
 /// Heap bytes matmul_rows() (and linear()) hold while they run for an [n, k] · [k, out] product: the
 /// packed right-hand side on the packed path (detail::kPackedGemm builds with n ≥ kPackedGemmMinRows, or
 /// KernelOptions::rows_independent), else nothing (Eigen's product blocks on the stack at these sizes).
+/// Compute::BFloat16: the bfloat16 packing of the engine in use (none below kBf16PackedMinRows rows of a
+/// weight's transpose without rows_independent); the rounded rows of A are a per-thread buffer kept
+/// between calls, not counted.
 template <class Scalar>
-std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out, bool rows_independent = false) {
+std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out, bool rows_independent = false,
+                                        Compute compute = Compute::Float32) {
+  if (compute == Compute::BFloat16) {
+    if (n == 0 || (n < detail::kBf16PackedMinRows && !detail::honoured_rows_independent(rows_independent))) return 0;
+    return detail::Bf16PackedB::bytes(k, out, detail::bf16_tiles());
+  }
   return detail::packed_gemm_for(n, rows_independent) ? detail::PackedB<Scalar>::bytes(k, out) : 0;
 }
 

@@ -97,26 +97,6 @@ Scalar dropout_scale(const kernels::AttnDropout& d) {
   return static_cast<Scalar>(1.0 / (1.0 - d.p));
 }
 
-/// x rounded to bfloat16 (Compute::BFloat16's operands), as a functor for Eigen's unaryExpr.
-template <class Scalar>
-struct RoundBf16 {
-  template <class T>
-  Scalar operator()(const T& x) const { return static_cast<Scalar>(round_bf16(static_cast<float>(x))); }
-};
-
-/// Whether `options` ask for bfloat16 products; "<kernel>: compute BFloat16 needs float ..." when they do
-/// for another Scalar (or, unless `narrow_kv`, keys and values of another type).
-template <class Scalar, class KV = Scalar>
-bool check_compute(const char* kernel, const kernels::KernelOptions& options, bool narrow_kv = false) {
-  if (options.compute() != Compute::BFloat16) return false;
-  if (!std::is_same<Scalar, float>::value || !(std::is_same<KV, float>::value || (narrow_kv && !std::is_same<KV, double>::value))) {
-    fail(kernel, ": compute BFloat16 needs float queries, keys and values, got ",
-         std::is_same<Scalar, double>::value ? "double" : "float", " queries and ",
-         std::is_same<KV, float>::value ? "float" : (std::is_same<KV, double>::value ? "double" : "16-bit"), " keys");
-  }
-  return true;
-}
-
 /// The body of sdpa_naive and sdpa_naive_train: weights, lse ([batch·heads, queries]) and dropout each
 /// optional (nullptr).
 template <class Scalar>
@@ -128,7 +108,7 @@ void sdpa_naive_impl(const char* kernel, const kernels::HeadsView<const Scalar>&
   check_sdpa(kernel, q, k, v, out, mask, scale);
   const Index lq = q.seq, lk = k.seq;
   const bool drop = dropout != nullptr && dropout->active();
-  const bool bf16 = check_compute<Scalar>(kernel, options);
+  const bool bf16 = check_compute<Scalar>(kernel, options.compute());
   const double work = attention_work(q.batch * q.heads, lq, lk, q.dim, v.dim);
   parallel_for(q.batch * q.heads, options.num_threads(), work, [&](Index task, int) {
     const Index b = task / q.heads, h = task % q.heads;
@@ -267,6 +247,9 @@ bool streaming_packed(const kernels::KernelOptions& options, Index lq, Index lk)
   return (kPackedGemm || ri) && std::is_same<KV, Scalar>::value && (lq >= kPackedAttentionMinQueries || ri) &&
          (bk % GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
 }
+/// Whether sdpa_streaming's bfloat16 products run on the tile engine for key blocks of bk over lk keys: the
+/// CPU has it (and set_bf16_tiles allows it), and every key block starts on a 32-row tile step.
+inline bool streaming_bf16_tiles(Index bk, Index lk) { return bf16_tiles() && (bk % kTileK == 0 || bk >= lk); }
 /// The body of sdpa_streaming, sdpa_streaming_lse and sdpa_train (lse: nullptr, or [batch·heads, queries];
 /// dropout: nullptr or the probabilities' dropout).
 template <class Scalar, class KV>
@@ -280,10 +263,20 @@ namespace kernels {
 
 /// Bytes of scratch memory one worker of sdpa_streaming uses for lq queries over lk keys: at most
 /// query_block × key_block scores, whatever the lengths.
+/// Compute::BFloat16 adds the query block and a block of probabilities rounded (bf16 in whole 32-row,
+/// 32-column tiles on the tile engine, floats on the fallback).
 template <class Scalar>
 std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index qk_dim, Index v_dim, Index lq, Index lk) {
   const auto [bq, bk] = c2f::detail::streaming_blocks(options, lq, lk);
-  return sizeof(Scalar) *
+  std::size_t rounded = 0;
+  if (options.compute() == Compute::BFloat16) {
+    using c2f::detail::ceil_div;
+    using c2f::detail::kTileK;
+    rounded = c2f::detail::streaming_bf16_tiles(bk, lk)
+                  ? 2 * static_cast<std::size_t>(ceil_div(bq, kTileK) * kTileK * (ceil_div(qk_dim, kTileK) + ceil_div(bk, kTileK)) * kTileK)
+                  : 4 * static_cast<std::size_t>(bq * (qk_dim + bk));
+  }
+  return rounded + sizeof(Scalar) *
          static_cast<std::size_t>(bq * qk_dim + bq * c2f::detail::score_stride<Scalar>(bk) + bq * v_dim + 3 * bq);
 }
 
@@ -292,6 +285,11 @@ std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index q
 template <class Scalar>
 std::size_t sdpa_streaming_shared_bytes(const KernelOptions& options, Index pairs, Index qk_dim, Index v_dim, Index lq,
                                         Index lk) {
+  if (options.compute() == Compute::BFloat16) {  // every head's keys and values packed for bf16_gemm
+    const bool tiles = c2f::detail::streaming_bf16_tiles(c2f::detail::streaming_blocks(options, lq, lk).second, lk);
+    return static_cast<std::size_t>(pairs) *
+           (c2f::detail::Bf16PackedB::bytes(qk_dim, lk, tiles) + c2f::detail::Bf16PackedB::bytes(lk, v_dim, tiles));
+  }
   if (!c2f::detail::streaming_packed<Scalar>(options, lq, lk)) return 0;
   return static_cast<std::size_t>(pairs) *
          (c2f::detail::PackedB<Scalar>::bytes(qk_dim, lk) + c2f::detail::PackedB<Scalar>::bytes(lk, v_dim));
@@ -352,7 +350,7 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const bool drop = dropout != nullptr && dropout->active();
   const Scalar kept_scale = drop ? c2f::detail::dropout_scale<Scalar>(*dropout) : Scalar(1);
-  const bool bf16 = c2f::detail::check_compute<Scalar, KV>(kernel, options, true);
+  const bool bf16 = c2f::detail::check_compute<Scalar, KV>(kernel, options.compute(), true);
 
   struct Workspace {
     RowMatrix<Scalar> q, s, acc, kv;  // kv: a converted key or value block (KV ≠ Scalar)
@@ -374,7 +372,7 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
     if (bf16) {
       packed_k16.resize(static_cast<std::size_t>(q.batch * q.heads));
       packed_v16.resize(packed_k16.size());
-      const bool tiles = bk % c2f::detail::kTileK == 0 || bk >= lk;
+      const bool tiles = c2f::detail::streaming_bf16_tiles(bk, lk);
       const double copy_work = c2f::detail::kElementWork * static_cast<double>(q.batch * q.heads * lk * (dk + dv));
       c2f::detail::parallel_for(q.batch * q.heads, options.num_threads(), copy_work, [&](Index bh, int) {
         const Index b = bh / q.heads, h = bh % q.heads;
@@ -507,7 +505,7 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
   c2f::detail::check_sdpa("sdpa_split_keys", q, k, v, out, mask, scale);
   // Compute::BFloat16: the queries, the key and value blocks (copied, as a narrow cache's are) and the
   // probabilities rounded to bfloat16, the same products in fp32.
-  const bool bf16 = c2f::detail::check_compute<Scalar, KV>("sdpa_split_keys", options, true);
+  const bool bf16 = c2f::detail::check_compute<Scalar, KV>("sdpa_split_keys", options.compute(), true);
   const Index bk = std::max<Index>(1, options.key_block()), part_keys = std::max<Index>(1, options.key_part());
   const Index n = q.seq, lk = k.seq, dk = q.dim, dv = v.dim, heads = q.heads;
   const Index parts = std::max<Index>(1, c2f::detail::ceil_div(lk, part_keys));

@@ -61,8 +61,8 @@ template <class Scalar>
 class CoarseAttention : public detail::LayerBase<CoarseAttention<Scalar>, Scalar> {
  public:
   /// seed: Xavier-uniform qkv_proj.weight, nn.Linear's default out_proj.weight, zero biases.
-  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public DropoutOption<Options> {
-  };
+  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public DropoutOption<Options>,
+                  public ComputeOption<Options> {};
 
   /// attn_mask [m, m] or [n, m, m] (n = 1, B or B·H), key_padding_mask [B, m].
   C2F_LAYER_TRAITS("CoarseAttention", MaskFields::AttnMask | MaskFields::KeyPaddingMask);
@@ -71,6 +71,7 @@ class CoarseAttention : public detail::LayerBase<CoarseAttention<Scalar>, Scalar
 
   CoarseAttention(Index embed_dim, Index num_heads, Options options = Options())
       : shape_((detail::check_dropout("CoarseAttention", options.dropout()),
+                detail::check_compute_option<Scalar>("CoarseAttention", options.compute()),
                 detail::checked_heads<Scalar>("CoarseAttention", embed_dim, num_heads, 1, 4))),
         options_(options),
         mha_(embed_dim, num_heads,
@@ -137,7 +138,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
  public:
   /// seed: kaiming_normal_(q_proj.weight, mode='fan_out'), nn.Linear's default for the other weights,
   /// zero biases. The kernel options serve FinePath::General (and, in C2FAttention, the coarse stage).
-  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
+  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public ComputeOption<Options> {
     C2F_ARG(FinePath, fine_path) = FinePath::Auto;
   };
 
@@ -254,6 +255,9 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                                            const Masks<Scalar>& masks = {}, std::uint64_t step = 0) const {
     return detail::named(type_name, [&] {
       detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
+      if (options_.compute() == Compute::BFloat16) {
+        detail::fail("FineAttention: forward_train needs compute Float32 (the backward pass is fp32; docs/bf16.md), got BFloat16");
+      }
       return detail::train_output<Scalar, Saved>(*this, {x.batch(), x.seq(), d_},
                                                  [&](Eigen::Ref<RowMatrix<Scalar>> out, Saved& saved) {
                                                    compute_train(x, chunk, coarse_context, out, masks, step, saved);
@@ -530,8 +534,10 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// Bytes of the largest packed weight (micro-kernel builds; one product runs at a time) the folded
   /// path holds for `blocks` block rows: q_proj's, a head's scaled key or value projection's, out_proj's.
   std::size_t folded_packed_bytes(Index blocks) const {
-    return std::max({q_proj_.rows_workspace_bytes(blocks, true), kernels::matmul_rows_workspace_bytes<Scalar>(blocks, head_dim(), d_, true),
-                     kernels::matmul_rows_workspace_bytes<Scalar>(blocks, d_, head_dim(), true),
+    const Compute c = options_.compute();
+    return std::max({q_proj_.rows_workspace_bytes(blocks, true),
+                     kernels::matmul_rows_workspace_bytes<Scalar>(blocks, head_dim(), d_, true, c),
+                     kernels::matmul_rows_workspace_bytes<Scalar>(blocks, d_, head_dim(), true, c),
                      out_proj_.rows_workspace_bytes(blocks, true)});
   }
   /// Bytes of temporary memory one forward_chunked_into() holds at its peak, besides the output (and
@@ -558,12 +564,15 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), grid.chunks()));
     // q, o, chunk_out [c, d]; qk, pooled [c, h·d]; mass [c, h]; per worker: a scaled key projection [dk, d]
     // and the folded kernel's scores [h, chunk], run output [h, d] and four [h] vectors.
+    // Compute::BFloat16: the folded kernel's rounded queries [h, d] per worker too.
+    const std::size_t rounded_q = options_.compute() == Compute::BFloat16 ? h * d : 0;
     return lengths + folded_packed_bytes(grid.chunks()) +
-           s * (c * (3 * d + 2 * h * d + h) + workers * (dk * d + h * (static_cast<std::size_t>(chunk) + d + 4)));
+           s * (c * (3 * d + 2 * h * d + h) + workers * (dk * d + h * (static_cast<std::size_t>(chunk) + d + 4) + rounded_q));
   }
 
  private:
   static typename Linear<Scalar>::Options linear_options(const Options& o) {
+    detail::check_compute_option<Scalar>("FineAttention", o.compute());  // before a Linear refuses it in its name
     return detail::inner_options<typename Linear<Scalar>::Options>(o);
   }
 
