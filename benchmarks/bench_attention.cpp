@@ -378,9 +378,12 @@ class PeerRun {
     const std::string layer = meta("layer");
     const Index E = meta_index("embed_dim"), H = meta_index("num_heads");
     const int threads = bench_threads();
-    if (layer == "mha") {
+    if (layer == "mha") {  // __metadata__ compute = bfloat16 (optional): Compute::BFloat16, the entry mha_bf16
+      const auto compute = weights_.metadata().find("compute");
+      const bool bf16 = compute != weights_.metadata().end() && compute->second == "bfloat16";
       return loaded(c2f::MultiHeadAttention<float>(
-          E, H, c2f::MultiHeadAttention<float>::Options().num_threads(threads).kernel(c2f::AttnKernel::Streaming)));
+          E, H, c2f::MultiHeadAttention<float>::Options().num_threads(threads).kernel(c2f::AttnKernel::Streaming).compute(
+                    bf16 ? c2f::Compute::BFloat16 : c2f::Compute::Float32)));
     }
     if (layer == "c2f") {
       return loaded(c2f::C2FAttention<float>(E, H, meta_index("chunk_size"),

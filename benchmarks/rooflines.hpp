@@ -7,6 +7,7 @@
 #include <benchmark/benchmark.h>
 
 #include "c2f/core.hpp"
+#include "c2f/detail/bf16_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
 
 #include <Eigen/Core>
@@ -19,13 +20,8 @@
 #include <vector>
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#include <cpuid.h>
 #include <immintrin.h>
 #define C2F_BENCH_X86 1
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 #else
 #define C2F_BENCH_X86 0
 #endif
@@ -164,20 +160,11 @@ __attribute__((target("avx512f,avx512bf16"))) inline float bf16_avx512(std::int6
 
 // AMX (Sapphire Rapids on): tdpbf16ps multiplies a tile of 16 × 32 bf16 by one of 32 × 16 into a 16 × 16
 // fp32 tile, 16·16·32·2 = 16384 FLOP per instruction. Four accumulator tiles (0-3) from two A tiles (4, 5)
-// and two B tiles (6, 7) that stay in the tile registers: no memory operand in the loop.
-struct TileConfig {
-  std::uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  std::uint16_t colsb[16] = {};
-  std::uint8_t rows[16] = {};
-};
-
+// and two B tiles (6, 7) that stay in the tile registers: no memory operand in the loop. The tile layout is
+// c2f's bf16 engine's (eight tiles of 16 rows × 64 bytes, c2f/detail/bf16_gemm.hpp).
+#if C2F_AMX_POSSIBLE
 __attribute__((target("amx-tile,amx-bf16"))) inline float amx_bf16(std::int64_t iterations) {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;  // 16 fp32 or 32 bf16 per row
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
+  c2f::detail::amx_configure();
   alignas(64) std::uint16_t ab[16 * 32];
   for (int i = 0; i < 16 * 32; ++i) ab[i] = i % 2 ? 0x3a83 : 0xba83;  // ±1e-3 in bf16: the sums stay small
   _tile_zero(0);
@@ -206,25 +193,12 @@ __attribute__((target("amx-tile,amx-bf16"))) inline float amx_bf16(std::int64_t 
   }
   return sum;
 }
+#endif  // C2F_AMX_POSSIBLE
 #endif
 
-/// Whether the CPU has AMX-BF16 and Linux lets this process use the tile registers (the permission is
-/// asked once per process, arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); kernels before 5.16
-/// have no AMX support and refuse it).
-inline bool has_amx_bf16() {
-#if C2F_BENCH_X86 && defined(__linux__)
-  static const bool ok = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return tile && bf16 && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
+/// Whether the CPU has AMX-BF16 and Linux lets this process use the tile registers (c2f's own check, which
+/// asks for the permission once per process).
+inline bool has_amx_bf16() { return c2f::detail::cpu_has_amx_bf16(); }
 
 /// The widest fp32 FMA this CPU runs: "avx512f" (16 lanes), "avx2+fma" (8 lanes), or "" (none).
 inline std::string fp32_isa() {
@@ -253,7 +227,9 @@ inline double run(const std::string& kind, std::int64_t iterations, float* sink)
     return 64.0 * kAccumulators;
   }
   if (kind == "amx_bf16") {  // a trip is 16 times longer than the vector loops': 1/16 of the trips
+#if C2F_AMX_POSSIBLE
     *sink += amx_bf16(iterations / 16);
+#endif
     return 4.0 * 16384.0 / 16.0;
   }
   if (isa == "avx512f") {

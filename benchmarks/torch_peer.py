@@ -20,6 +20,9 @@ Modules (PyTorch's default initialisation, seeded; the same tensors are loaded i
     sparse   tests/reference/sparse_reference.py's sparse_c2f_attention on an nn.MultiheadAttention's
              weights, chunk 64, top_k 8, per-chunk gating — against c2f's SparseC2FAttention (entry
              sparse). Also dense (L × L masks)
+    mha_bf16 the mha module under torch.autocast("cpu", dtype=torch.bfloat16), called (x, x', x'') with
+             copies of x (1.13's fast path fails under autocast) — against c2f's MultiHeadAttention with
+             Compute::BFloat16 (entry mha_bf16); checked with max |c2f − torch| ≤ BF16_BOUND · max |torch|
 Every module is also compared, in the table, with nn.MultiheadAttention at the same L: the full attention
 it replaces. "Best peer" = the fastest PyTorch or libtorch module for that layer and L.
 
@@ -68,6 +71,7 @@ SPARSE_LENGTHS = (4096, 16384)  # the lengths of bench_attention's sparse entrie
 # every module and L here (stored in the JSON), under 10 % of the bound; a weight matrix off by 1e-4 per
 # element (--perturb) already exceeds it.
 ATOL, RTOL = 1e-5, 1e-5
+BF16_BOUND = 2e-2  # c2f's Compute::BFloat16 against torch.autocast("cpu", bfloat16): max|diff| ≤ it · max|torch|
 SKIP = 77
 
 
@@ -146,8 +150,9 @@ def setup_torch(threads):
 class Layer:
     """One PyTorch module next to one c2f layer (a bench_attention entry)."""
 
-    def __init__(self, key, label, entry, metadata, build, call, memory, check_call=None):
+    def __init__(self, key, label, entry, metadata, build, call, memory, check_call=None, relative_bound=None):
         self.key, self.label, self.entry, self.metadata = key, label, entry, metadata
+        self.relative_bound = relative_bound  # None: ATOL + RTOL·|torch| per element; else max|diff| ≤ it · max|torch|
         self.build, self.call, self.memory = build, call, memory
         self.check_call = check_call or call
 
@@ -189,6 +194,13 @@ def layers(torch, lengths_of):
                       "gating": "chunk"}, mha_build,
                      lambda m, x: sparse_c2f_attention(m, x, SPARSE_CHUNK, SPARSE_TOP_K, "chunk", False)[0],
                      dense(8), check_call=sparse_check))
+    def autocast_call(m, x):  # key and value copies: torch 1.13's fast path fails under autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x, x.clone(), x.clone(), need_weights=False)[0].float()
+
+    out.append(Layer("mha_bf16", "nn.MultiheadAttention, autocast bf16", lambda L: ("mha_bf16", L),
+                     {"layer": "mha", "compute": "bfloat16"}, mha_build, autocast_call, dense(3),
+                     relative_bound=BF16_BOUND))
     for layer in out:
         layer.lengths = lengths_of(layer)
     return out
@@ -229,12 +241,16 @@ def c2f_output(torch, binary, weights, x_file, out_file):
     return y
 
 
-def compare(ours, ref):
-    """(max |diff|, max |diff| / (ATOL + RTOL·|ref|), ok)."""
+def compare(ours, ref, relative_bound=None):
+    """(max |diff|, max |diff| / (ATOL + RTOL·|ref|) — or, with relative_bound, / (relative_bound · max|ref|)
+    —, ok)."""
     if ours.shape != ref.shape:
         return math.inf, math.inf, False
     diff = (ours.double() - ref.double()).abs()
-    ratio = diff / (ATOL + RTOL * ref.double().abs())
+    if relative_bound is not None:
+        ratio = diff / (relative_bound * float(ref.double().abs().max()))
+    else:
+        ratio = diff / (ATOL + RTOL * ref.double().abs())
     finite = bool(ours.isfinite().all()) and bool(ref.isfinite().all())
     worst = float(ratio.max()) if ratio.numel() else 0.0
     return float(diff.max()) if diff.numel() else 0.0, worst, finite and worst <= 1.0
@@ -333,7 +349,7 @@ def run(args):
                 if layer.check_call is not layer.call:
                     ref = layer.check_call(module, x)
                     row["min_selection_margin"] = layer.check_call.min_margin
-                max_diff, worst, ok = compare(ours, ref)
+                max_diff, worst, ok = compare(ours, ref, layer.relative_bound)
                 row.update(max_abs_diff=max_diff, worst_fraction_of_tolerance=worst, first_call_s=first)
                 print(f"check {layer.label}, L = {L}: max |c2f - torch| = {max_diff:.3g} "
                       f"({100 * worst:.0f} % of the tolerance) {'OK' if ok else 'MISMATCH'}", flush=True)

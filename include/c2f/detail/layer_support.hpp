@@ -88,6 +88,14 @@ void check_compute_option(const char* layer, Compute compute) {
   }
 }
 
+/// "<layer>: forward_train needs compute Float32 (...)" when a layer asks for bfloat16 products in
+/// training: the backward passes are fp32 (docs/bf16.md).
+inline void check_train_compute(const char* layer, Compute compute) {
+  if (compute == Compute::BFloat16) {
+    fail(layer, ": forward_train needs compute Float32 (the backward pass is fp32; docs/bf16.md), got BFloat16");
+  }
+}
+
 /// The options of a layer another one wraps, from the wrapper's: num_threads, seed + seed_offset and,
 /// when both have them, the attention kernel's (kernel, query_block, key_block) and dropout.
 template <class To, class From>
@@ -294,6 +302,10 @@ class LayerBase : public Module<Derived> {
     return named(Derived::type_name, [&] {
       const std::array<Index, 3> dims = derived().output_shape(x);
       check_mask_fields(masks, Derived::type_name, Derived::mask_fields);
+      using Options = std::decay_t<decltype(derived().options())>;
+      if constexpr (std::is_base_of<ComputeOption<Options>, Options>::value) {
+        check_train_compute(Derived::type_name, derived().options().compute());
+      }
       return train_output<Scalar, typename D::Saved>(derived(), dims, [&](OutRows<Scalar> out, typename D::Saved& saved) {
         TrainAccess::train(derived(), x, out, masks, step, saved);
       });

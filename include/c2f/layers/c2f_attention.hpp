@@ -255,9 +255,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                                            const Masks<Scalar>& masks = {}, std::uint64_t step = 0) const {
     return detail::named(type_name, [&] {
       detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
-      if (options_.compute() == Compute::BFloat16) {
-        detail::fail("FineAttention: forward_train needs compute Float32 (the backward pass is fp32; docs/bf16.md), got BFloat16");
-      }
+      detail::check_train_compute("FineAttention", options_.compute());
       return detail::train_output<Scalar, Saved>(*this, {x.batch(), x.seq(), d_},
                                                  [&](Eigen::Ref<RowMatrix<Scalar>> out, Saved& saved) {
                                                    compute_train(x, chunk, coarse_context, out, masks, step, saved);
@@ -558,8 +556,12 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
       const std::size_t packed = std::max({q_proj_.rows_workspace_bytes(grid.chunks(), true),
                                            kv_proj_.rows_workspace_bytes(grid.chunks() * chunk, true),
                                            out_proj_.rows_workspace_bytes(grid.chunks() * chunk, true)});
+      // + the attention kernel's per-worker scratch and what it shares (keys and values packed per chunk
+      // and head, where it packs them).
+      const kernels::KernelOptions ko = detail::kernel_options(options_);
       return lengths + packed + s * (c * d + padded + 4 * c * k * d) +
-             workers * kernels::sdpa_streaming_workspace_bytes<Scalar>(detail::kernel_options(options_), dk, dk, chunk, chunk);
+             workers * kernels::sdpa_streaming_workspace_bytes<Scalar>(ko, dk, dk, chunk, chunk) +
+             kernels::sdpa_streaming_shared_bytes<Scalar>(ko, grid.chunks() * heads_, dk, dk, chunk, chunk);
     }
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), grid.chunks()));
     // q, o, chunk_out [c, d]; qk, pooled [c, h·d]; mass [c, h]; per worker: a scaled key projection [dk, d]

@@ -370,9 +370,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     check_inputs(query, key, value);
     const Index batch = query.batch(), lq = query.seq(), lk = key.seq(), e = embed_dim(), h = num_heads();
     detail::check_call(type_name, masks, mask_fields, {batch, lq, e}, out);
-    if (options_.compute() == Compute::BFloat16) {
-      detail::fail(type_name, ": forward_train needs compute Float32 (the backward pass is fp32; docs/bf16.md), got BFloat16");
-    }
+    detail::check_train_compute(type_name, options_.compute());
     saved.self_attention = self_attention;
     saved.batch = batch;
     saved.lq = lq;
