@@ -104,6 +104,34 @@ inline bool bf16_tiles() { return bf16_tiles_allowed().load(std::memory_order_re
 constexpr Index kTileK = 32;   ///< k per tile step (bf16 per tile row)
 constexpr Index kTileMN = 32;  ///< rows and columns of a block of C
 
+#if C2F_AMX_POSSIBLE
+// GCC 12's _mm512_undefined_* (`__m512i __Y = __Y`) trips -Wmaybe-uninitialized where these intrinsics
+// inline (GCC bug 105593, fixed in GCC 13; see core.hpp).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+/// dst[c] = bf16_bits(src[c]) for c < n, 16 at a time (every CPU with the tile unit has AVX-512BW/VL).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void bf16_bits_avx512(const float* src, Index n, std::uint16_t* dst) {
+  const __m512i rounding = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x400000);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  Index c = 0;
+  for (; c < n; c += 16) {
+    const __mmask16 lanes = n - c >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - c)) - 1u);
+    const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, src + c));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs_mask), inf);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(rounding, lsb));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, quiet));
+    _mm256_mask_storeu_epi16(dst + c, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic pop
+#endif
+#endif
+
 /// B [k, n] rounded to bfloat16 for bf16_gemm_range: on the tile engine in VNNI blocks — for each panel
 /// of 32 columns and each k-step of 32 rows, two 16-column tiles of 16 rows, row r holding (B[2r, j],
 /// B[2r + 1, j]) for each column j, zero past k and n; on the fallback as rounded floats in a PackedB.
@@ -137,6 +165,35 @@ class Bf16PackedB {
           if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) {
             const float* src = rhs.data();
             const Index rs = rhs.rowStride(), cs = rhs.colStride();
+#if C2F_AMX_POSSIBLE
+            // The tile engine runs on CPUs with AVX-512: a contiguous column (a weight's row, a key) or
+            // row pair (values) rounded 16 at a time, its pairs then placed as 32-bit words.
+            const auto put = [tile](Index word, std::uint16_t lo, std::uint16_t hi) {  // tile[2w], tile[2w + 1]
+              const std::uint32_t pair = static_cast<std::uint32_t>(lo) | static_cast<std::uint32_t>(hi) << 16;
+              std::memcpy(tile + 2 * word, &pair, sizeof pair);
+            };
+            alignas(64) std::uint16_t bits[2 * kTileK];
+            if (rs == 1) {
+              for (Index j = 0; j < cols; ++j) {
+                bf16_bits_avx512(src + (col0 + j) * cs + row0, rows, bits);
+                if (rows % 2 != 0) bits[rows] = 0;
+                for (Index r = 0; r < (rows + 1) / 2; ++r) put(r * 16 + j, bits[2 * r], bits[2 * r + 1]);
+              }
+              continue;
+            }
+            if (cs == 1) {
+              for (Index kk = 0; kk < rows; kk += 2) {
+                bf16_bits_avx512(src + (row0 + kk) * rs + col0, cols, bits);
+                if (kk + 1 < rows) {
+                  bf16_bits_avx512(src + (row0 + kk + 1) * rs + col0, cols, bits + kTileK);
+                } else {
+                  std::fill(bits + kTileK, bits + kTileK + cols, std::uint16_t(0));
+                }
+                for (Index j = 0; j < cols; ++j) put((kk / 2) * 16 + j, bits[j], bits[kTileK + j]);
+              }
+              continue;
+            }
+#endif
             for (Index j = 0; j < cols; ++j) {
               const float* column = src + (col0 + j) * cs + row0 * rs;
               for (Index kk = 0; kk < rows; ++kk) tile[((kk / 2) * 16 + j) * 2 + kk % 2] = bf16_bits(column[kk * rs]);
@@ -234,33 +291,6 @@ __attribute__((target("amx-tile"))) inline void amx_configure() {
 __attribute__((target("amx-tile"))) inline void amx_release() { _tile_release(); }
 #endif
 
-#if C2F_AMX_POSSIBLE
-// GCC 12's _mm512_undefined_* (`__m512i __Y = __Y`) trips -Wmaybe-uninitialized where these intrinsics
-// inline (GCC bug 105593, fixed in GCC 13; see core.hpp).
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-/// dst[c] = bf16_bits(src[c]) for c < n, 16 at a time (every CPU with the tile unit has AVX-512BW/VL).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void bf16_bits_avx512(const float* src, Index n, std::uint16_t* dst) {
-  const __m512i rounding = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x400000);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-  Index c = 0;
-  for (; c < n; c += 16) {
-    const __mmask16 lanes = n - c >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - c)) - 1u);
-    const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, src + c));
-    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs_mask), inf);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(rounding, lsb));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, quiet));
-    _mm256_mask_storeu_epi16(dst + c, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-  }
-}
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
-#pragma GCC diagnostic pop
-#endif
-#endif
 
 /// An A operand of bf16_gemm: rows × depth values rounded to bfloat16 — on the tile engine as bf16 in
 /// whole 32-row blocks and 32-value steps (zero past rows and depth), on the fallback as floats. Reused
