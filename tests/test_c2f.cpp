@@ -403,14 +403,6 @@ TEST(C2fBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
   const StateDict sd = c2f::load_safetensors(c2f_test::data_path("bf16/c2f_chunk8_l64_f32.safetensors"));
   const Tensor3<float> x = c2f_test::tensor3<float>(sd, "x");
   const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
-  const auto relative = [](const float* a, const std::vector<float>& b) {
-    double diff = 0, scale = 0;
-    for (std::size_t i = 0; i < b.size(); ++i) {
-      diff = std::max(diff, std::abs(double(a[i]) - double(b[i])));
-      scale = std::max(scale, std::abs(double(b[i])));
-    }
-    return diff / scale;
-  };
   const bool allowed = c2f::get_bf16_tiles();
   for (FinePath path : {FinePath::Folded, FinePath::General}) {
     for (bool tiles : {true, false}) {
@@ -422,10 +414,10 @@ TEST(C2fBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
       const Tensor3<float> y = m.forward(x);
       m.set_num_threads(1);
       EXPECT_TRUE(same_bits(m.forward(x), y)) << engine;
-      const double vs_autocast = relative(y.data(), autocast), vs_fp32 = relative(y.data(), fp32);
+      const double vs_autocast = c2f_test::relative_error(y.data(), autocast), vs_fp32 = c2f_test::relative_error(y.data(), fp32);
       std::printf("[bf16] c2f_chunk8_l64 (%s path), %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, vs torch fp32 %.2e "
                   "(torch autocast vs fp32 %.2e)\n",
-                  path == FinePath::Folded ? "folded" : "general", engine, vs_autocast, vs_fp32, relative(autocast.data(), fp32));
+                  path == FinePath::Folded ? "folded" : "general", engine, vs_autocast, vs_fp32, c2f_test::relative_error(autocast.data(), fp32));
       EXPECT_LE(vs_autocast, 2e-2) << engine;
       EXPECT_LE(vs_fp32, 2e-2) << engine;
       EXPECT_GT(vs_fp32, 1e-5) << engine << ": no rounding (fp32 products?)";

@@ -21,6 +21,7 @@ using c2f::MultiHeadAttention;
 using c2f::StateDict;
 using c2f::Tensor3;
 using c2f_test::error_of;
+using c2f_test::relative_error;
 using c2f_test::meta_index;
 using c2f_test::Tolerance;
 using c2f_test::mask_variants;
@@ -252,16 +253,6 @@ TEST(MhaInputs, AcceptsTensorMapsOverCallerMemory) {
 
 
 // --- Compute::BFloat16 (docs/bf16.md) -------------------------------------------------------------------
-
-// max |a − b| / max |b|.
-double relative_error(const float* a, const std::vector<float>& b) {
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < b.size(); ++i) {
-    diff = std::max(diff, std::abs(double(a[i]) - double(b[i])));
-    scale = std::max(scale, std::abs(double(b[i])));
-  }
-  return diff / scale;
-}
 
 // The bf16 fixtures: torch.nn.MultiheadAttention in fp32 and under torch.autocast("cpu", bfloat16) on the
 // same weights. c2f's bfloat16 layer lies within 2e-2 · max|y| of both (the accuracy bound; the

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -76,6 +77,16 @@ inline std::string error_of(const std::function<void()>& fn) {
     return e.what();
   }
   return "<no std::invalid_argument thrown>";
+}
+
+/// max |a − b| / max |b| over b's values (a holds as many): the bfloat16 tests' accuracy figure.
+inline double relative_error(const float* a, const std::vector<float>& b) {
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    diff = std::max(diff, std::abs(double(a[i]) - double(b[i])));
+    scale = std::max(scale, std::abs(double(b[i])));
+  }
+  return diff / scale;
 }
 
 }  // namespace c2f_test

@@ -462,12 +462,9 @@ inline void bf16_gemm_rows(const float* a, Index lda, Index rows, const float* w
                            const float* bias, float* c, Index ldc) {
   using Packet = typename GemmBlocking<float>::Packet;
   constexpr Index kP = GemmBlocking<float>::kP;
-  thread_local std::vector<float> rounded;
-  rounded.resize(static_cast<std::size_t>(std::max<Index>(1, rows * depth)));
-  for (Index i = 0; i < rows; ++i) {
-    for (Index k = 0; k < depth; ++k) rounded[static_cast<std::size_t>(i * depth + k)] = round_bf16(a[i * lda + k]);
-  }
-  const float* ar = rounded.data();
+  thread_local Bf16A rounded;  // A's rows rounded as floats, rows `depth` apart (the fallback's form)
+  rounded.prepare(a, lda, rows, depth, false);
+  const float* ar = rounded.floats();
   for (Index i0 = 0; i0 < rows; i0 += 4) {
     const Index ni = std::min<Index>(4, rows - i0);
     for (Index o = 0; o < cols; ++o) {
