@@ -223,10 +223,11 @@ void BM_Mha(benchmark::State& state, c2f::AttnKernel kernel, c2f::Compute comput
 }
 
 // C2FAttention::forward(), or with `into` forward_into() a buffer reused across iterations (no fresh
-// output pages to fault in and zero).
-void BM_C2F(benchmark::State& state, bool into) {
+// output pages to fault in and zero); its products in fp32 or (c2f_bf16) bfloat16.
+void BM_C2F(benchmark::State& state, bool into, c2f::Compute compute) {
   const Index length = state.range(0), chunk = state.range(1);
-  const c2f::C2FAttention<float> attn(kEmbed, kHeads, chunk, c2f::C2FAttention<float>::Options().num_threads(bench_threads()));
+  const c2f::C2FAttention<float> attn(kEmbed, kHeads, chunk,
+                                      c2f::C2FAttention<float>::Options().num_threads(bench_threads()).compute(compute));
   const c2f::Tensor3<float> x = random_input(length);
   c2f::Tensor3<float> out(1, into ? length : 0, kEmbed);
   out.setZero();
@@ -343,8 +344,11 @@ void register_sweep(bool long_sweep) {
     if (L <= naive_max) {
       timed(benchmark::RegisterBenchmark("mha_naive", BM_Mha, c2f::AttnKernel::Naive, c2f::Compute::Float32)->Arg(L));
     }
-    for (Index chunk : chunks) timed(benchmark::RegisterBenchmark("c2f", BM_C2F, false)->Args({L, chunk}));
-    if (L >= 4096) timed(benchmark::RegisterBenchmark("c2f_into", BM_C2F, true)->Args({L, Index(32)}));
+    for (Index chunk : chunks) timed(benchmark::RegisterBenchmark("c2f", BM_C2F, false, c2f::Compute::Float32)->Args({L, chunk}));
+    if (L >= 4096) {
+      timed(benchmark::RegisterBenchmark("c2f_into", BM_C2F, true, c2f::Compute::Float32)->Args({L, Index(32)}));
+      timed(benchmark::RegisterBenchmark("c2f_bf16", BM_C2F, false, c2f::Compute::BFloat16)->Args({L, Index(32)}));
+    }
   }
   for (Index L : hmha_lengths) timed(benchmark::RegisterBenchmark("hmha", BM_HMHA)->Args({L, kWindow}));
   for (Index L : {Index(4096), Index(16384)}) {
@@ -378,16 +382,18 @@ class PeerRun {
     const std::string layer = meta("layer");
     const Index E = meta_index("embed_dim"), H = meta_index("num_heads");
     const int threads = bench_threads();
-    if (layer == "mha") {  // __metadata__ compute = bfloat16 (optional): Compute::BFloat16, the entry mha_bf16
-      const auto compute = weights_.metadata().find("compute");
-      const bool bf16 = compute != weights_.metadata().end() && compute->second == "bfloat16";
+    // __metadata__ compute = bfloat16 (optional): Compute::BFloat16, the entries mha_bf16 and c2f_bf16.
+    const auto compute_entry = weights_.metadata().find("compute");
+    const c2f::Compute compute = compute_entry != weights_.metadata().end() && compute_entry->second == "bfloat16"
+                                     ? c2f::Compute::BFloat16
+                                     : c2f::Compute::Float32;
+    if (layer == "mha") {
       return loaded(c2f::MultiHeadAttention<float>(
-          E, H, c2f::MultiHeadAttention<float>::Options().num_threads(threads).kernel(c2f::AttnKernel::Streaming).compute(
-                    bf16 ? c2f::Compute::BFloat16 : c2f::Compute::Float32)));
+          E, H, c2f::MultiHeadAttention<float>::Options().num_threads(threads).kernel(c2f::AttnKernel::Streaming).compute(compute)));
     }
     if (layer == "c2f") {
       return loaded(c2f::C2FAttention<float>(E, H, meta_index("chunk_size"),
-                                             c2f::C2FAttention<float>::Options().num_threads(threads)));
+                                             c2f::C2FAttention<float>::Options().num_threads(threads).compute(compute)));
     }
     if (layer == "hmha") {
       return loaded(c2f::HMHA<float>(E, H, meta_index("window"), c2f::HMHA<float>::Options().num_threads(threads)));

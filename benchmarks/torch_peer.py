@@ -201,6 +201,15 @@ def layers(torch, lengths_of):
     out.append(Layer("mha_bf16", "nn.MultiheadAttention, autocast bf16", lambda L: ("mha_bf16", L),
                      {"layer": "mha", "compute": "bfloat16"}, mha_build, autocast_call, dense(3),
                      relative_bound=BF16_BOUND))
+
+    def c2f_autocast_call(m, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x).float()
+
+    out.append(Layer("c2f32_bf16", "article C2FAttention, chunk 32, autocast bf16", lambda L: ("c2f_bf16", L, 32),
+                     {"layer": "c2f", "chunk_size": "32", "compute": "bfloat16"}, lambda: C2FAttention(EMBED, HEADS, 32),
+                     c2f_autocast_call, lambda L: 8.0 * L * EMBED * 4 * 6 + HEADS * (L / 32) ** 2 * 4 * 3,
+                     relative_bound=BF16_BOUND))
     for layer in out:
         layer.lengths = lengths_of(layer)
     return out
@@ -303,6 +312,8 @@ def run(args):
         def lengths_of(layer):
             if layer.key == "sparse" and not args.check_only:
                 return [L for L in lengths if L in SPARSE_LENGTHS]
+            if layer.key == "c2f32_bf16" and not args.check_only:  # bench_attention's c2f_bf16: L >= 4096
+                return [L for L in lengths if L >= 4096]
             return lengths
 
         for index, layer in enumerate(layers(torch, lengths_of)):

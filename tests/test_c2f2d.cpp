@@ -12,8 +12,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <sstream>
+#include <string>
 #include <vector>
 
 namespace {
@@ -591,6 +593,47 @@ TEST(C2F2DMemory, ForwardHoldsTheOutputAndPerBlockRowsOnly) {
         << side;
     // Working memory is per block: at most 10 % of input + output here.
     EXPECT_LE(c2f_memory::peak_bytes() - output, (2 * output) / 10) << side;
+  }
+}
+
+// Compute::BFloat16 (docs/bf16.md) against torch.autocast("cpu", bfloat16) and fp32 on the same weights
+// (tests/data/bf16, generate.py gen_bf16), on both engines; a bf16 layer stays thread-independent.
+TEST(C2f2dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
+  const StateDict sd = c2f::load_safetensors(c2f_test::data_path("bf16/c2f2d_9x13_b4x4_bf16_f32.safetensors"));
+  const Tensor3<float> x = c2f_test::tensor3<float>(sd, "x");
+  const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
+  const Index height = meta_index(sd, "height"), width = meta_index(sd, "width");
+  const bool allowed = c2f::get_bf16_tiles();
+  for (bool tiles : {true, false}) {
+    c2f::set_bf16_tiles(tiles);
+    const char* engine = tiles && c2f::detail::cpu_has_amx_bf16() ? "tiles" : "fallback";
+    C2FAttention2D<float> m(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"), meta_index(sd, "block_h"),
+                            meta_index(sd, "block_w"),
+                            options_of<float>(true, meta_index(sd, "max_blocks_h"), meta_index(sd, "max_blocks_w"), 2)
+                                .compute(c2f::Compute::BFloat16));
+    m.load_state_dict(sd, "c2f2d.");
+    const Tensor3<float> y = m.forward(x, height, width);
+    m.set_num_threads(1);
+    EXPECT_TRUE(same_bits(m.forward(x, height, width), y)) << engine;
+    const double vs_autocast = c2f_test::relative_error(y.data(), autocast), vs_fp32 = c2f_test::relative_error(y.data(), fp32);
+    std::printf("[bf16] c2f2d_9x13_b4x4, %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, vs torch fp32 %.2e "
+                "(torch autocast vs fp32 %.2e)\n",
+                engine, vs_autocast, vs_fp32, c2f_test::relative_error(autocast.data(), fp32));
+    EXPECT_LE(vs_autocast, 2e-2) << engine;
+    EXPECT_LE(vs_fp32, 2e-2) << engine;
+    EXPECT_GT(vs_fp32, 1e-5) << engine << ": no rounding (fp32 products?)";
+  }
+  c2f::set_bf16_tiles(allowed);
+  const C2FAttention2D<float> bf16(8, 2, 2, 2, options_of<float>(true, 4, 4, 1).compute(c2f::Compute::BFloat16));
+  TestRng rng(0xbf22);
+  const Tensor3<float> tokens = rng.tensor<float>(1, 16, 8);
+  EXPECT_THROW((void)bf16.forward_train(tokens, 4, 4), std::invalid_argument);
+  try {
+    C2FAttention2D<double> bad(8, 2, 2, 2, options_of<double>(true, 4, 4, 1).compute(c2f::Compute::BFloat16));
+    ADD_FAILURE() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("C2FAttention2D: compute BFloat16 needs float, got double"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -11,7 +11,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <sstream>
+#include <string>
 
 namespace {
 
@@ -175,6 +178,119 @@ TYPED_TEST(HmhaTyped, WindowedKernelsMatchDenseTwinOnRandomShapes) {
          << o.levels().global;
     const double tol = std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
     expect_close(fast.data(), dense.data(), fast.size(), tol, tol, what.str());
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Compute::BFloat16 (docs/bf16.md)
+
+/// fn(engine name) once on the tile engine (where the CPU has it) and once on the fallback.
+template <class Fn>
+void on_each_bf16_engine(Fn&& fn) {
+  const bool allowed = c2f::get_bf16_tiles();
+  for (bool tiles : {true, false}) {
+    if (tiles && !c2f::detail::cpu_has_amx_bf16()) continue;
+    c2f::set_bf16_tiles(tiles);
+    fn(tiles ? "tiles" : "fallback");
+  }
+  c2f::set_bf16_tiles(allowed);
+}
+
+// conv1d in bf16 is conv1d_naive on the rounded input and weights: every product of two bfloat16 values
+// is exact in fp32, so only the order of the fp32 additions differs — within 1e-5 · Σ|x w| (+ the bias).
+// Awkward shapes around the 32-row packing threshold and the 128-row tasks; 1 and 2 threads bit-identical.
+TEST(HmhaBf16, Conv1dMatchesTheNaiveTwinOnRoundedOperands) {
+  TestRng rng(0xbf31);
+  on_each_bf16_engine([&](const char* engine) {
+    for (int rep = 0; rep < 30; ++rep) {
+      const Index groups = rng.pick(std::vector<Index>{1, 2});
+      const Index in = groups * rng.pick(std::vector<Index>{1, 5, 16, 33}), out = groups * rng.pick(std::vector<Index>{1, 7, 32, 40});
+      const Index kernel = rng.pick(std::vector<Index>{1, 3}), padding = kernel / 2, batch = rng.uniform_int(1, 2);
+      const Index length = rng.pick(std::vector<Index>{1, 31, 32, 33, 129, 200});
+      const c2f::kernels::Conv1dShape shape{in, out, kernel, padding, groups, false};
+      const RowMatrix<float> x = rng.matrix<float>(batch * length, in), w = rng.matrix<float>(out, in / groups * kernel);
+      const RowMatrix<float> bias = rng.matrix<float>(1, out);
+      const RowMatrix<float> xr = x.unaryExpr(c2f::detail::RoundBf16<float>()), wr = w.unaryExpr(c2f::detail::RoundBf16<float>());
+      const RowMatrix<float> xa = xr.cwiseAbs(), wa = wr.cwiseAbs(), ba = bias.cwiseAbs();
+      const Index out_len = shape.out_length(length);
+      RowMatrix<float> fast(batch * out_len, out), one(batch * out_len, out), naive(batch * out_len, out), size(batch * out_len, out);
+      c2f::kernels::KernelOptions o;
+      o.compute(c2f::Compute::BFloat16).num_threads(2);
+      const RowMatrix<float> taps = c2f::kernels::conv1d_taps(w.data(), shape);
+      c2f::kernels::conv1d<float>(x, batch, length, shape, taps, bias.data(), fast, o);
+      c2f::kernels::conv1d<float>(x, batch, length, shape, taps, bias.data(), one, o.num_threads(1));
+      c2f::kernels::conv1d_naive<float>(xr, batch, length, shape, wr.data(), bias.data(), naive);
+      c2f::kernels::conv1d_naive<float>(xa, batch, length, shape, wa.data(), ba.data(), size);
+      const RowMatrix<float> err = (fast - naive).cwiseAbs(), bound = size.array() * 1e-5f + 1e-6f;
+      EXPECT_TRUE((err.array() <= bound.array()).all())
+          << engine << " rep " << rep << ": L=" << length << " in=" << in << " out=" << out << " k=" << kernel
+          << " groups=" << groups << ": max error " << err.maxCoeff();
+      EXPECT_TRUE(c2f_test::same_bits(fast.data(), one.data(), fast.size())) << engine << " rep " << rep;
+    }
+  });
+}
+
+// Each level of HMHA::attend in bf16 rounds its operands: its output differs from the fp32 level's by
+// more than fp32 summation order could and stays within the bound docs/bf16.md states.
+TEST(HmhaBf16, EveryLevelRoundsItsOperands) {
+  TestRng rng(0xbf32);
+  const Index batch = 2, length = 70, dim = 64, heads = 4, window = 16;
+  const RowMatrix<float> q = rng.matrix<float>(batch * length, dim), k = rng.matrix<float>(batch * length, dim),
+                         v = rng.matrix<float>(batch * length, dim);
+  for (bool causal : {false, true}) {
+    for (int level = 0; level < 3; ++level) {
+      typename HMHA<float>::Options o;
+      o.causal(causal).levels({level == 0, level == 1, level == 2}).num_threads(2);
+      const HMHA<float> fp32(dim, heads, window, o), bf16(dim, heads, window, o.compute(c2f::Compute::BFloat16));
+      RowMatrix<float> a = RowMatrix<float>::Zero(batch * length, dim), b = a;
+      fp32.attend(q, k, v, batch, length, a);
+      bf16.attend(q, k, v, batch, length, b);
+      const double diff = (a - b).cwiseAbs().maxCoeff(), size = a.cwiseAbs().maxCoeff();
+      EXPECT_GT(diff, 1e-5 * size) << "level " << level + 1 << (causal ? " causal" : "") << ": no rounding";
+      EXPECT_LE(diff, 2e-2 * size) << "level " << level + 1 << (causal ? " causal" : "");
+    }
+  }
+}
+
+// HMHA in bf16 against torch.autocast("cpu", bfloat16) and fp32 on the same weights (tests/data/bf16),
+// not causal and causal, on both engines; thread-independent; training and double refused.
+TEST(HmhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
+  for (const char* name : {"hmha_l100_w16_bf16", "hmha_l100_w16_causal_bf16"}) {
+    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(std::string("bf16/") + name + "_f32.safetensors"));
+    const Tensor3<float> x = c2f_test::tensor3<float>(sd, "x");
+    const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
+    const bool causal = sd.metadata().at("causal") == "true";
+    on_each_bf16_engine([&](const char* engine) {
+      HMHA<float> m(meta_index(sd, "dim"), meta_index(sd, "heads"), meta_index(sd, "window"),
+                    HMHA<float>::Options().causal(causal).num_threads(2).compute(c2f::Compute::BFloat16));
+      m.load_state_dict(sd, "hmha.");
+      const Tensor3<float> y = m.forward(x);
+      m.set_num_threads(1);
+      EXPECT_TRUE(c2f_test::same_bits(m.forward(x), y)) << name << " " << engine;
+      const double vs_autocast = c2f_test::relative_error(y.data(), autocast), vs_fp32 = c2f_test::relative_error(y.data(), fp32);
+      std::printf("[bf16] HMHA %s, %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, vs torch fp32 %.2e "
+                  "(torch autocast vs fp32 %.2e)\n",
+                  name, engine, vs_autocast, vs_fp32, c2f_test::relative_error(autocast.data(), fp32));
+      EXPECT_LE(vs_autocast, 2e-2) << name << " " << engine;
+      EXPECT_LE(vs_fp32, 2e-2) << name << " " << engine;
+      EXPECT_GT(vs_fp32, 1e-5) << name << " " << engine << ": no rounding (fp32 products?)";
+    });
+  }
+  TestRng rng(0xbf33);
+  const HMHA<float> bf16(8, 2, 4, HMHA<float>::Options().compute(c2f::Compute::BFloat16));
+  EXPECT_THROW((void)bf16.forward_train(rng.tensor<float>(1, 9, 8)), std::invalid_argument);
+  for (const char* layer : {"HMHA", "C3K2Projection", "Conv1d"}) {
+    try {
+      if (std::string(layer) == "HMHA") HMHA<double>(8, 2, 4, HMHA<double>::Options().compute(c2f::Compute::BFloat16));
+      if (std::string(layer) == "C3K2Projection") {
+        c2f::C3K2Projection<double>(8, 2, c2f::C3K2Projection<double>::Options().compute(c2f::Compute::BFloat16));
+      }
+      if (std::string(layer) == "Conv1d") c2f::Conv1d<double>(8, 8, 3, c2f::Conv1d<double>::Options().compute(c2f::Compute::BFloat16));
+      ADD_FAILURE() << layer << ": no exception";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string(layer) + ": compute BFloat16 needs float, got double"), std::string::npos)
+          << e.what();
+    }
   }
 }
 

@@ -11,7 +11,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <string>
 
 namespace {
 
@@ -298,6 +300,104 @@ TEST(SparseLayer, CoveringTopKEqualsMultiHeadAttention) {
     expect_close(a.data(), b.data(), a.size(), 1e-12, 1e-12,
                  "L=" + std::to_string(length) + " chunk=" + std::to_string(chunk) + (causal ? " causal" : "") +
                      (sparse.gating() == c2f::Gating::PerToken ? " per token" : " per chunk"));
+  }
+}
+
+// Compute::BFloat16 in the fine-stage kernels: with a selection covering every chunk each is attention over
+// all keys, so sdpa_naive in bf16 (the twin that rounds the same operands) is its reference within
+// 2^-8 · (P|V|) + 1e-5 (the probabilities are rounded before or after normalising; the products of the
+// rounded values are exact in fp32). Random awkward shapes, causal and not; 1 and 2 threads bit-identical;
+// and the bf16 output is not the fp32 one.
+TEST(SparseBf16, FineStagesMatchTheNaiveTwinOnCoveringSelections) {
+  TestRng rng(0xbf23);
+  for (int rep = 0; rep < 24; ++rep) {
+    const Index batch = rng.uniform_int(1, 2), heads = rng.uniform_int(1, 3), dh = rng.pick(std::vector<Index>{1, 4, 16, 17});
+    const Index chunk = rng.pick(std::vector<Index>{1, 5, 8, 16}), length = rng.pick(std::vector<Index>{1, 7, 15, 17, 33, 64});
+    const bool per_token = rep % 2 == 1, causal = per_token && rep % 4 == 3;
+    const c2f::kernels::ChunkGrid grid{batch, length, chunk};
+    const Index m = grid.chunks_per_batch(), e = heads * dh;
+    const RowMatrix<float> q = rng.matrix<float>(batch * length, e), k = rng.matrix<float>(batch * length, e),
+                           v = rng.matrix<float>(batch * length, e);
+    const float scale = c2f::kernels::default_scale<float>(dh);
+    c2f::kernels::KernelOptions o;
+    o.compute(c2f::Compute::BFloat16).num_threads(2);
+    const c2f::AttnMask<float> attn = causal ? c2f::AttnMask<float>::causal() : c2f::AttnMask<float>();
+    const c2f::MaskView<float> dense_mask(attn, c2f::KeyPaddingMask<float>(), batch, heads, length, length);
+    const auto view = [&](const RowMatrix<float>& x) { return c2f::kernels::heads_view(x, batch, length, heads); };
+    RowMatrix<float> naive(batch * length, e), magnitude(batch * length, e);
+    c2f::kernels::sdpa_naive<float>(view(q), view(k), view(v), c2f::kernels::heads_view(naive, batch, length, heads), dense_mask,
+                                    scale, o);
+    const RowMatrix<float> abs_v = v.unaryExpr(c2f::detail::RoundBf16<float>()).cwiseAbs();
+    c2f::kernels::sdpa_naive<float>(view(q), view(k), view(abs_v), c2f::kernels::heads_view(magnitude, batch, length, heads),
+                                    dense_mask, scale, c2f::kernels::KernelOptions());
+    const c2f::kernels::ChunkSelection selection =
+        per_token ? c2f::kernels::select_chunks_per_token<float>(q, chunk_means(k, grid), grid, heads, m, causal, o)
+                  : c2f::kernels::select_chunks<float>(q, k, grid, heads, m, o);
+    const auto run = [&](const c2f::kernels::KernelOptions& ko, RowMatrix<float>& out) {
+      out.resize(batch * length, e);
+      if (per_token) {
+        c2f::kernels::token_sparse_attention<float>(q, k, v, grid, heads, selection, out, causal, c2f::MaskView<float>(), scale, ko);
+      } else {
+        c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, heads, selection, out, c2f::MaskView<float>(), scale, ko);
+      }
+    };
+    RowMatrix<float> out, one, fp32;
+    run(o, out);
+    const std::string what = std::string(per_token ? "per token" : "per chunk") + (causal ? " causal" : "") +
+                             " B=" + std::to_string(batch) + " H=" + std::to_string(heads) + " dh=" + std::to_string(dh) +
+                             " L=" + std::to_string(length) + " chunk=" + std::to_string(chunk);
+    const RowMatrix<float> bound = magnitude.array() * 0x1p-8f + 1e-5f;
+    const RowMatrix<float> err = (out - naive).cwiseAbs();
+    EXPECT_TRUE((err.array() <= bound.array()).all()) << what << ": max error " << err.maxCoeff();
+    run(c2f::kernels::KernelOptions(o).num_threads(1), one);
+    EXPECT_TRUE(c2f_test::same_bits(out.data(), one.data(), out.size())) << what << ": 1 and 2 threads differ";
+    run(c2f::kernels::KernelOptions().num_threads(2), fp32);
+    if (length >= 16 && dh >= 16) {
+      EXPECT_GT((out - fp32).cwiseAbs().maxCoeff(), 1e-5f) << what << ": no rounding";
+    }
+  }
+}
+
+// Compute::BFloat16 (docs/bf16.md): with top_k covering every chunk the layer is MultiHeadAttention, so
+// torch's nn.MultiheadAttention under torch.autocast("cpu", bfloat16) is its reference (tests/data/bf16):
+// each gating, not causal and causal, on both bf16 engines, within the bound docs/bf16.md states.
+TEST(SparseBf16, CoveringTopKMatchesTorchAutocastWithinTheStatedBound) {
+  const bool allowed = c2f::get_bf16_tiles();
+  for (const char* name : {"mha_self_l128", "mha_causal_l128"}) {
+    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(std::string("bf16/") + name + "_f32.safetensors"));
+    const Tensor3<float> x = c2f_test::tensor3<float>(sd, "query");
+    const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
+    const bool causal = sd.metadata().at("causal") == "true";
+    const Index chunk = 16, top_k = (x.dimension(1) + chunk - 1) / chunk;
+    for (c2f::Gating gating : {c2f::Gating::PerChunk, c2f::Gating::PerToken}) {
+      if (causal && gating == c2f::Gating::PerChunk) continue;
+      for (bool tiles : {true, false}) {
+        c2f::set_bf16_tiles(tiles);
+        const char* engine = tiles && c2f::detail::cpu_has_amx_bf16() ? "tiles" : "fallback";
+        SparseC2FAttention<float> m(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"), chunk, top_k,
+                                    SparseC2FAttention<float>::Options().causal(causal).gating(gating).num_threads(2).compute(
+                                        c2f::Compute::BFloat16));
+        m.load_state_dict(sd, "mha.");
+        const Tensor3<float> y = m.forward(x);
+        m.set_num_threads(1);
+        EXPECT_TRUE(c2f_test::same_bits(m.forward(x), y)) << name << " " << engine;
+        const double vs_autocast = c2f_test::relative_error(y.data(), autocast), vs_fp32 = c2f_test::relative_error(y.data(), fp32);
+        const char* how = gating == c2f::Gating::PerToken ? "per token" : "per chunk";
+        std::printf("[bf16] SparseC2FAttention %s (%s, top_k covering), %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, "
+                    "vs torch fp32 %.2e\n", name, how, engine, vs_autocast, vs_fp32);
+        EXPECT_LE(vs_autocast, 2e-2) << name << " " << how << " " << engine;
+        EXPECT_LE(vs_fp32, 2e-2) << name << " " << how << " " << engine;
+        EXPECT_GT(vs_fp32, 1e-5) << name << " " << how << " " << engine << ": no rounding (fp32 products?)";
+      }
+    }
+  }
+  c2f::set_bf16_tiles(allowed);
+  try {
+    SparseC2FAttention<double> bad(8, 2, 4, 2, SparseC2FAttention<double>::Options().compute(c2f::Compute::BFloat16));
+    ADD_FAILURE() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("SparseC2FAttention: compute BFloat16 needs float, got double"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -242,6 +242,11 @@ def roofline_section(e, lengths, ctx, fma_peak=None):
     if bf16:
         checks.append(("MHA with Compute::BFloat16, L = 1024 … 8192, ≥ 1.7× the fp32 layer (issue 22)",
                        ", ".join(f"{L}: {r:.2f}×" for r, L in bf16), min(bf16)[0] >= 1.7))
+    c2f_bf16 = [(ms(e[("c2f", L, 32)]) / ms(e[("c2f_bf16", L, 32)]), L) for L in lengths if 4096 <= L <= 16384
+                and ("c2f_bf16", L, 32) in e and ("c2f", L, 32) in e]
+    if c2f_bf16:
+        checks.append(("C2FAttention chunk 32 with Compute::BFloat16, L = 4096 … 16384, ≥ 1.7× the fp32 layer (issue 22)",
+                       ", ".join(f"{L}: {r:.2f}×" for r, L in c2f_bf16), min(c2f_bf16)[0] >= 1.7))
     if fma_peak:
         mha = [(e[("mha_streaming", L)]["GFLOPS"] / peak, L) for L in lengths if 1024 <= L <= 8192
                and ("mha_streaming", L) in e]
@@ -329,6 +334,12 @@ def peers_section(peers, attn, torch_result, ort=None):
     if row and row.get("torch_ms") and row.get("c2f_ms"):
         r = row["torch_ms"] / row["c2f_ms"]
         checks.append(("C2F (chunk 32) at L = 16384 ≥ 15× PyTorch's article module", f"{r:.1f}×", r >= 15))
+    for key, what in (("mha_bf16", "MHA"), ("c2f32_bf16", "C2FAttention chunk 32")):
+        rows = sorted((L, r["torch_ms"] / r["c2f_ms"]) for (k, L), r in by_key.items()
+                      if k == key and r.get("torch_ms") and r.get("c2f_ms"))
+        if rows:
+            checks.append((f"{what} with Compute::BFloat16 faster than PyTorch's autocast bf16 (issue 22)",
+                           ", ".join(f"{L}: {x:.1f}×" for L, x in rows), min(x for _, x in rows) > 1))
     ranked = sorted((v["speedup"], k) for k, v in by_key.items() if v.get("speedup"))
     if ranked:
         checks.append(("c2f against the best peer, every layer and L compared (lowest … highest)",

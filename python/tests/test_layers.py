@@ -134,6 +134,24 @@ def test_mha_bfloat16_compute():
         c2f.MultiHeadAttention(E, H, compute="fp8")
 
 
+@pytest.mark.parametrize("name, args, call", [
+    ("Conv1d", (E, 6, 3), ()), ("C3K2Projection", (E, H), ()), ("HMHA", (E, H, 8), ()),
+    ("SparseC2FAttention", (E, H, 8, 2), ()), ("C2FAttention2D", (E, H, 2, 3), (5, 14))])
+def test_every_layer_takes_bfloat16_compute(name, args, call):
+    """compute="bfloat16" on the layers beyond MultiHeadAttention (docs/bf16.md): the same weights as the fp32
+    layer (seed), within 2e-2 · max|y| of it but not equal (it rounds), the same bits for any thread count;
+    float64 refused."""
+    x = tokens(2, 70, E)
+    fp32 = getattr(c2f, name)(*args, seed=5)(x, *call)
+    outs = [getattr(c2f, name)(*args, seed=5, compute="bfloat16", num_threads=t)(x, *call) for t in (1, 2)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    scale = np.abs(fp32).max()
+    assert np.abs(outs[0] - fp32).max() <= 2e-2 * scale
+    assert np.abs(outs[0] - fp32).max() > 1e-6 * scale
+    with pytest.raises(ValueError, match="compute BFloat16 needs float, got double"):
+        getattr(c2f, name)(*args, dtype="float64", compute="bfloat16")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The coarse-to-fine article's modules (tests/reference/c2f_reference.py); masks 1 = keep.
 

@@ -557,6 +557,52 @@ def gen_bf16(family_dir: Path) -> List[dict]:
             "torch_version": torch_version(), "description": c.description}
     entries.append({"name": c.name, "files": {"f32": write_case(family_dir, c.name, "f32", tensors, meta)},
                     **{k: meta[k] for k in sorted(meta)}})
+    # C2FAttention2D (c2f2d_reference.py) with the relative position bias, partial blocks on both edges.
+    g = C2f2dCase("c2f2d_9x13_b4x4_bf16", 1104, "C2FAttention2D, d_model 32, 4 heads, a 9 x 13 grid in blocks of 4 x 4, "
+                  "relative position bias, batch 2", 9, 13, 4, 4, (5, 6), d_model=32)
+    params = _c2f2d_parameters(g)
+    x = stream(g.seed, "inputs").standard_normal(size=(g.batch, g.height * g.width, g.d_model)).astype(np.float32)
+    mod = _c2f2d_module(g)
+    _load_exactly(mod, params, np.float32, g.name)
+    mod.eval()
+    with torch.no_grad():
+        out = mod(torch.from_numpy(x), g.height, g.width)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out_bf16 = mod(torch.from_numpy(x), g.height, g.width)
+    if out_bf16.dtype != torch.bfloat16:
+        raise RuntimeError(f"{g.name}: autocast gave {out_bf16.dtype}, not bfloat16")
+    tensors = {f"c2f2d.{k}": v.astype(np.float32) for k, v in params.items()}
+    tensors.update(x=x, output=to_numpy(out), output_autocast=to_numpy(out_bf16.float()))
+    (mh, mw), (gh, gw) = g.blocks, g.gmax
+    meta = {"embed_dim": str(g.d_model), "num_heads": str(g.n_heads), "batch": str(g.batch), "height": str(g.height),
+            "width": str(g.width), "block_h": str(g.block_h), "block_w": str(g.block_w), "max_blocks_h": str(gh),
+            "max_blocks_w": str(gw), "seed": str(g.seed), "autocast_dtype": str(out_bf16.dtype),
+            "torch_version": torch_version(), "description": g.description}
+    entries.append({"name": g.name, "files": {"f32": write_case(family_dir, g.name, "f32", tensors, meta)},
+                    **{k: meta[k] for k in sorted(meta)}})
+    # The C3K2/HMHA article's HMHA (hmha_reference.py), every level on, not causal and causal.
+    for causal in (False, True):
+        h = HmhaCase(f"hmha_l100_w16{'_causal' if causal else ''}_bf16", 1105,
+                     f"HMHA, dim 64, 4 heads, L = 100, window 16 (the last window 4 tokens), batch 2"
+                     f"{', causal' if causal else ''}", 100, 16, causal, dim=64, heads=4, batch=2)
+        params = _hmha_parameters(h)
+        x = stream(h.seed, "inputs").standard_normal(size=(h.batch, h.seq_len, h.dim)).astype(np.float32)
+        mod = hmha_ref.HMHA(h.dim, h.heads, window=h.window, levels=(1, 2, 3), causal=h.causal)
+        _load_exactly(mod, params, np.float32, h.name)
+        mod.eval()
+        with torch.no_grad():
+            out = mod(torch.from_numpy(x))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out_bf16 = mod(torch.from_numpy(x))
+        if out_bf16.dtype != torch.bfloat16:
+            raise RuntimeError(f"{h.name}: autocast gave {out_bf16.dtype}, not bfloat16")
+        tensors = {f"hmha.{k}": v.astype(np.float32) for k, v in params.items()}
+        tensors.update(x=x, output=to_numpy(out), output_autocast=to_numpy(out_bf16.float()))
+        meta = {"dim": str(h.dim), "heads": str(h.heads), "window": str(h.window), "causal": b(h.causal),
+                "batch": str(h.batch), "seq_len": str(h.seq_len), "seed": str(h.seed),
+                "autocast_dtype": str(out_bf16.dtype), "torch_version": torch_version(), "description": h.description}
+        entries.append({"name": h.name, "files": {"f32": write_case(family_dir, h.name, "f32", tensors, meta)},
+                        **{k: meta[k] for k in sorted(meta)}})
     return entries
 
 

@@ -177,6 +177,14 @@ C2F_LAYER(CausalMultiHeadAttentionBf16, c2f::MultiHeadAttention<float>, kWidth, 
 C2F_LAYER(C2FAttentionBf16, c2f::C2FAttention<float>, kWidth, 2, 4, o.compute(c2f::Compute::BFloat16));
 C2F_LAYER(C2FAttentionGeneralPathBf16, c2f::C2FAttention<float>, kWidth, 2, 6,
           o.fine_path(c2f::FinePath::General).compute(c2f::Compute::BFloat16));
+C2F_LAYER(C2FAttention2DBf16, c2f::C2FAttention2D<float>, kWidth, 2, 2, 3, o.compute(c2f::Compute::BFloat16));
+C2F_LAYER(Conv1dBf16, c2f::Conv1d<float>, kWidth, 6, 3, o.groups(2).compute(c2f::Compute::BFloat16));
+C2F_LAYER(C3K2ProjectionBf16, c2f::C3K2Projection<float>, kWidth, 2, o.compute(c2f::Compute::BFloat16));
+C2F_LAYER(HMHABf16, c2f::HMHA<float>, kWidth, 2, 4, o.compute(c2f::Compute::BFloat16));
+C2F_LAYER(CausalHMHABf16, c2f::HMHA<float>, kWidth, 2, 6, o.causal(true).compute(c2f::Compute::BFloat16));
+C2F_LAYER(SparseC2FAttentionBf16, c2f::SparseC2FAttention<float>, kWidth, 2, 4, 3, o.compute(c2f::Compute::BFloat16));
+C2F_LAYER(CausalSparseC2FAttentionBf16, c2f::SparseC2FAttention<float>, kWidth, 2, 4, 16,
+          o.causal(true).compute(c2f::Compute::BFloat16));
 // clang-format on
 
 // ------------------------------------------------------------------------------------------------
@@ -219,9 +227,12 @@ using AllLayers = ::testing::Types<Linear, Conv1d, CausalConv1d, C3K2Projection,
                                    MultiHeadAttentionF64, CausalMultiHeadAttention, CoarseAttention, FineAttention,
                                    C2FAttention, C2FAttentionGeneralPath, C2FAttention2D, HMHA, CausalHMHA,
                                    SparseC2FAttention, CausalSparseC2FAttention, LinearBf16, MultiHeadAttentionBf16,
-                                   CausalMultiHeadAttentionBf16, C2FAttentionBf16, C2FAttentionGeneralPathBf16>;
+                                   CausalMultiHeadAttentionBf16, C2FAttentionBf16, C2FAttentionGeneralPathBf16,
+                                   C2FAttention2DBf16, Conv1dBf16, C3K2ProjectionBf16, HMHABf16, CausalHMHABf16,
+                                   SparseC2FAttentionBf16, CausalSparseC2FAttentionBf16>;
 using CausalLayers = ::testing::Types<CausalConv1d, CausalC3K2Projection, CausalMultiHeadAttention, CausalHMHA,
-                                      CausalSparseC2FAttention, CausalMultiHeadAttentionBf16>;
+                                      CausalSparseC2FAttention, CausalMultiHeadAttentionBf16, CausalHMHABf16,
+                                      CausalSparseC2FAttentionBf16>;
 
 /// gtest's names for the typed suites: the entry's name.
 struct EntryNames {

@@ -16,6 +16,7 @@
 
 #include "c2f/core.hpp"
 #include "c2f/options.hpp"
+#include "c2f/detail/convert.hpp"
 #include "c2f/detail/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/scratch.hpp"
@@ -293,24 +294,25 @@ __attribute__((target("amx-tile"))) inline void amx_release() { _tile_release();
 
 
 /// An A operand of bf16_gemm: rows × depth values rounded to bfloat16 — on the tile engine as bf16 in
-/// whole 32-row blocks and 32-value steps (zero past rows and depth), on the fallback as floats. Reused
-/// between calls (its storage grows).
+/// whole 32-row blocks and 32-value steps (zero past rows and depth), on the fallback as floats. Its
+/// storage comes from the scratch cache (detail/scratch.hpp) and grows with the largest operand.
 class Bf16A {
  public:
   /// Rounds a [rows, depth] (rows `lda` apart) for the engine `tiles`.
   void prepare(const float* a, Index lda, Index rows, Index depth, bool tiles) {
     rows_ = rows, depth_ = depth, tiles_ = tiles;
     if (!tiles) {
-      a32_.resize(static_cast<std::size_t>(std::max<Index>(1, rows * depth)));
+      a32_.reserve(static_cast<std::size_t>(std::max<Index>(1, rows * depth)));
+      float* dst = a32_.data();
       for (Index i = 0; i < rows; ++i) {
-        for (Index kk = 0; kk < depth; ++kk) a32_[static_cast<std::size_t>(i * depth + kk)] = round_bf16(a[i * lda + kk]);
+        for (Index kk = 0; kk < depth; ++kk) dst[i * depth + kk] = round_bf16(a[i * lda + kk]);
       }
       return;
     }
 #if C2F_AMX_POSSIBLE
     ld_ = ceil_div(depth, kTileK) * kTileK;
     const Index padded = ceil_div(rows, kTileMN) * kTileMN;
-    a16_.resize(static_cast<std::size_t>(std::max<Index>(1, padded * ld_)));
+    a16_.reserve(static_cast<std::size_t>(std::max<Index>(1, padded * ld_)));
     for (Index i = 0; i < rows; ++i) {
       std::uint16_t* dst = a16_.data() + i * ld_;
       bf16_bits_avx512(a + i * lda, depth, dst);
@@ -322,6 +324,12 @@ class Bf16A {
   Index rows() const { return rows_; }
   Index depth() const { return depth_; }
   bool tiles() const { return tiles_; }
+  /// Bytes prepare() holds for rows × depth on the engine `tiles` (its storage keeps the largest).
+  static std::size_t bytes(Index rows, Index depth, bool tiles) {
+    if (!tiles) return sizeof(float) * static_cast<std::size_t>(std::max<Index>(1, rows * depth));
+    return sizeof(std::uint16_t) *
+           static_cast<std::size_t>(std::max<Index>(1, ceil_div(rows, kTileMN) * kTileMN * ceil_div(depth, kTileK) * kTileK));
+  }
   const std::uint16_t* bf16() const { return a16_.data(); }
   Index bf16_stride() const { return ld_; }
   const float* floats() const { return a32_.data(); }
@@ -329,8 +337,8 @@ class Bf16A {
  private:
   Index rows_ = 0, depth_ = 0, ld_ = 0;
   bool tiles_ = false;
-  std::vector<std::uint16_t> a16_;
-  std::vector<float> a32_;
+  ScratchArray<std::uint16_t> a16_;  ///< from the scratch cache (detail/scratch.hpp), as the packed operands
+  ScratchArray<float> a32_;
 };
 
 /// packed_gemm_range in bfloat16 (the same contract, A and B rounded, sums in fp32), A prepared: for
@@ -399,7 +407,7 @@ inline void bf16_gemm(const Bf16A& a, const Bf16PackedB& b, Index k_begin, Index
 /// bf16_gemm on a [rows, k_end − k_begin] (rows `lda` apart) rounded into this thread's scratch.
 inline void bf16_gemm_range(const float* a, Index lda, Index rows, const Bf16PackedB& b, Index k_begin, Index k_end,
                             Index c0, Index cols, const float* bias, bool accumulate, float* c, Index ldc) {
-  thread_local Bf16A scratch;
+  Bf16A scratch;  // from the scratch cache: a task's rows, counted per worker by the workspace_bytes formulas
   scratch.prepare(a, lda, rows, k_end - k_begin, b.tiles());
   bf16_gemm(scratch, b, k_begin, k_end, c0, cols, bias, accumulate, c, ldc);
 }
@@ -451,6 +459,20 @@ void round_bf16_rows(Scalar* x, Index rows, Index cols, Index ld) {
   }
 }
 
+/// Rounds every value of m to a bfloat16 value in place: the operands of a kernel that keeps Compute::BFloat16
+/// on Eigen's products (fp32 products of rounded values, as the fallback engine's).
+template <class Scalar>
+void round_bf16_matrix(RowMatrix<Scalar>& m) {
+  round_bf16_rows(m.data(), m.rows(), m.cols(), m.cols());
+}
+
+/// out = `block` (float, Eigen::half or Eigen::bfloat16 values) converted to Scalar and rounded to bfloat16.
+template <class Scalar, class Block>
+void round_bf16_copy(const Block& block, RowMatrix<Scalar>& out) {
+  convert_block<Scalar>(block, out);
+  round_bf16_matrix(out);
+}
+
 /// Fewer rows than this take bf16_gemm_rows (no packing) in kernels::matmul_rows.
 constexpr Index kBf16PackedMinRows = 32;
 
@@ -462,7 +484,7 @@ inline void bf16_gemm_rows(const float* a, Index lda, Index rows, const float* w
                            const float* bias, float* c, Index ldc) {
   using Packet = typename GemmBlocking<float>::Packet;
   constexpr Index kP = GemmBlocking<float>::kP;
-  thread_local Bf16A rounded;  // A's rows rounded as floats, rows `depth` apart (the fallback's form)
+  Bf16A rounded;  // A's rows rounded as floats, rows `depth` apart (the fallback's form)
   rounded.prepare(a, lda, rows, depth, false);
   const float* ar = rounded.floats();
   for (Index i0 = 0; i0 < rows; i0 += 4) {

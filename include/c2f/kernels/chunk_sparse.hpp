@@ -16,6 +16,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/bf16_gemm.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
 #include "c2f/detail/masked_values.hpp"
@@ -185,9 +186,10 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
                             const ChunkSelection& selection, Eigen::Ref<RowMatrix<Scalar>> out,
                             const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
   detail::check_sparse_fine_inputs("chunk_sparse_attention", q, k, v, out, grid, heads, selection, false, mask, scale);
+  const bool bf16 = detail::check_compute<Scalar>("chunk_sparse_attention", options.compute());
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k;
   struct Workspace {
-    RowMatrix<Scalar> kg, vg, s;
+    RowMatrix<Scalar> kg, vg, s, qs;  // qs: Compute::BFloat16's scaled, rounded queries
     detail::MaskedValues<Scalar> masked;
   };
   const Index tasks = grid.batch * heads * m;
@@ -208,7 +210,15 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
       filled += count;
     }
     ws.s.resize(rows, n);
-    ws.s.noalias() = (q.block(q_row, h * dh, rows, dh) * scale) * ws.kg.transpose();
+    if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale, the keys and values rounded
+      ws.qs = q.block(q_row, h * dh, rows, dh) * scale;
+      detail::round_bf16_matrix(ws.qs);
+      detail::round_bf16_matrix(ws.kg);
+      detail::round_bf16_matrix(ws.vg);
+      ws.s.noalias() = ws.qs * ws.kg.transpose();
+    } else {
+      ws.s.noalias() = (q.block(q_row, h * dh, rows, dh) * scale) * ws.kg.transpose();
+    }
     if (!mask.empty()) {
       filled = 0;
       for (Index t = 0; t < top_k && chosen[t] >= 0; ++t) {
@@ -222,6 +232,7 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
     const bool guard = !mask.empty() && ws.masked.find(ws.vg);
     if (guard) ws.masked.remember_hidden(ws.s);
     for (Index r = 0; r < rows; ++r) detail::softmax_row(ws.s.row(r));
+    if (bf16) detail::round_bf16_matrix(ws.s);  // the probabilities
     if (guard) {
       ws.masked.template product<false>(out.block(q_row, h * dh, rows, dh), ws.s, ws.vg);
     } else {
@@ -255,13 +266,14 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                             const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
   const Index n = detail::check_sparse_fine_inputs("token_sparse_attention", q, k, v, out, grid, heads, selection,
                                                    true, mask, scale);
+  const bool bf16 = detail::check_compute<Scalar, KV>("token_sparse_attention", options.compute(), true);
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k, T = grid.length;
   const Index p0 = T - n;  // position of query 0
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index G = std::min(kTokenGroupRows, std::max<Index>(n, 1));
   struct Workspace {
     std::vector<Index> start, members, fill;  // queries per key chunk: members[start[j] .. start[j+1])
-    RowMatrix<Scalar> acc, qg, s, pv, kv;
+    RowMatrix<Scalar> acc, qg, s, pv, kv, rounded;  // rounded: Compute::BFloat16's keys, then values
     Vector<Scalar> run_max, run_sum, alpha;
     detail::MaskedValues<Scalar> masked;
   };
@@ -299,8 +311,14 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
         for (Index r = 0; r < rows; ++r) ws.qg.row(r) = q.block(q_base + queries[r], h * dh, 1, dh) * scale;
         if (rows < G) ws.qg.bottomRows(G - rows).setZero();  // fixed GEMM shape; these rows are discarded
         ws.s.resize(G, count);
-        detail::as_scalar(k.block(key_row, h * dh, count, dh), ws.kv,
-                          [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
+        if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale and the keys rounded
+          detail::round_bf16_matrix(ws.qg);
+          detail::round_bf16_copy(k.block(key_row, h * dh, count, dh), ws.rounded);
+          ws.s.noalias() = ws.qg * ws.rounded.transpose();
+        } else {
+          detail::as_scalar(k.block(key_row, h * dh, count, dh), ws.kv,
+                            [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
+        }
         for (Index r = 0; r < rows; ++r) {
           const Index qi = queries[r], t = p0 + qi;
           if (causal && t - j0 < count - 1) ws.s.row(r).tail(count - 1 - std::max<Index>(t - j0, -1)).setConstant(kNegInf);
@@ -309,7 +327,8 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
             mask.apply(b, h, qi, j0, one);
           }
         }
-        detail::as_scalar(v.block(key_row, h * dh, count, dh), ws.kv, [&](const auto& vb) {
+        if (bf16) detail::round_bf16_copy(v.block(key_row, h * dh, count, dh), ws.rounded);
+        const auto values = [&](const auto& vb) {
           // Keys hidden from a row (future ones, masked ones) may hold non-finite values: leave them out.
           const bool guard = (causal || !mask.empty()) && ws.masked.find(vb);
           if (guard) ws.masked.remember_hidden(ws.s);
@@ -323,12 +342,18 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
             ws.run_max[qi] = m_new;
           }
           if (rows < G) ws.s.bottomRows(G - rows).setZero();
+          if (bf16) detail::round_bf16_matrix(ws.s);  // the unnormalised probabilities, as sdpa_streaming's
           if (guard) {
             ws.masked.template product<false>(ws.pv, ws.s, vb);
           } else {
             ws.pv.noalias() = ws.s * vb;
           }
-        });
+        };
+        if (bf16) {
+          values(ws.rounded);
+        } else {
+          detail::as_scalar(v.block(key_row, h * dh, count, dh), ws.kv, values);
+        }
         for (Index r = 0; r < rows; ++r) {
           const Index qi = queries[r];
           ws.acc.row(qi) = ws.alpha[r] * ws.acc.row(qi) + ws.pv.row(r);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/bf16_gemm.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
@@ -78,12 +79,22 @@ constexpr Index kConv1dRowChunk = 128;
 
 /// Heap bytes conv1d() holds while it runs on sequences of `length`: every tap of every group packed for
 /// the micro-kernel on the packed path, else nothing.
+/// Compute::BFloat16: the taps packed for detail::bf16_gemm and, per worker of `threads`
+/// (KernelOptions::num_threads), the rounded input rows of one task (a per-thread buffer that keeps its
+/// largest size between calls); none below kBf16PackedMinRows output rows.
 template <class Scalar>
-std::size_t conv1d_workspace_bytes(Index length, const Conv1dShape& s) {
+std::size_t conv1d_workspace_bytes(Index length, const Conv1dShape& s, Compute compute = Compute::Float32, int threads = 0) {
+  const std::size_t taps = static_cast<std::size_t>(s.kernel * s.groups);
+  if (compute == Compute::BFloat16) {
+    const Index out_len = s.out_length(length);
+    if (out_len < c2f::detail::kBf16PackedMinRows) return 0;
+    const bool tiles = c2f::detail::bf16_tiles();
+    const std::size_t workers = static_cast<std::size_t>(c2f::detail::resolve_threads(threads, out_len));
+    return taps * c2f::detail::Bf16PackedB::bytes(s.in_per_group(), s.out_per_group(), tiles) +
+           workers * c2f::detail::Bf16A::bytes(std::min(out_len, kConv1dRowChunk), s.in_per_group(), tiles);
+  }
   const bool packed = c2f::detail::kPackedGemm && s.out_length(length) >= c2f::detail::kPackedGemmMinRows;
-  return packed ? static_cast<std::size_t>(s.kernel * s.groups) *
-                      c2f::detail::PackedB<Scalar>::bytes(s.in_per_group(), s.out_per_group())
-                : 0;
+  return packed ? taps * c2f::detail::PackedB<Scalar>::bytes(s.in_per_group(), s.out_per_group()) : 0;
 }
 
 /// y[b, i, o] = bias[o] + Σ_t Σ_c W[o, c, t] · x[b, i + t − left_padding, g(o)·in/groups + c] (zero
@@ -92,6 +103,9 @@ std::size_t conv1d_workspace_bytes(Index length, const Conv1dShape& s) {
 /// rows on (where the build has detail::kPackedGemm) every tap of every group is packed once per call
 /// and runs on the register-blocked micro-kernel, added tap by tap into the output; below, Eigen's
 /// product. Either way the bits depend on the shapes only, not on the thread count.
+/// With options.compute() == Compute::BFloat16 (float only) x and the weights are rounded to bfloat16
+/// and the sums kept in fp32 (docs/bf16.md): from kBf16PackedMinRows output rows on every tap packed for
+/// detail::bf16_gemm (the tile unit where the CPU has it), below fp32 products of the rounded values.
 template <class Scalar>
 void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length, const Conv1dShape& s,
             const RowMatrix<Scalar>& taps, const Scalar* bias, Eigen::Ref<RowMatrix<Scalar>> y,
@@ -101,15 +115,25 @@ void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index len
   const Index out_len = s.out_length(length), cin = s.in_per_group(), cout = s.out_per_group();
   const Index chunks_per_batch = (out_len + kConv1dRowChunk - 1) / kConv1dRowChunk;
   const double work = 2.0 * static_cast<double>(batch * out_len) * static_cast<double>(s.kernel * cin * s.out_channels);
-  const bool packed = c2f::detail::kPackedGemm && out_len >= c2f::detail::kPackedGemmMinRows;
+  const bool bf16 = c2f::detail::check_compute<Scalar>("conv1d", options.compute());
+  const bool packed = !bf16 && c2f::detail::kPackedGemm && out_len >= c2f::detail::kPackedGemmMinRows;
+  const bool packed16 = bf16 && out_len >= c2f::detail::kBf16PackedMinRows;
   std::vector<c2f::detail::PackedB<Scalar>> packed_taps(packed ? static_cast<std::size_t>(s.kernel * s.groups) : 0);
-  for (Index t = 0; packed && t < s.kernel; ++t) {
+  std::vector<c2f::detail::Bf16PackedB> packed_taps16(packed16 ? static_cast<std::size_t>(s.kernel * s.groups) : 0);
+  for (Index t = 0; (packed || packed16) && t < s.kernel; ++t) {
     for (Index g = 0; g < s.groups; ++g) {
-      packed_taps[static_cast<std::size_t>(t * s.groups + g)].pack(
-          taps.block(t * s.out_channels + g * cout, 0, cout, cin).transpose(), options.num_threads());
+      const std::size_t i = static_cast<std::size_t>(t * s.groups + g);
+      if constexpr (std::is_same<Scalar, float>::value) {
+        if (packed16) {
+          packed_taps16[i].pack(taps.block(t * s.out_channels + g * cout, 0, cout, cin).transpose(), options.num_threads());
+          continue;
+        }
+      }
+      packed_taps[i].pack(taps.block(t * s.out_channels + g * cout, 0, cout, cin).transpose(), options.num_threads());
     }
   }
   c2f::detail::parallel_for(batch * chunks_per_batch, options.num_threads(), work, [&](Index task, int) {
+    const c2f::detail::Bf16Tiles tile_registers(packed16 && packed_taps16.front().tiles());
     const Index b = task / chunks_per_batch;
     const Index r0 = (task % chunks_per_batch) * kConv1dRowChunk, r1 = std::min(out_len, r0 + kConv1dRowChunk);
     typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr out = y.middleRows(b * out_len + r0, r1 - r0);
@@ -124,6 +148,20 @@ void conv1d(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index len
       const Index i0 = std::max(r0, -shift), i1 = std::min(r1, length - shift);
       if (i1 <= i0) continue;
       for (Index g = 0; g < s.groups; ++g) {
+        if constexpr (std::is_same<Scalar, float>::value) {
+          if (packed16) {
+            const float* in = x.data() + (b * length + i0 + shift) * x.outerStride() + g * cin;
+            c2f::detail::bf16_gemm_range(in, x.outerStride(), i1 - i0, packed_taps16[static_cast<std::size_t>(t * s.groups + g)], 0,
+                                         cin, 0, cout, nullptr, true, &out(i0 - r0, g * cout), y.outerStride());
+            continue;
+          }
+        }
+        if (bf16) {  // few rows: fp32 products of the rounded values
+          out.block(i0 - r0, g * cout, i1 - i0, cout).noalias() +=
+              x.block(b * length + i0 + shift, g * cin, i1 - i0, cin).unaryExpr(c2f::detail::RoundBf16<Scalar>()) *
+              taps.block(t * s.out_channels + g * cout, 0, cout, cin).transpose().unaryExpr(c2f::detail::RoundBf16<Scalar>());
+          continue;
+        }
         if (packed) {
           const Scalar* in = x.data() + (b * length + i0 + shift) * x.outerStride() + g * cin;
           c2f::detail::packed_gemm_range<Scalar>(in, x.outerStride(), i1 - i0, packed_taps[static_cast<std::size_t>(t * s.groups + g)],

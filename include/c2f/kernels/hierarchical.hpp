@@ -14,6 +14,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/detail/bf16_gemm.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
 #include "c2f/detail/masked_values.hpp"
@@ -41,11 +42,12 @@ void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                           Eigen::Ref<RowMatrix<Scalar>> out, bool causal, Scalar scale, const KernelOptions& options) {
   const char* kernel = "window_attention_add";
   const Index n = detail::check_last_queries(kernel, q, out, k, v, grid, heads, scale);
+  const bool bf16 = detail::check_compute<Scalar, KV>(kernel, options.compute(), true);
   const Index dh = q.cols() / heads, T = grid.length;
   const QueryChunks windows(grid, n);
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   struct Workspace {
-    RowMatrix<Scalar> s, kv;
+    RowMatrix<Scalar> s, kv, qs, rounded;  // qs, rounded: Compute::BFloat16's q·scale, keys, then values
     detail::MaskedValues<Scalar> masked;
   };
   const Index tasks = grid.batch * windows.count;
@@ -58,25 +60,39 @@ void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
     const Index q_row = b * n + p0 - windows.first_position, k_row = b * T + w0;
     ws.s.resize(nq, nk);
     for (Index h = 0; h < heads; ++h) {
-      detail::as_scalar(k.block(k_row, h * dh, nk, dh), ws.kv,
-                        [&](const auto& kb) { ws.s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * kb.transpose(); });
+      if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale and the keys rounded
+        ws.qs = q.block(q_row, h * dh, nq, dh) * scale;
+        detail::round_bf16_matrix(ws.qs);
+        detail::round_bf16_copy(k.block(k_row, h * dh, nk, dh), ws.rounded);
+        ws.s.noalias() = ws.qs * ws.rounded.transpose();
+      } else {
+        detail::as_scalar(k.block(k_row, h * dh, nk, dh), ws.kv,
+                          [&](const auto& kb) { ws.s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * kb.transpose(); });
+      }
       if (causal) {
         for (Index i = 0; i < nq; ++i) {
           const Index visible = p0 - w0 + i + 1;  // keys w0 … p0 + i
           if (visible < nk) ws.s.row(i).tail(nk - visible).setConstant(kNegInf);
         }
       }
-      detail::as_scalar(v.block(k_row, h * dh, nk, dh), ws.kv, [&](const auto& vb) {
+      const auto values = [&](const auto& vb) {
         // Future keys of the window may hold non-finite values: leave them out (masked_values.hpp).
         const bool guard = causal && ws.masked.find(vb);
         if (guard) ws.masked.remember_hidden(ws.s);
         for (Index i = 0; i < nq; ++i) detail::softmax_row(ws.s.row(i));
+        if (bf16) detail::round_bf16_matrix(ws.s);  // the probabilities
         if (guard) {
           ws.masked.template product<true>(out.block(q_row, h * dh, nq, dh), ws.s, vb);
         } else {
           out.block(q_row, h * dh, nq, dh).noalias() += ws.s * vb;
         }
-      });
+      };
+      if (bf16) {
+        detail::round_bf16_copy(v.block(k_row, h * dh, nk, dh), ws.rounded);
+        values(ws.rounded);
+      } else {
+        detail::as_scalar(v.block(k_row, h * dh, nk, dh), ws.kv, values);
+      }
     }
   });
 }
@@ -104,16 +120,32 @@ void window_summary_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                  detail::shape_string({v_mean.rows(), v_mean.cols()}), " must be [batch·m, ", q.cols(),
                  "] with m >= ", (T - 1) / std::max<Index>(grid.chunk, 1), " windows per batch item");
   }
+  const bool bf16 = detail::check_compute<Scalar>(kernel, options.compute());
   const Index tasks = grid.batch * windows.count;
   const double work = detail::attention_work(grid.batch * heads, n, m, dh, dh);
-  detail::parallel_for_each_worker<RowMatrix<Scalar>>(tasks, options.num_threads(), work, [&](Index task, RowMatrix<Scalar>& s) {
+  struct Workspace {
+    RowMatrix<Scalar> s, qs, rounded;  // qs, rounded: Compute::BFloat16's q·scale, key means, then value means
+  };
+  detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
     const Index b = task / windows.count, c = windows.first + task % windows.count;
     if (c == 0) return;  // no window before the first
     const Index w0 = c * grid.chunk, w1 = std::min(w0 + grid.chunk, T);
     const Index p0 = std::max(w0, windows.first_position), nq = w1 - p0;
     const Index q_row = b * n + p0 - windows.first_position, first = b * m;
+    RowMatrix<Scalar>& s = ws.s;
     s.resize(nq, c);
     for (Index h = 0; h < heads; ++h) {
+      if (bf16) {  // Compute::BFloat16 (float only, checked above): every operand rounded
+        ws.qs = q.block(q_row, h * dh, nq, dh) * scale;
+        detail::round_bf16_matrix(ws.qs);
+        detail::round_bf16_copy(k_mean.block(first, h * dh, c, dh), ws.rounded);
+        s.noalias() = ws.qs * ws.rounded.transpose();
+        for (Index i = 0; i < nq; ++i) detail::softmax_row(s.row(i));
+        detail::round_bf16_matrix(s);
+        detail::round_bf16_copy(v_mean.block(first, h * dh, c, dh), ws.rounded);
+        out.block(q_row, h * dh, nq, dh).noalias() += s * ws.rounded;
+        continue;
+      }
       s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * k_mean.block(first, h * dh, c, dh).transpose();
       for (Index i = 0; i < nq; ++i) detail::softmax_row(s.row(i));
       out.block(q_row, h * dh, nq, dh).noalias() += s * v_mean.block(first, h * dh, c, dh);
@@ -196,6 +228,7 @@ void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>&
                    dim, " (value rows contiguous), got ", s.rows, " rows with strides ", s.k_stride, " and ", s.v_stride);
     }
   }
+  const bool bf16 = detail::check_compute<Scalar, KV>(kernel, options.compute(), true);
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index blocks_per_batch = (n + kSparseRowBlock - 1) / kSparseRowBlock;
   const double work = detail::attention_work(batch * heads, n, noff, dh, dh);
@@ -208,7 +241,11 @@ void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>&
     const auto key_row = [&](const OffsetRows<KV>& s, Index delta, Index i) { return b * s.batch_stride + a + i + delta + s.shift; };
     // scores(r·heads + h, o): query a + r, head h, key at offset offsets[o].
     RowMatrix<Scalar> scores = RowMatrix<Scalar>::Constant(nb * heads, noff, kNegInf);
-    RowMatrix<Scalar> prod(nb, dim), kv;
+    RowMatrix<Scalar> prod(nb, dim), kv, qs;
+    if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale, the keys, probabilities and values rounded
+      qs = q.middleRows(q_base, nb) * scale;
+      detail::round_bf16_matrix(qs);
+    }
     Index i0 = 0, i1 = 0;
     for (Index o = 0; o < noff; ++o) {
       const Index delta = offsets[static_cast<std::size_t>(o)];
@@ -216,11 +253,18 @@ void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>&
       const OffsetRows<KV>& s = sources[static_cast<std::size_t>(o)];
       const Index rows = i1 - i0;
       const Rows kb(s.k + key_row(s, delta, i0) * s.k_stride, rows, dim, Eigen::OuterStride<>(s.k_stride));
+      if (bf16) {
+        detail::round_bf16_copy(kb, kv);
+        prod.topRows(rows) = qs.middleRows(i0, rows).cwiseProduct(kv);
+        scores.col(o).segment(i0 * heads, rows * heads) = Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum();
+        continue;
+      }
       detail::as_scalar(kb, kv, [&](const auto& k) { prod.topRows(rows) = q.middleRows(q_base + i0, rows).cwiseProduct(k); });
       scores.col(o).segment(i0 * heads, rows * heads) =
           Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum() * scale;
     }
     for (Index r = 0; r < nb * heads; ++r) detail::softmax_row(scores.row(r));
+    if (bf16) detail::round_bf16_matrix(scores);
     for (Index o = 0; o < noff; ++o) {
       const Index delta = offsets[static_cast<std::size_t>(o)];
       if (!queries_with_key(delta, a, nb, i0, i1)) continue;
@@ -229,10 +273,16 @@ void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>&
       // out rows as [rows·heads, dh]: each (query, head) row gains weight · its value row.
       Eigen::Map<RowMatrix<Scalar>> dst(out.row(q_base + i0).data(), rows * heads, dh);
       const Rows vb(s.v + key_row(s, delta, i0) * s.v_stride, rows, dim, Eigen::OuterStride<>(s.v_stride));
-      detail::as_scalar(vb, kv, [&](const auto& v) {
+      const auto weighted = [&](const auto& v) {
         const Eigen::Map<const RowMatrix<Scalar>> src(v.data(), rows * heads, dh);
         dst.noalias() += scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src;
-      });
+      };
+      if (bf16) {
+        detail::round_bf16_copy(vb, kv);
+        weighted(kv);
+      } else {
+        detail::as_scalar(vb, kv, weighted);
+      }
     }
   });
 }

@@ -129,14 +129,18 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
 /// packed right-hand side on the packed path (detail::kPackedGemm builds with n ≥ kPackedGemmMinRows, or
 /// KernelOptions::rows_independent), else nothing (Eigen's product blocks on the stack at these sizes).
 /// Compute::BFloat16: the bfloat16 packing of the engine in use (none below kBf16PackedMinRows rows of a
-/// weight's transpose without rows_independent); the rounded rows of A are a per-thread buffer kept
-/// between calls, not counted.
+/// weight's transpose without rows_independent), and the rounded rows of A of one task per worker of
+/// `threads` (KernelOptions::num_threads; a per-thread buffer that keeps its largest size between calls).
 template <class Scalar>
 std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out, bool rows_independent = false,
-                                        Compute compute = Compute::Float32) {
+                                        Compute compute = Compute::Float32, int threads = 0) {
   if (compute == Compute::BFloat16) {
-    if (n == 0 || (n < detail::kBf16PackedMinRows && !detail::honoured_rows_independent(rows_independent))) return 0;
-    return detail::Bf16PackedB::bytes(k, out, detail::bf16_tiles());
+    if (n == 0) return 0;
+    const bool few = n < detail::kBf16PackedMinRows && !detail::honoured_rows_independent(rows_independent);
+    const bool tiles = !few && detail::bf16_tiles();
+    const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(threads, n));
+    const std::size_t rows = workers * detail::Bf16A::bytes(std::min(n, kBf16RowChunk), k, tiles);
+    return few ? rows : rows + detail::Bf16PackedB::bytes(k, out, tiles);
   }
   return detail::packed_gemm_for(n, rows_independent) ? detail::PackedB<Scalar>::bytes(k, out) : 0;
 }

@@ -534,8 +534,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   std::size_t folded_packed_bytes(Index blocks) const {
     const Compute c = options_.compute();
     return std::max({q_proj_.rows_workspace_bytes(blocks, true),
-                     kernels::matmul_rows_workspace_bytes<Scalar>(blocks, head_dim(), d_, true, c),
-                     kernels::matmul_rows_workspace_bytes<Scalar>(blocks, d_, head_dim(), true, c),
+                     kernels::matmul_rows_workspace_bytes<Scalar>(blocks, head_dim(), d_, true, c, options_.num_threads()),
+                     kernels::matmul_rows_workspace_bytes<Scalar>(blocks, d_, head_dim(), true, c, options_.num_threads()),
                      out_proj_.rows_workspace_bytes(blocks, true)});
   }
   /// Bytes of temporary memory one forward_chunked_into() holds at its peak, besides the output (and

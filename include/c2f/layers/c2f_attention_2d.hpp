@@ -56,8 +56,9 @@ namespace c2f {
 template <class Scalar>
 class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
  public:
-  /// seed: initialisation (see reset_parameters). The kernel options serve the coarse stage.
-  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options> {
+  /// seed: initialisation (see reset_parameters). The kernel options serve the coarse stage; compute
+  /// (docs/bf16.md) both stages' products.
+  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public ComputeOption<Options> {
     /// Gh: the bias table covers block grids of up to Gh rows …
     C2F_ARG(Index, max_blocks_h) = 16;
     /// … and Gw columns of blocks.
@@ -72,7 +73,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
       : shape_(detail::checked_heads<Scalar>("C2FAttention2D", embed_dim, num_heads, 1, 8)),
         block_h_(detail::checked_positive("C2FAttention2D", "block_h", block_h)),
         block_w_(detail::checked_positive("C2FAttention2D", "block_w", block_w)),
-        options_(options),
+        options_((detail::check_compute_option<Scalar>("C2FAttention2D", options.compute()), options)),
         table_entries_(checked_table_entries(options, num_heads)),
         coarse_(embed_dim, num_heads, detail::inner_options<typename CoarseAttention<Scalar>::Options>(options)),
         fine_(embed_dim, num_heads,
@@ -166,6 +167,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   TrainOutput<Scalar, Saved> forward_train(ConstTensor3Ref<Scalar> x, Index height, Index width,
                                            const Masks<Scalar>& masks = {}, std::uint64_t step = 0) const {
     return detail::named(type_name, [&] {
+      detail::check_train_compute(type_name, options_.compute());
       const kernels::BlockGrid2D grid = checked_grid(x, height, width);
       detail::check_mask_fields(masks, type_name, mask_fields);
       return detail::train_output<Scalar, Saved>(*this, {x.batch(), x.seq(), embed_dim()},

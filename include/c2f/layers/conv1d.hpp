@@ -8,6 +8,7 @@
 #include "c2f/mask.hpp"
 #include "c2f/options.hpp"
 
+#include <algorithm>
 #include <array>
 #include <string>
 
@@ -22,7 +23,8 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
   /// seed: init like PyTorch, weight and bias U(±1/sqrt(in/groups · kernel_size)).
   /// causal: pad kernel_size − 1 zeros on the left only (output i reads x[i − kernel_size + 1 … i]);
   /// padding must be 0. PyTorch: conv(F.pad(x, (kernel_size − 1, 0))) on a Conv1d with padding 0.
-  class Options : public RuntimeOptions<Options>, public BiasOption<Options>, public CausalOption<Options> {
+  class Options : public RuntimeOptions<Options>, public BiasOption<Options>, public CausalOption<Options>,
+                  public ComputeOption<Options> {
     C2F_ARG(Index, padding) = 0;
     C2F_ARG(Index, groups) = 1;
   };
@@ -32,7 +34,7 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
   Conv1d(Index in_channels, Index out_channels, Index kernel_size, Options options = Options())
       : shape_(checked_shape(kernels::Conv1dShape{in_channels, out_channels, kernel_size, options.padding(),
                                                   options.groups(), options.causal()})),
-        options_(options) {
+        options_((detail::check_compute_option<Scalar>("Conv1d", options.compute()), options)) {
     detail::check_scalar<Scalar>();
     reset_parameters(options.seed());
   }
@@ -86,7 +88,7 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
   }
   /// Bytes of temporary memory one forward_into() holds: the packed taps on the micro-kernel path, else 0.
   std::size_t workspace_bytes(Index /*batch*/, Index seq) const {
-    return kernels::conv1d_workspace_bytes<Scalar>(seq, shape_);
+    return kernels::conv1d_workspace_bytes<Scalar>(seq, shape_, options_.compute(), options_.num_threads());
   }
 
   /// Training (forward_train, backward: detail::RowLayerBase): the saved input x.
@@ -140,13 +142,13 @@ class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scala
  public:
   /// seed: PyTorch's Conv1d init for both convolutions; causal: conv3 reads x[i−2 … i] instead of
   /// x[i−1 … i+1].
-  class Options : public RuntimeOptions<Options>, public CausalOption<Options> {};
+  class Options : public RuntimeOptions<Options>, public CausalOption<Options>, public ComputeOption<Options> {};
 
   C2F_LAYER_TRAITS("C3K2Projection", MaskFields::None);  // takes no masks
 
   C3K2Projection(Index embed_dim, Index num_heads, Options options = Options())
       : shape_(detail::checked_heads<Scalar>("C3K2Projection", embed_dim, num_heads, /*min_embed=*/2, 2)),
-        options_(options),
+        options_((detail::check_compute_option<Scalar>("C3K2Projection", options.compute()), options)),
         conv3_(embed_dim, embed_dim / 2, 3, conv_options(options, /*padding=*/1, 0)),
         conv2_(embed_dim, embed_dim - embed_dim / 2, 1, conv_options(options, /*padding=*/0, 1)) {}
 
@@ -173,10 +175,11 @@ class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scala
     conv3_.forward_rows(x, batch, length, y.leftCols(e / 2));
     conv2_.forward_rows(x, batch, length, y.rightCols(e - e / 2));
   }
-  /// Bytes of temporary memory one forward_into() holds: both convolutions' packed taps (one runs at a
-  /// time, but the scratch cache may keep conv3's while conv2 runs).
+  /// Bytes of temporary memory one forward_into() holds: the larger convolution's (packed taps, bf16 rows;
+  /// one runs at a time), plus conv3's while conv2 runs where the scratch cache keeps them.
   std::size_t workspace_bytes(Index batch, Index seq) const {
-    return conv3_.workspace_bytes(batch, seq) + conv2_.workspace_bytes(batch, seq);
+    const std::size_t conv3 = conv3_.workspace_bytes(batch, seq), conv2 = conv2_.workspace_bytes(batch, seq);
+    return std::max(conv3, detail::scratch_kept_bytes(conv3) + conv2);
   }
 
   /// Training (forward_train, backward: detail::RowLayerBase): the saved input x.

@@ -55,7 +55,7 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
  public:
   /// seed: PyTorch's Conv1d / Linear default init.
   /// causal: every output depends only on x[0 … i] (see the file comment).
-  class Options : public RuntimeOptions<Options>, public CausalOption<Options> {
+  class Options : public RuntimeOptions<Options>, public CausalOption<Options>, public ComputeOption<Options> {
     C2F_ARG(HMHALevels, levels) = HMHALevels{};
   };
 
@@ -64,12 +64,12 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   HMHA(Index embed_dim, Index num_heads, Index window, Options options = Options())
       : shape_(detail::checked_heads<Scalar>("HMHA", embed_dim, num_heads, /*min_embed=*/2, 7)),
         window_(detail::checked_positive("HMHA", "window", window)),
-        options_(options),
+        options_((detail::check_compute_option<Scalar>("HMHA", options.compute()), options)),
         q_proj_(embed_dim, num_heads, projection_options(options, 0)),
         k_proj_(embed_dim, num_heads, projection_options(options, 2)),
         v_proj_(embed_dim, num_heads, projection_options(options, 4)),
         out_proj_(embed_dim, embed_dim,
-                  typename Linear<Scalar>::Options().num_threads(options.num_threads()).seed(options.seed() + 6)) {
+                  detail::inner_options<typename Linear<Scalar>::Options>(options, 6)) {
     detail::check_scalar<Scalar>();
   }
 
@@ -133,18 +133,24 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
     const std::size_t w = static_cast<std::size_t>(std::min(window_, std::max<Index>(seq, 1)));
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), batch * seq));
     const HMHALevels& on = options_.levels();
+    const kernels::KernelOptions ko = detail::kernel_options(options_);
+    // Compute::BFloat16: the rounded copies of the operands (per worker): level 1 the scaled queries and a
+    // key or value block of a window, level 2 (causal) the scaled queries and the key or value means, level
+    // 3 the scaled queries and a key or value block of a row block.
+    const bool bf16 = options_.compute() == Compute::BFloat16;
+    const std::size_t ms = static_cast<std::size_t>(m);
     std::size_t level = 0;
-    if (on.local) level = std::max(level, s * workers * w * w);
+    if (on.local) level = std::max(level, s * workers * (w * w + (bf16 ? 2 * w * dh : 0)));
     if (on.cross && options_.causal()) {
-      level = std::max(level, s * (2 * chunks * e + workers * w * static_cast<std::size_t>(m)));
+      level = std::max(level, s * (2 * chunks * e + workers * (w * ms + (bf16 ? (w + ms) * dh : 0))));
     } else if (on.cross) {
-      level = std::max(level, s * 4 * chunks * e + workers * kernels::sdpa_streaming_workspace_bytes<Scalar>(
-                                                                 detail::kernel_options(options_), dh, dh, m, m));
+      level = std::max(level, s * 4 * chunks * e + workers * kernels::sdpa_streaming_workspace_bytes<Scalar>(ko, dh, dh, m, m) +
+                                  kernels::sdpa_streaming_shared_bytes<Scalar>(ko, batch * shape_.num_heads, dh, dh, m, m));
     }
     if (on.global) {
       const std::size_t offsets = kernels::sparse_offsets(seq, options_.causal()).size();
       const std::size_t rows = static_cast<std::size_t>(std::min(kernels::kSparseRowBlock, std::max<Index>(seq, 1)));
-      level = std::max(level, s * workers * rows * (h * offsets + e) + sizeof(Index) * offsets);
+      level = std::max(level, s * workers * rows * (h * offsets + e + (bf16 ? 2 * e : 0)) + sizeof(Index) * offsets);
     }
     // + the projections' packed weights (micro-kernel builds), which the scratch cache may keep during the
     // levels: one C3K2Projection's (q, k and v reuse the same blocks) and out_proj's.

@@ -91,7 +91,7 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   /// (kernels::matmul_rows_workspace_bytes), else 0.
   std::size_t rows_workspace_bytes(Index rows, bool rows_independent = false) const {
     return kernels::matmul_rows_workspace_bytes<Scalar>(rows, in_features(), out_features(), rows_independent,
-                                                        options_.compute());
+                                                        options_.compute(), options_.num_threads());
   }
   /// Bytes of temporary memory one forward_into() holds: rows_workspace_bytes(batch · seq).
   std::size_t workspace_bytes(Index batch, Index seq) const { return rows_workspace_bytes(batch * seq); }

@@ -307,9 +307,10 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     const std::size_t proj = sizeof(Scalar) * static_cast<std::size_t>(e * batch * (2 * lq + 2 * lk));
     const bool ri = options_.rows_independent();
     const Compute c = options_.compute();
-    const std::size_t packed_weights = std::max({kernels::matmul_rows_workspace_bytes<Scalar>(batch * lq, e, e, ri, c),
-                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, kdim_, e, ri, c),
-                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, vdim_, e, ri, c),
+    const int t = options_.num_threads();
+    const std::size_t packed_weights = std::max({kernels::matmul_rows_workspace_bytes<Scalar>(batch * lq, e, e, ri, c, t),
+                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, kdim_, e, ri, c, t),
+                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, vdim_, e, ri, c, t),
                                                  out_proj_.rows_workspace_bytes(batch * lq, ri)});
     std::size_t attention;
     if (options_.kernel() == AttnKernel::Naive) {

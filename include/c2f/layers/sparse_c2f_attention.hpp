@@ -62,7 +62,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   /// seed: PyTorch's MultiheadAttention init. The kernel options serve as_multihead_attention(). causal:
   /// token t attends only to keys <= t, chosen from the chunks before its own (per-token gating).
   class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public BiasOption<Options>,
-                  public CausalOption<Options> {
+                  public CausalOption<Options>, public ComputeOption<Options> {
     /// PerChunk cannot be causal.
     C2F_ARG(Gating, gating) = Gating::Auto;
   };
@@ -78,7 +78,9 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
         gating_(options.gating() == Gating::Auto ? (options.causal() ? Gating::PerToken : Gating::PerChunk)
                                                  : options.gating()),
         mha_(embed_dim, num_heads,
-             detail::inner_options<typename MultiHeadAttention<Scalar>::Options>(options).bias(options.bias())) {
+             detail::inner_options<typename MultiHeadAttention<Scalar>::Options>(
+                 (detail::check_compute_option<Scalar>("SparseC2FAttention", options.compute()), options))
+                 .bias(options.bias())) {
     if (options.causal() && gating_ == Gating::PerChunk) {
       detail::fail("SparseC2FAttention: per-chunk gating reads every query of a chunk, so it cannot be causal; "
                    "use Gating::PerToken (or Auto) with causal = true");
@@ -169,18 +171,24 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), batch * seq));
     const std::size_t top_picks = workers * picks * (s + ix);
     std::size_t selection, gating, fine;
+    const bool bf16 = options_.compute() == Compute::BFloat16;
     if (gating_ == Gating::PerToken) {
       const std::size_t g = std::min<std::size_t>(static_cast<std::size_t>(kernels::kTokenGroupRows), std::max<std::size_t>(len, 1));
       selection = ix * tokens * h * top_k;
       gating = s * (chunks * e + workers * k * m) + top_picks;
-      fine = s * workers * (len * dh + 2 * g * dh + g * k + 2 * len + g) + ix * workers * (2 * m + 1 + len * picks);
+      // Compute::BFloat16: + a rounded key or value block [chunk, dh] per worker.
+      fine = s * workers * (len * dh + 2 * g * dh + g * k + 2 * len + g + (bf16 ? k * dh : 0)) +
+             ix * workers * (2 * m + 1 + len * picks);
     } else {
       selection = ix * chunks * h * top_k;
       gating = s * (2 * chunks * e + workers * m * m) + top_picks;
-      fine = s * workers * (2 * picks * k * dh + k * picks * k);
+      // Compute::BFloat16: + the rounded queries [chunk, dh] per worker.
+      fine = s * workers * (2 * picks * k * dh + k * picks * k + (bf16 ? k * dh : 0));
     }
     // + a packed [E, E] projection weight (micro-kernel builds; the in- and out-projections').
-    const std::size_t packed = kernels::matmul_rows_workspace_bytes<Scalar>(batch * seq, embed_dim(), embed_dim());
+    const std::size_t packed =
+        kernels::matmul_rows_workspace_bytes<Scalar>(batch * seq, embed_dim(), embed_dim(), false, options_.compute(),
+                                                     options_.num_threads());
     return s * 4 * tokens * e + selection + gating + fine + packed;
   }
 
