@@ -5,6 +5,9 @@
 //                       run time), 1 and 2 threads — the fp32 compute roofline
 //   peak_bf16/threads   the same with vdpbf16ps (AVX512_BF16; skipped with the reason where the CPU lacks it)
 //   peak_amx_bf16/threads   the same with AMX's tile product tdpbf16ps (skipped where the CPU or kernel lacks it)
+//   peak_fp32_tile/threads   the fp32 FMA peak with a GEMM's loads: c2f's register-blocked micro-kernel
+//                       (12 × 32 tile on AVX-512, 6 × 16 on AVX2) on operands that stay in L1 — the ceiling
+//                       of its products on this CPU, below the register-only peak
 //   copy                STREAM copy, 2 × 256 MiB — the memory roofline (bytes: one read + one write)
 //   gemm_eigen/L/threads, gemm_c2f/L/threads, gemm_onednn/L/threads
 //                       [L, 512] × [512, 512]ᵀ (a projection, W in torch's [out, in] layout) by Eigen's
@@ -170,6 +173,7 @@ int main(int argc, char** argv) {
   };
   for (int t : {1, threads}) {
     timed(benchmark::RegisterBenchmark("peak_fp32", c2f_bench::BM_Peak, std::string("fp32"))->Arg(t));
+    timed(benchmark::RegisterBenchmark("peak_fp32_tile", c2f_bench::BM_Peak, std::string("fp32_tile"))->Arg(t));
     timed(benchmark::RegisterBenchmark("peak_bf16", c2f_bench::BM_Peak, std::string("bf16"))->Arg(t));
     timed(benchmark::RegisterBenchmark("peak_amx_bf16", c2f_bench::BM_Peak, std::string("amx_bf16"))->Arg(t));
     if (threads == 1) break;

@@ -143,6 +143,22 @@ __attribute__((target("avx2,fma"))) inline float fma_avx2(std::int64_t iteration
   return total;
 }
 
+// The fp32 FMA peak with a GEMM's loads: c2f's register-blocked micro-kernel (detail::gemm_tile: a kMR ×
+// kNR tile of C in registers, each k-step loading kNP vectors of a packed B panel and broadcasting kMR
+// values of A) on operands that stay in L1 (A kMR × 256, B 256 × kNR), call after call. Its ceiling on
+// this CPU; the register-only loop above has no loads. Returns FLOP per iteration (one k-step).
+inline double gemm_tile_l1(std::int64_t iterations, float* sink) {
+  using B = c2f::detail::GemmBlocking<float>;
+  constexpr c2f::Index kDepth = 256;
+  std::vector<float> a(static_cast<std::size_t>(B::kMR * kDepth), 1e-3f), b(static_cast<std::size_t>(kDepth * B::kNR), 1e-3f),
+      c(static_cast<std::size_t>(B::kMR * B::kNR), 0.0f);
+  for (std::int64_t it = 0; it < iterations; it += kDepth) {
+    c2f::detail::gemm_tile<float, B::kMR>(kDepth, a.data(), kDepth, b.data(), c.data(), B::kNR, B::kNR, it == 0, nullptr);
+  }
+  *sink += c[0];
+  return 2.0 * B::kMR * B::kNR;
+}
+
 // vdpbf16ps: 16 lanes × 2 bf16 products summed into fp32 — 64 FLOP per instruction.
 __attribute__((target("avx512f,avx512bf16"))) inline float bf16_avx512(std::int64_t iterations) {
   __m512 acc[kAccumulators];
@@ -226,6 +242,7 @@ inline double run(const std::string& kind, std::int64_t iterations, float* sink)
     *sink += bf16_avx512(iterations);
     return 64.0 * kAccumulators;
   }
+  if (kind == "fp32_tile") return gemm_tile_l1(iterations / 2, sink) / 2.0;  // a k-step: 2·kMR multiply-adds
   if (kind == "amx_bf16") {  // a trip is 16 times longer than the vector loops': 1/16 of the trips
 #if C2F_AMX_POSSIBLE
     *sink += amx_bf16(iterations / 16);
@@ -247,8 +264,8 @@ inline double run(const std::string& kind, std::int64_t iterations, float* sink)
 }
 }  // namespace peak
 
-/// The FMA peak of `kind` ("fp32", "bf16", "amx_bf16") on range(0) threads: each thread runs the register-only loop
-/// for the same number of iterations at once. Skipped (with the reason) where the CPU lacks the ISA.
+/// The FMA peak of `kind` ("fp32", "fp32_tile", "bf16", "amx_bf16") on range(0) threads: each thread runs the
+/// loop for the same number of iterations at once. Skipped (with the reason) where the CPU lacks the ISA.
 inline void BM_Peak(benchmark::State& state, const std::string& kind) {
   const int threads = static_cast<int>(state.range(0));
   const bool runs = kind == "bf16"       ? peak::has_bf16_dot()
@@ -275,7 +292,7 @@ inline void BM_Peak(benchmark::State& state, const std::string& kind) {
   state.counters["FLOP"] = flop;
   state.counters["GFLOPS"] = benchmark::Counter(flop * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["threads"] = threads;
-  state.SetLabel(kind == "fp32" ? peak::fp32_isa() : kind == "bf16" ? "avx512bf16" : "amx-bf16");
+  state.SetLabel(kind == "fp32" || kind == "fp32_tile" ? peak::fp32_isa() : kind == "bf16" ? "avx512bf16" : "amx-bf16");
 }
 
 }  // namespace c2f_bench

@@ -10,11 +10,11 @@ def peaks(result):
     """{'fp32': {threads: GFLOPS}, 'bf16': {...}, 'amx_bf16': {...}, 'copy': GB/s, 'isa': str, 'threads': n}
     from a bench_machine result; an entry that was skipped (the CPU lacks the ISA) is absent."""
     e = entries(result)
-    out = {"fp32": {}, "bf16": {}, "amx_bf16": {}, "copy": None, "isa": ""}
+    out = {"fp32": {}, "fp32_tile": {}, "bf16": {}, "amx_bf16": {}, "copy": None, "isa": ""}
     for key, b in e.items():
         if b.get("error_occurred"):
             continue
-        if key[0] in ("peak_fp32", "peak_bf16", "peak_amx_bf16"):
+        if key[0] in ("peak_fp32", "peak_fp32_tile", "peak_bf16", "peak_amx_bf16"):
             out[key[0][5:]][key[1]] = b["GFLOPS"]
             if key[0] == "peak_fp32":
                 out["isa"] = b.get("label", "")
@@ -36,6 +36,7 @@ def machine_section(result):
     out = ["## The machine's rooflines (bench_machine, same sweep)", ""]
     rows = []
     for kind, what, isa in (("fp32", "fp32 FMA peak (register-only loop)", p["isa"]),
+                            ("fp32_tile", "fp32 FMA peak with a GEMM's loads (c2f's micro-kernel, operands in L1)", p["isa"]),
                             ("bf16", "bf16 dot peak (vdpbf16ps loop)", "avx512bf16"),
                             ("amx_bf16", "bf16 tile peak (AMX tdpbf16ps loop)", "amx-bf16")):
         for threads, gflops in sorted(p[kind].items()):
