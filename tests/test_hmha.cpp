@@ -3,6 +3,7 @@
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/c2f.hpp"
+#include "support/bf16.hpp"
 #include "support/compare.hpp"
 #include "support/fixtures.hpp"
 #include "support/hmha_dense.hpp"
@@ -184,24 +185,12 @@ TYPED_TEST(HmhaTyped, WindowedKernelsMatchDenseTwinOnRandomShapes) {
 // ------------------------------------------------------------------------------------------------
 // Compute::BFloat16 (docs/bf16.md)
 
-/// fn(engine name) once on the tile engine (where the CPU has it) and once on the fallback.
-template <class Fn>
-void on_each_bf16_engine(Fn&& fn) {
-  const bool allowed = c2f::get_bf16_tiles();
-  for (bool tiles : {true, false}) {
-    if (tiles && !c2f::detail::cpu_has_amx_bf16()) continue;
-    c2f::set_bf16_tiles(tiles);
-    fn(tiles ? "tiles" : "fallback");
-  }
-  c2f::set_bf16_tiles(allowed);
-}
-
 // conv1d in bf16 is conv1d_naive on the rounded input and weights: every product of two bfloat16 values
 // is exact in fp32, so only the order of the fp32 additions differs — within 1e-5 · Σ|x w| (+ the bias).
 // Awkward shapes around the 32-row packing threshold and the 128-row tasks; 1 and 2 threads bit-identical.
 TEST(HmhaBf16, Conv1dMatchesTheNaiveTwinOnRoundedOperands) {
   TestRng rng(0xbf31);
-  on_each_bf16_engine([&](const char* engine) {
+  c2f_test::on_each_bf16_engine([&](const char* engine) {
     for (int rep = 0; rep < 30; ++rep) {
       const Index groups = rng.pick(std::vector<Index>{1, 2});
       const Index in = groups * rng.pick(std::vector<Index>{1, 5, 16, 33}), out = groups * rng.pick(std::vector<Index>{1, 7, 32, 40});
@@ -260,7 +249,7 @@ TEST(HmhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
     const Tensor3<float> x = c2f_test::tensor3<float>(sd, "x");
     const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
     const bool causal = sd.metadata().at("causal") == "true";
-    on_each_bf16_engine([&](const char* engine) {
+    c2f_test::on_each_bf16_engine([&](const char* engine) {
       HMHA<float> m(meta_index(sd, "dim"), meta_index(sd, "heads"), meta_index(sd, "window"),
                     HMHA<float>::Options().causal(causal).num_threads(2).compute(c2f::Compute::BFloat16));
       m.load_state_dict(sd, "hmha.");

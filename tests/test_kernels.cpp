@@ -7,6 +7,7 @@
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
 #include "support/attention_problems.hpp"
+#include "support/bf16.hpp"
 #include "support/random.hpp"
 
 #include <gtest/gtest.h>
@@ -754,18 +755,6 @@ TEST(KernelWorkspace, StreamingScratchDoesNotGrowWithSequenceLength) {
 
 // --- bfloat16 products (Compute::BFloat16, detail/bf16_gemm.hpp) ---------------------------------------
 
-// Runs fn once on each engine this machine has: the tile unit (where the CPU has AMX) and the fallback.
-template <class Fn>
-void on_each_bf16_engine(Fn&& fn) {
-  const bool allowed = c2f::get_bf16_tiles();
-  for (bool tiles : {true, false}) {
-    if (tiles && !c2f::detail::cpu_has_amx_bf16()) continue;
-    c2f::set_bf16_tiles(tiles);
-    fn(tiles ? "tiles" : "fallback");
-  }
-  c2f::set_bf16_tiles(allowed);
-}
-
 TEST(Bf16Round, NearestEvenWithInfinityAndNaNKept) {
   using c2f::detail::round_bf16;
   EXPECT_EQ(round_bf16(1.0f), 1.0f);
@@ -785,7 +774,7 @@ TEST(Bf16Round, NearestEvenWithInfinityAndNaNKept) {
 // 1e-5 · Σ|x w| per element. Forgetting to round an operand misses that bound by 10× at these depths.
 TEST(Bf16Gemm, MatchesTheRoundedProductOnAwkwardShapes) {
   TestRng rng(0xbf16);
-  on_each_bf16_engine([&](const char* engine) {
+  c2f_test::on_each_bf16_engine([&](const char* engine) {
     for (int rep = 0; rep < 24; ++rep) {
       const Index n = rng.pick(kAwkward), k = rng.pick(std::vector<Index>{1, 7, 31, 32, 33, 64, 129, 257, 512});
       const Index out = rng.pick(std::vector<Index>{1, 15, 16, 17, 31, 32, 33, 100, 129});
@@ -831,7 +820,7 @@ TEST(Bf16Sdpa, StreamingMatchesNaiveAndTheEnginesAgree) {
     for (Index key_block : {Index(32), Index(4096)}) {
       RowMatrix<float> engines[2];
       int e = 0;
-      on_each_bf16_engine([&](const char* engine) {
+      c2f_test::on_each_bf16_engine([&](const char* engine) {
         RowMatrix<float>& out = engines[e++];
         out.resize(naive.rows(), naive.cols());
         c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(out), mask, p.scale(), o.key_block(key_block));
