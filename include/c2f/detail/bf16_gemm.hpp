@@ -473,6 +473,18 @@ void round_bf16_copy(const Block& block, RowMatrix<Scalar>& out) {
   round_bf16_matrix(out);
 }
 
+/// as_scalar(block, scratch, fn) — fn on `block` as a Scalar matrix — with the values rounded to bfloat16
+/// first when `bf16` (Compute::BFloat16's keys and values in the kernels that keep Eigen's products).
+template <class Scalar, class Block, class Fn>
+void as_scalar_rounded(const Block& block, RowMatrix<Scalar>& scratch, bool bf16, Fn&& fn) {
+  if (bf16) {
+    round_bf16_copy(block, scratch);
+    fn(static_cast<const RowMatrix<Scalar>&>(scratch));
+  } else {
+    as_scalar(block, scratch, fn);
+  }
+}
+
 /// Fewer rows than this take bf16_gemm_rows (no packing) in kernels::matmul_rows.
 constexpr Index kBf16PackedMinRows = 32;
 

@@ -273,7 +273,7 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   const Index G = std::min(kTokenGroupRows, std::max<Index>(n, 1));
   struct Workspace {
     std::vector<Index> start, members, fill;  // queries per key chunk: members[start[j] .. start[j+1])
-    RowMatrix<Scalar> acc, qg, s, pv, kv, rounded;  // rounded: Compute::BFloat16's keys, then values
+    RowMatrix<Scalar> acc, qg, s, pv, kv;
     Vector<Scalar> run_max, run_sum, alpha;
     detail::MaskedValues<Scalar> masked;
   };
@@ -311,14 +311,10 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
         for (Index r = 0; r < rows; ++r) ws.qg.row(r) = q.block(q_base + queries[r], h * dh, 1, dh) * scale;
         if (rows < G) ws.qg.bottomRows(G - rows).setZero();  // fixed GEMM shape; these rows are discarded
         ws.s.resize(G, count);
-        if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale and the keys rounded
-          detail::round_bf16_matrix(ws.qg);
-          detail::round_bf16_copy(k.block(key_row, h * dh, count, dh), ws.rounded);
-          ws.s.noalias() = ws.qg * ws.rounded.transpose();
-        } else {
-          detail::as_scalar(k.block(key_row, h * dh, count, dh), ws.kv,
-                            [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
-        }
+        // Compute::BFloat16 (float only, checked above): q·scale and the keys rounded.
+        if (bf16) detail::round_bf16_matrix(ws.qg);
+        detail::as_scalar_rounded(k.block(key_row, h * dh, count, dh), ws.kv, bf16,
+                                  [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
         for (Index r = 0; r < rows; ++r) {
           const Index qi = queries[r], t = p0 + qi;
           if (causal && t - j0 < count - 1) ws.s.row(r).tail(count - 1 - std::max<Index>(t - j0, -1)).setConstant(kNegInf);
@@ -327,8 +323,7 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
             mask.apply(b, h, qi, j0, one);
           }
         }
-        if (bf16) detail::round_bf16_copy(v.block(key_row, h * dh, count, dh), ws.rounded);
-        const auto values = [&](const auto& vb) {
+        detail::as_scalar_rounded(v.block(key_row, h * dh, count, dh), ws.kv, bf16, [&](const auto& vb) {
           // Keys hidden from a row (future ones, masked ones) may hold non-finite values: leave them out.
           const bool guard = (causal || !mask.empty()) && ws.masked.find(vb);
           if (guard) ws.masked.remember_hidden(ws.s);
@@ -348,12 +343,7 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
           } else {
             ws.pv.noalias() = ws.s * vb;
           }
-        };
-        if (bf16) {
-          values(ws.rounded);
-        } else {
-          detail::as_scalar(v.block(key_row, h * dh, count, dh), ws.kv, values);
-        }
+        });
         for (Index r = 0; r < rows; ++r) {
           const Index qi = queries[r];
           ws.acc.row(qi) = ws.alpha[r] * ws.acc.row(qi) + ws.pv.row(r);

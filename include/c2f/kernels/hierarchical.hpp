@@ -47,7 +47,7 @@ void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   const QueryChunks windows(grid, n);
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   struct Workspace {
-    RowMatrix<Scalar> s, kv, qs, rounded;  // qs, rounded: Compute::BFloat16's q·scale, keys, then values
+    RowMatrix<Scalar> s, kv, qs;  // qs: Compute::BFloat16's q·scale
     detail::MaskedValues<Scalar> masked;
   };
   const Index tasks = grid.batch * windows.count;
@@ -63,8 +63,8 @@ void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
       if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale and the keys rounded
         ws.qs = q.block(q_row, h * dh, nq, dh) * scale;
         detail::round_bf16_matrix(ws.qs);
-        detail::round_bf16_copy(k.block(k_row, h * dh, nk, dh), ws.rounded);
-        ws.s.noalias() = ws.qs * ws.rounded.transpose();
+        detail::round_bf16_copy(k.block(k_row, h * dh, nk, dh), ws.kv);
+        ws.s.noalias() = ws.qs * ws.kv.transpose();
       } else {
         detail::as_scalar(k.block(k_row, h * dh, nk, dh), ws.kv,
                           [&](const auto& kb) { ws.s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * kb.transpose(); });
@@ -75,7 +75,7 @@ void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
           if (visible < nk) ws.s.row(i).tail(nk - visible).setConstant(kNegInf);
         }
       }
-      const auto values = [&](const auto& vb) {
+      detail::as_scalar_rounded(v.block(k_row, h * dh, nk, dh), ws.kv, bf16, [&](const auto& vb) {
         // Future keys of the window may hold non-finite values: leave them out (masked_values.hpp).
         const bool guard = causal && ws.masked.find(vb);
         if (guard) ws.masked.remember_hidden(ws.s);
@@ -86,13 +86,7 @@ void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
         } else {
           out.block(q_row, h * dh, nq, dh).noalias() += ws.s * vb;
         }
-      };
-      if (bf16) {
-        detail::round_bf16_copy(v.block(k_row, h * dh, nk, dh), ws.rounded);
-        values(ws.rounded);
-      } else {
-        detail::as_scalar(v.block(k_row, h * dh, nk, dh), ws.kv, values);
-      }
+      });
     }
   });
 }
@@ -273,16 +267,10 @@ void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>&
       // out rows as [rows·heads, dh]: each (query, head) row gains weight · its value row.
       Eigen::Map<RowMatrix<Scalar>> dst(out.row(q_base + i0).data(), rows * heads, dh);
       const Rows vb(s.v + key_row(s, delta, i0) * s.v_stride, rows, dim, Eigen::OuterStride<>(s.v_stride));
-      const auto weighted = [&](const auto& v) {
+      detail::as_scalar_rounded(vb, kv, bf16, [&](const auto& v) {
         const Eigen::Map<const RowMatrix<Scalar>> src(v.data(), rows * heads, dh);
         dst.noalias() += scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src;
-      };
-      if (bf16) {
-        detail::round_bf16_copy(vb, kv);
-        weighted(kv);
-      } else {
-        detail::as_scalar(vb, kv, weighted);
-      }
+      });
     }
   });
 }
