@@ -244,6 +244,54 @@ TYPED_TEST(BlockKernelTest, SmallProductsMatchEigenProducts) {
   }
 }
 
+// The folded kernel in Compute::BFloat16 (docs/bf16.md) rounds qk, each run of tokens (once, into a copy)
+// and the probabilities, and sums in fp32. Its twin is the naive kernel on the rounded qk and x: they
+// differ by the rounding of the probabilities only, at most 2^-8 · max|x| per value (Σ p = 1). A head
+// that sees one key of its block has p = 1 exactly: its pooled row is that token rounded, bit for bit
+// (which fails when a run is not rounded or is read from the wrong rows). Blocks of one run and of several.
+TEST(FoldedBf16, MatchesTheNaiveTwinOnRoundedOperands) {
+  TestRng rng(157);
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  const auto rounded = [](const RowMatrix<float>& m) { return RowMatrix<float>(m.unaryExpr(c2f::detail::RoundBf16<float>())); };
+  for (int rep = 0; rep < 30; ++rep) {
+    const Index bh = rng.uniform_int(1, 5), bw = rng.pick(std::vector<Index>{1, 15, 16, 17, 31, 32, 33});
+    const BlockGrid2D g{rng.uniform_int(1, 2), rng.uniform_int(1, 2 * bh + 1), rng.uniform_int(1, 2 * bw + 1), bh, bw};
+    const Index heads = rng.uniform_int(1, 5), d = rng.pick(std::vector<Index>{1, 15, 16, 17, 64, 67});
+    std::ostringstream what;
+    what << "rep " << rep << ": " << g.height << " x " << g.width << " in " << bh << " x " << bw << ", heads " << heads
+         << ", d " << d;
+    SCOPED_TRACE(what.str());
+    const RowMatrix<float> x = rng.matrix<float>(g.batch * g.height * g.width, d);
+    const RowMatrix<float> qk = rng.matrix<float>(g.blocks(), heads * d);
+    // Head 0 of every block sees only its block's last token; the other heads see every token.
+    const auto bias = [&](Index c, Index h, Index j) { return h == 0 && j != g.count(c) - 1 ? kMasked : 0.0f; };
+    RowMatrix<float> pooled[2], mass[2], pooled_naive(g.blocks(), heads * d), mass_naive(g.blocks(), heads);
+    for (int threads : {1, 2}) {
+      pooled[threads - 1].resize(g.blocks(), heads * d);
+      mass[threads - 1].resize(g.blocks(), heads);
+      c2f::kernels::fine_attention_folded<float>(x, g, qk, heads, pooled[threads - 1], mass[threads - 1], bias,
+                                                 c2f::kernels::with_threads(threads).compute(c2f::Compute::BFloat16));
+    }
+    const RowMatrix<float> xr = rounded(x);
+    c2f::kernels::fine_attention_folded_naive<float>(xr, g, rounded(qk), heads, pooled_naive, mass_naive, bias);
+    EXPECT_TRUE(pooled[0] == pooled[1] && mass[0] == mass[1]) << "bits differ between 1 and 2 threads";
+    EXPECT_TRUE(mass[0] == mass_naive);
+    const float tol = std::ldexp(xr.cwiseAbs().maxCoeff(), -8) + 1e-5f;
+    EXPECT_LE((pooled[0] - pooled_naive).cwiseAbs().maxCoeff(), tol);
+    for (Index b = 0; b < g.batch; ++b) {
+      for (Index yy = 0; yy < g.height; ++yy) {
+        for (Index xx = 0; xx < g.width; ++xx) {
+          const Index c = c2f::kernels::token_block(g, b, yy, xx);
+          const bool last = (yy == std::min(g.height, (yy / bh + 1) * bh) - 1) && (xx == std::min(g.width, (xx / bw + 1) * bw) - 1);
+          if (last) {
+            ASSERT_TRUE(pooled[0].row(c).head(d) == xr.row(c2f::kernels::token_row(g, b, yy, xx))) << "block " << c;
+          }
+        }
+      }
+    }
+  }
+}
+
 // Large outputs are broadcast with streaming stores (detail/stream_store.hpp): the same bits as an
 // ordinary copy, with unaligned rows (a one-element offset, a prime width, a padded row stride), and
 // nothing written outside the rows and columns of y.

@@ -443,20 +443,28 @@ inline Packet round_bf16_packet(const Packet& x) {
   return Eigen::internal::pload<Packet>(lanes);
 }
 
-/// Rounds rows × cols values (rows `ld` apart) to bfloat16 values in place (floats a packet at a time).
+/// out = x rounded to bfloat16 values, rows × cols values (x's rows `ldx` apart, out's `ldo`), a packet
+/// of floats at a time, in one pass; out may be x (ldo = ldx).
 template <class Scalar>
-void round_bf16_rows(Scalar* x, Index rows, Index cols, Index ld) {
+void round_bf16_rows(const Scalar* x, Index ldx, Index rows, Index cols, Scalar* out, Index ldo) {
   for (Index r = 0; r < rows; ++r) {
-    Scalar* row = x + r * ld;
+    const Scalar* row = x + r * ldx;
+    Scalar* dst = out + r * ldo;
     Index c = 0;
     if constexpr (std::is_same<Scalar, float>::value) {
       using Packet = typename GemmBlocking<float>::Packet;
       for (; c + GemmBlocking<float>::kP <= cols; c += GemmBlocking<float>::kP) {
-        Eigen::internal::pstoreu(row + c, round_bf16_packet(Eigen::internal::ploadu<Packet>(row + c)));
+        Eigen::internal::pstoreu(dst + c, round_bf16_packet(Eigen::internal::ploadu<Packet>(row + c)));
       }
     }
-    for (; c < cols; ++c) row[c] = static_cast<Scalar>(round_bf16(static_cast<float>(row[c])));
+    for (; c < cols; ++c) dst[c] = static_cast<Scalar>(round_bf16(static_cast<float>(row[c])));
   }
+}
+
+/// Rounds rows × cols values (rows `ld` apart) to bfloat16 values in place.
+template <class Scalar>
+void round_bf16_rows(Scalar* x, Index rows, Index cols, Index ld) {
+  round_bf16_rows<Scalar>(x, ld, rows, cols, x, ld);
 }
 
 /// Rounds every value of m to a bfloat16 value in place: the operands of a kernel that keeps Compute::BFloat16

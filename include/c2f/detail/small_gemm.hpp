@@ -18,7 +18,6 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/bf16_gemm.hpp"
 #include "c2f/detail/packed_gemm.hpp"
 
 #include <algorithm>
@@ -60,75 +59,69 @@ struct SmallGemm {
   using Packet = typename GemmBlocking<Scalar>::Packet;
   static constexpr Index kP = GemmBlocking<Scalar>::kP;
 
-  /// kP values of x at p as a packet, rounded to bfloat16 when Round (Compute::BFloat16; float only).
-  template <bool Round, class X>
-  static Packet load_x(const X* p) {
-    const Packet v = load_widened<Packet, Scalar>(p);
-    if constexpr (Round) {
-      return round_bf16_packet(v);
-    } else {
-      return v;
-    }
-  }
-  template <bool Round, class X>
-  static Scalar scalar_x(const X& v) {
-    if constexpr (Round) {
-      return static_cast<Scalar>(round_bf16(static_cast<float>(v)));
-    } else {
-      return static_cast<Scalar>(v);
-    }
-  }
-
   /// s[i·lds + j] = Σ_k q[(h0+i)·d + k] · x[(j0+j)·ldx + k] for i < MR, j < NR; x of Scalar or (float)
-  /// bfloat16 values (load_widened), rounded to bfloat16 in registers when Round.
-  template <int MR, int NR, class X = Scalar, bool Round = false>
+  /// bfloat16 values (load_widened).
+  template <int MR, int NR, class X = Scalar>
   static void dot_tile(const Scalar* q, Index d, const X* x, Index ldx, Scalar* s, Index lds) {
     Packet acc[MR][NR];
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) acc[i][j] = Eigen::internal::pset1<Packet>(Scalar(0));
     }
     Index k = 0;
     for (; k + kP <= d; k += kP) {
       Packet xv[NR];
+#pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
-        xv[j] = load_x<Round>(x + j * ldx + k);
+        xv[j] = load_widened<Packet, Scalar>(x + j * ldx + k);
         keep_in_register(xv[j]);
       }
+#pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         Packet qv = Eigen::internal::ploadu<Packet>(q + i * d + k);
         keep_in_register(qv);
+#pragma GCC unroll 8
         for (int j = 0; j < NR; ++j) acc[i][j] = Eigen::internal::pmadd(qv, xv[j], acc[i][j]);
       }
     }
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
         Scalar v = Eigen::internal::predux(acc[i][j]);
-        for (Index kk = k; kk < d; ++kk) v += q[i * d + kk] * scalar_x<Round>(x[j * ldx + kk]);
+        for (Index kk = k; kk < d; ++kk) v += q[i * d + kk] * static_cast<Scalar>(x[j * ldx + kk]);
         s[i * lds + j] = v;
       }
     }
   }
 
-  /// o[i·ldo + c] = Σ_j p[i·ldp + j] · x[j·ldx + c] for i < MR and the NC·kP columns c from col0 (x
-  /// rounded to bfloat16 in registers when Round).
-  template <int MR, int NC, bool Round = false>
+  /// o[i·ldo + c] = Σ_j p[i·ldp + j] · x[j·ldx + c] for i < MR and the NC·kP columns c from col0.
+  template <int MR, int NC>
   static void axpy_tile(const Scalar* p, Index ldp, Index n, const Scalar* x, Index ldx, Scalar* o, Index ldo) {
     Packet acc[MR][NC];
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) acc[i][c] = Eigen::internal::pset1<Packet>(Scalar(0));
     }
     for (Index j = 0; j < n; ++j) {
       Packet xv[NC];
+#pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        xv[c] = load_x<Round>(x + j * ldx + c * kP);
+        xv[c] = Eigen::internal::ploadu<Packet>(x + j * ldx + c * kP);
         keep_in_register(xv[c]);
       }
+#pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const Packet pv = Eigen::internal::pset1<Packet>(p[i * ldp + j]);
+#pragma GCC unroll 8
         for (int c = 0; c < NC; ++c) acc[i][c] = Eigen::internal::pmadd(pv, xv[c], acc[i][c]);
       }
     }
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) Eigen::internal::pstoreu(o + i * ldo + c * kP, acc[i][c]);
     }
   }
@@ -147,7 +140,7 @@ struct SmallGemm {
 
   /// Also asks the cache for rows [pf_begin, pf_end) of `next` (rows ldx apart), spread over the tiles:
   /// the caller's next run, which the hardware prefetcher cannot guess when it is not contiguous.
-  template <int MR, bool Round>
+  template <int MR>
   static void dot_rows_mr(const Scalar* q, Index d, const Scalar* x, Index ldx, Index n, Scalar* s, Index lds,
                           const Scalar* next, Index pf_begin, Index pf_end) {
     constexpr Index kLine = 64 / static_cast<Index>(sizeof(Scalar));
@@ -158,23 +151,23 @@ struct SmallGemm {
         for (Index k = 0; k < d; k += kLine) Eigen::internal::prefetch(next + r * ldx + k);
       }
       if (j + 2 <= n) {
-        dot_tile<MR, 2, Scalar, Round>(q, d, x + j * ldx, ldx, s + j, lds);
+        dot_tile<MR, 2>(q, d, x + j * ldx, ldx, s + j, lds);
       } else {
-        dot_tile<MR, 1, Scalar, Round>(q, d, x + j * ldx, ldx, s + j, lds);
+        dot_tile<MR, 1>(q, d, x + j * ldx, ldx, s + j, lds);
       }
     }
   }
 
-  template <int MR, bool Round>
+  template <int MR>
   static void axpy_rows_mr(const Scalar* p, Index ldp, Index n, const Scalar* x, Index ldx, Index d, Scalar* o,
                            Index ldo) {
     Index c = 0;
-    for (; c + 2 * kP <= d; c += 2 * kP) axpy_tile<MR, 2, Round>(p, ldp, n, x + c, ldx, o + c, ldo);
-    for (; c + kP <= d; c += kP) axpy_tile<MR, 1, Round>(p, ldp, n, x + c, ldx, o + c, ldo);
+    for (; c + 2 * kP <= d; c += 2 * kP) axpy_tile<MR, 2>(p, ldp, n, x + c, ldx, o + c, ldo);
+    for (; c + kP <= d; c += kP) axpy_tile<MR, 1>(p, ldp, n, x + c, ldx, o + c, ldo);
     for (; c < d; ++c) {  // columns left over from whole packets
       for (int i = 0; i < MR; ++i) {
         Scalar v = 0;
-        for (Index j = 0; j < n; ++j) v += p[i * ldp + j] * scalar_x<Round>(x[j * ldx + c]);
+        for (Index j = 0; j < n; ++j) v += p[i * ldp + j] * x[j * ldx + c];
         o[i * ldo + c] = v;
       }
     }
@@ -193,10 +186,9 @@ void with_rows_upto_4(Index rows, Fn&& fn) {
   }
 }
 
-/// s [rows, n] (row stride lds) = q [rows, d] (contiguous rows) · xᵀ, x [n, d] with row stride ldx (x
-/// rounded to bfloat16 in registers when RoundX). `next` (next_n rows, stride ldx; may be null) is
+/// s [rows, n] (row stride lds) = q [rows, d] (contiguous rows) · xᵀ, x [n, d] with row stride ldx. `next` (next_n rows, stride ldx; may be null) is
 /// prefetched along the way: the run to come.
-template <class Scalar, bool RoundX = false>
+template <class Scalar>
 void dot_rows(const Scalar* q, Index rows, Index d, const Scalar* x, Index ldx, Index n, Scalar* s, Index lds,
               const Scalar* next = nullptr, Index next_n = 0) {
   using G = SmallGemm<Scalar>;
@@ -205,20 +197,19 @@ void dot_rows(const Scalar* q, Index rows, Index d, const Scalar* x, Index ldx, 
   for (Index g = 0, h = 0; h < rows; ++g, h += 4) {  // group g prefetches its share of the next run
     const Index b = next_n * g / groups, e = next_n * (g + 1) / groups;
     with_rows_upto_4(rows - h, [&](auto r) {
-      G::template dot_rows_mr<decltype(r)::value, RoundX>(q + h * d, d, x, ldx, n, s + h * lds, lds, next, b, e);
+      G::template dot_rows_mr<decltype(r)::value>(q + h * d, d, x, ldx, n, s + h * lds, lds, next, b, e);
     });
   }
 }
 
-/// o [rows, d] (row stride ldo) = p [rows, n] (row stride ldp) · x, x [n, d] with row stride ldx (x
-/// rounded to bfloat16 in registers when RoundX).
-template <class Scalar, bool RoundX = false>
+/// o [rows, d] (row stride ldo) = p [rows, n] (row stride ldp) · x, x [n, d] with row stride ldx.
+template <class Scalar>
 void weighted_rows(const Scalar* p, Index ldp, Index rows, Index n, const Scalar* x, Index ldx, Index d, Scalar* o,
                    Index ldo) {
   using G = SmallGemm<Scalar>;
   for (Index h = 0; h < rows; h += 4) {
     with_rows_upto_4(rows - h, [&](auto r) {
-      G::template axpy_rows_mr<decltype(r)::value, RoundX>(p + h * ldp, ldp, n, x, ldx, d, o + h * ldo, ldo);
+      G::template axpy_rows_mr<decltype(r)::value>(p + h * ldp, ldp, n, x, ldx, d, o + h * ldo, ldo);
     });
   }
 }

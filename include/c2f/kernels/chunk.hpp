@@ -200,10 +200,12 @@ void chunk_mean_backward_add(const Eigen::Ref<const RowMatrix<Scalar>>& dmeans, 
 /// Blocks of several runs (2-D blocks) are read run by run, each once from memory: a run's softmax and
 /// pooled sum are merged into the block's with the running-max rule (flash decoding's split-K merge, in
 /// run order, so the bits do not depend on the thread count). A block of one run (a chunk) is exactly
-/// softmax then Σ p x. Working memory: heads × (longest run + d) values per worker. The two products
-/// per run read the run in place (detail/small_gemm.hpp): no packed copy of x.
+/// softmax then Σ p x. Working memory: heads × (longest run + d) values per worker (bfloat16: also
+/// (heads + longest run) × d). In fp32 the two products per run read the run in place
+/// (detail/small_gemm.hpp): no packed copy of x.
 /// With options.compute() == Compute::BFloat16 (float only) the products' operands are rounded to
-/// bfloat16 — qk, x (in registers) and the probabilities — and summed in fp32 (docs/bf16.md).
+/// bfloat16 — qk, x (a rounded copy of each run, made once) and the probabilities — and summed in fp32
+/// (docs/bf16.md).
 template <class Scalar, class Grid, class Bias>
 void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
                            const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads,
@@ -221,24 +223,16 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
     RowMatrix<Scalar> p, o;            // one run: scores [heads, run length] and pooled rows [heads, d]
     Vector<Scalar> max, sum;           // per head: the block's running max and softmax sum
     Vector<Scalar> run_max, run_sum;   // per head: the run's
-    RowMatrix<Scalar> q16;             // Compute::BFloat16: the block's qk rounded
+    RowMatrix<Scalar> q16, x16;        // Compute::BFloat16: the block's qk and the run's tokens, rounded
   };
-  // The run's two products, x rounded in registers for Compute::BFloat16.
-  constexpr bool kFloat = std::is_same<Scalar, float>::value;  // bf16 holds only for float (checked above)
-  const auto scores = [&](const Scalar* q, const Scalar* xs, Index n, Scalar* p, const Scalar* next, Index next_n) {
-    if (bf16) {
-      detail::dot_rows<Scalar, kFloat>(q, heads, d, xs, x.outerStride(), n, p, n, next, next_n);
-    } else {
-      detail::dot_rows<Scalar>(q, heads, d, xs, x.outerStride(), n, p, n, next, next_n);
-    }
+  // The run's two products. Compute::BFloat16 rounds the run's tokens once into x16 (one sequential
+  // pass; the products then read every value several times, from cache) and the probabilities in place.
+  const auto scores = [&](const Scalar* q, const Scalar* xs, Index ldx, Index n, Scalar* p, const Scalar* next, Index next_n) {
+    detail::dot_rows<Scalar>(q, heads, d, xs, ldx, n, p, n, next, next_n);
   };
-  const auto pool = [&](Scalar* p, Index n, const Scalar* xs, Scalar* o) {
-    if (bf16) {
-      detail::round_bf16_rows(p, heads, n, n);
-      detail::weighted_rows<Scalar, kFloat>(p, n, heads, n, xs, x.outerStride(), d, o, d);
-    } else {
-      detail::weighted_rows<Scalar>(p, n, heads, n, xs, x.outerStride(), d, o, d);
-    }
+  const auto pool = [&](Scalar* p, Index n, const Scalar* xs, Index ldx, Scalar* o) {
+    if (bf16) detail::round_bf16_rows(p, heads, n, n);
+    detail::weighted_rows<Scalar>(p, n, heads, n, xs, ldx, d, o, d);
   };
   const double work = static_cast<double>(grid.tokens() * heads) * (4.0 * static_cast<double>(d) + detail::kElementWork);
   detail::parallel_for_each_worker<Workspace>(grid.blocks(), options.num_threads(), work, [&](Index c, Workspace& ws) {
@@ -250,7 +244,8 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
     }
     const Scalar* q = qk.row(c).data();
     if (bf16) {
-      ws.q16 = Eigen::Map<const RowMatrix<Scalar>>(q, heads, d).unaryExpr(detail::RoundBf16<Scalar>());
+      if (ws.q16.rows() != heads || ws.q16.cols() != d) ws.q16.resize(heads, d);
+      detail::round_bf16_rows<Scalar>(q, d, heads, d, ws.q16.data(), d);
       q = ws.q16.data();
     }
     Eigen::Map<RowMatrix<Scalar>> acc(pooled.row(c).data(), heads, d);
@@ -258,8 +253,16 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
       const Index n = grid.segment_length(c, s);
       const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstRowsBlockXpr xs = x.middleRows(grid.segment_row(c, s), n);
       if (ws.p.rows() != heads || ws.p.cols() != n) ws.p.resize(heads, n);
+      const Scalar* xd = xs.data();
+      Index ldx = x.outerStride();
+      if (bf16) {
+        if (ws.x16.rows() != n || ws.x16.cols() != d) ws.x16.resize(n, d);
+        detail::round_bf16_rows<Scalar>(xs.data(), x.outerStride(), n, d, ws.x16.data(), d);
+        xd = ws.x16.data();
+        ldx = d;
+      }
       const bool more = s + 1 < grid.segments(c);  // the next run, read ahead while this one is scored
-      scores(q, xs.data(), n, ws.p.data(), more ? x.data() + grid.segment_row(c, s + 1) * x.outerStride() : nullptr,
+      scores(q, xd, ldx, n, ws.p.data(), more ? x.data() + grid.segment_row(c, s + 1) * x.outerStride() : nullptr,
              more ? grid.segment_length(c, s + 1) : 0);  // p = q xsᵀ
       for (Index h = 0; h < heads; ++h) {
         for (Index j = 0; j < n; ++j) ws.p(h, j) = detail::add_bias(ws.p(h, j), bias(c, h, j0 + j));
@@ -268,14 +271,14 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
       }
       j0 += n;
       if (s == 0) {
-        pool(ws.p.data(), n, xs.data(), acc.data());  // p xs
+        pool(ws.p.data(), n, xd, ldx, acc.data());  // p xs
         ws.max = ws.run_max;
         ws.sum = ws.run_sum;
         continue;
       }
       // Merge the run into the block: o_block = (L·e^(M−M')·o_block + l·e^(m−M')·o_run) / (L·e^(M−M') + l·e^(m−M')).
       if (ws.o.rows() != heads || ws.o.cols() != d) ws.o.resize(heads, d);
-      pool(ws.p.data(), n, xs.data(), ws.o.data());
+      pool(ws.p.data(), n, xd, ldx, ws.o.data());
       for (Index h = 0; h < heads; ++h) {
         const Scalar l = ws.run_sum[h], m = ws.run_max[h];
         if (l == Scalar(0)) continue;  // every key of this run is masked for head h

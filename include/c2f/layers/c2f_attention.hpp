@@ -566,8 +566,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), grid.chunks()));
     // q, o, chunk_out [c, d]; qk, pooled [c, h·d]; mass [c, h]; per worker: a scaled key projection [dk, d]
     // and the folded kernel's scores [h, chunk], run output [h, d] and four [h] vectors.
-    // Compute::BFloat16: the folded kernel's rounded queries [h, d] per worker too.
-    const std::size_t rounded_q = options_.compute() == Compute::BFloat16 ? h * d : 0;
+    // Compute::BFloat16: the folded kernel's rounded queries [h, d] and tokens [chunk, d] per worker too.
+    const std::size_t rounded_q = options_.compute() == Compute::BFloat16 ? (h + static_cast<std::size_t>(chunk)) * d : 0;
     return lengths + folded_packed_bytes(grid.chunks()) +
            s * (c * (3 * d + 2 * h * d + h) + workers * (dk * d + h * (static_cast<std::size_t>(chunk) + d + 4) + rounded_q));
   }
@@ -608,10 +608,14 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
     // qk[c, h·d:(h+1)·d] = q[c, h·dk:(h+1)·dk] W_k,h / sqrt(dk)   (the key bias only shifts a softmax row)
     // The large temporaries live in reused scratch memory (detail/scratch.hpp).
+    // W_k,h · scale is materialised first, so that the products pack a plain matrix (bf16's packing
+    // reads an expression value by value); the products are the same, so are the bits.
     detail::ScratchRowMatrix<Scalar> qk(chunks, heads_ * d_), pooled(chunks, heads_ * d_), mass(chunks, heads_), o(chunks, d_);
+    detail::ScratchRowMatrix<Scalar> wk_scaled(dk, d_);
+    const Eigen::Ref<const RowMatrix<Scalar>> wk_h(wk_scaled);
     for (Index h = 0; h < heads_; ++h) {
-      kernels::matmul_rows<Scalar>(q.middleCols(h * dk, dk), wk.middleRows(h * dk, dk) * scale, nullptr,
-                                   qk.middleCols(h * d_, d_), threads);
+      wk_scaled = wk.middleRows(h * dk, dk) * scale;
+      kernels::matmul_rows<Scalar>(q.middleCols(h * dk, dk), wk_h, nullptr, qk.middleCols(h * d_, d_), threads);
     }
     kernels::fine_attention_folded<Scalar>(x, grid, qk, heads_, pooled, mass, bias, threads);
 

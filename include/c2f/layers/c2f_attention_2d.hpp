@@ -212,10 +212,12 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     const std::size_t coarse = sizeof(Scalar) * static_cast<std::size_t>(2 * m * d) +
                                coarse_.workspace_bytes(batch, grid.blocks_per_batch());
     // forward_blocks: q [m, d]; forward_folded: qk and pooled [m, h·d], mass [m, h], o and chunk_out [m, d];
-    // the kernel's scratch per worker: [h, block_w] scores, [h, d] run output, four [h] vectors.
+    // a scaled key projection [d / h, d]; the kernel's scratch per worker: [h, block_w] scores, [h, d] run
+    // output, four [h] vectors, and with Compute::BFloat16 the rounded queries [h, d] and run [block_w, d].
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), m));
-    const std::size_t fine = sizeof(Scalar) * (static_cast<std::size_t>(m * (3 * d + 2 * h * d + h)) +
-                                               workers * static_cast<std::size_t>(h * (block_w_ + d + 4))) +
+    const Index rounded = options_.compute() == Compute::BFloat16 ? (h + block_w_) * d : 0;
+    const std::size_t fine = sizeof(Scalar) * (static_cast<std::size_t>(m * (3 * d + 2 * h * d + h) + d / h * d) +
+                                               workers * static_cast<std::size_t>(h * (block_w_ + d + 4) + rounded)) +
                              fine_.folded_packed_bytes(m);
     return coarse + fine;
   }
