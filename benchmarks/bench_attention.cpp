@@ -223,7 +223,7 @@ void BM_Mha(benchmark::State& state, c2f::AttnKernel kernel, c2f::Compute comput
 }
 
 // C2FAttention::forward(), or with `into` forward_into() a buffer reused across iterations (no fresh
-// output pages to fault in and zero); its products in fp32 or (c2f_bf16) bfloat16.
+// output pages to fault in and zero); its products in fp32 or (c2f_bf16, c2f_bf16_into) bfloat16.
 void BM_C2F(benchmark::State& state, bool into, c2f::Compute compute) {
   const Index length = state.range(0), chunk = state.range(1);
   const c2f::C2FAttention<float> attn(kEmbed, kHeads, chunk,
@@ -348,6 +348,7 @@ void register_sweep(bool long_sweep) {
     if (L >= 4096) {
       timed(benchmark::RegisterBenchmark("c2f_into", BM_C2F, true, c2f::Compute::Float32)->Args({L, Index(32)}));
       timed(benchmark::RegisterBenchmark("c2f_bf16", BM_C2F, false, c2f::Compute::BFloat16)->Args({L, Index(32)}));
+      timed(benchmark::RegisterBenchmark("c2f_bf16_into", BM_C2F, true, c2f::Compute::BFloat16)->Args({L, Index(32)}));
     }
   }
   for (Index L : hmha_lengths) timed(benchmark::RegisterBenchmark("hmha", BM_HMHA)->Args({L, kWindow}));

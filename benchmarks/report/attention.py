@@ -247,6 +247,11 @@ def roofline_section(e, lengths, ctx, fma_peak=None):
     if c2f_bf16:
         checks.append(("C2FAttention chunk 32 with Compute::BFloat16, L = 4096 … 16384, ≥ 1.7× the fp32 layer (issue 22)",
                        ", ".join(f"{L}: {r:.2f}×" for r, L in c2f_bf16), min(c2f_bf16)[0] >= 1.7))
+    c2f_bf16_into = [(ms(e[("c2f_into", L, 32)]) / ms(e[("c2f_bf16_into", L, 32)]), L) for L in lengths
+                     if ("c2f_bf16_into", L, 32) in e and ("c2f_into", L, 32) in e]
+    if c2f_bf16_into:
+        checks.append(("… the same with forward_into (a reused output buffer, both precisions)",
+                       ", ".join(f"{L}: {r:.2f}×" for r, L in c2f_bf16_into), min(c2f_bf16_into)[0] >= 1.7))
     if fma_peak:
         mha = [(e[("mha_streaming", L)]["GFLOPS"] / peak, L) for L in lengths if 1024 <= L <= 8192
                and ("mha_streaming", L) in e]
@@ -258,6 +263,10 @@ def roofline_section(e, lengths, ctx, fma_peak=None):
             frac = b["GFLOPS"] / peak if b["intensity"] >= balance else b["GB/s"] / bw
             checks.append(("C2F chunk 32, L = 16384, ≥ 60 % of its binding roofline", f"{100 * frac:.0f} %",
                            frac >= 0.60))
+        if ("c2f_into", 16384, 32) in e:
+            b = e[("c2f_into", 16384, 32)]
+            frac = b["GFLOPS"] / peak if b["intensity"] >= balance else b["GB/s"] / bw
+            checks.append(("… the same with forward_into (a reused output buffer)", f"{100 * frac:.0f} %", frac >= 0.60))
     return out, checks
 
 

@@ -10,6 +10,7 @@
 #include "c2f/kernels/kernel_options.hpp"
 
 #include <algorithm>
+#include <vector>
 
 namespace c2f {
 namespace kernels {
@@ -51,6 +52,12 @@ void row_col_tasks(Index n, Index out_cols, Index row_chunk, Index wide_rows, In
     fn(r0, std::min(row_chunk, n - r0), c0, std::min(col_width, out_cols - c0));
   });
 }
+/// True when matmul_rows's bfloat16 tile path splits the columns of an [n, out_cols] product (fewer
+/// than kPackedWideRows row chunks): it then rounds every row of x once, before the tasks.
+inline bool bf16_rows_shared(Index n, Index out_cols) {
+  return (n + kernels::kBf16RowChunk - 1) / kernels::kBf16RowChunk < kernels::kPackedWideRows &&
+         out_cols > 4 * kernels::kPackedColChunk;
+}
 }  // namespace detail
 namespace kernels {
 
@@ -90,6 +97,25 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
       }
       detail::Bf16PackedB packed;
       packed.pack(rhs, options.num_threads());
+      if (detail::bf16_rows_shared(n, out_cols)) {
+        // The columns are split too: each row chunk of x is rounded once, before the tasks that share it
+        // (not once per column chunk).
+        std::vector<detail::Bf16A> rounded(static_cast<std::size_t>((n + kBf16RowChunk - 1) / kBf16RowChunk));
+        detail::parallel_for(static_cast<Index>(rounded.size()), options.num_threads(),
+                             detail::kElementWork * static_cast<double>(n) * static_cast<double>(x.cols()), [&](Index r, int) {
+                               const Index r0 = r * kBf16RowChunk;
+                               rounded[static_cast<std::size_t>(r)].prepare(x.data() + r0 * x.outerStride(), x.outerStride(),
+                                                                            std::min(kBf16RowChunk, n - r0), x.cols(), packed.tiles());
+                             });
+        detail::row_col_tasks(n, out_cols, kBf16RowChunk, kPackedWideRows, kPackedColChunk, options, work,
+                              [&](Index r0, Index, Index c0, Index cols) {
+                                const detail::Bf16Tiles tile_registers(packed.tiles());
+                                detail::bf16_gemm(rounded[static_cast<std::size_t>(r0 / kBf16RowChunk)], packed, 0, x.cols(), c0,
+                                                  cols, bias != nullptr ? bias + c0 : nullptr, false,
+                                                  y.data() + r0 * y.outerStride() + c0, y.outerStride());
+                              });
+        return;
+      }
       detail::row_col_tasks(n, out_cols, kBf16RowChunk, kPackedWideRows, kPackedColChunk, options, work,
                             [&](Index r0, Index rows, Index c0, Index cols) {
                               const detail::Bf16Tiles tile_registers(packed.tiles());
@@ -129,8 +155,9 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
 /// packed right-hand side on the packed path (detail::kPackedGemm builds with n ≥ kPackedGemmMinRows, or
 /// KernelOptions::rows_independent), else nothing (Eigen's product blocks on the stack at these sizes).
 /// Compute::BFloat16: the bfloat16 packing of the engine in use (none below kBf16PackedMinRows rows of a
-/// weight's transpose without rows_independent), and the rounded rows of A of one task per worker of
-/// `threads` (KernelOptions::num_threads; a per-thread buffer that keeps its largest size between calls).
+/// weight's transpose without rows_independent), and the rounded rows of A: of one task per worker of
+/// `threads` (KernelOptions::num_threads), or all of them when the columns are split too
+/// (detail::bf16_rows_shared).
 template <class Scalar>
 std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out, bool rows_independent = false,
                                         Compute compute = Compute::Float32, int threads = 0) {
@@ -139,6 +166,11 @@ std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out, bool rows_i
     const bool few = n < detail::kBf16PackedMinRows && !detail::honoured_rows_independent(rows_independent);
     const bool tiles = !few && detail::bf16_tiles();
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(threads, n));
+    if (!few && detail::bf16_rows_shared(n, out)) {  // every row chunk rounded at once
+      const Index full = n / kBf16RowChunk, rest = n - full * kBf16RowChunk;
+      return static_cast<std::size_t>(full) * detail::Bf16A::bytes(kBf16RowChunk, k, tiles) +
+             (rest > 0 ? detail::Bf16A::bytes(rest, k, tiles) : 0) + detail::Bf16PackedB::bytes(k, out, tiles);
+    }
     const std::size_t rows = workers * detail::Bf16A::bytes(std::min(n, kBf16RowChunk), k, tiles);
     return few ? rows : rows + detail::Bf16PackedB::bytes(k, out, tiles);
   }
