@@ -9,7 +9,9 @@
 // d = 512). These kernels read x where it lies: register tiles of 4 query rows × 2 tokens (scores,
 // vectorised along d) and 4 query rows × 2 packets of columns (pooled), on Eigen's packet primitives,
 // so the same code is SSE, AVX, AVX-512 or NEON as the build selects. The summation order differs from
-// Eigen's GEMM; kernels::fine_attention_folded's tests compare with a naive twin.
+// Eigen's GEMM; kernels::fine_attention_folded's tests compare with a naive twin. The tile loops are
+// unrolled (#pragma GCC unroll) so that the accumulator arrays live in registers: without it GCC kept
+// them on the stack on AVX-512 (docs/benchmarks.md, "C2F's folded pass with its accumulators in registers").
 //
 // For a decode step (few queries over a long cache of keys [keys, heads·d], every head's d values side by
 // side in a row), head_scores_by_row and head_values_by_row walk the rows of the cache once, front to
@@ -186,8 +188,8 @@ void with_rows_upto_4(Index rows, Fn&& fn) {
   }
 }
 
-/// s [rows, n] (row stride lds) = q [rows, d] (contiguous rows) · xᵀ, x [n, d] with row stride ldx. `next` (next_n rows, stride ldx; may be null) is
-/// prefetched along the way: the run to come.
+/// s [rows, n] (row stride lds) = q [rows, d] (contiguous rows) · xᵀ, x [n, d] with row stride ldx.
+/// `next` (next_n rows, stride ldx; may be null) is prefetched along the way: the run to come.
 template <class Scalar>
 void dot_rows(const Scalar* q, Index rows, Index d, const Scalar* x, Index ldx, Index n, Scalar* s, Index lds,
               const Scalar* next = nullptr, Index next_n = 0) {

@@ -53,7 +53,8 @@ void row_col_tasks(Index n, Index out_cols, Index row_chunk, Index wide_rows, In
   });
 }
 /// True when matmul_rows's bfloat16 tile path splits the columns of an [n, out_cols] product (fewer
-/// than kPackedWideRows row chunks): it then rounds every row of x once, before the tasks.
+/// than kPackedWideRows row chunks) into more than four column chunks: it then rounds every row of x
+/// once, before the tasks, instead of once per task. (At four column chunks that measured slower.)
 inline bool bf16_rows_shared(Index n, Index out_cols) {
   return (n + kernels::kBf16RowChunk - 1) / kernels::kBf16RowChunk < kernels::kPackedWideRows &&
          out_cols > 4 * kernels::kPackedColChunk;
