@@ -258,15 +258,12 @@ def roofline_section(e, lengths, ctx, fma_peak=None):
         if mha:
             checks.append((f"MHA fp32, L = 1024 … 8192, ≥ 80 % of the {threads}-thread FMA peak ({peak:.1f})",
                            ", ".join(f"{L}: {100 * f:.0f} %" for f, L in mha), min(mha)[0] >= 0.80))
-        if ("c2f", 16384, 32) in e:
-            b = e[("c2f", 16384, 32)]
-            frac = b["GFLOPS"] / peak if b["intensity"] >= balance else b["GB/s"] / bw
-            checks.append(("C2F chunk 32, L = 16384, ≥ 60 % of its binding roofline", f"{100 * frac:.0f} %",
-                           frac >= 0.60))
-        if ("c2f_into", 16384, 32) in e:
-            b = e[("c2f_into", 16384, 32)]
-            frac = b["GFLOPS"] / peak if b["intensity"] >= balance else b["GB/s"] / bw
-            checks.append(("… the same with forward_into (a reused output buffer)", f"{100 * frac:.0f} %", frac >= 0.60))
+        for name, label in (("c2f", "C2F chunk 32, L = 16384, ≥ 60 % of its binding roofline"),
+                            ("c2f_into", "… the same with forward_into (a reused output buffer)")):
+            if (name, 16384, 32) in e:
+                b = e[(name, 16384, 32)]
+                frac = b["GFLOPS"] / peak if b["intensity"] >= balance else b["GB/s"] / bw
+                checks.append((label, f"{100 * frac:.0f} %", frac >= 0.60))
     return out, checks
 
 

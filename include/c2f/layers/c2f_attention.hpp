@@ -529,14 +529,24 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
  public:
 
-  /// Bytes of the largest packed weight (micro-kernel builds; one product runs at a time) the folded
-  /// path holds for `blocks` block rows: q_proj's, a head's scaled key or value projection's, out_proj's.
-  std::size_t folded_packed_bytes(Index blocks) const {
+  /// Bytes of temporary memory the folded fine stage (forward_folded) holds at its peak for `blocks` block
+  /// rows whose longest run of tokens is `longest_run` (a chunk; a 2-D block's width): q, o, chunk_out
+  /// [blocks, d]; qk, pooled [blocks, h·d]; mass [blocks, h]; the scaled key projection of a head
+  /// [d / h, d]; per worker the folded kernel's scores [h, run], run output [h, d] and four [h] vectors,
+  /// and with Compute::BFloat16 its rounded queries [h, d] and run [run, d]; and the largest packed weight
+  /// (micro-kernel builds; one product runs at a time): q_proj's, a head's scaled key or value
+  /// projection's, out_proj's.
+  std::size_t folded_workspace_bytes(Index blocks, Index longest_run) const {
     const Compute c = options_.compute();
-    return std::max({q_proj_.rows_workspace_bytes(blocks, true),
-                     kernels::matmul_rows_workspace_bytes<Scalar>(blocks, head_dim(), d_, true, c, options_.num_threads()),
-                     kernels::matmul_rows_workspace_bytes<Scalar>(blocks, d_, head_dim(), true, c, options_.num_threads()),
-                     out_proj_.rows_workspace_bytes(blocks, true)});
+    const std::size_t packed = std::max({q_proj_.rows_workspace_bytes(blocks, true),
+                                         kernels::matmul_rows_workspace_bytes<Scalar>(blocks, head_dim(), d_, true, c, options_.num_threads()),
+                                         kernels::matmul_rows_workspace_bytes<Scalar>(blocks, d_, head_dim(), true, c, options_.num_threads()),
+                                         out_proj_.rows_workspace_bytes(blocks, true)});
+    const std::size_t m = static_cast<std::size_t>(blocks), run = static_cast<std::size_t>(longest_run);
+    const std::size_t d = static_cast<std::size_t>(d_), h = static_cast<std::size_t>(heads_), dk = d / h;
+    const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), blocks));
+    const std::size_t rounded = c == Compute::BFloat16 ? (h + run) * d : 0;
+    return packed + sizeof(Scalar) * (m * (3 * d + 2 * h * d + h) + dk * d + workers * (h * (run + d + 4) + rounded));
   }
   /// Bytes of temporary memory one forward_chunked_into() holds at its peak, besides the output (and
   /// Eigen's GEMM packing buffers, which Eigen keeps on the stack below 128 KiB). On the folded path —
@@ -563,13 +573,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
              workers * kernels::sdpa_streaming_workspace_bytes<Scalar>(ko, dk, dk, chunk, chunk) +
              kernels::sdpa_streaming_shared_bytes<Scalar>(ko, grid.chunks() * heads_, dk, dk, chunk, chunk);
     }
-    const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), grid.chunks()));
-    // q, o, chunk_out [c, d]; qk, pooled [c, h·d]; mass [c, h]; per worker: a scaled key projection [dk, d]
-    // and the folded kernel's scores [h, chunk], run output [h, d] and four [h] vectors.
-    // Compute::BFloat16: the folded kernel's rounded queries [h, d] and tokens [chunk, d] per worker too.
-    const std::size_t rounded_q = options_.compute() == Compute::BFloat16 ? (h + static_cast<std::size_t>(chunk)) * d : 0;
-    return lengths + folded_packed_bytes(grid.chunks()) +
-           s * (c * (3 * d + 2 * h * d + h) + workers * (dk * d + h * (static_cast<std::size_t>(chunk) + d + 4) + rounded_q));
+    return lengths + folded_workspace_bytes(grid.chunks(), chunk);
   }
 
  private:

@@ -208,18 +208,11 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   /// per-block rows — O(blocks · heads · embed_dim), nothing per token.
   std::size_t workspace_bytes(Index batch, Index height, Index width) const {
     const kernels::BlockGrid2D grid{batch, height, width, block_h_, block_w_};
-    const Index m = grid.blocks(), d = embed_dim(), h = num_heads();
+    const Index m = grid.blocks(), d = embed_dim();
     const std::size_t coarse = sizeof(Scalar) * static_cast<std::size_t>(2 * m * d) +
                                coarse_.workspace_bytes(batch, grid.blocks_per_batch());
-    // forward_blocks: q [m, d]; forward_folded: qk and pooled [m, h·d], mass [m, h], o and chunk_out [m, d];
-    // a scaled key projection [d / h, d]; the kernel's scratch per worker: [h, block_w] scores, [h, d] run
-    // output, four [h] vectors, and with Compute::BFloat16 the rounded queries [h, d] and run [block_w, d].
-    const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), m));
-    const Index rounded = options_.compute() == Compute::BFloat16 ? (h + block_w_) * d : 0;
-    const std::size_t fine = sizeof(Scalar) * (static_cast<std::size_t>(m * (3 * d + 2 * h * d + h) + d / h * d) +
-                                               workers * static_cast<std::size_t>(h * (block_w_ + d + 4) + rounded)) +
-                             fine_.folded_packed_bytes(m);
-    return coarse + fine;
+    // forward_blocks: q [m, d] (counted by folded_workspace_bytes), then the folded fine stage.
+    return coarse + fine_.folded_workspace_bytes(m, block_w_);
   }
 
  private:
