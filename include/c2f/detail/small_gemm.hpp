@@ -12,6 +12,8 @@
 // Eigen's GEMM; kernels::fine_attention_folded's tests compare with a naive twin. The tile loops are
 // unrolled (#pragma GCC unroll) so that the accumulator arrays live in registers: without it GCC kept
 // them on the stack on AVX-512 (docs/benchmarks.md, "C2F's folded pass with its accumulators in registers").
+// dot_tile's set-up and final sums are unrolled only for two or more key rows: decoding's one-row tiles
+// were 6-10 % slower with them unrolled.
 //
 // For a decode step (few queries over a long cache of keys [keys, heads·d], every head's d values side by
 // side in a row), head_scores_by_row and head_values_by_row walk the rows of the cache once, front to
@@ -66,10 +68,14 @@ struct SmallGemm {
   template <int MR, int NR, class X = Scalar>
   static void dot_tile(const Scalar* q, Index d, const X* x, Index ldx, Scalar* s, Index lds) {
     Packet acc[MR][NR];
+    if constexpr (NR > 1) {
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
+      for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) acc[i][j] = Eigen::internal::pset1<Packet>(Scalar(0));
+        for (int j = 0; j < NR; ++j) acc[i][j] = Eigen::internal::pset1<Packet>(Scalar(0));
+      }
+    } else {  // one key row (a decode step's): plain loops, see the file comment
+      for (int i = 0; i < MR; ++i) acc[i][0] = Eigen::internal::pset1<Packet>(Scalar(0));
     }
     Index k = 0;
     for (; k + kP <= d; k += kP) {
@@ -87,15 +93,23 @@ struct SmallGemm {
         for (int j = 0; j < NR; ++j) acc[i][j] = Eigen::internal::pmadd(qv, xv[j], acc[i][j]);
       }
     }
+    if constexpr (NR > 1) {
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
+      for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) {
-        Scalar v = Eigen::internal::predux(acc[i][j]);
-        for (Index kk = k; kk < d; ++kk) v += q[i * d + kk] * static_cast<Scalar>(x[j * ldx + kk]);
-        s[i * lds + j] = v;
+        for (int j = 0; j < NR; ++j) s[i * lds + j] = reduce(acc[i][j], q + i * d, x + j * ldx, k, d);
       }
+    } else {
+      for (int i = 0; i < MR; ++i) s[i * lds] = reduce(acc[i][0], q + i * d, x, k, d);
     }
+  }
+
+  /// The sum of acc's lanes plus the products q[kk]·x[kk] of the columns kk in [k, d) left over.
+  template <class X>
+  static Scalar reduce(const Packet& acc, const Scalar* q, const X* x, Index k, Index d) {
+    Scalar v = Eigen::internal::predux(acc);
+    for (Index kk = k; kk < d; ++kk) v += q[kk] * static_cast<Scalar>(x[kk]);
+    return v;
   }
 
   /// o[i·ldo + c] = Σ_j p[i·ldp + j] · x[j·ldx + c] for i < MR and the NC·kP columns c from col0.
