@@ -93,7 +93,12 @@ TEST_F(MemoryTest, StreamingForwardAllocatesNoQueryKeyBuffer) {
         // malloc's rounding and the threads' bookkeeping).
         const long long predicted = static_cast<long long>(mha.workspace_bytes(1, L, L)) + L * E * 4;
         EXPECT_LE(at[i].peak, predicted + 64 * 1024) << what;
-        EXPECT_GE(at[i].peak, predicted) << what;
+        // A worker allocates its scratch with its first task: on a loaded machine the calling thread can
+        // take every task before the other worker wakes, so the least is one worker's (the 1-thread count).
+        mha.set_num_threads(1);
+        const long long one_worker = static_cast<long long>(mha.workspace_bytes(1, L, L)) + L * E * 4;
+        mha.set_num_threads(threads);
+        EXPECT_GE(at[i].peak, one_worker) << what;
       }
       // Linear growth: 4× the length costs about 4× the memory (16× would be quadratic).
       const double ratio = double(at[1].peak) / double(at[0].peak);
