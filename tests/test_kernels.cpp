@@ -802,6 +802,43 @@ TEST(Bf16Gemm, MatchesTheRoundedProductOnAwkwardShapes) {
   });
 }
 
+// The tile engine's packing of B from contiguous columns (a transposed row-major weight, keys) and from
+// contiguous rows (values) shuffles whole vectors; an expression without direct access is packed value
+// by value. Both must give the same VNNI blocks, bit for bit, on awkward shapes with NaN, ±Inf and
+// values that round up, and the padding past k and n must be zero. A transposition or interleaving
+// error moves values between blocks or lanes and fails here.
+TEST(Bf16Gemm, VectorPackingEqualsTheValueByValuePacking) {
+  if (!c2f::detail::bf16_tiles()) GTEST_SKIP() << "no tile engine on this CPU";
+  TestRng rng(0xbf18);
+  for (const Index k : {1, 2, 15, 31, 32, 33, 64, 97}) {
+    for (const Index n : {1, 15, 16, 17, 31, 33, 64}) {
+      RowMatrix<float> w = rng.matrix<float>(n, k), v = rng.matrix<float>(k, n);
+      w(0, 0) = std::numeric_limits<float>::quiet_NaN();
+      v(k - 1, n - 1) = -std::numeric_limits<float>::infinity();
+      w(n - 1, k - 1) = 1.0f + 3 * 0x1p-8f;  // a tie, rounded up to the even neighbour
+      const auto same = [](float x) { return x; };
+      c2f::detail::Bf16PackedB fast, slow;
+      for (int layout = 0; layout < 2; ++layout) {
+        if (layout == 0) {  // columns contiguous: B = wᵀ
+          fast.pack(w.transpose(), 2);
+          slow.pack(w.transpose().unaryExpr(same), 1);
+        } else {  // rows contiguous: B = v
+          fast.pack(v, 2);
+          slow.pack(v.unaryExpr(same), 1);
+        }
+        ASSERT_TRUE(fast.tiles() && slow.tiles());
+        bool equal = true;
+        for (Index p = 0; p < (n + 31) / 32; ++p) {
+          for (Index t = 0; t < (k + 31) / 32; ++t) {
+            equal = equal && std::memcmp(fast.block(t, p), slow.block(t, p), 1024 * sizeof(std::uint16_t)) == 0;
+          }
+        }
+        EXPECT_TRUE(equal) << (layout == 0 ? "columns" : "rows") << " k=" << k << " n=" << n;
+      }
+    }
+  }
+}
+
 // sdpa_streaming in bfloat16 against sdpa_naive in bfloat16 on random problems (masks, padding, awkward
 // lengths), with one key block and with several. Both round q·scale, k, v and the unnormalised
 // probabilities exp(s − running max); the running max differs between key blocks, and the two exps

@@ -113,24 +113,98 @@ constexpr Index kTileMN = 32;  ///< rows and columns of a block of C
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
-/// dst[c] = bf16_bits(src[c]) for c < n, 16 at a time (every CPU with the tile unit has AVX-512BW/VL).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void bf16_bits_avx512(const float* src, Index n, std::uint16_t* dst) {
+/// bf16_bits of the 16 floats whose bits are u, each in the high half of its 32-bit lane (the low half
+/// is left over from the rounding).
+__attribute__((target("avx512f"))) inline __m512i bf16_round_lanes(__m512i u) {
   const __m512i rounding = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x400000);
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-  Index c = 0;
-  for (; c < n; c += 16) {
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs_mask), inf);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(rounding, lsb));
+  return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, quiet));
+}
+/// The floats of src[0 … n) (n ≤ 16; zero past n) as 32-bit lanes.
+__attribute__((target("avx512f"))) inline __m512i load_lanes(const float* src, Index n) {
+  const __mmask16 lanes = n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << std::max<Index>(n, 0)) - 1u);
+  return _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, src));
+}
+
+/// dst[c] = bf16_bits(src[c]) for c < n, 16 at a time (every CPU with the tile unit has AVX-512BW/VL).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void bf16_bits_avx512(const float* src, Index n, std::uint16_t* dst) {
+  for (Index c = 0; c < n; c += 16) {
     const __mmask16 lanes = n - c >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - c)) - 1u);
-    const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, src + c));
-    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs_mask), inf);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(rounding, lsb));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, quiet));
-    _mm256_mask_storeu_epi16(dst + c, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    _mm256_mask_storeu_epi16(dst + c, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_lanes(load_lanes(src + c, n - c)), 16)));
+  }
+}
+/// Transposes the 16 × 16 matrix of 32-bit words in r[0..15] (row i in r[i]) in place: four rounds of
+/// 16 shuffles (pairs of words, pairs of pairs, then 128-bit lanes twice).
+__attribute__((target("avx512f"))) inline void transpose_16x16_epi32(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // t[i] lane L: r_i[4L], r_i+1[4L], r_i[4L+1], r_i+1[4L+1]
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // u[g + e] lane L: rows g..g+3, word 4L + e
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {  // word 4L + e of all 16 rows, from lane L of u[e], u[4 + e], u[8 + e], u[12 + e]
+    const __m512i lo01 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), hi01 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xee);
+    const __m512i lo23 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), hi23 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xee);
+    r[e] = _mm512_shuffle_i32x4(lo01, lo23, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(lo01, lo23, 0xdd);
+    r[8 + e] = _mm512_shuffle_i32x4(hi01, hi23, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(hi01, hi23, 0xdd);
+  }
+}
+
+/// One half of a VNNI block (16 columns × 32 rows, 512 bf16) from B's columns col0 … col0 + cols − 1, each
+/// contiguous (`cs` apart), rows row0 … row0 + rows − 1: tile word r·16 + j = (B[row0 + 2r, col0 + j],
+/// B[row0 + 2r + 1, col0 + j]), zero past rows and cols. Each column's 32 values are rounded into one
+/// vector of 16 words (in registers: a round trip through memory stalled on store forwarding), then the
+/// 16 × 16 words transposed.
+__attribute__((target("avx512f,avx512bw"))) inline void vnni_from_columns(const float* src, Index cs, Index row0,
+                                                                          Index rows, Index col0, Index cols,
+                                                                          std::uint16_t* tile) {
+  // The high halves of the 32 lanes of (lo, hi): bf16 values 0 … 31, two to a word.
+  alignas(64) static constexpr std::uint16_t kHighHalves[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                                                23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                                                45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  const __m512i high_halves = _mm512_load_si512(kHighHalves);
+  __m512i r[16];
+  for (Index j = 0; j < 16; ++j) {
+    if (j < cols) {
+      const float* column = src + (col0 + j) * cs + row0;
+      const __m512i lo = bf16_round_lanes(load_lanes(column, rows)), hi = bf16_round_lanes(load_lanes(column + 16, rows - 16));
+      r[j] = _mm512_permutex2var_epi16(lo, high_halves, hi);
+    } else {
+      r[j] = _mm512_setzero_si512();
+    }
+  }
+  transpose_16x16_epi32(r);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(tile + 32 * i, r[i]);
+}
+
+/// The same half block from B's rows, each contiguous (`rs` apart): tile row r holds rows row0 + 2r and
+/// row0 + 2r + 1 interleaved value by value (zero past rows); only the cols words of each row are
+/// written (the caller zeroed a partial block).
+__attribute__((target("avx512f"))) inline void vnni_from_rows(const float* src, Index rs, Index row0, Index rows,
+                                                              Index col0, Index cols, std::uint16_t* tile) {
+  if (cols <= 0) return;
+  const __mmask16 lanes = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (Index kk = 0; kk < rows; kk += 2) {
+    const __m512i even = bf16_round_lanes(load_lanes(src + (row0 + kk) * rs + col0, cols));
+    const __m512i odd = kk + 1 < rows ? bf16_round_lanes(load_lanes(src + (row0 + kk + 1) * rs + col0, cols)) : _mm512_setzero_si512();
+    _mm512_mask_storeu_epi32(tile + (kk / 2) * 32, lanes, _mm512_or_si512(_mm512_srli_epi32(even, 16), _mm512_and_si512(odd, high)));
   }
 }
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 #pragma GCC diagnostic pop
 #endif
+
 #endif
 
 /// B [k, n] rounded to bfloat16 for bf16_gemm_range: on the tile engine in VNNI blocks — for each panel
@@ -167,31 +241,14 @@ class Bf16PackedB {
             const float* src = rhs.data();
             const Index rs = rhs.rowStride(), cs = rhs.colStride();
 #if C2F_AMX_POSSIBLE
-            // The tile engine runs on CPUs with AVX-512: a contiguous column (a weight's row, a key) or
-            // row pair (values) rounded 16 at a time, its pairs then placed as 32-bit words.
-            const auto put = [tile](Index word, std::uint16_t lo, std::uint16_t hi) {  // tile[2w], tile[2w + 1]
-              const std::uint32_t pair = static_cast<std::uint32_t>(lo) | static_cast<std::uint32_t>(hi) << 16;
-              std::memcpy(tile + 2 * word, &pair, sizeof pair);
-            };
-            alignas(64) std::uint16_t bits[2 * kTileK];
+            // The tile engine runs on CPUs with AVX-512: contiguous columns (a weight's rows, keys) or
+            // rows (values) rounded 16 at a time and placed as 32-bit words by vector shuffles.
             if (rs == 1) {
-              for (Index j = 0; j < cols; ++j) {
-                bf16_bits_avx512(src + (col0 + j) * cs + row0, rows, bits);
-                if (rows % 2 != 0) bits[rows] = 0;
-                for (Index r = 0; r < (rows + 1) / 2; ++r) put(r * 16 + j, bits[2 * r], bits[2 * r + 1]);
-              }
+              vnni_from_columns(src, cs, row0, rows, col0, cols, tile);
               continue;
             }
             if (cs == 1) {
-              for (Index kk = 0; kk < rows; kk += 2) {
-                bf16_bits_avx512(src + (row0 + kk) * rs + col0, cols, bits);
-                if (kk + 1 < rows) {
-                  bf16_bits_avx512(src + (row0 + kk + 1) * rs + col0, cols, bits + kTileK);
-                } else {
-                  std::fill(bits + kTileK, bits + kTileK + cols, std::uint16_t(0));
-                }
-                for (Index j = 0; j < cols; ++j) put((kk / 2) * 16 + j, bits[j], bits[kTileK + j]);
-              }
+              vnni_from_rows(src, rs, row0, rows, col0, cols, tile);
               continue;
             }
 #endif
