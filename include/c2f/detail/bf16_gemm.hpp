@@ -123,17 +123,19 @@ __attribute__((target("avx512f"))) inline __m512i bf16_round_lanes(__m512i u) {
   const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(rounding, lsb));
   return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, quiet));
 }
+/// The mask of the first min(max(n, 0), 16) of 16 lanes.
+inline __mmask16 first_lanes(Index n) {
+  return n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << std::max<Index>(n, 0)) - 1u);
+}
 /// The floats of src[0 … n) (n ≤ 16; zero past n) as 32-bit lanes.
 __attribute__((target("avx512f"))) inline __m512i load_lanes(const float* src, Index n) {
-  const __mmask16 lanes = n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << std::max<Index>(n, 0)) - 1u);
-  return _mm512_castps_si512(_mm512_maskz_loadu_ps(lanes, src));
+  return _mm512_castps_si512(_mm512_maskz_loadu_ps(first_lanes(n), src));
 }
 
 /// dst[c] = bf16_bits(src[c]) for c < n, 16 at a time (every CPU with the tile unit has AVX-512BW/VL).
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void bf16_bits_avx512(const float* src, Index n, std::uint16_t* dst) {
   for (Index c = 0; c < n; c += 16) {
-    const __mmask16 lanes = n - c >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - c)) - 1u);
-    _mm256_mask_storeu_epi16(dst + c, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_lanes(load_lanes(src + c, n - c)), 16)));
+    _mm256_mask_storeu_epi16(dst + c, first_lanes(n - c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_lanes(load_lanes(src + c, n - c)), 16)));
   }
 }
 /// Transposes the 16 × 16 matrix of 32-bit words in r[0..15] (row i in r[i]) in place: four rounds of
@@ -193,7 +195,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void vnni_from_columns(const 
 __attribute__((target("avx512f"))) inline void vnni_from_rows(const float* src, Index rs, Index row0, Index rows,
                                                               Index col0, Index cols, std::uint16_t* tile) {
   if (cols <= 0) return;
-  const __mmask16 lanes = static_cast<__mmask16>((1u << cols) - 1u);
+  const __mmask16 lanes = first_lanes(cols);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (Index kk = 0; kk < rows; kk += 2) {
     const __m512i even = bf16_round_lanes(load_lanes(src + (row0 + kk) * rs + col0, cols));
