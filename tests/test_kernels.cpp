@@ -777,10 +777,14 @@ TEST(Bf16Gemm, MatchesTheRoundedProductOnAwkwardShapes) {
   c2f_test::on_each_bf16_engine([&](const char* engine) {
     for (int rep = 0; rep < 24; ++rep) {
       Index n = rng.pick(kAwkward), out = rng.pick(std::vector<Index>{1, 15, 16, 17, 31, 32, 33, 100, 129, 513});
-      const Index k = rng.pick(std::vector<Index>{1, 7, 31, 32, 33, 64, 129, 257, 512});
-      // The first reps: out > 512 with fewer than 16 row chunks of x, whose rows are then rounded once for
-      // all the column tasks (detail::bf16_rows_shared); one, two and three row chunks.
-      if (rep < 3) n = std::vector<Index>{65, 129, 257}[static_cast<std::size_t>(rep)], out = 641;
+      Index k = rng.pick(std::vector<Index>{1, 7, 31, 32, 33, 64, 129, 257, 512});
+      // The first reps: a depth whose packed B is split into more than four column tasks, which then share
+      // the rounded rows of x (detail::bf16_split); one, two and three row chunks. On 2 threads the rows
+      // are split finer than on 1 (down to 32 rows a task): the bits must not change.
+      if (rep < 3) {
+        n = std::vector<Index>{65, 129, 257}[static_cast<std::size_t>(rep)], out = 641, k = 3073;
+        EXPECT_TRUE(c2f::detail::bf16_split(n, k, out, 2).rows_shared()) << "n=" << n << ": the shared rows are not covered";
+      }
       const RowMatrix<float> x = rng.matrix<float>(n, k), w = rng.matrix<float>(out, k);
       const Eigen::VectorXf bias = rng.matrix<float>(out, 1);
       const bool with_bias = rng.coin();

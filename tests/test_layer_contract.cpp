@@ -29,6 +29,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -213,6 +214,25 @@ TYPED_TEST_P(LayerContract, StateDictRoundTrip) {
   typename TestFixture::LayerType c = TypeParam::make(typename TestFixture::OptionsType().seed(98));
   c.load_state_dict(a.state_dict("m"), "m.");
   EXPECT_TRUE(same_bits(TypeParam::forward(c, x, {}), TypeParam::forward(a, x, {}))) << TypeParam::name;
+}
+
+// A layer in bfloat16 keeps its weights packed between calls (detail::Bf16WeightCache): parameters loaded
+// or reset after a forward must give their own bits, the bits of a layer made with them.
+TYPED_TEST_P(LayerContract, ParametersChangedAfterAForwardAreUsed) {
+  using S = typename TestFixture::ScalarType;
+  TestRng rng(1005);
+  const typename TestFixture::LayerType a = TestFixture::random_layer(15);
+  typename TestFixture::LayerType b = TestFixture::random_layer(16);
+  const Tensor3<S> x = TestFixture::input(rng, kBatch, kLength);
+  const Tensor3<S> want = TypeParam::forward(a, x, {});
+  ASSERT_FALSE(same_bits(TypeParam::forward(b, x, {}), want)) << TypeParam::name << ": the two layers must differ";
+  b.load_state_dict(a.state_dict());
+  EXPECT_TRUE(same_bits(TypeParam::forward(b, x, {}), want)) << TypeParam::name << ": load_state_dict after a forward";
+  typename TestFixture::LayerType fresh = TypeParam::make(typename TestFixture::OptionsType().seed(5));
+  fresh.reset_parameters(77);
+  b.reset_parameters(77);
+  EXPECT_TRUE(same_bits(TypeParam::forward(b, x, {}), TypeParam::forward(fresh, x, {})))
+      << TypeParam::name << ": reset_parameters after a forward";
 }
 
 TYPED_TEST_P(LayerContract, StrictLoadingNamesTheKey) {
@@ -517,7 +537,8 @@ TYPED_TEST_P(LayerContract, BackwardRefusesAWrongDyOrAnotherSavedState) {
 }
 
 REGISTER_TYPED_TEST_SUITE_P(LayerContract, OutputBitsDoNotDependOnThreadCount, ForwardIntoWritesExactlyTheForwardOutput,
-                            WorkspaceBytesBoundTheMeasuredPeak, StateDictRoundTrip, StrictLoadingNamesTheKey,
+                            WorkspaceBytesBoundTheMeasuredPeak, StateDictRoundTrip, ParametersChangedAfterAForwardAreUsed,
+                            StrictLoadingNamesTheKey,
                             EmptyBatchEmptySequenceAndLengthOne, WrongFeaturesNameBothShapes,
                             NanInAnInputReachesTheOutput, RefusesMaskFieldsItDoesNotTake,
                             ConcurrentCallersShareOneModule, DecodeEqualsTheCausalForward,
@@ -526,6 +547,38 @@ REGISTER_TYPED_TEST_SUITE_P(LayerContract, OutputBitsDoNotDependOnThreadCount, F
 
 using c2f_test::EntryNames;
 INSTANTIATE_TYPED_TEST_SUITE_P(Layers, LayerContract, c2f_test::AllLayers, EntryNames);
+
+// Linear hands out its weight to change (weight()): a change after a bfloat16 forward must reach the
+// next one, through the packing the layer keeps, and so must a switch of the bfloat16 engine.
+TEST(Bf16WeightCache, LinearSeesAChangedWeightAndAnotherEngine) {
+  TestRng rng(1011);
+  c2f::Linear<float> lin(48, 40, c2f::Linear<float>::Options().compute(c2f::Compute::BFloat16).num_threads(2));
+  const RowMatrix<float> x = rng.matrix<float>(70, 48);
+  RowMatrix<float> y(70, 40), want(70, 40);
+  const auto fresh_output = [&](const c2f::Linear<float>& like) {
+    c2f::Linear<float> other(48, 40, c2f::Linear<float>::Options().compute(c2f::Compute::BFloat16).num_threads(2));
+    other.load_state_dict(like.state_dict());
+    other.forward_rows(x, want);
+    return want;
+  };
+  const auto equal = [](const RowMatrix<float>& a, const RowMatrix<float>& b) { return same_bits(a.data(), b.data(), a.size()); };
+  lin.forward_rows(x, y);
+  const RowMatrix<float> first = y;
+  lin.weight()(3, 5) += 4.0f;  // row 3 of the weight is output column 3
+  lin.forward_rows(x, y);
+  EXPECT_FALSE(equal(y.col(3), first.col(3))) << "the changed weight is not used";
+  EXPECT_TRUE(equal(y, fresh_output(lin)));
+  lin.weight() = rng.matrix<float>(40, 48);
+  lin.forward_rows(x, y);
+  EXPECT_TRUE(equal(y, fresh_output(lin)));
+  const bool allowed = c2f::get_bf16_tiles();
+  for (bool tiles : {!allowed, allowed}) {  // the packing of the engine in use
+    c2f::set_bf16_tiles(tiles);
+    lin.forward_rows(x, y);
+    EXPECT_TRUE(equal(y, fresh_output(lin))) << "tiles allowed: " << tiles;
+  }
+  c2f::set_bf16_tiles(allowed);
+}
 
 // Different modules and thread counts at the same time, with the default small-work threshold.
 TEST(SharedModule, MixedModulesAtOnce) {
@@ -648,6 +701,19 @@ struct ThreadDependentGradsLayer : Mha {
   }
 };
 
+/// Computes every forward with the parameters of its first one: a cache of packed weights that is never
+/// made again when the parameters change (load_state_dict, reset_parameters).
+struct StaleParametersLayer : Mha {
+  using Mha::Mha;
+  Tensor3<float> forward(c2f::ConstTensor3Ref<float> x, const Masks<float>& m = {}) const { return first().forward(x, m); }
+  void forward_into(c2f::ConstTensor3Ref<float> x, Out out, const Masks<float>& m = {}) const { first().forward_into(x, out, m); }
+  const Mha& first() const {
+    if (first_ == nullptr) first_ = std::make_shared<const Mha>(static_cast<const Mha&>(*this));
+    return *first_;
+  }
+  mutable std::shared_ptr<const Mha> first_;
+};
+
 // clang-format off
 C2F_LAYER(ThreadDependent, ThreadDependentLayer, kWidth, 2, o);
 C2F_LAYER(IntoSkipsARow, IntoSkipsARowLayer, kWidth, 2, o);
@@ -656,10 +722,11 @@ C2F_LAYER(IgnoresMasks, IgnoresMasksLayer, kWidth, 2, o);
 C2F_LAYER(SharedScratch, SharedScratchLayer, kWidth, 2, o);
 C2F_LAYER(DriftingDecode, DriftingDecodeLayer, kWidth, 2, o.causal(true));
 C2F_LAYER(ThreadDependentGrads, ThreadDependentGradsLayer, kWidth, 2, o);
+C2F_LAYER(StaleParameters, StaleParametersLayer, kWidth, 2, o.compute(c2f::Compute::BFloat16));
 // clang-format on
 
 using Broken = ::testing::Types<ThreadDependent, IntoSkipsARow, LossyStateDict, IgnoresMasks, SharedScratch, DriftingDecode,
-                                ThreadDependentGrads>;
+                                ThreadDependentGrads, StaleParameters>;
 INSTANTIATE_TYPED_TEST_SUITE_P(Broken, LayerContract, Broken, EntryNames);
 
 }  // namespace

@@ -25,6 +25,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -216,21 +218,21 @@ class Bf16PackedB {
  public:
   /// Packs `rhs` [k, n] (any Eigen expression of floats) for the engine bf16_tiles() names now (the
   /// fallback when not `allow_tiles`: the caller's ranges would not start on the tile steps), the panels
-  /// split over `threads` (a copy: the bits do not depend on it).
+  /// split over `threads` (a copy: the bits do not depend on it); `work` as PackedB::pack's.
   template <class Rhs>
-  void pack(const Rhs& rhs, int threads = 1, bool allow_tiles = true) {
+  void pack(const Rhs& rhs, int threads = 1, bool allow_tiles = true, double work = -1) {
     k_ = rhs.rows();
     n_ = rhs.cols();
     tiles_ = allow_tiles && bf16_tiles();
     if (!tiles_) {
-      fallback_.pack(rhs.unaryExpr([](float x) { return round_bf16(x); }), threads);
+      fallback_.pack(rhs.unaryExpr([](float x) { return round_bf16(x); }), threads, work);
       return;
     }
     ksteps_ = ceil_div(k_, kTileK);
     panels_ = ceil_div(n_, kTileMN);
     vnni_.reserve(static_cast<std::size_t>(std::max<Index>(1, panels_ * ksteps_ * kBlock)));
     const Eigen::internal::evaluator<Rhs> ev(rhs);
-    parallel_for(panels_, threads, 2.0 * static_cast<double>(panels_ * ksteps_ * kBlock), [&](Index p, int) {
+    parallel_for(panels_, threads, work >= 0 ? work : 2.0 * static_cast<double>(panels_ * ksteps_ * kBlock), [&](Index p, int) {
       std::uint16_t* dst = vnni_.data() + p * ksteps_ * kBlock;
       for (Index t = 0; t < ksteps_; ++t) {
         for (Index half = 0; half < 2; ++half) {
@@ -290,6 +292,54 @@ class Bf16PackedB {
   bool tiles_ = false;
   ScratchArray<std::uint16_t> vnni_;
   PackedB<float> fallback_;
+};
+
+/// A layer's bfloat16 packings of its weights, kept between calls: slot i holds the packing of one weight
+/// operand, made by the first product that needs it and reused while the `stamp` the layer passes (a
+/// number that changes whenever the weight may have: Linear::weight_stamp()) and the engine
+/// (set_bf16_tiles) stay the same. Packing a [512, 512] weight costs as long as the product of 128 rows
+/// with it (docs/benchmarks.md). Thread-safe — the const forwards of several threads share it — and a
+/// copy starts empty (the copy packs its own).
+class Bf16WeightCache {
+ public:
+  Bf16WeightCache() = default;
+  Bf16WeightCache(const Bf16WeightCache&) noexcept {}
+  Bf16WeightCache& operator=(const Bf16WeightCache&) noexcept {
+    clear();
+    return *this;
+  }
+  ~Bf16WeightCache() = default;
+
+  /// Slot `slot`'s packing for `stamp` on the current engine; `make(Bf16PackedB&)` packs it when the
+  /// slot is empty or stale. The packing stays alive while the returned pointer does.
+  template <class Make>
+  std::shared_ptr<const Bf16PackedB> get(std::size_t slot, std::uint64_t stamp, Make&& make) const {
+    const bool tiles = bf16_tiles();
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (slots_.size() <= slot) slots_.resize(slot + 1);
+    Slot& s = slots_[slot];
+    if (s.packed == nullptr || s.stamp != stamp || s.packed->tiles() != tiles) {
+      s.packed.reset();  // the stale packing's memory back first
+      std::shared_ptr<Bf16PackedB> fresh = std::make_shared<Bf16PackedB>();
+      make(*fresh);
+      s.packed = std::move(fresh);
+      s.stamp = stamp;
+    }
+    return s.packed;
+  }
+  /// Drops every packing.
+  void clear() noexcept {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    slots_.clear();
+  }
+
+ private:
+  struct Slot {
+    std::shared_ptr<const Bf16PackedB> packed;
+    std::uint64_t stamp = 0;
+  };
+  mutable std::mutex mutex_;
+  mutable std::vector<Slot> slots_;
 };
 
 #if C2F_AMX_POSSIBLE

@@ -78,9 +78,11 @@ class PackedB {
 
   /// Packs any Eigen expression `rhs` [k, n] (evaluated once; a matrix with direct access — a weight
   /// in torch's [out, in] layout, transposed, or a block of keys — is read through its pointer, the
-  /// contiguous way), the panels split over `threads` (a copy: the bits do not depend on it).
+  /// contiguous way), the panels split over `threads` (a copy: the bits do not depend on it). `work`:
+  /// parallel_for's estimate, by default the copy's own; a caller whose product follows passes the
+  /// product's, so that the packing runs on the threads the product will wake anyway.
   template <class Rhs>
-  void pack(const Rhs& rhs, int threads = 1) {
+  void pack(const Rhs& rhs, int threads = 1, double work = -1) {
     k_ = rhs.rows();
     n_ = rhs.cols();
     panels_ = (n_ + B::kNR - 1) / B::kNR;
@@ -88,7 +90,7 @@ class PackedB {
     data_.reserve(size);  // not zeroed: every element is written below; panels start on cache lines
     const Index kblocks = (k_ + B::kKC - 1) / B::kKC;
     const Eigen::internal::evaluator<Rhs> ev(rhs);
-    parallel_for(kblocks * panels_, threads, 2.0 * static_cast<double>(size), [&](Index task, int) {
+    parallel_for(kblocks * panels_, threads, work >= 0 ? work : 2.0 * static_cast<double>(size), [&](Index task, int) {
       const Index k0 = (task / panels_) * B::kKC, p = task % panels_;
       const Index kc = std::min(B::kKC, k_ - k0), j0 = p * B::kNR, nr = std::min<Index>(B::kNR, n_ - j0);
       Scalar* dst = data_.data() + k0 * panels_ * B::kNR + p * kc * B::kNR;

@@ -34,7 +34,8 @@ constexpr Index kPackedRowChunk = 120;
 /// whatever task computes it (detail/packed_gemm.hpp), so the split changes no bit.
 constexpr Index kPackedWideRows = 16;
 constexpr Index kPackedColChunk = 128;
-/// Rows per task of the bfloat16 path (KernelOptions::compute): whole 32-row blocks of the tile engine.
+/// Rows per task of the bfloat16 path (KernelOptions::compute), at most: whole 32-row blocks of the tile
+/// engine; detail::bf16_split halves it for products of few rows.
 constexpr Index kBf16RowChunk = 128;
 
 }  // namespace kernels
@@ -52,12 +53,70 @@ void row_col_tasks(Index n, Index out_cols, Index row_chunk, Index wide_rows, In
     fn(r0, std::min(row_chunk, n - r0), c0, std::min(col_width, out_cols - c0));
   });
 }
-/// True when matmul_rows's bfloat16 tile path splits the columns of an [n, out_cols] product (fewer
-/// than kPackedWideRows row chunks) into more than four column chunks: it then rounds every row of x
-/// once, before the tasks, instead of once per task. (At four column chunks that measured slower.)
-inline bool bf16_rows_shared(Index n, Index out_cols) {
-  return (n + kernels::kBf16RowChunk - 1) / kernels::kBf16RowChunk < kernels::kPackedWideRows &&
-         out_cols > 4 * kernels::kPackedColChunk;
+/// The tasks of matmul_rows's bfloat16 path over an [n, out] product of depth k on `workers` threads.
+/// Column chunks as wide as fit an L2-sized slice of packed B (kBf16SliceBytes: each 32-row block of A
+/// streams its slice), split evenly in multiples of 32; row chunks of kBf16RowChunk rows, halved (down
+/// to 32) until there are two tasks per worker. Narrow column tasks measured slower: each one rounds its
+/// rows of A again and streams a short run of B (docs/benchmarks.md). Every element is one sum over the
+/// whole depth whatever task computes it, so the split, which depends on `workers`, changes no bit.
+struct Bf16Split {
+  Index row_chunk, col_width, row_chunks, col_chunks;
+  /// More than four column chunks: every row chunk of x is rounded once, before the tasks that share it.
+  bool rows_shared() const { return col_chunks > 4; }
+};
+inline Bf16Split bf16_split(Index n, Index k, Index out, int workers) {
+  constexpr Index kBf16SliceBytes = 768 * 1024, kStep = 32;
+  const Index widest = std::max<Index>(4 * kStep, kBf16SliceBytes / (2 * std::max<Index>(k, 1)) / kStep * kStep);
+  const Index col_chunks = std::max<Index>(1, (out + widest - 1) / widest);
+  const Index col_width = std::max<Index>(1, (out + col_chunks - 1) / col_chunks + kStep - 1) / kStep * kStep;
+  Index row_chunk = kernels::kBf16RowChunk;
+  while (row_chunk > kStep && ((n + row_chunk - 1) / row_chunk) * col_chunks < 2 * static_cast<Index>(workers)) row_chunk /= 2;
+  return {row_chunk, col_width, (n + row_chunk - 1) / row_chunk, std::max<Index>(1, (out + col_width - 1) / col_width)};
+}
+/// True when matmul_rows in bfloat16 packs its right-hand side for an [n, ·] left side (the products a
+/// layer can serve from its Bf16WeightCache); false for the few rows (a decode step) that read B in place
+/// where it is a weight's transpose (`b_in_place`: a row stride of 1).
+inline bool bf16_packs(Index n, const kernels::KernelOptions& options, bool b_in_place) {
+  return !(b_in_place && n < kBf16PackedMinRows && !honoured_rows_independent(options.rows_independent()));
+}
+
+/// matmul_rows's bfloat16 path on a right-hand side packed already: y = x · B (+ bias), every element one
+/// sum over the whole depth, the tasks of bf16_split.
+inline void matmul_rows_packed_bf16(const Eigen::Ref<const RowMatrix<float>>& x, const Bf16PackedB& packed, const float* bias,
+                                    Eigen::Ref<RowMatrix<float>> y, const kernels::KernelOptions& options) {
+  if (x.cols() != packed.rows() || y.rows() != x.rows() || y.cols() != packed.cols()) {
+    fail("matmul_rows: x ", shape_string({x.rows(), x.cols()}), " times the packed ",
+         shape_string({packed.rows(), packed.cols()}), " does not fit y ", shape_string({y.rows(), y.cols()}));
+  }
+  const Index n = x.rows(), out_cols = packed.cols();
+  if (n == 0) return;
+  const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
+  const Bf16Split split = bf16_split(n, x.cols(), out_cols, resolve_threads(options.num_threads(), n));
+  const auto tasks = [&](auto&& fn) {
+    parallel_for(split.row_chunks * split.col_chunks, options.num_threads(), work, [&](Index task, int) {
+      const Index r = task / split.col_chunks, r0 = r * split.row_chunk, c0 = (task % split.col_chunks) * split.col_width;
+      const Bf16Tiles tile_registers(packed.tiles());
+      fn(r, r0, std::min(split.row_chunk, n - r0), c0, std::min(split.col_width, out_cols - c0));
+    });
+  };
+  if (split.rows_shared()) {
+    std::vector<Bf16A> rounded(static_cast<std::size_t>(split.row_chunks));
+    parallel_for(split.row_chunks, options.num_threads(), kElementWork * static_cast<double>(n) * static_cast<double>(x.cols()),
+                 [&](Index r, int) {
+                   const Index r0 = r * split.row_chunk;
+                   rounded[static_cast<std::size_t>(r)].prepare(x.data() + r0 * x.outerStride(), x.outerStride(),
+                                                                std::min(split.row_chunk, n - r0), x.cols(), packed.tiles());
+                 });
+    tasks([&](Index r, Index r0, Index, Index c0, Index cols) {
+      bf16_gemm(rounded[static_cast<std::size_t>(r)], packed, 0, x.cols(), c0, cols, bias != nullptr ? bias + c0 : nullptr, false,
+                y.data() + r0 * y.outerStride() + c0, y.outerStride());
+    });
+    return;
+  }
+  tasks([&](Index, Index r0, Index rows, Index c0, Index cols) {
+    bf16_gemm_range(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, 0, x.cols(), c0, cols,
+                    bias != nullptr ? bias + c0 : nullptr, false, y.data() + r0 * y.outerStride() + c0, y.outerStride());
+  });
 }
 }  // namespace detail
 namespace kernels {
@@ -82,8 +141,7 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
       if (n == 0) return;
       // Few rows (a decode step): B read in place where it is a weight's transpose, [out, in] row-major.
       if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) {
-        if (n < detail::kBf16PackedMinRows && !detail::honoured_rows_independent(options.rows_independent()) &&
-            rhs.rowStride() == 1) {
+        if (!detail::bf16_packs(n, options, rhs.rowStride() == 1)) {
           // Work: the multiply-adds and the rounding of every weight in registers (a few operations each).
           const double rounding = 4.0 * detail::kElementWork * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
           detail::row_col_tasks(n, out_cols, kBf16RowChunk, kPackedWideRows, kPackedColChunk, options, work + rounding,
@@ -97,33 +155,8 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
         }
       }
       detail::Bf16PackedB packed;
-      packed.pack(rhs, options.num_threads());
-      if (detail::bf16_rows_shared(n, out_cols)) {
-        // The columns are split too: each row chunk of x is rounded once, before the tasks that share it
-        // (not once per column chunk).
-        std::vector<detail::Bf16A> rounded(static_cast<std::size_t>((n + kBf16RowChunk - 1) / kBf16RowChunk));
-        detail::parallel_for(static_cast<Index>(rounded.size()), options.num_threads(),
-                             detail::kElementWork * static_cast<double>(n) * static_cast<double>(x.cols()), [&](Index r, int) {
-                               const Index r0 = r * kBf16RowChunk;
-                               rounded[static_cast<std::size_t>(r)].prepare(x.data() + r0 * x.outerStride(), x.outerStride(),
-                                                                            std::min(kBf16RowChunk, n - r0), x.cols(), packed.tiles());
-                             });
-        detail::row_col_tasks(n, out_cols, kBf16RowChunk, kPackedWideRows, kPackedColChunk, options, work,
-                              [&](Index r0, Index, Index c0, Index cols) {
-                                const detail::Bf16Tiles tile_registers(packed.tiles());
-                                detail::bf16_gemm(rounded[static_cast<std::size_t>(r0 / kBf16RowChunk)], packed, 0, x.cols(), c0,
-                                                  cols, bias != nullptr ? bias + c0 : nullptr, false,
-                                                  y.data() + r0 * y.outerStride() + c0, y.outerStride());
-                              });
-        return;
-      }
-      detail::row_col_tasks(n, out_cols, kBf16RowChunk, kPackedWideRows, kPackedColChunk, options, work,
-                            [&](Index r0, Index rows, Index c0, Index cols) {
-                              const detail::Bf16Tiles tile_registers(packed.tiles());
-                              detail::bf16_gemm_range(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, 0,
-                                                      x.cols(), c0, cols, bias != nullptr ? bias + c0 : nullptr, false,
-                                                      y.data() + r0 * y.outerStride() + c0, y.outerStride());
-                            });
+      packed.pack(rhs, options.num_threads(), true, work);
+      detail::matmul_rows_packed_bf16(x, packed, bias, y, options);
       return;
     } else {
       detail::fail("matmul_rows: compute BFloat16 needs float, got double");
@@ -131,7 +164,7 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
   }
   if (detail::packed_gemm_for(n, options.rows_independent())) {
     detail::PackedB<Scalar> packed;
-    packed.pack(rhs, options.num_threads());
+    packed.pack(rhs, options.num_threads(), work);
     detail::row_col_tasks(n, out_cols, kPackedRowChunk, kPackedWideRows, kPackedColChunk, options, work, [&](Index r0, Index rows, Index c0, Index cols) {
       detail::packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
                                   bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0,
@@ -157,23 +190,26 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
 /// KernelOptions::rows_independent), else nothing (Eigen's product blocks on the stack at these sizes).
 /// Compute::BFloat16: the bfloat16 packing of the engine in use (none below kBf16PackedMinRows rows of a
 /// weight's transpose without rows_independent), and the rounded rows of A: of one task per worker of
-/// `threads` (KernelOptions::num_threads), or all of them when the columns are split too
-/// (detail::bf16_rows_shared).
+/// `threads` (KernelOptions::num_threads), or all of them when they are shared by more than four
+/// column tasks (detail::bf16_split). `cached`: the bfloat16 packing comes from a layer's
+/// Bf16WeightCache (detail::matmul_rows_cached), which keeps it between calls — not counted.
 template <class Scalar>
 std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out, bool rows_independent = false,
-                                        Compute compute = Compute::Float32, int threads = 0) {
+                                        Compute compute = Compute::Float32, int threads = 0, bool cached = false) {
   if (compute == Compute::BFloat16) {
     if (n == 0) return 0;
     const bool few = n < detail::kBf16PackedMinRows && !detail::honoured_rows_independent(rows_independent);
     const bool tiles = !few && detail::bf16_tiles();
-    const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(threads, n));
-    if (!few && detail::bf16_rows_shared(n, out)) {  // every row chunk rounded at once
-      const Index full = n / kBf16RowChunk, rest = n - full * kBf16RowChunk;
-      return static_cast<std::size_t>(full) * detail::Bf16A::bytes(kBf16RowChunk, k, tiles) +
-             (rest > 0 ? detail::Bf16A::bytes(rest, k, tiles) : 0) + detail::Bf16PackedB::bytes(k, out, tiles);
+    const int workers = detail::resolve_threads(threads, n);
+    const detail::Bf16Split split = detail::bf16_split(n, k, out, workers);
+    if (!few && split.rows_shared()) {  // every row chunk rounded at once
+      const Index full = n / split.row_chunk, rest = n - full * split.row_chunk;
+      return static_cast<std::size_t>(full) * detail::Bf16A::bytes(split.row_chunk, k, tiles) +
+             (rest > 0 ? detail::Bf16A::bytes(rest, k, tiles) : 0) + (cached ? 0 : detail::Bf16PackedB::bytes(k, out, tiles));
     }
-    const std::size_t rows = workers * detail::Bf16A::bytes(std::min(n, kBf16RowChunk), k, tiles);
-    return few ? rows : rows + detail::Bf16PackedB::bytes(k, out, tiles);
+    const std::size_t rows = static_cast<std::size_t>(workers) *
+                             detail::Bf16A::bytes(std::min(n, few ? kBf16RowChunk : split.row_chunk), k, tiles);
+    return few || cached ? rows : rows + detail::Bf16PackedB::bytes(k, out, tiles);
   }
   return detail::packed_gemm_for(n, rows_independent) ? detail::PackedB<Scalar>::bytes(k, out) : 0;
 }
@@ -262,4 +298,39 @@ void linear_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref
 }
 
 }  // namespace kernels
+namespace detail {
+
+/// kernels::matmul_rows for a layer that keeps its weights' bfloat16 packings (Bf16WeightCache): in
+/// Compute::BFloat16, wherever matmul_rows would pack `rhs`, slot `slot` of `cache` serves it — packed
+/// from `rhs` on the first call and whenever `stamp` changes — with the same bits. Otherwise (fp32, few
+/// rows of a weight's transpose) matmul_rows itself.
+template <class Scalar, class Rhs>
+void matmul_rows_cached(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, const Scalar* bias,
+                        Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options, const Bf16WeightCache& cache,
+                        std::size_t slot, std::uint64_t stamp) {
+  if constexpr (std::is_same<Scalar, float>::value) {
+    bool in_place = false;
+    if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) in_place = rhs.rowStride() == 1;
+    if (options.compute() == Compute::BFloat16 && x.rows() > 0 && bf16_packs(x.rows(), options, in_place) &&
+        x.cols() == rhs.rows() && y.rows() == x.rows() && y.cols() == rhs.cols()) {
+      const double work = 2.0 * static_cast<double>(x.rows()) * static_cast<double>(x.cols()) * static_cast<double>(rhs.cols());
+      const std::shared_ptr<const Bf16PackedB> packed =
+          cache.get(slot, stamp, [&](Bf16PackedB& b) { b.pack(rhs, options.num_threads(), true, work); });
+      matmul_rows_packed_bf16(x, *packed, bias, y, options);
+      return;
+    }
+  }
+  kernels::matmul_rows<Scalar>(x, rhs, bias, y, options);  // also every shape error
+}
+
+/// kernels::linear (y = x wᵀ + bias) with matmul_rows_cached's packings.
+template <class Scalar>
+void linear_cached(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const RowMatrix<Scalar>>& w, const Scalar* bias,
+                   Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options, const Bf16WeightCache& cache,
+                   std::size_t slot, std::uint64_t stamp) {
+  check_linear_shapes("linear", x, w, y);
+  matmul_rows_cached<Scalar>(x, w.transpose(), bias, y, options, cache, slot, stamp);
+}
+
+}  // namespace detail
 }  // namespace c2f

@@ -532,21 +532,21 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// Bytes of temporary memory the folded fine stage (forward_folded) holds at its peak for `blocks` block
   /// rows whose longest run of tokens is `longest_run` (a chunk; a 2-D block's width): q, o, chunk_out
   /// [blocks, d]; qk, pooled [blocks, h·d]; mass [blocks, h]; the scaled key projection of a head
-  /// [d / h, d]; per worker the folded kernel's scores [h, run], run output [h, d] and four [h] vectors,
-  /// and with Compute::BFloat16 its rounded queries [h, d] and run [run, d]; and the largest packed weight
+  /// [d / h, d]; per worker the folded kernel's scores [h, run], run output [h, d] and four [h] vectors
+  /// (fp32 in either compute: forward_folded); and the largest packed weight
   /// (micro-kernel builds; one product runs at a time): q_proj's, a head's scaled key or value
   /// projection's, out_proj's.
   std::size_t folded_workspace_bytes(Index blocks, Index longest_run) const {
     const Compute c = options_.compute();
+    const bool cached = c == Compute::BFloat16;  // forward_folded's per-head packings are kept
     const std::size_t packed = std::max({q_proj_.rows_workspace_bytes(blocks, true),
-                                         kernels::matmul_rows_workspace_bytes<Scalar>(blocks, head_dim(), d_, true, c, options_.num_threads()),
-                                         kernels::matmul_rows_workspace_bytes<Scalar>(blocks, d_, head_dim(), true, c, options_.num_threads()),
+                                         kernels::matmul_rows_workspace_bytes<Scalar>(blocks, head_dim(), d_, true, c, options_.num_threads(), cached),
+                                         kernels::matmul_rows_workspace_bytes<Scalar>(blocks, d_, head_dim(), true, c, options_.num_threads(), cached),
                                          out_proj_.rows_workspace_bytes(blocks, true)});
     const std::size_t m = static_cast<std::size_t>(blocks), run = static_cast<std::size_t>(longest_run);
     const std::size_t d = static_cast<std::size_t>(d_), h = static_cast<std::size_t>(heads_), dk = d / h;
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), blocks));
-    const std::size_t rounded = c == Compute::BFloat16 ? (h + run) * d : 0;
-    return packed + sizeof(Scalar) * (m * (3 * d + 2 * h * d + h) + dk * d + workers * (h * (run + d + 4) + rounded));
+    return packed + sizeof(Scalar) * (m * (3 * d + 2 * h * d + h) + (cached ? 0 : dk * d) + workers * h * (run + d + 4));
   }
   /// Bytes of temporary memory one forward_chunked_into() holds at its peak, besides the output (and
   /// Eigen's GEMM packing buffers, which Eigen keeps on the stack below 128 KiB). On the folded path —
@@ -612,22 +612,35 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
     // qk[c, h·d:(h+1)·d] = q[c, h·dk:(h+1)·dk] W_k,h / sqrt(dk)   (the key bias only shifts a softmax row)
     // The large temporaries live in reused scratch memory (detail/scratch.hpp).
-    // W_k,h · scale is materialised first, so that the products pack a plain matrix (bf16's packing
-    // reads an expression value by value); the products are the same, so are the bits.
+    // fp32: W_k,h · scale is materialised first, so that the product packs a plain matrix (packing reads
+    // an expression value by value). bfloat16: the layer keeps the per-head packings of W_k,h · scale and
+    // W_v,hᵀ (slots h and heads + h of packed_, checked against kv_proj's weight_stamp()), so the
+    // expression is packed once. The products are the same, so are the bits.
     detail::ScratchRowMatrix<Scalar> qk(chunks, heads_ * d_), pooled(chunks, heads_ * d_), mass(chunks, heads_), o(chunks, d_);
-    detail::ScratchRowMatrix<Scalar> wk_scaled(dk, d_);
+    const bool cached = options_.compute() == Compute::BFloat16;
+    const std::uint64_t stamp = kv_proj_.weight_stamp();
+    const std::size_t heads = static_cast<std::size_t>(heads_);
+    detail::ScratchRowMatrix<Scalar> wk_scaled(cached ? 0 : dk, d_);
     const Eigen::Ref<const RowMatrix<Scalar>> wk_h(wk_scaled);
     for (Index h = 0; h < heads_; ++h) {
+      if (cached) {
+        detail::matmul_rows_cached<Scalar>(q.middleCols(h * dk, dk), wk.middleRows(h * dk, dk) * scale, nullptr,
+                                           qk.middleCols(h * d_, d_), threads, packed_, static_cast<std::size_t>(h), stamp);
+        continue;
+      }
       wk_scaled = wk.middleRows(h * dk, dk) * scale;
       kernels::matmul_rows<Scalar>(q.middleCols(h * dk, dk), wk_h, nullptr, qk.middleCols(h * d_, d_), threads);
     }
-    kernels::fine_attention_folded<Scalar>(x, grid, qk, heads_, pooled, mass, bias, threads);
+    // The pass over the tokens stays fp32 in either compute: it reads each token once for 4·H·d FLOP and
+    // is bound by memory, so rounding its operands would cost time (a rounded copy of every run) and
+    // accuracy and save nothing (docs/bf16.md).
+    kernels::fine_attention_folded<Scalar>(x, grid, qk, heads_, pooled, mass, bias, kernels::KernelOptions(threads).compute(Compute::Float32));
 
     // o[c, h·dk:(h+1)·dk] = pooled[c, h] W_v,hᵀ + mass[c, h] b_v,h
     RowMatrix<Scalar> chunk_out(chunks, d_);
     for (Index h = 0; h < heads_; ++h) {
-      kernels::matmul_rows<Scalar>(pooled.middleCols(h * d_, d_), wv.middleRows(h * dk, dk).transpose(), nullptr,
-                                   o.middleCols(h * dk, dk), threads);
+      detail::matmul_rows_cached<Scalar>(pooled.middleCols(h * d_, d_), wv.middleRows(h * dk, dk).transpose(), nullptr,
+                                         o.middleCols(h * dk, dk), threads, packed_, heads + static_cast<std::size_t>(h), stamp);
       o.middleCols(h * dk, dk).noalias() += mass.col(h) * kv_proj_.bias().segment(d_ + h * dk, dk).transpose();
     }
     out_proj_.forward_rows_independent(o, chunk_out);
@@ -686,6 +699,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   Linear<Scalar> q_proj_;
   Linear<Scalar> kv_proj_;
   Linear<Scalar> out_proj_;
+  detail::Bf16WeightCache packed_;  ///< Compute::BFloat16, folded path: W_k,h · scale and W_v,hᵀ per head, packed
 };
 
 /// The coarse-to-fine module's C2FAttention: mean-pooled chunks → CoarseAttention → FineAttention.

@@ -42,7 +42,15 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   const Options& options() const { return options_; }
   void set_num_threads(int n) { options_.num_threads(n); }
   const RowMatrix<Scalar>& weight() const { return weight_; }
-  RowMatrix<Scalar>& weight() { return weight_; }
+  /// The weight, to change: a new weight_stamp(), so that the bfloat16 packing the layer keeps is made
+  /// again. Write through the reference before the next forward; after one, call weight() again.
+  RowMatrix<Scalar>& weight() {
+    weight_stamp_ = detail::fresh_parameters_id();
+    return weight_;
+  }
+  /// A number that changes whenever the weight may have (non-const weight(), load, reset_parameters):
+  /// what the packings of Compute::BFloat16 (detail::Bf16WeightCache) are checked against.
+  std::uint64_t weight_stamp() const { return weight_stamp_; }
   const Vector<Scalar>& bias() const { return bias_; }
   Vector<Scalar>& bias() { return bias_; }
   const Scalar* bias_data() const { return options_.bias() ? bias_.data() : nullptr; }
@@ -50,7 +58,7 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   /// torch.nn.Linear's init: weight and bias U(±1/sqrt(in_features)), drawn from `seed`.
   void reset_parameters(std::uint64_t seed) {
     detail::Rng rng(seed);
-    detail::linear_default_uniform(weight_, rng);
+    detail::linear_default_uniform(weight(), rng);
     if (options_.bias()) {
       Eigen::Map<RowMatrix<Scalar>> b(bias_.data(), 1, bias_.size());
       detail::fill_uniform(b, rng, 1.0 / std::sqrt(static_cast<double>(in_features())));
@@ -59,7 +67,7 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
 
   /// Reads `<prefix>weight` [out, in] and, with bias, `<prefix>bias` [out].
   void load(detail::StrictLoader& loader, const std::string& name) {
-    loader.read(name + "weight", {out_features(), in_features()}, weight_);
+    loader.read(name + "weight", {out_features(), in_features()}, weight());
     if (options_.bias()) loader.read(name + "bias", {out_features()}, bias_);
   }
   void save(StateDict& sd, const std::string& prefix) const {
@@ -74,7 +82,7 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   /// The product on rows: y [n, out] = x [n, in] Wᵀ + b (overwritten), on options().num_threads() threads.
   /// (forward_into(x, out, masks) is this on x's rows.)
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Eigen::Ref<RowMatrix<Scalar>> y) const {
-    kernels::linear<Scalar>(x, weight_, bias_data(), y, detail::kernel_options(options_));
+    detail::linear_cached<Scalar>(x, weight_, bias_data(), y, detail::kernel_options(options_), packed_, 0, weight_stamp_);
   }
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index /*batch*/, Index /*length*/,
                     Eigen::Ref<RowMatrix<Scalar>> y) const {
@@ -84,14 +92,16 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   /// the call holds (KernelOptions::rows_independent): FineAttention's products, so that a shard of the
   /// rows (c2f/dist) computes exactly the bits of the whole.
   void forward_rows_independent(const Eigen::Ref<const RowMatrix<Scalar>>& x, Eigen::Ref<RowMatrix<Scalar>> y) const {
-    kernels::linear<Scalar>(x, weight_, bias_data(), y, detail::kernel_options(options_).rows_independent(true));
+    detail::linear_cached<Scalar>(x, weight_, bias_data(), y, detail::kernel_options(options_).rows_independent(true), packed_, 0,
+                                  weight_stamp_);
   }
   /// Bytes of temporary memory forward_rows() (or, with `rows_independent`, forward_rows_independent())
   /// on `rows` rows holds: the packed weight on the micro-kernel path
-  /// (kernels::matmul_rows_workspace_bytes), else 0.
+  /// (kernels::matmul_rows_workspace_bytes), else 0. With Compute::BFloat16 the layer keeps the packed
+  /// weight from its first call on (not counted here; about half the weight's bytes).
   std::size_t rows_workspace_bytes(Index rows, bool rows_independent = false) const {
     return kernels::matmul_rows_workspace_bytes<Scalar>(rows, in_features(), out_features(), rows_independent,
-                                                        options_.compute(), options_.num_threads());
+                                                        options_.compute(), options_.num_threads(), true);
   }
   /// Bytes of temporary memory one forward_into() holds: rows_workspace_bytes(batch · seq).
   std::size_t workspace_bytes(Index batch, Index seq) const { return rows_workspace_bytes(batch * seq); }
@@ -117,6 +127,8 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   RowMatrix<Scalar> weight_;  // first: its sizes are checked before anything else is built
   Vector<Scalar> bias_;
   Options options_;
+  std::uint64_t weight_stamp_ = detail::fresh_parameters_id();
+  detail::Bf16WeightCache packed_;  ///< Compute::BFloat16: the weight's transpose, packed (a copy starts empty)
 };
 
 }  // namespace c2f

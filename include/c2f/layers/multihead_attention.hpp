@@ -106,6 +106,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   /// default for out_proj.weight), drawn deterministically from `seed`.
   void reset_parameters(std::uint64_t seed) {
     detail::Rng rng(seed);
+    w_stamp_ = detail::fresh_parameters_id();
     const Index in_dims[3] = {embed_dim(), kdim_, vdim_};
     if (packed_in_proj()) {
       RowMatrix<Scalar> packed(3 * embed_dim(), embed_dim());
@@ -126,6 +127,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   /// with an enclosing module.
   void load(detail::StrictLoader& loader, const std::string& name) {
     const Index e = embed_dim();
+    w_stamp_ = detail::fresh_parameters_id();
     if (packed_in_proj()) {
       // PyTorch's name, or the C2FMultiHeadAttention module's `qkv_proj` Linear (same [3E, E] layout).
       const bool seed_names = !loader.has(name + "in_proj_weight") && loader.has(name + "qkv_proj.weight");
@@ -258,9 +260,9 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     const Index e = embed_dim();
     const kernels::KernelOptions threads = kernel_options();
     const Scalar* bias = options_.bias() ? b_.data() : nullptr;
-    kernels::linear<Scalar>(query.rows(), w_[0], bias, qp, threads);
-    kernels::linear<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads);
-    kernels::linear<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads);
+    detail::linear_cached<Scalar>(query.rows(), w_[0], bias, qp, threads, packed_, 0, w_stamp_);
+    detail::linear_cached<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads, packed_, 1, w_stamp_);
+    detail::linear_cached<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads, packed_, 2, w_stamp_);
   }
 
   /// Incremental decoding state of a causal layer (new_decode_state(), decode(), prefill(): see
@@ -289,18 +291,19 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     kp.resize(batch * n, e);
     vp.resize(batch * n, e);
     const kernels::KernelOptions threads = kernel_options();
-    kernels::linear<Scalar>(x.rows(), w_[1], bias ? bias + e : nullptr, kp, threads);
-    kernels::linear<Scalar>(x.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads);
+    detail::linear_cached<Scalar>(x.rows(), w_[1], bias ? bias + e : nullptr, kp, threads, packed_, 1, w_stamp_);
+    detail::linear_cached<Scalar>(x.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads, packed_, 2, w_stamp_);
     for (Index b = 0; b < batch; ++b) {
-      kernels::linear<Scalar>(x.rows().middleRows(b * n + n - outputs, outputs), w_[0], bias,
-                              qp.middleRows(b * outputs, outputs), threads);
+      detail::linear_cached<Scalar>(x.rows().middleRows(b * n + n - outputs, outputs), w_[0], bias,
+                                    qp.middleRows(b * outputs, outputs), threads, packed_, 0, w_stamp_);
     }
   }
 
   /// Bytes of temporary memory one forward_into() (or forward() without weights) holds at its peak,
   /// besides the output and Eigen's GEMM blocking buffers (portable builds; on the heap above 128 KiB, E ≥
   /// 256): the projected q, k, v and the heads' output, and the largest of what each step adds — a packed
-  /// projection weight (micro-kernel builds), the attention kernel's shared and per-worker scratch —
+  /// projection weight (micro-kernel builds; in bfloat16 the layer keeps its packed weights between calls,
+  /// not counted here), the attention kernel's shared and per-worker scratch —
   /// linear in the sequence lengths.
   std::size_t workspace_bytes(Index batch, Index lq, Index lk) const {
     const Index e = embed_dim();
@@ -308,9 +311,9 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     const bool ri = options_.rows_independent();
     const Compute c = options_.compute();
     const int t = options_.num_threads();
-    const std::size_t packed_weights = std::max({kernels::matmul_rows_workspace_bytes<Scalar>(batch * lq, e, e, ri, c, t),
-                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, kdim_, e, ri, c, t),
-                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, vdim_, e, ri, c, t),
+    const std::size_t packed_weights = std::max({kernels::matmul_rows_workspace_bytes<Scalar>(batch * lq, e, e, ri, c, t, true),
+                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, kdim_, e, ri, c, t, true),
+                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, vdim_, e, ri, c, t, true),
                                                  out_proj_.rows_workspace_bytes(batch * lq, ri)});
     std::size_t attention;
     if (options_.kernel() == AttnKernel::Naive) {
@@ -562,6 +565,8 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   RowMatrix<Scalar> w_[3];  ///< W_q [E, E], W_k [E, kdim], W_v [E, vdim]
   Vector<Scalar> b_;        ///< [b_q; b_k; b_v], empty without bias
   Linear<Scalar> out_proj_;
+  std::uint64_t w_stamp_ = detail::fresh_parameters_id();  ///< new whenever w_ may change (reset_parameters, load)
+  detail::Bf16WeightCache packed_;                         ///< Compute::BFloat16: W_q, W_k, W_v transposed, packed
 };
 
 }  // namespace c2f
