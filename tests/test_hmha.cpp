@@ -241,6 +241,48 @@ TEST(HmhaBf16, EveryLevelRoundsItsOperands) {
   }
 }
 
+// Conv1d (grouped) and C3K2Projection alone in bf16 against torch.autocast("cpu", bfloat16) and fp32 on the
+// same weights (tests/data/bf16), on both engines; thread-independent. The printed figures are
+// docs/bf16.md's.
+TEST(Conv1dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
+  for (const char* name : {"conv1d_k3_p1_g2_l50_bf16", "c3k2_d64_l50_bf16"}) {
+    const StateDict sd = c2f::load_safetensors(c2f_test::data_path(std::string("bf16/") + name + "_f32.safetensors"));
+    const Tensor3<float> x = c2f_test::tensor3<float>(sd, "x");
+    const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
+    c2f_test::on_each_bf16_engine([&](const char* engine) {
+      Tensor3<float> y, y1;
+      if (sd.metadata().at("module") == "conv1d") {
+        c2f::Conv1d<float> conv(meta_index(sd, "in_channels"), meta_index(sd, "out_channels"), meta_index(sd, "kernel_size"),
+                                c2f::Conv1d<float>::Options()
+                                    .padding(meta_index(sd, "padding"))
+                                    .groups(meta_index(sd, "groups"))
+                                    .num_threads(2)
+                                    .compute(c2f::Compute::BFloat16));
+        conv.load_state_dict(sd, "conv");
+        y = conv.forward(x);
+        conv.set_num_threads(1);
+        y1 = conv.forward(x);
+      } else {
+        c2f::C3K2Projection<float> proj(meta_index(sd, "dim"), meta_index(sd, "heads"),
+                                        c2f::C3K2Projection<float>::Options().num_threads(2).compute(c2f::Compute::BFloat16));
+        proj.load_state_dict(sd, "c3k2");
+        y = proj.forward(x);
+        proj.set_num_threads(1);
+        y1 = proj.forward(x);
+      }
+      ASSERT_EQ(static_cast<std::size_t>(y.size()), fp32.size()) << name;
+      EXPECT_TRUE(c2f_test::same_bits(y1, y)) << name << " " << engine;
+      const double vs_autocast = c2f_test::relative_error(y.data(), autocast), vs_fp32 = c2f_test::relative_error(y.data(), fp32);
+      std::printf("[bf16] %s, %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, vs torch fp32 %.2e "
+                  "(torch autocast vs fp32 %.2e)\n",
+                  name, engine, vs_autocast, vs_fp32, c2f_test::relative_error(autocast.data(), fp32));
+      EXPECT_LE(vs_autocast, 2e-2) << name << " " << engine;
+      EXPECT_LE(vs_fp32, 2e-2) << name << " " << engine;
+      EXPECT_GT(vs_fp32, 1e-5) << name << " " << engine << ": no rounding (fp32 products?)";
+    });
+  }
+}
+
 // HMHA in bf16 against torch.autocast("cpu", bfloat16) and fp32 on the same weights (tests/data/bf16),
 // not causal and causal, on both engines; thread-independent; training and double refused.
 TEST(HmhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {

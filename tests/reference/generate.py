@@ -603,6 +603,40 @@ def gen_bf16(family_dir: Path) -> List[dict]:
                 "autocast_dtype": str(out_bf16.dtype), "torch_version": torch_version(), "description": h.description}
         entries.append({"name": h.name, "files": {"f32": write_case(family_dir, h.name, "f32", tensors, meta)},
                         **{k: meta[k] for k in sorted(meta)}})
+    # The convolutions alone: a grouped torch.nn.Conv1d and the C3K2/HMHA article's C3K2Projection.
+    for conv in (ConvCase("conv1d_k3_p1_g2_l50_bf16", 1106, "Conv1d in 16, out 12, k = 3, padding 1, groups 2, "
+                          "L = 50, batch 2", "conv1d", 50, in_channels=16, out_channels=12, padding=1, groups=2),
+                 ConvCase("c3k2_d64_l50_bf16", 1107, "C3K2Projection dim 64, heads 4, L = 50, batch 2", "c3k2", 50,
+                          dim=64, heads=4)):
+        rs = stream(conv.seed, "weights")
+        if conv.module == "conv1d":
+            cin_g = conv.in_channels // conv.groups
+            params = {"weight": conv_uniform(rs, (conv.out_channels, cin_g, 3), cin_g * 3),
+                      "bias": bias_uniform(rs, conv.out_channels)}
+            mod = torch.nn.Conv1d(conv.in_channels, conv.out_channels, 3, padding=1, groups=conv.groups)
+            c_in, prefix = conv.in_channels, "conv."
+            meta = {"module": "conv1d", "in_channels": str(conv.in_channels), "out_channels": str(conv.out_channels),
+                    "kernel_size": "3", "padding": "1", "groups": str(conv.groups)}
+        else:
+            params = _c3k2_parameters(rs, conv.dim)
+            mod = hmha_ref.C3K2Projection(conv.dim, conv.heads, conv.causal)
+            c_in, prefix = conv.dim, "c3k2."
+            meta = {"module": "c3k2", "dim": str(conv.dim), "heads": str(conv.heads)}
+        _load_exactly(mod, params, np.float32, conv.name)
+        x = stream(conv.seed, "inputs").standard_normal(size=(conv.batch, conv.seq_len, c_in)).astype(np.float32)
+        run = (lambda t: hmha_ref.conv1d_blc(mod, t)) if conv.module == "conv1d" else mod
+        with torch.no_grad():
+            out = run(torch.from_numpy(x))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out_bf16 = run(torch.from_numpy(x))
+        if out_bf16.dtype != torch.bfloat16:
+            raise RuntimeError(f"{conv.name}: autocast gave {out_bf16.dtype}, not bfloat16")
+        tensors = {prefix + k: v.astype(np.float32) for k, v in params.items()}
+        tensors.update(x=x, output=to_numpy(out), output_autocast=to_numpy(out_bf16.float()))
+        meta.update(batch=str(conv.batch), seq_len=str(conv.seq_len), seed=str(conv.seed),
+                    autocast_dtype=str(out_bf16.dtype), torch_version=torch_version(), description=conv.description)
+        entries.append({"name": conv.name, "files": {"f32": write_case(family_dir, conv.name, "f32", tensors, meta)},
+                        **{k: meta[k] for k in sorted(meta)}})
     return entries
 
 
