@@ -503,6 +503,17 @@ BF16_CASES: List[MhaCase] = [
 ]
 
 
+def _fp32_and_autocast(name: str, run: Callable[[], torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """run() without gradients in fp32 and under torch.autocast("cpu", bfloat16), whose output must be bfloat16."""
+    with torch.no_grad():
+        out = run()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out_bf16 = run()
+    if out_bf16.dtype != torch.bfloat16:
+        raise RuntimeError(f"{name}: autocast gave {out_bf16.dtype}, not bfloat16")
+    return out, out_bf16
+
+
 @register_family(
     "bf16", computed=("output", "output_autocast"),
     description="torch.nn.MultiheadAttention in fp32 and under torch.autocast('cpu', dtype=torch.bfloat16)")
@@ -519,12 +530,7 @@ def gen_bf16(family_dir: Path) -> List[dict]:
         # Key and value copies: torch 1.13's fast path (same tensor thrice, eval) fails under autocast
         # ("expected scalar type BFloat16 but found Float"); the general path autocasts each product.
         k, v = q.clone(), q.clone()
-        with torch.no_grad():
-            out = mha(q, k, v, need_weights=False, attn_mask=mask)[0]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out_bf16 = mha(q, k, v, need_weights=False, attn_mask=mask)[0]
-        if out_bf16.dtype != torch.bfloat16:
-            raise RuntimeError(f"{c.name}: autocast gave {out_bf16.dtype}, not bfloat16")
+        out, out_bf16 = _fp32_and_autocast(c.name, lambda: mha(q, k, v, need_weights=False, attn_mask=mask)[0])
         tensors = {f"mha.{k}": to_numpy(t) for k, t in mha.state_dict().items()}
         tensors["query"] = inputs["query"].astype(np.float32)
         if attn_mask is not None:
@@ -544,10 +550,7 @@ def gen_bf16(family_dir: Path) -> List[dict]:
     mod.load_state_dict({k: torch.from_numpy(v.astype(np.float32)) for k, v in params.items()}, strict=True)
     mod.eval()
     x = torch.from_numpy(inputs["x"].astype(np.float32))
-    with torch.no_grad():
-        out = mod(x)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out_bf16 = mod(x)
+    out, out_bf16 = _fp32_and_autocast(c.name, lambda: mod(x))
     tensors = {f"c2f.{k}": to_numpy(t) for k, t in mod.state_dict().items()}
     tensors["x"] = inputs["x"].astype(np.float32)
     tensors["output"] = to_numpy(out)
@@ -565,12 +568,7 @@ def gen_bf16(family_dir: Path) -> List[dict]:
     mod = _c2f2d_module(g)
     _load_exactly(mod, params, np.float32, g.name)
     mod.eval()
-    with torch.no_grad():
-        out = mod(torch.from_numpy(x), g.height, g.width)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out_bf16 = mod(torch.from_numpy(x), g.height, g.width)
-    if out_bf16.dtype != torch.bfloat16:
-        raise RuntimeError(f"{g.name}: autocast gave {out_bf16.dtype}, not bfloat16")
+    out, out_bf16 = _fp32_and_autocast(g.name, lambda: mod(torch.from_numpy(x), g.height, g.width))
     tensors = {f"c2f2d.{k}": v.astype(np.float32) for k, v in params.items()}
     tensors.update(x=x, output=to_numpy(out), output_autocast=to_numpy(out_bf16.float()))
     (mh, mw), (gh, gw) = g.blocks, g.gmax
@@ -590,12 +588,7 @@ def gen_bf16(family_dir: Path) -> List[dict]:
         mod = hmha_ref.HMHA(h.dim, h.heads, window=h.window, levels=(1, 2, 3), causal=h.causal)
         _load_exactly(mod, params, np.float32, h.name)
         mod.eval()
-        with torch.no_grad():
-            out = mod(torch.from_numpy(x))
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out_bf16 = mod(torch.from_numpy(x))
-        if out_bf16.dtype != torch.bfloat16:
-            raise RuntimeError(f"{h.name}: autocast gave {out_bf16.dtype}, not bfloat16")
+        out, out_bf16 = _fp32_and_autocast(h.name, lambda: mod(torch.from_numpy(x)))
         tensors = {f"hmha.{k}": v.astype(np.float32) for k, v in params.items()}
         tensors.update(x=x, output=to_numpy(out), output_autocast=to_numpy(out_bf16.float()))
         meta = {"dim": str(h.dim), "heads": str(h.heads), "window": str(h.window), "causal": b(h.causal),
@@ -625,12 +618,7 @@ def gen_bf16(family_dir: Path) -> List[dict]:
         _load_exactly(mod, params, np.float32, conv.name)
         x = stream(conv.seed, "inputs").standard_normal(size=(conv.batch, conv.seq_len, c_in)).astype(np.float32)
         run = (lambda t: hmha_ref.conv1d_blc(mod, t)) if conv.module == "conv1d" else mod
-        with torch.no_grad():
-            out = run(torch.from_numpy(x))
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out_bf16 = run(torch.from_numpy(x))
-        if out_bf16.dtype != torch.bfloat16:
-            raise RuntimeError(f"{conv.name}: autocast gave {out_bf16.dtype}, not bfloat16")
+        out, out_bf16 = _fp32_and_autocast(conv.name, lambda: run(torch.from_numpy(x)))
         tensors = {prefix + k: v.astype(np.float32) for k, v in params.items()}
         tensors.update(x=x, output=to_numpy(out), output_autocast=to_numpy(out_bf16.float()))
         meta.update(batch=str(conv.batch), seq_len=str(conv.seq_len), seed=str(conv.seed),
