@@ -98,7 +98,7 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   /// Bytes of temporary memory forward_rows() (or, with `rows_independent`, forward_rows_independent())
   /// on `rows` rows holds: the packed weight on the micro-kernel path
   /// (kernels::matmul_rows_workspace_bytes), else 0. With Compute::BFloat16 the layer keeps the packed
-  /// weight from its first call on (not counted here; about half the weight's bytes).
+  /// weight from its first call on (not counted here; half the weight's bytes on the tile engine).
   std::size_t rows_workspace_bytes(Index rows, bool rows_independent = false) const {
     return kernels::matmul_rows_workspace_bytes<Scalar>(rows, in_features(), out_features(), rows_independent,
                                                         options_.compute(), options_.num_threads(), true);
