@@ -4,6 +4,7 @@
 
 #include "c2f/c2f.hpp"
 #include "c2f/io/masks.hpp"
+#include "support/bf16.hpp"
 #include "support/compare.hpp"
 #include "support/fixtures.hpp"
 #include "support/random.hpp"
@@ -414,13 +415,9 @@ TEST(C2fBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
       const Tensor3<float> y = m.forward(x);
       m.set_num_threads(1);
       EXPECT_TRUE(same_bits(m.forward(x), y)) << engine;
-      const double vs_autocast = c2f_test::relative_error(y.data(), autocast), vs_fp32 = c2f_test::relative_error(y.data(), fp32);
-      std::printf("[bf16] c2f_chunk8_l64 (%s path), %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, vs torch fp32 %.2e "
-                  "(torch autocast vs fp32 %.2e)\n",
-                  path == FinePath::Folded ? "folded" : "general", engine, vs_autocast, vs_fp32, c2f_test::relative_error(autocast.data(), fp32));
-      EXPECT_LE(vs_autocast, 2e-2) << engine;
-      EXPECT_LE(vs_fp32, 2e-2) << engine;
-      EXPECT_GT(vs_fp32, 1e-5) << engine << ": no rounding (fp32 products?)";
+      c2f_test::expect_bf16_accuracy(std::string("c2f_chunk8_l64 (") + (path == FinePath::Folded ? "folded" : "general") +
+                                         " path), " + engine,
+                                     y.data(), fp32, autocast);
     }
   }
   c2f::set_bf16_tiles(allowed);

@@ -4,6 +4,7 @@
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/c2f.hpp"
+#include "support/bf16.hpp"
 #include "support/compare.hpp"
 #include "support/fixtures.hpp"
 #include "support/random.hpp"
@@ -663,13 +664,7 @@ TEST(C2f2dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
     const Tensor3<float> y = m.forward(x, height, width);
     m.set_num_threads(1);
     EXPECT_TRUE(same_bits(m.forward(x, height, width), y)) << engine;
-    const double vs_autocast = c2f_test::relative_error(y.data(), autocast), vs_fp32 = c2f_test::relative_error(y.data(), fp32);
-    std::printf("[bf16] c2f2d_9x13_b4x4, %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, vs torch fp32 %.2e "
-                "(torch autocast vs fp32 %.2e)\n",
-                engine, vs_autocast, vs_fp32, c2f_test::relative_error(autocast.data(), fp32));
-    EXPECT_LE(vs_autocast, 2e-2) << engine;
-    EXPECT_LE(vs_fp32, 2e-2) << engine;
-    EXPECT_GT(vs_fp32, 1e-5) << engine << ": no rounding (fp32 products?)";
+    c2f_test::expect_bf16_accuracy(std::string("c2f2d_9x13_b4x4, ") + engine, y.data(), fp32, autocast);
   }
   c2f::set_bf16_tiles(allowed);
   const C2FAttention2D<float> bf16(8, 2, 2, 2, options_of<float>(true, 4, 4, 1).compute(c2f::Compute::BFloat16));

@@ -272,13 +272,7 @@ TEST(Conv1dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
       }
       ASSERT_EQ(static_cast<std::size_t>(y.size()), fp32.size()) << name;
       EXPECT_TRUE(c2f_test::same_bits(y1, y)) << name << " " << engine;
-      const double vs_autocast = c2f_test::relative_error(y.data(), autocast), vs_fp32 = c2f_test::relative_error(y.data(), fp32);
-      std::printf("[bf16] %s, %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, vs torch fp32 %.2e "
-                  "(torch autocast vs fp32 %.2e)\n",
-                  name, engine, vs_autocast, vs_fp32, c2f_test::relative_error(autocast.data(), fp32));
-      EXPECT_LE(vs_autocast, 2e-2) << name << " " << engine;
-      EXPECT_LE(vs_fp32, 2e-2) << name << " " << engine;
-      EXPECT_GT(vs_fp32, 1e-5) << name << " " << engine << ": no rounding (fp32 products?)";
+      c2f_test::expect_bf16_accuracy(std::string(name) + ", " + engine, y.data(), fp32, autocast);
     });
   }
 }
@@ -298,13 +292,7 @@ TEST(HmhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
       const Tensor3<float> y = m.forward(x);
       m.set_num_threads(1);
       EXPECT_TRUE(c2f_test::same_bits(m.forward(x), y)) << name << " " << engine;
-      const double vs_autocast = c2f_test::relative_error(y.data(), autocast), vs_fp32 = c2f_test::relative_error(y.data(), fp32);
-      std::printf("[bf16] HMHA %s, %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, vs torch fp32 %.2e "
-                  "(torch autocast vs fp32 %.2e)\n",
-                  name, engine, vs_autocast, vs_fp32, c2f_test::relative_error(autocast.data(), fp32));
-      EXPECT_LE(vs_autocast, 2e-2) << name << " " << engine;
-      EXPECT_LE(vs_fp32, 2e-2) << name << " " << engine;
-      EXPECT_GT(vs_fp32, 1e-5) << name << " " << engine << ": no rounding (fp32 products?)";
+      c2f_test::expect_bf16_accuracy(std::string("HMHA ") + name + ", " + engine, y.data(), fp32, autocast);
     });
   }
   TestRng rng(0xbf33);

@@ -4,6 +4,7 @@
 
 #include "c2f/c2f.hpp"
 #include "c2f/io/masks.hpp"
+#include "support/bf16.hpp"
 #include "support/compare.hpp"
 #include "support/fixtures.hpp"
 #include "support/mha_fixtures.hpp"
@@ -279,13 +280,7 @@ TEST(MhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
       mha.set_num_threads(1);
       const Tensor3<float> y1 = mha.forward(x);
       EXPECT_EQ(0, std::memcmp(y.data(), y1.data(), sizeof(float) * static_cast<std::size_t>(y.size()))) << name << " " << engine;
-      const double vs_autocast = relative_error(y.data(), autocast), vs_fp32 = relative_error(y.data(), fp32);
-      const double torch_gap = relative_error(autocast.data(), fp32);
-      std::printf("[bf16] %s, %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, vs torch fp32 %.2e (torch autocast vs fp32 %.2e)\n",
-                  name, engine, vs_autocast, vs_fp32, torch_gap);
-      EXPECT_LE(vs_autocast, 2e-2) << name << " " << engine;
-      EXPECT_LE(vs_fp32, 2e-2) << name << " " << engine;
-      EXPECT_GT(vs_fp32, 1e-5) << name << " " << engine << ": no rounding (fp32 products?)";
+      c2f_test::expect_bf16_accuracy(std::string(name) + ", " + engine, y.data(), fp32, autocast);
       outputs.push_back(y);
     }
     c2f::set_bf16_tiles(allowed);

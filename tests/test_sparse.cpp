@@ -4,6 +4,7 @@
 
 #include "c2f/c2f.hpp"
 #include "c2f/io/masks.hpp"
+#include "support/bf16.hpp"
 #include "support/compare.hpp"
 #include "support/fixtures.hpp"
 #include "support/random.hpp"
@@ -381,13 +382,9 @@ TEST(SparseBf16, CoveringTopKMatchesTorchAutocastWithinTheStatedBound) {
         const Tensor3<float> y = m.forward(x);
         m.set_num_threads(1);
         EXPECT_TRUE(c2f_test::same_bits(m.forward(x), y)) << name << " " << engine;
-        const double vs_autocast = c2f_test::relative_error(y.data(), autocast), vs_fp32 = c2f_test::relative_error(y.data(), fp32);
         const char* how = gating == c2f::Gating::PerToken ? "per token" : "per chunk";
-        std::printf("[bf16] SparseC2FAttention %s (%s, top_k covering), %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, "
-                    "vs torch fp32 %.2e\n", name, how, engine, vs_autocast, vs_fp32);
-        EXPECT_LE(vs_autocast, 2e-2) << name << " " << how << " " << engine;
-        EXPECT_LE(vs_fp32, 2e-2) << name << " " << how << " " << engine;
-        EXPECT_GT(vs_fp32, 1e-5) << name << " " << how << " " << engine << ": no rounding (fp32 products?)";
+        c2f_test::expect_bf16_accuracy(std::string("SparseC2FAttention ") + name + " (" + how + ", top_k covering), " + engine,
+                                       y.data(), fp32, autocast);
       }
     }
   }
