@@ -623,7 +623,7 @@ struct ThreadDependentLayer : Mha {
     out.array() += 1e-6f * static_cast<float>(c2f::detail::resolve_threads(options().num_threads(), 1 << 20));
   }
   Tensor3<float> forward(c2f::ConstTensor3Ref<float> x, const Masks<float>& m = {}) const {
-    return c2f::detail::fresh_output<float>("ThreadDependentLayer", output_shape(x), [&](Out out) { forward_into(x, out, m); });
+    return c2f::detail::fresh_output<float>("ThreadDependentLayer", output_shape(x), options().num_threads(), [&](Out out) { forward_into(x, out, m); });
   }
 };
 

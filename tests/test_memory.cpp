@@ -4,6 +4,7 @@
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/layers/c2f_attention.hpp"
+#include "c2f/layers/linear.hpp"
 #include "c2f/layers/multihead_attention.hpp"
 #include "support/random.hpp"
 #include "tools/malloc_counter.hpp"
@@ -11,8 +12,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <iostream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -210,6 +213,49 @@ TEST_F(MemoryTest, C2FFoldedPathHasNoTokenLevelKeyValueTensor) {
   const double ratio = double(peak[1]) / double(peak[0]);
   EXPECT_GT(ratio, 3.0);
   EXPECT_LT(ratio, 4.5);
+}
+
+// A fresh output of kHugePageMinBytes or more has its pages faulted in before the layer computes
+// (detail::fault_in_pages, docs/layers.md "Fresh memory"): one zero byte per 4 KiB page from the buffer's
+// start, on any number of threads, and nothing else written, inside or outside the buffer.
+TEST(FreshOutput, FaultInPagesWritesOneZeroPerPageAndNothingElse) {
+  constexpr std::size_t kPage = 4096, kGuard = 3 * kPage;
+  const std::size_t sizes[] = {c2f::detail::kHugePageMinBytes + (std::size_t(5) << 20) + 777,
+                               c2f::detail::kHugePageMinBytes, c2f::detail::kHugePageMinBytes - 1};
+  for (const std::size_t bytes : sizes) {
+    for (const int threads : {1, 2, 3}) {
+      std::vector<unsigned char> memory(bytes + 2 * kGuard, 0xAB);
+      const std::size_t offset = kGuard - 13;  // a start on no page boundary
+      c2f::detail::fault_in_pages(memory.data() + offset, bytes, threads);
+      std::size_t wrong = 0, zeros = 0;
+      for (std::size_t at = 0; at < memory.size(); ++at) {
+        const bool inside = at >= offset && at < offset + bytes;
+        const bool touched = inside && bytes >= c2f::detail::kHugePageMinBytes && (at - offset) % kPage == 0;
+        if (memory[at] != (touched ? 0 : 0xAB)) ++wrong;
+        if (memory[at] == 0) ++zeros;
+      }
+      EXPECT_EQ(wrong, 0u) << "bytes " << bytes << ", threads " << threads;
+      EXPECT_EQ(zeros, bytes >= c2f::detail::kHugePageMinBytes ? (bytes + kPage - 1) / kPage : 0u)
+          << "bytes " << bytes << ", threads " << threads;
+    }
+  }
+}
+
+// forward() on an output past that size (9 MB here) gives forward_into's bits on 1 and 2 threads.
+TEST(FreshOutput, LargeForwardHasForwardIntosBits) {
+  const Index rows = 1100, in = 4, out = 2048;
+  ASSERT_GE(static_cast<std::size_t>(rows * out) * sizeof(float), c2f::detail::kHugePageMinBytes);
+  c2f_test::TestRng rng(29);
+  const c2f::Tensor3<float> x = rng.tensor<float>(1, rows, in);
+  for (const int threads : {1, 2}) {
+    const c2f::Linear<float> lin(in, out, c2f::Linear<float>::Options().num_threads(threads));
+    const c2f::Tensor3<float> y = lin.forward(x);
+    c2f::RowMatrix<float> want(rows, out);
+    lin.forward_into(x, want);
+    ASSERT_EQ(y.dimension(2), out);
+    EXPECT_EQ(std::memcmp(y.data(), want.data(), sizeof(float) * static_cast<std::size_t>(want.size())), 0)
+        << "threads " << threads;
+  }
 }
 
 }  // namespace

@@ -209,7 +209,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                                   const Masks<Scalar>& masks = {}) const {
     return detail::named(type_name, [&] {
       detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
-      return detail::fresh_output<Scalar>(type_name, {x.batch(), x.seq(), d_}, [&](Eigen::Ref<RowMatrix<Scalar>> out) {
+      return detail::fresh_output<Scalar>(type_name, {x.batch(), x.seq(), d_}, options_.num_threads(), [&](Eigen::Ref<RowMatrix<Scalar>> out) {
         forward_chunked_into(x, chunk, coarse_context, out, masks);
       });
     });

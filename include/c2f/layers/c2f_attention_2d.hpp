@@ -141,7 +141,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     return detail::named(type_name, [&] {
       const kernels::BlockGrid2D grid = checked_grid(x, height, width);
       detail::check_mask_fields(masks, type_name, mask_fields);
-      return detail::fresh_output<Scalar>(type_name, {x.batch(), x.seq(), embed_dim()},
+      return detail::fresh_output<Scalar>(type_name, {x.batch(), x.seq(), embed_dim()}, options_.num_threads(),
                                           [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(x, grid, out); });
     });
   }

@@ -354,7 +354,7 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
         kernels::sparse_global_attention_add<Scalar, Cache>(qb, kb, vb, 1, total, shape_.num_heads, ob, true, scale, threads);
       }
     }
-    return detail::fresh_output<Scalar>(type_name, {batch, outputs, e},
+    return detail::fresh_output<Scalar>(type_name, {batch, outputs, e}, options_.num_threads(),
                                         [&](Eigen::Ref<RowMatrix<Scalar>> out) { out_proj_.forward_rows(o, out); });
   }
 

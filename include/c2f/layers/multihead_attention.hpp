@@ -180,7 +180,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
                           const Masks<Scalar>& masks = {}) const {
     return detail::named(type_name, [&] {
       check_inputs(query, key, value);
-      return detail::fresh_output<Scalar>(type_name, {query.batch(), query.seq(), embed_dim()},
+      return detail::fresh_output<Scalar>(type_name, {query.batch(), query.seq(), embed_dim()}, options_.num_threads(),
                                           [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(query, key, value, masks, out, nullptr); });
     });
   }
@@ -230,7 +230,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
                                       {query.batch(), num_heads(), query.seq(), key.seq()});
       AttnOutput<Scalar> result;
       WeightsRequest request{mode, &result.weights};
-      result.output = detail::fresh_output<Scalar>(type_name, {query.batch(), query.seq(), embed_dim()},
+      result.output = detail::fresh_output<Scalar>(type_name, {query.batch(), query.seq(), embed_dim()}, options_.num_threads(),
                                                    [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(query, key, value, masks, out, &request); });
       return result;
     });
@@ -502,7 +502,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
                                                         : &kernels::sdpa_streaming<Scalar, Cache>;
     attend(kernels::heads_view(std::as_const(q), batch, outputs, h), state.cache_.key_heads(h),
            state.cache_.value_heads(h), kernels::heads_view(attn, batch, outputs, h), mask, kernels::default_scale<Scalar>(head_dim()), kernel_options());
-    return detail::fresh_output<Scalar>(type_name, {batch, outputs, e},
+    return detail::fresh_output<Scalar>(type_name, {batch, outputs, e}, options_.num_threads(),
                                         [&](Eigen::Ref<RowMatrix<Scalar>> out) { out_proj_.forward_rows(attn, out); });
   }
 

@@ -150,7 +150,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
       const std::array<Index, 3> dims = this->output_shape(x);
       detail::check_mask_fields(masks, type_name, mask_fields);
       SparseAttnOutput<Scalar> result;
-      result.output = detail::fresh_output<Scalar>(type_name, dims, [&](Eigen::Ref<RowMatrix<Scalar>> out) {
+      result.output = detail::fresh_output<Scalar>(type_name, dims, options_.num_threads(), [&](Eigen::Ref<RowMatrix<Scalar>> out) {
         result.selection = run(x, out, masks);
       });
       return result;
@@ -320,7 +320,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
                                                      grid, heads, selection, attn.middleRows(b * outputs, outputs),
                                                      /*causal=*/true, MaskView<Scalar>(), scale, threads);
     }
-    return detail::fresh_output<Scalar>(type_name, {batch, outputs, e},
+    return detail::fresh_output<Scalar>(type_name, {batch, outputs, e}, options_.num_threads(),
                                         [&](Eigen::Ref<RowMatrix<Scalar>> out) { mha_.out_proj().forward_rows(attn, out); });
   }
 
