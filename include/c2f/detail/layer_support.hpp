@@ -149,11 +149,9 @@ std::array<Index, 3> check_call(const char* layer, const Masks<Scalar>& masks, M
 /// Faults in the pages of a fresh buffer of kHugePageMinBytes or more before a layer computes into it:
 /// one byte per 4 KiB page is written (the buffer holds no values yet: the layer then writes every
 /// element). Each of `threads` threads (KernelOptions::num_threads convention; resolve_threads) takes one
-/// contiguous run of whole 2 MiB pages in address order; 2 MiB runs dealt out in turn took 45 % longer.
-/// A layer's own writes fault the pages in the order of its tasks, which for a 2-D block grid hops
-/// between pages and lets both threads fault one huge page at once. Measured on C2FAttention2D, 1024²
-/// tokens, a 2 GiB output: forward 0.67–0.78 s with the faults taken during the computation, 0.53–0.55 s
-/// with them taken here first (docs/layers.md, "Fresh memory"). Smaller buffers are left alone.
+/// contiguous run of whole 2 MiB pages in address order, so that no two threads fault the same huge page
+/// and none hops between pages in the order of the layer's tasks (measured: docs/benchmarks.md, "Fresh
+/// outputs faulted in before the layer computes"). Smaller buffers are left alone.
 inline void fault_in_pages(void* data, std::size_t bytes, int threads) {
   if (data == nullptr || bytes < kHugePageMinBytes) return;
   constexpr std::size_t kPage = 4096;
