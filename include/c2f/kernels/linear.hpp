@@ -75,9 +75,10 @@ inline Bf16Split bf16_split(Index n, Index k, Index out, int workers) {
 }
 /// True when matmul_rows in bfloat16 packs its right-hand side for an [n, ·] left side (the products a
 /// layer can serve from its Bf16WeightCache); false for the few rows (a decode step) that read B in place
-/// where it is a weight's transpose (`b_in_place`: a row stride of 1).
-inline bool bf16_packs(Index n, const kernels::KernelOptions& options, bool b_in_place) {
-  return !(b_in_place && n < kBf16PackedMinRows && !honoured_rows_independent(options.rows_independent()));
+/// where it is a weight's transpose (`b_in_place`: a row stride of 1), unless `rows_independent`
+/// (KernelOptions) asks for the packed path on every row count. matmul_rows_workspace_bytes counts by it.
+inline bool bf16_packs(Index n, bool rows_independent, bool b_in_place) {
+  return !(b_in_place && n < kBf16PackedMinRows && !honoured_rows_independent(rows_independent));
 }
 
 /// matmul_rows's bfloat16 path on a right-hand side packed already: y = x · B (+ bias), every element one
@@ -141,7 +142,7 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
       if (n == 0) return;
       // Few rows (a decode step): B read in place where it is a weight's transpose, [out, in] row-major.
       if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) {
-        if (!detail::bf16_packs(n, options, rhs.rowStride() == 1)) {
+        if (!detail::bf16_packs(n, options.rows_independent(), rhs.rowStride() == 1)) {
           // Work: the multiply-adds and the rounding of every weight in registers (a few operations each).
           const double rounding = 4.0 * detail::kElementWork * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
           detail::row_col_tasks(n, out_cols, kBf16RowChunk, kPackedWideRows, kPackedColChunk, options, work + rounding,
@@ -198,7 +199,8 @@ std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out, bool rows_i
                                         Compute compute = Compute::Float32, int threads = 0, bool cached = false) {
   if (compute == Compute::BFloat16) {
     if (n == 0) return 0;
-    const bool few = n < detail::kBf16PackedMinRows && !detail::honoured_rows_independent(rows_independent);
+    // The few rows of a decode step read a weight's transpose in place: the case this formula assumes.
+    const bool few = !detail::bf16_packs(n, rows_independent, /*b_in_place=*/true);
     const bool tiles = !few && detail::bf16_tiles();
     const int workers = detail::resolve_threads(threads, n);
     const detail::Bf16Split split = detail::bf16_split(n, k, out, workers);
@@ -311,7 +313,7 @@ void matmul_rows_cached(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs&
   if constexpr (std::is_same<Scalar, float>::value) {
     bool in_place = false;
     if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) in_place = rhs.rowStride() == 1;
-    if (options.compute() == Compute::BFloat16 && x.rows() > 0 && bf16_packs(x.rows(), options, in_place) &&
+    if (options.compute() == Compute::BFloat16 && x.rows() > 0 && bf16_packs(x.rows(), options.rows_independent(), in_place) &&
         x.cols() == rhs.rows() && y.rows() == x.rows() && y.cols() == rhs.cols()) {
       const double work = 2.0 * static_cast<double>(x.rows()) * static_cast<double>(x.cols()) * static_cast<double>(rhs.cols());
       const std::shared_ptr<const Bf16PackedB> packed =
