@@ -15,9 +15,10 @@
 //   c2f2d         C2FAttention2D::forward (returns a freshly allocated output)
 //   c2f2d_into    C2FAttention2D::forward_into a caller buffer reused across calls (1024² only): the same
 //                 work without the first-touch page faults of a fresh 2 GiB output
-//   new_output    allocate a fresh [L, d] float tensor, prepare it as forward() does (huge pages advised,
-//                 pages faulted in on the threads: detail::fresh_output) and write each row once (1024²
-//                 only): what forward() pays for a new 2 GiB output before any attention
+//   new_output    allocate a fresh [L, d] float tensor, prepare it as forward() does
+//                 (detail::prepare_fresh: huge pages advised, pages faulted in on the threads) and write
+//                 each row once (1024² only): what forward() pays for a new 2 GiB output before any
+//                 attention
 //   mha           MultiHeadAttention on the same tokens (32², 64², 128²; beyond, the summary
 //                 extrapolates its fitted log-log slope)
 //
@@ -146,8 +147,7 @@ void BM_NewOutput(benchmark::State& state) {
   const int threads = bench_threads();
   for (auto _ : state) {
     c2f::Tensor3<float> y(1, tokens, kEmbed);
-    c2f::detail::prefer_huge_pages(y);  // as forward() prepares its output (detail::fresh_output)
-    c2f::detail::fault_in_pages(y.data(), sizeof(float) * static_cast<std::size_t>(y.size()), threads);
+    c2f::detail::prepare_fresh(y, threads);  // as forward() prepares its output (detail::fresh_output)
     Eigen::Map<c2f::RowMatrix<float>> rows(y.data(), tokens, kEmbed);
     c2f::detail::parallel_for((tokens + 4095) / 4096, threads, [&](Index task, int) {
       const Index begin = task * 4096;

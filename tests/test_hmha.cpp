@@ -251,6 +251,11 @@ TEST(Conv1dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
     const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
     c2f_test::on_each_bf16_engine([&](const char* engine) {
       Tensor3<float> y, y1;
+      const auto run = [&](auto& layer) {  // on 2 threads, then on 1
+        y = layer.forward(x);
+        layer.set_num_threads(1);
+        y1 = layer.forward(x);
+      };
       if (sd.metadata().at("module") == "conv1d") {
         c2f::Conv1d<float> conv(meta_index(sd, "in_channels"), meta_index(sd, "out_channels"), meta_index(sd, "kernel_size"),
                                 c2f::Conv1d<float>::Options()
@@ -259,16 +264,12 @@ TEST(Conv1dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
                                     .num_threads(2)
                                     .compute(c2f::Compute::BFloat16));
         conv.load_state_dict(sd, "conv");
-        y = conv.forward(x);
-        conv.set_num_threads(1);
-        y1 = conv.forward(x);
+        run(conv);
       } else {
         c2f::C3K2Projection<float> proj(meta_index(sd, "dim"), meta_index(sd, "heads"),
                                         c2f::C3K2Projection<float>::Options().num_threads(2).compute(c2f::Compute::BFloat16));
         proj.load_state_dict(sd, "c3k2");
-        y = proj.forward(x);
-        proj.set_num_threads(1);
-        y1 = proj.forward(x);
+        run(proj);
       }
       ASSERT_EQ(static_cast<std::size_t>(y.size()), fp32.size()) << name;
       EXPECT_TRUE(c2f_test::same_bits(y1, y)) << name << " " << engine;

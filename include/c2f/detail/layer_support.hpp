@@ -166,16 +166,23 @@ inline void fault_in_pages(void* data, std::size_t bytes, int threads) {
   });
 }
 
-/// A fresh [dims] output (huge pages advised and its pages faulted in on `threads` threads when large:
-/// fault_in_pages) filled by fill(rows of it); refused before it is allocated when it would exceed
-/// kMaxBufferBytes.
+/// Readies a freshly allocated Eigen matrix or tensor for a layer to compute into: huge pages advised
+/// (prefer_huge_pages), then its pages faulted in on `threads` threads (fault_in_pages); both only when
+/// it is large.
+template <class Buffer>
+void prepare_fresh(Buffer& buffer, int threads) {
+  prefer_huge_pages(buffer);
+  fault_in_pages(buffer.data(), sizeof(*buffer.data()) * static_cast<std::size_t>(buffer.size()), threads);
+}
+
+/// A fresh [dims] output (prepare_fresh on `threads` threads) filled by fill(rows of it); refused before
+/// it is allocated when it would exceed kMaxBufferBytes.
 template <class Scalar, class Fill>
 Tensor3<Scalar> fresh_output(const char* layer, const std::array<Index, 3>& dims, int threads, Fill&& fill) {
   check_buffer_of<Scalar>((std::string(layer) + ": an output " + shape_string({dims[0], dims[1], dims[2]})).c_str(),
                           {dims[0], dims[1], dims[2]});
   Tensor3<Scalar> y(dims[0], dims[1], dims[2]);
-  prefer_huge_pages(y);
-  fault_in_pages(y.data(), sizeof(Scalar) * static_cast<std::size_t>(y.size()), threads);
+  prepare_fresh(y, threads);
   fill(OutRows<Scalar>(Eigen::Map<RowMatrix<Scalar>>(y.data(), dims[0] * dims[1], dims[2])));
   return y;
 }
