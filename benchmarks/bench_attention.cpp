@@ -120,18 +120,15 @@ void run(benchmark::State& state, double flops, double bytes, Index length, Forw
   // The first call, untimed (counter first_call_ms): it allocates the scratch later calls reuse and
   // touches memory at a size no earlier entry touched (on a VM the host backs such pages then). Without
   // it an entry that Google Benchmark runs once (a call of ~0.5 s or more) timed a cold call alone.
-  const std::chrono::steady_clock::time_point first = std::chrono::steady_clock::now();
-  {
-    decltype(auto) y = forward();
-    benchmark::DoNotOptimize(y.data());
-    benchmark::ClobberMemory();
-  }
-  const double first_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - first).count();
-  for (auto _ : state) {
+  const auto call = [&] {
     decltype(auto) y = forward();  // a fresh tensor, or (forward_into) a reference to the reused one
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
-  }
+  };
+  const std::chrono::steady_clock::time_point first = std::chrono::steady_clock::now();
+  call();
+  const double first_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - first).count();
+  for (auto _ : state) call();
   c2f_memory::stop();
   state.counters["FLOP"] = flops;
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
