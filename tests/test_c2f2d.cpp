@@ -224,27 +224,6 @@ TYPED_TEST(BlockKernelTest, MeanBroadcastAndFoldedAttentionMatchTheNaiveTwins) {
   }
 }
 
-// The in-place small products of the folded kernel (detail/small_gemm.hpp) against Eigen's products:
-// every tile shape (rows mod 4, tokens mod 2, columns mod the packet), strided x, a prefetched next run.
-TYPED_TEST(BlockKernelTest, SmallProductsMatchEigenProducts) {
-  using Scalar = TypeParam;
-  TestRng rng(153);
-  for (int rep = 0; rep < 60; ++rep) {
-    const Index rows = rng.uniform_int(1, 11), n = rng.uniform_int(1, 40), d = rng.uniform_int(1, 70);
-    const Index ldx = d + rng.uniform_int(0, 5);
-    const RowMatrix<Scalar> q = rng.matrix<Scalar>(rows, d), p = rng.matrix<Scalar>(rows, n);
-    const RowMatrix<Scalar> xs = rng.matrix<Scalar>(2 * n, ldx);  // rows [0, n) are the run, [n, 2n) the next one
-    const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> x(xs.data(), n, d, Eigen::OuterStride<>(ldx));
-    RowMatrix<Scalar> s(rows, n), o(rows, d);
-    c2f::detail::dot_rows(q.data(), rows, d, xs.data(), ldx, n, s.data(), n, xs.data() + n * ldx, n);
-    c2f::detail::weighted_rows(p.data(), n, rows, n, xs.data(), ldx, d, o.data(), d);
-    const RowMatrix<Scalar> s_want = q * x.transpose(), o_want = p * x;
-    const std::string what = "rows " + std::to_string(rows) + ", n " + std::to_string(n) + ", d " + std::to_string(d);
-    expect_close(s.data(), s_want.data(), s.size(), loose_tol<Scalar>() * 10, loose_tol<Scalar>() * 10, what + " scores");
-    expect_close(o.data(), o_want.data(), o.size(), loose_tol<Scalar>() * 10, loose_tol<Scalar>() * 10, what + " pooled");
-  }
-}
-
 // The folded kernel in Compute::BFloat16 (docs/bf16.md) rounds qk, each run of tokens (once, into a copy)
 // and the probabilities, and sums in fp32. Its twin is the naive kernel on the rounded qk and x: they
 // differ by the rounding of the probabilities only, at most 2^-8 · max|x| per value (Σ p = 1). A head

@@ -2,7 +2,10 @@
 // bit identity, and the masking edge cases every attention kernel must get right.
 #include "support/eigen_assert_throws.hpp"
 
+#include "c2f/detail/small_gemm.hpp"
 #include "c2f/detail/softmax.hpp"
+#include "c2f/kernels/block2d.hpp"
+#include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/conv1d.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
@@ -266,6 +269,64 @@ TYPED_TEST(KernelTest, StreamingAndSplitKeysMatchNaiveOnRandomShapes) {
     ASSERT_TRUE(split.allFinite());
     expect_close(fast, naive, tolerance<Scalar>(), tolerance<Scalar>(), what.str());
     expect_close(split, naive, tolerance<Scalar>(), tolerance<Scalar>(), what.str() + " (split keys)");
+  }
+}
+
+// The in-place small products of the folded kernel (detail/small_gemm.hpp) against Eigen's products:
+// every tile shape (rows 1 to 19: the 8-row tiles of an AVX-512 build, the 4-row ones and what is left
+// after them; tokens mod 2; columns mod the packet), strided x, a prefetched next run.
+TYPED_TEST(KernelTest, SmallProductsMatchEigenProducts) {
+  using Scalar = TypeParam;
+  TestRng rng(153);
+  for (int rep = 0; rep < 80; ++rep) {
+    const Index rows = rng.uniform_int(1, 19), n = rng.uniform_int(1, 40), d = rng.uniform_int(1, 70);
+    const Index ldx = d + rng.uniform_int(0, 5);
+    const RowMatrix<Scalar> q = rng.matrix<Scalar>(rows, d), p = rng.matrix<Scalar>(rows, n);
+    const RowMatrix<Scalar> xs = rng.matrix<Scalar>(2 * n, ldx);  // rows [0, n) are the run, [n, 2n) the next one
+    const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> x(xs.data(), n, d, Eigen::OuterStride<>(ldx));
+    RowMatrix<Scalar> s(rows, n), o(rows, d);
+    c2f::detail::dot_rows(q.data(), rows, d, xs.data(), ldx, n, s.data(), n, xs.data() + n * ldx, n);
+    c2f::detail::weighted_rows(p.data(), n, rows, n, xs.data(), ldx, d, o.data(), d);
+    const RowMatrix<Scalar> s_want = q * x.transpose(), o_want = p * x;
+    const std::string what = "rows " + std::to_string(rows) + ", n " + std::to_string(n) + ", d " + std::to_string(d);
+    expect_close(s, s_want, tolerance<Scalar>() * 20, tolerance<Scalar>() * 20, what + " scores");
+    expect_close(o, o_want, tolerance<Scalar>() * 20, tolerance<Scalar>() * 20, what + " pooled");
+  }
+}
+
+// The folded fine-attention kernel (kernels/chunk.hpp) with the heads of real layers (1 to 19: the
+// 8-row register tiles and what is left after them) on grids of up to a few hundred blocks, so that a
+// task holds several consecutive blocks and reads the next one ahead, against its naive twin; 1, 2 and 3
+// threads give the same bits. Sequences are one image row of 1 × chunk blocks; some keys are masked.
+TYPED_TEST(KernelTest, FoldedAttentionWithManyHeadsAndBlocksMatchesItsTwin) {
+  using Scalar = TypeParam;
+  TestRng rng(161);
+  constexpr Scalar kMasked = -std::numeric_limits<Scalar>::infinity();
+  for (int rep = 0; rep < 12; ++rep) {
+    const Index chunk = rng.pick(std::vector<Index>{1, 7, 8, 9, 32}), heads = rng.uniform_int(1, 19);
+    const Index d = rng.pick(std::vector<Index>{1, 15, 16, 17, 64});
+    const c2f::kernels::BlockGrid2D g{rng.uniform_int(1, 2), 1, rng.uniform_int(1, 300), 1, chunk};
+    std::ostringstream what;
+    what << "rep " << rep << ": batch " << g.batch << ", length " << g.width << ", chunk " << chunk << ", heads " << heads
+         << ", d " << d << " (" << g.blocks() << " blocks)";
+    SCOPED_TRACE(what.str());
+    const RowMatrix<Scalar> x = rng.matrix<Scalar>(g.batch * g.width, d), qk = rng.matrix<Scalar>(g.blocks(), heads * d);
+    std::vector<Scalar> bias(static_cast<std::size_t>(g.blocks() * heads * chunk));
+    for (Scalar& b : bias) b = rng.coin(0.1) ? kMasked : Scalar(rng.normal());
+    const auto bias_fn = [&](Index c, Index h, Index j) { return bias[static_cast<std::size_t>((c * heads + h) * chunk + j)]; };
+    RowMatrix<Scalar> pooled[3], mass[3], pooled_naive(g.blocks(), heads * d), mass_naive(g.blocks(), heads);
+    for (int threads : {1, 2, 3}) {
+      pooled[threads - 1].resize(g.blocks(), heads * d);
+      mass[threads - 1].resize(g.blocks(), heads);
+      c2f::kernels::fine_attention_folded<Scalar>(x, g, qk, heads, pooled[threads - 1], mass[threads - 1], bias_fn,
+                                                  c2f::kernels::with_threads(threads));
+    }
+    c2f::kernels::fine_attention_folded_naive<Scalar>(x, g, qk, heads, pooled_naive, mass_naive, bias_fn);
+    EXPECT_TRUE(bitwise_equal(pooled[0], pooled[1]) && bitwise_equal(pooled[0], pooled[2]) && mass[0] == mass[1] &&
+                mass[0] == mass[2])
+        << "bits differ between 1, 2 and 3 threads";
+    EXPECT_TRUE(mass[0] == mass_naive);
+    expect_close(pooled[0], pooled_naive, tolerance<Scalar>() * 2, tolerance<Scalar>() * 2, "pooled");
   }
 }
 

@@ -6,8 +6,8 @@
 //   pooled   o [heads, d] = p x      (p [heads, n], the softmax weights)
 // Each x element takes part in only `heads` multiply-adds per product, so a general GEMM spends about
 // as long packing x as multiplying (measured: Eigen's packing was 43 % of the GEMM time at 8 heads and
-// d = 512). These kernels read x where it lies: register tiles of 4 query rows × 2 tokens (scores,
-// vectorised along d) and 4 query rows × 2 packets of columns (pooled), on Eigen's packet primitives,
+// d = 512). These kernels read x where it lies: register tiles of 8 (AVX-512) or 4 query rows × 2 tokens
+// (scores, vectorised along d) and of 8 or 4 query rows × 2 packets of columns (pooled), on Eigen's packet primitives,
 // so the same code is SSE, AVX, AVX-512 or NEON as the build selects. The summation order differs from
 // Eigen's GEMM; kernels::fine_attention_folded's tests compare with a naive twin. The tile loops are
 // unrolled (#pragma GCC unroll) so that the accumulator arrays live in registers: without it GCC kept
@@ -202,17 +202,47 @@ void with_rows_upto_4(Index rows, Fn&& fn) {
   }
 }
 
+/// Query rows per register tile of dot_rows and weighted_rows: 8 where the build has 32 vector registers
+/// (AVX-512: 8 × 2 accumulators and three operands), else 4 (AVX2's 16 registers hold 4 × 2 and three).
+/// With 8 heads, the 8-row tile reads a run of tokens once per product instead of twice.
+#if defined(EIGEN_VECTORIZE_AVX512)
+constexpr Index kFoldRows = 8;
+#else
+constexpr Index kFoldRows = 4;
+#endif
+
+/// fn(std::integral_constant<int, R>{}) for the tile of the rows left (rows ≥ 1): 8 while 8 are left
+/// (kFoldRows = 8), else with_rows_upto_4's. Returns R.
+template <class Fn>
+Index with_fold_rows(Index rows, Fn&& fn) {
+  if constexpr (kFoldRows == 8) {
+    if (rows >= 8) {
+      fn(std::integral_constant<int, 8>{});
+      return 8;
+    }
+  }
+  with_rows_upto_4(rows, fn);
+  return std::min<Index>(4, rows);
+}
+
+/// The number of tiles with_fold_rows walks over `rows` rows.
+inline Index fold_tiles(Index rows) {
+  const Index eights = kFoldRows == 8 ? rows / 8 : 0;
+  return eights + ceil_div(rows - 8 * eights, 4);
+}
+
 /// s [rows, n] (row stride lds) = q [rows, d] (contiguous rows) · xᵀ, x [n, d] with row stride ldx.
 /// `next` (next_n rows, stride ldx; may be null) is prefetched along the way: the run to come.
+/// The bits do not depend on the tile: every score sums over d in the same order.
 template <class Scalar>
 void dot_rows(const Scalar* q, Index rows, Index d, const Scalar* x, Index ldx, Index n, Scalar* s, Index lds,
               const Scalar* next = nullptr, Index next_n = 0) {
   using G = SmallGemm<Scalar>;
   if (next == nullptr) next_n = 0;
-  const Index groups = (rows + 3) / 4;
-  for (Index g = 0, h = 0; h < rows; ++g, h += 4) {  // group g prefetches its share of the next run
+  const Index groups = fold_tiles(rows);
+  for (Index g = 0, h = 0; h < rows; ++g) {  // tile g prefetches its share of the next run
     const Index b = next_n * g / groups, e = next_n * (g + 1) / groups;
-    with_rows_upto_4(rows - h, [&](auto r) {
+    h += with_fold_rows(rows - h, [&](auto r) {
       G::template dot_rows_mr<decltype(r)::value>(q + h * d, d, x, ldx, n, s + h * lds, lds, next, b, e);
     });
   }
@@ -223,8 +253,8 @@ template <class Scalar>
 void weighted_rows(const Scalar* p, Index ldp, Index rows, Index n, const Scalar* x, Index ldx, Index d, Scalar* o,
                    Index ldo) {
   using G = SmallGemm<Scalar>;
-  for (Index h = 0; h < rows; h += 4) {
-    with_rows_upto_4(rows - h, [&](auto r) {
+  for (Index h = 0; h < rows;) {
+    h += with_fold_rows(rows - h, [&](auto r) {
       G::template axpy_rows_mr<decltype(r)::value>(p + h * ldp, ldp, n, x, ldx, d, o + h * ldo, ldo);
     });
   }

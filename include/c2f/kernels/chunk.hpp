@@ -235,7 +235,15 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
     detail::weighted_rows<Scalar>(p, n, heads, n, xs, ldx, d, o, d);
   };
   const double work = static_cast<double>(grid.tokens() * heads) * (4.0 * static_cast<double>(d) + detail::kElementWork);
-  detail::parallel_for_each_worker<Workspace>(grid.blocks(), options.num_threads(), work, [&](Index c, Workspace& ws) {
+  // A task is a range of consecutive blocks, so that while one block is scored the next one's tokens can
+  // be asked for (`next` below): a worker claims tasks one at a time, and with one block per task the
+  // next block was usually another worker's. Every block is computed alone: the bits do not depend on
+  // the grouping or the thread count.
+  const Index blocks = grid.blocks();
+  const Index per_task = std::max<Index>(1, std::min<Index>(16, blocks / (4 * detail::resolve_threads(options.num_threads(), blocks))));
+  detail::parallel_for_each_worker<Workspace>(detail::ceil_div(blocks, per_task), options.num_threads(), work, [&](Index task, Workspace& ws) {
+  const Index c_end = std::min(blocks, (task + 1) * per_task);
+  for (Index c = task * per_task; c < c_end; ++c) {
     if (ws.max.size() != heads) {
       ws.max.resize(heads);
       ws.sum.resize(heads);
@@ -261,9 +269,11 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
         xd = ws.x16.data();
         ldx = d;
       }
-      const bool more = s + 1 < grid.segments(c);  // the next run, read ahead while this one is scored
-      scores(q, xd, ldx, n, ws.p.data(), more ? x.data() + grid.segment_row(c, s + 1) * x.outerStride() : nullptr,
-             more ? grid.segment_length(c, s + 1) : 0);  // p = q xsᵀ
+      // The next run — of this block, or the first of the task's next block — read ahead while this one is scored.
+      const bool more = s + 1 < grid.segments(c), next_block = !more && c + 1 < c_end;
+      const Index next_row = more ? grid.segment_row(c, s + 1) : next_block ? grid.segment_row(c + 1, 0) : 0;
+      const Index next_n = more ? grid.segment_length(c, s + 1) : next_block ? grid.segment_length(c + 1, 0) : 0;
+      scores(q, xd, ldx, n, ws.p.data(), more || next_block ? x.data() + next_row * x.outerStride() : nullptr, next_n);  // p = q xsᵀ
       for (Index h = 0; h < heads; ++h) {
         for (Index j = 0; j < n; ++j) ws.p(h, j) = detail::add_bias(ws.p(h, j), bias(c, h, j0 + j));
         const bool visible = detail::softmax_row(ws.p.row(h), &ws.run_max[h], &ws.run_sum[h]);
@@ -296,6 +306,7 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
         acc.row(h) = acc.row(h) * (a / ws.sum[h]) + ws.o.row(h) * (b / ws.sum[h]);
       }
     }
+  }
   });
 }
 
