@@ -240,73 +240,77 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
   // next block was usually another worker's. Every block is computed alone: the bits do not depend on
   // the grouping or the thread count.
   const Index blocks = grid.blocks();
-  const Index per_task = std::max<Index>(1, std::min<Index>(16, blocks / (4 * detail::resolve_threads(options.num_threads(), blocks))));
-  detail::parallel_for_each_worker<Workspace>(detail::ceil_div(blocks, per_task), options.num_threads(), work, [&](Index task, Workspace& ws) {
-  const Index c_end = std::min(blocks, (task + 1) * per_task);
-  for (Index c = task * per_task; c < c_end; ++c) {
-    if (ws.max.size() != heads) {
-      ws.max.resize(heads);
-      ws.sum.resize(heads);
-      ws.run_max.resize(heads);
-      ws.run_sum.resize(heads);
-    }
-    const Scalar* q = qk.row(c).data();
-    if (bf16) {
-      if (ws.q16.rows() != heads || ws.q16.cols() != d) ws.q16.resize(heads, d);
-      detail::round_bf16_rows<Scalar>(q, d, heads, d, ws.q16.data(), d);
-      q = ws.q16.data();
-    }
-    Eigen::Map<RowMatrix<Scalar>> acc(pooled.row(c).data(), heads, d);
-    for (Index s = 0, j0 = 0; s < grid.segments(c); ++s) {
-      const Index n = grid.segment_length(c, s);
-      const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstRowsBlockXpr xs = x.middleRows(grid.segment_row(c, s), n);
-      if (ws.p.rows() != heads || ws.p.cols() != n) ws.p.resize(heads, n);
-      const Scalar* xd = xs.data();
-      Index ldx = x.outerStride();
+  const Index workers = detail::resolve_threads(options.num_threads(), blocks);
+  const Index per_task = std::max<Index>(1, std::min<Index>(16, blocks / (4 * workers)));
+  const Index tasks = detail::ceil_div(blocks, per_task);
+  detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
+    const Index c_end = std::min(blocks, (task + 1) * per_task);
+    for (Index c = task * per_task; c < c_end; ++c) {
+      if (ws.max.size() != heads) {
+        ws.max.resize(heads);
+        ws.sum.resize(heads);
+        ws.run_max.resize(heads);
+        ws.run_sum.resize(heads);
+      }
+      const Scalar* q = qk.row(c).data();
       if (bf16) {
-        if (ws.x16.rows() != n || ws.x16.cols() != d) ws.x16.resize(n, d);
-        detail::round_bf16_rows<Scalar>(xs.data(), x.outerStride(), n, d, ws.x16.data(), d);
-        xd = ws.x16.data();
-        ldx = d;
+        if (ws.q16.rows() != heads || ws.q16.cols() != d) ws.q16.resize(heads, d);
+        detail::round_bf16_rows<Scalar>(q, d, heads, d, ws.q16.data(), d);
+        q = ws.q16.data();
       }
-      // The next run — of this block, or the first of the task's next block — read ahead while this one is scored.
-      const bool more = s + 1 < grid.segments(c), next_block = !more && c + 1 < c_end;
-      const Index next_row = more ? grid.segment_row(c, s + 1) : next_block ? grid.segment_row(c + 1, 0) : 0;
-      const Index next_n = more ? grid.segment_length(c, s + 1) : next_block ? grid.segment_length(c + 1, 0) : 0;
-      scores(q, xd, ldx, n, ws.p.data(), more || next_block ? x.data() + next_row * x.outerStride() : nullptr, next_n);  // p = q xsᵀ
-      for (Index h = 0; h < heads; ++h) {
-        for (Index j = 0; j < n; ++j) ws.p(h, j) = detail::add_bias(ws.p(h, j), bias(c, h, j0 + j));
-        const bool visible = detail::softmax_row(ws.p.row(h), &ws.run_max[h], &ws.run_sum[h]);
-        if (s == 0) mass(c, h) = visible ? Scalar(1) : Scalar(0);
-      }
-      j0 += n;
-      if (s == 0) {
-        pool(ws.p.data(), n, xd, ldx, acc.data());  // p xs
-        ws.max = ws.run_max;
-        ws.sum = ws.run_sum;
-        continue;
-      }
-      // Merge the run into the block: o_block = (L·e^(M−M')·o_block + l·e^(m−M')·o_run) / (L·e^(M−M') + l·e^(m−M')).
-      if (ws.o.rows() != heads || ws.o.cols() != d) ws.o.resize(heads, d);
-      pool(ws.p.data(), n, xd, ldx, ws.o.data());
-      for (Index h = 0; h < heads; ++h) {
-        const Scalar l = ws.run_sum[h], m = ws.run_max[h];
-        if (l == Scalar(0)) continue;  // every key of this run is masked for head h
-        if (ws.sum[h] == Scalar(0)) {  // the block's first run with a visible key
-          acc.row(h) = ws.o.row(h);
-          ws.max[h] = m;
-          ws.sum[h] = l;
-          mass(c, h) = Scalar(1);
+      Eigen::Map<RowMatrix<Scalar>> acc(pooled.row(c).data(), heads, d);
+      for (Index s = 0, j0 = 0; s < grid.segments(c); ++s) {
+        const Index n = grid.segment_length(c, s);
+        const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstRowsBlockXpr xs = x.middleRows(grid.segment_row(c, s), n);
+        if (ws.p.rows() != heads || ws.p.cols() != n) ws.p.resize(heads, n);
+        const Scalar* xd = xs.data();
+        Index ldx = x.outerStride();
+        if (bf16) {
+          if (ws.x16.rows() != n || ws.x16.cols() != d) ws.x16.resize(n, d);
+          detail::round_bf16_rows<Scalar>(xs.data(), x.outerStride(), n, d, ws.x16.data(), d);
+          xd = ws.x16.data();
+          ldx = d;
+        }
+        // The next run — of this block, or the first of the task's next block — read ahead while this
+        // one is scored.
+        const bool more = s + 1 < grid.segments(c), next_block = !more && c + 1 < c_end;
+        const Index next_row = more ? grid.segment_row(c, s + 1) : next_block ? grid.segment_row(c + 1, 0) : 0;
+        const Index next_n = more ? grid.segment_length(c, s + 1) : next_block ? grid.segment_length(c + 1, 0) : 0;
+        const Scalar* next = more || next_block ? x.data() + next_row * x.outerStride() : nullptr;
+        scores(q, xd, ldx, n, ws.p.data(), next, next_n);  // p = q xsᵀ
+        for (Index h = 0; h < heads; ++h) {
+          for (Index j = 0; j < n; ++j) ws.p(h, j) = detail::add_bias(ws.p(h, j), bias(c, h, j0 + j));
+          const bool visible = detail::softmax_row(ws.p.row(h), &ws.run_max[h], &ws.run_sum[h]);
+          if (s == 0) mass(c, h) = visible ? Scalar(1) : Scalar(0);
+        }
+        j0 += n;
+        if (s == 0) {
+          pool(ws.p.data(), n, xd, ldx, acc.data());  // p xs
+          ws.max = ws.run_max;
+          ws.sum = ws.run_sum;
           continue;
         }
-        const Scalar m_new = std::max(ws.max[h], m);
-        const Scalar a = ws.sum[h] * std::exp(ws.max[h] - m_new), b = l * std::exp(m - m_new);
-        ws.sum[h] = a + b;
-        ws.max[h] = m_new;
-        acc.row(h) = acc.row(h) * (a / ws.sum[h]) + ws.o.row(h) * (b / ws.sum[h]);
+        // Merge the run into the block: o_block = (L·e^(M−M')·o_block + l·e^(m−M')·o_run) / (L·e^(M−M') + l·e^(m−M')).
+        if (ws.o.rows() != heads || ws.o.cols() != d) ws.o.resize(heads, d);
+        pool(ws.p.data(), n, xd, ldx, ws.o.data());
+        for (Index h = 0; h < heads; ++h) {
+          const Scalar l = ws.run_sum[h], m = ws.run_max[h];
+          if (l == Scalar(0)) continue;  // every key of this run is masked for head h
+          if (ws.sum[h] == Scalar(0)) {  // the block's first run with a visible key
+            acc.row(h) = ws.o.row(h);
+            ws.max[h] = m;
+            ws.sum[h] = l;
+            mass(c, h) = Scalar(1);
+            continue;
+          }
+          const Scalar m_new = std::max(ws.max[h], m);
+          const Scalar a = ws.sum[h] * std::exp(ws.max[h] - m_new), b = l * std::exp(m - m_new);
+          ws.sum[h] = a + b;
+          ws.max[h] = m_new;
+          acc.row(h) = acc.row(h) * (a / ws.sum[h]) + ws.o.row(h) * (b / ws.sum[h]);
+        }
       }
     }
-  }
   });
 }
 
