@@ -273,11 +273,10 @@ void fine_attention_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const G
         }
         // The next run — of this block, or the first of the task's next block — read ahead while this
         // one is scored.
-        const bool more = s + 1 < grid.segments(c), next_block = !more && c + 1 < c_end;
-        const Index next_row = more ? grid.segment_row(c, s + 1) : next_block ? grid.segment_row(c + 1, 0) : 0;
-        const Index next_n = more ? grid.segment_length(c, s + 1) : next_block ? grid.segment_length(c + 1, 0) : 0;
-        const Scalar* next = more || next_block ? x.data() + next_row * x.outerStride() : nullptr;
-        scores(q, xd, ldx, n, ws.p.data(), next, next_n);  // p = q xsᵀ
+        const bool more = s + 1 < grid.segments(c), ahead = more || c + 1 < c_end;
+        const Index next_c = more ? c : c + 1, next_s = more ? s + 1 : 0;
+        const Scalar* next = ahead ? x.data() + grid.segment_row(next_c, next_s) * x.outerStride() : nullptr;
+        scores(q, xd, ldx, n, ws.p.data(), next, ahead ? grid.segment_length(next_c, next_s) : 0);  // p = q xsᵀ
         for (Index h = 0; h < heads; ++h) {
           for (Index j = 0; j < n; ++j) ws.p(h, j) = detail::add_bias(ws.p(h, j), bias(c, h, j0 + j));
           const bool visible = detail::softmax_row(ws.p.row(h), &ws.run_max[h], &ws.run_sum[h]);
