@@ -294,6 +294,81 @@ TYPED_TEST(KernelTest, SmallProductsMatchEigenProducts) {
   }
 }
 
+#if defined(EIGEN_VECTORIZE_AVX512DQ)
+// detail::predux_many (dot_rows' final sums on AVX-512) gives every packet the bits of Eigen's predux,
+// for 1 to 16 packets: a lane mapping or an addition order that differs fails here.
+TEST(SmallProducts, ManyLaneSumsHaveTheBitsOfOneAtATime) {
+  TestRng rng(171);
+  for (int rep = 0; rep < 50; ++rep) {
+    for (int count = 1; count <= 16; ++count) {
+      alignas(64) float values[16 * 16];
+      for (float& v : values) v = static_cast<float>(rng.normal() * std::pow(10.0, rng.uniform_int(-3, 3)));
+      __m512 packets[16];
+      for (int i = 0; i < count; ++i) packets[i] = _mm512_load_ps(values + 16 * i);
+      float sums[16];
+      c2f::detail::predux_many(packets, count, sums);
+      for (int i = 0; i < count; ++i) {
+        const float want = Eigen::internal::predux(packets[i]);
+        EXPECT_EQ(std::memcmp(&sums[i], &want, sizeof(float)), 0) << "packet " << i << " of " << count << ": " << sums[i] << " vs " << want;
+      }
+    }
+  }
+}
+#endif
+
+// chunk_mean adds every block's rows in token order, as its contract says: the bits of a row-by-row sum
+// divided by the count, for widths around its register strips (8 packets of columns) and what is left
+// after them, on chunk and 2-D grids; chunk_mean_where with a random selection, the same over its kept rows.
+TYPED_TEST(KernelTest, BlockMeansAddRowsInTokenOrder) {
+  using Scalar = TypeParam;
+  TestRng rng(173);
+  for (int rep = 0; rep < 24; ++rep) {
+    const Index d = rng.pick(std::vector<Index>{1, 7, 16, 17, 63, 64, 65, 127, 128, 129, 130, 300});
+    const bool two_d = rng.coin(0.5);
+    const c2f::kernels::BlockGrid2D g2{rng.uniform_int(1, 2), rng.uniform_int(1, 9), rng.uniform_int(1, 9), rng.uniform_int(1, 4),
+                                       rng.uniform_int(1, 4)};
+    const c2f::kernels::ChunkGrid g1{rng.uniform_int(1, 2), rng.uniform_int(1, 40), rng.pick(std::vector<Index>{1, 3, 8, 33})};
+    const Index tokens = two_d ? g2.tokens() : g1.tokens(), blocks = two_d ? g2.blocks() : g1.chunks();
+    const Index ldx = d + rng.uniform_int(0, 3);
+    const RowMatrix<Scalar> xs = rng.matrix<Scalar>(tokens, ldx);
+    const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> x(xs.data(), tokens, d, Eigen::OuterStride<>(ldx));
+    std::vector<char> keep(static_cast<std::size_t>(tokens * 4));
+    for (char& k : keep) k = rng.coin(0.7);
+    const auto kept = [&](Index c, Index j) { return keep[static_cast<std::size_t>(c * 16 + j) % keep.size()] != 0; };
+    RowMatrix<Scalar> mean(blocks, d), mean_where(blocks, d);
+    const auto run = [&](const auto& grid) {
+      c2f::kernels::chunk_mean<Scalar>(x, grid, mean, c2f::kernels::with_threads(2));
+      c2f::kernels::chunk_mean_where<Scalar>(x, grid, kept, mean_where, c2f::kernels::with_threads(2));
+      for (Index c = 0; c < blocks; ++c) {
+        RowMatrix<Scalar> sum = RowMatrix<Scalar>::Zero(1, d), sum_kept = RowMatrix<Scalar>::Zero(1, d);
+        Index n_kept = 0;
+        for (Index s = 0, j = 0; s < grid.segments(c); ++s) {
+          for (Index r = grid.segment_row(c, s); r < grid.segment_row(c, s) + grid.segment_length(c, s); ++r, ++j) {
+            for (Index k = 0; k < d; ++k) sum(0, k) += x(r, k);
+            if (!kept(c, j)) continue;
+            for (Index k = 0; k < d; ++k) sum_kept(0, k) += x(r, k);
+            ++n_kept;
+          }
+        }
+        const std::string what = "rep " + std::to_string(rep) + ", block " + std::to_string(c) + ", d " + std::to_string(d);
+        const RowMatrix<Scalar> want = sum / static_cast<Scalar>(grid.count(c)), got = mean.row(c);
+        EXPECT_TRUE(bitwise_equal(got, want)) << what;
+        if (n_kept > 0) {
+          const RowMatrix<Scalar> want_kept = sum_kept / static_cast<Scalar>(n_kept), got_kept = mean_where.row(c);
+          EXPECT_TRUE(bitwise_equal(got_kept, want_kept)) << what << " (kept tokens)";
+        } else {
+          EXPECT_TRUE(mean_where.row(c).array().isNaN().all()) << what << " (no kept token)";
+        }
+      }
+    };
+    if (two_d) {
+      run(g2);
+    } else {
+      run(g1);
+    }
+  }
+}
+
 // The folded fine-attention kernel (kernels/chunk.hpp) with the heads of real layers (1 to 19: the
 // 8-row register tiles and what is left after them) on grids of up to a few hundred blocks, so that a
 // task holds several consecutive blocks and reads the next one ahead, against its naive twin; 1, 2 and 3

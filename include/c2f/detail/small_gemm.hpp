@@ -58,6 +58,32 @@ inline Packet load_widened(const X* p) {
   }
 }
 
+#if defined(EIGEN_VECTORIZE_AVX512DQ)
+/// sums[i] = predux(v[i]) for the `count` ≤ 16 packets v: every sum with predux<Packet16f>'s additions in
+/// its order (halves, then quarters, then pairs: the same bits), the 16 reductions interleaved in one tree
+/// of 45 instructions instead of about 130 for one at a time.
+inline void predux_many(const __m512* v, int count, float* sums) {
+  __m512 w[8], u[4];
+  const auto at = [&](int i) { return i < count ? v[i] : _mm512_setzero_ps(); };
+  for (int m = 0; m < 8; ++m) {  // 128-bit lanes 0, 1: v[2m]'s L0 + L2, L1 + L3; lanes 2, 3: v[2m + 1]'s
+    const __m512 a = at(2 * m), b = at(2 * m + 1);
+    w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int n = 0; n < 4; ++n) {  // 128-bit lane t: v[4n + t]'s (L0 + L2) + (L1 + L3)
+    u[n] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * n], w[2 * n + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * n], w[2 * n + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  // y = a 128-bit lane of u: (y0 + y2, y1 + y3) of u[0] and u[1] interleaved, then of u[2] and u[3] …
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+  // … and their sums: element e of 128-bit lane t is predux(v[4e + t]).
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, r);
+  for (int i = 0; i < count; ++i) sums[i] = lanes[4 * (i % 4) + i / 4];
+}
+#endif
+
 template <class Scalar>
 struct SmallGemm {
   using Packet = typename GemmBlocking<Scalar>::Packet;
@@ -94,6 +120,16 @@ struct SmallGemm {
       }
     }
     if constexpr (NR > 1) {
+#if defined(EIGEN_VECTORIZE_AVX512DQ)
+      if constexpr (std::is_same<Scalar, float>::value && kP == 16 && MR * NR <= 16) {
+        float sums[MR * NR];
+        predux_many(&acc[0][0], MR * NR, sums);
+        for (int i = 0; i < MR; ++i) {
+          for (int j = 0; j < NR; ++j) s[i * lds + j] = add_rest(sums[i * NR + j], q + i * d, x + j * ldx, k, d);
+        }
+        return;
+      }
+#endif
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 8
@@ -107,7 +143,11 @@ struct SmallGemm {
   /// The sum of acc's lanes plus the products q[kk]·x[kk] of the columns kk in [k, d) left over.
   template <class X>
   static Scalar reduce(const Packet& acc, const Scalar* q, const X* x, Index k, Index d) {
-    Scalar v = Eigen::internal::predux(acc);
+    return add_rest(Eigen::internal::predux(acc), q, x, k, d);
+  }
+  /// v plus the products q[kk]·x[kk] of the columns kk in [k, d), in order.
+  template <class X>
+  static Scalar add_rest(Scalar v, const Scalar* q, const X* x, Index k, Index d) {
     for (Index kk = k; kk < d; ++kk) v += q[kk] * static_cast<Scalar>(x[kk]);
     return v;
   }
