@@ -105,7 +105,14 @@ void chunk_mean_of(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>>
         }
         for (int i = 0; i < kStrip; ++i) Eigen::internal::pstoreu(sums + k0 + i * kP, acc[i]);
       }
-      for (; k0 < d; ++k0) {  // the columns past the last whole strip
+      for (; k0 + kP <= d; k0 += kP) {  // the whole packets past the last strip
+        Packet acc = Eigen::internal::ploadu<Packet>(sums + k0);
+        for (Index t = 0; t < n; ++t) {
+          if (keep(c, j + t)) acc = Eigen::internal::padd(acc, Eigen::internal::ploadu<Packet>(run + t * ldx + k0));
+        }
+        Eigen::internal::pstoreu(sums + k0, acc);
+      }
+      for (; k0 < d; ++k0) {  // the columns past the last whole packet
         Scalar v = sums[k0];
         for (Index t = 0; t < n; ++t) {
           if (keep(c, j + t)) v += run[t * ldx + k0];
