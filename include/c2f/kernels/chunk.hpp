@@ -69,6 +69,20 @@ struct QueryChunks {
 
 }  // namespace kernels
 namespace detail {
+/// sums[0, W·P) += run[t·ldx + ·] for the rows t < n that kept(t) accepts, in order, W Packets (of P
+/// values) held in registers; Packet = Scalar is one column.
+template <int W, class Packet, class Scalar, class Kept>
+void add_rows_down(Scalar* sums, const Scalar* run, Index ldx, Index n, const Kept& kept) {
+  constexpr Index kP = Eigen::internal::unpacket_traits<Packet>::size;
+  Packet acc[W];
+  for (int i = 0; i < W; ++i) acc[i] = Eigen::internal::ploadu<Packet>(sums + i * kP);
+  for (Index t = 0; t < n; ++t) {
+    if (!kept(t)) continue;
+    for (int i = 0; i < W; ++i) acc[i] = Eigen::internal::padd(acc[i], Eigen::internal::ploadu<Packet>(run + t * ldx + i * kP));
+  }
+  for (int i = 0; i < W; ++i) Eigen::internal::pstoreu(sums + i * kP, acc[i]);
+}
+
 /// chunk_mean and chunk_mean_where: the mean of the tokens `keep(c, j)` accepts, NaN where none;
 /// chunk_sum (Mean false): their sum.
 template <class Scalar, class Grid, class Keep, bool Mean = true>
@@ -92,33 +106,13 @@ void chunk_mean_of(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>>
       const Scalar* const run = x.data() + r0 * ldx;
       // Every column adds the run's kept rows in token order (the bits of adding row after row), a strip
       // of kStrip packets of columns at a time in registers: the sums are not reloaded and stored for
-      // every row (measured: docs/benchmarks.md, "Block means in register strips").
+      // every row (measured: docs/benchmarks.md, "Block means in register strips"). Then the whole
+      // packets left, then the columns left.
+      const auto kept_row = [&](Index t) { return keep(c, j + t); };
       Index k0 = 0;
-      for (; k0 + kStrip * kP <= d; k0 += kStrip * kP) {
-        Packet acc[kStrip];
-        for (int i = 0; i < kStrip; ++i) acc[i] = Eigen::internal::ploadu<Packet>(sums + k0 + i * kP);
-        for (Index t = 0; t < n; ++t) {
-          if (!keep(c, j + t)) continue;
-          for (int i = 0; i < kStrip; ++i) {
-            acc[i] = Eigen::internal::padd(acc[i], Eigen::internal::ploadu<Packet>(run + t * ldx + k0 + i * kP));
-          }
-        }
-        for (int i = 0; i < kStrip; ++i) Eigen::internal::pstoreu(sums + k0 + i * kP, acc[i]);
-      }
-      for (; k0 + kP <= d; k0 += kP) {  // the whole packets past the last strip
-        Packet acc = Eigen::internal::ploadu<Packet>(sums + k0);
-        for (Index t = 0; t < n; ++t) {
-          if (keep(c, j + t)) acc = Eigen::internal::padd(acc, Eigen::internal::ploadu<Packet>(run + t * ldx + k0));
-        }
-        Eigen::internal::pstoreu(sums + k0, acc);
-      }
-      for (; k0 < d; ++k0) {  // the columns past the last whole packet
-        Scalar v = sums[k0];
-        for (Index t = 0; t < n; ++t) {
-          if (keep(c, j + t)) v += run[t * ldx + k0];
-        }
-        sums[k0] = v;
-      }
+      for (; k0 + kStrip * kP <= d; k0 += kStrip * kP) add_rows_down<kStrip, Packet>(sums + k0, run + k0, ldx, n, kept_row);
+      for (; k0 + kP <= d; k0 += kP) add_rows_down<1, Packet>(sums + k0, run + k0, ldx, n, kept_row);
+      for (; k0 < d; ++k0) add_rows_down<1, Scalar>(sums + k0, run + k0, ldx, n, kept_row);
       for (Index t = 0; t < n; ++t, ++j) kept += keep(c, j) ? 1 : 0;
     }
     if constexpr (Mean) {
