@@ -254,8 +254,8 @@ TYPED_TEST_P(LayerContract, StateDictRoundTrip) {
   EXPECT_TRUE(same_bits(TypeParam::forward(c, x, {}), TypeParam::forward(a, x, {}))) << TypeParam::name;
 }
 
-// A layer in bfloat16 keeps its weights packed between calls (detail::Bf16WeightCache): parameters loaded
-// or reset after a forward must give their own bits, the bits of a layer made with them.
+// A layer keeps its weights packed between calls (detail::WeightCache; fp32 and bfloat16): parameters
+// loaded or reset after a forward must give their own bits, the bits of a layer made with them.
 TYPED_TEST_P(LayerContract, ParametersChangedAfterAForwardAreUsed) {
   using S = typename TestFixture::ScalarType;
   TestRng rng(1005);
@@ -558,36 +558,60 @@ REGISTER_TYPED_TEST_SUITE_P(LayerContract, OutputBitsDoNotDependOnThreadCount, F
 using c2f_test::EntryNames;
 INSTANTIATE_TYPED_TEST_SUITE_P(Layers, LayerContract, c2f_test::AllLayers, EntryNames);
 
-// Linear hands out its weight to change (weight()): a change after a bfloat16 forward must reach the
-// next one, through the packing the layer keeps, and so must a switch of the bfloat16 engine.
-TEST(Bf16WeightCache, LinearSeesAChangedWeightAndAnotherEngine) {
-  TestRng rng(1011);
-  c2f::Linear<float> lin(48, 40, c2f::Linear<float>::Options().compute(c2f::Compute::BFloat16).num_threads(2));
-  const RowMatrix<float> x = rng.matrix<float>(70, 48);
-  RowMatrix<float> y(70, 40), want(70, 40);
-  const auto fresh_output = [&](const c2f::Linear<float>& like) {
-    c2f::Linear<float> other(48, 40, c2f::Linear<float>::Options().compute(c2f::Compute::BFloat16).num_threads(2));
-    other.load_state_dict(like.state_dict());
-    other.forward_rows(x, want);
-    return want;
-  };
-  const auto equal = [](const RowMatrix<float>& a, const RowMatrix<float>& b) { return same_bits(a.data(), b.data(), a.size()); };
-  lin.forward_rows(x, y);
-  const RowMatrix<float> first = y;
-  lin.weight()(3, 5) += 4.0f;  // row 3 of the weight is output column 3
-  lin.forward_rows(x, y);
-  EXPECT_FALSE(equal(y.col(3), first.col(3))) << "the changed weight is not used";
-  EXPECT_TRUE(equal(y, fresh_output(lin)));
-  lin.weight() = rng.matrix<float>(40, 48);
-  lin.forward_rows(x, y);
-  EXPECT_TRUE(equal(y, fresh_output(lin)));
-  const bool allowed = c2f::get_bf16_tiles();
-  for (bool tiles : {!allowed, allowed}) {  // the packing of the engine in use
-    c2f::set_bf16_tiles(tiles);
-    lin.forward_rows(x, y);
-    EXPECT_TRUE(equal(y, fresh_output(lin))) << "tiles allowed: " << tiles;
+// Linear hands out its weight to change (weight()): a change after a forward must reach the next one,
+// through the packing the layer keeps (fp32 micro-kernel or bfloat16), and so must a switch of the
+// bfloat16 engine. The rows-independent products pack on every build (a portable build's fp32 forward_rows
+// runs Eigen's product, which packs nothing to keep).
+TEST(WeightCache, LinearSeesAChangedWeightAndAnotherEngine) {
+  for (const c2f::Compute compute : {c2f::Compute::Float32, c2f::Compute::BFloat16}) {
+    SCOPED_TRACE(compute == c2f::Compute::Float32 ? "fp32" : "bf16");
+    TestRng rng(1011);
+    const c2f::Linear<float>::Options options = c2f::Linear<float>::Options().compute(compute).num_threads(2);
+    c2f::Linear<float> lin(48, 40, options);
+    const RowMatrix<float> x = rng.matrix<float>(70, 48);
+    RowMatrix<float> y(70, 40), want(70, 40);
+    const auto fresh_output = [&](const c2f::Linear<float>& like) {
+      c2f::Linear<float> other(48, 40, options);
+      other.load_state_dict(like.state_dict());
+      other.forward_rows_independent(x, want);
+      return want;
+    };
+    const auto equal = [](const RowMatrix<float>& a, const RowMatrix<float>& b) { return same_bits(a.data(), b.data(), a.size()); };
+    lin.forward_rows_independent(x, y);
+    const RowMatrix<float> first = y;
+    lin.weight()(3, 5) += 4.0f;  // row 3 of the weight is output column 3
+    lin.forward_rows_independent(x, y);
+    EXPECT_FALSE(equal(y.col(3), first.col(3))) << "the changed weight is not used";
+    EXPECT_TRUE(equal(y, fresh_output(lin)));
+    lin.weight() = rng.matrix<float>(40, 48);
+    lin.forward_rows_independent(x, y);
+    EXPECT_TRUE(equal(y, fresh_output(lin)));
+    const bool allowed = c2f::get_bf16_tiles();
+    for (bool tiles : {!allowed, allowed}) {  // the packing of the engine in use
+      c2f::set_bf16_tiles(tiles);
+      lin.forward_rows_independent(x, y);
+      EXPECT_TRUE(equal(y, fresh_output(lin))) << "tiles allowed: " << tiles;
+    }
+    c2f::set_bf16_tiles(allowed);
   }
-  c2f::set_bf16_tiles(allowed);
+}
+
+// MultiHeadAttention's in-projection packings, fp32 on every build (rows_independent: the packed path):
+// weights loaded or reset after a forward give their own bits.
+TEST(WeightCache, MultiHeadAttentionUsesWeightsLoadedAfterAForward) {
+  TestRng rng(1012);
+  const auto options = c2f::MultiHeadAttention<float>::Options().rows_independent(true).num_threads(2);
+  const c2f::MultiHeadAttention<float> a(32, 4, c2f::MultiHeadAttention<float>::Options(options).seed(1));
+  c2f::MultiHeadAttention<float> b(32, 4, c2f::MultiHeadAttention<float>::Options(options).seed(2));
+  const Tensor3<float> x = rng.tensor<float>(2, 35, 32);
+  const Tensor3<float> want = a.forward(x);
+  ASSERT_FALSE(same_bits(b.forward(x), want));
+  b.load_state_dict(a.state_dict());
+  EXPECT_TRUE(same_bits(b.forward(x), want)) << "load_state_dict after a forward";
+  c2f::MultiHeadAttention<float> fresh(32, 4, options);
+  fresh.reset_parameters(77);
+  b.reset_parameters(77);
+  EXPECT_TRUE(same_bits(b.forward(x), fresh.forward(x))) << "reset_parameters after a forward";
 }
 
 // Different modules and thread counts at the same time, with the default small-work threshold.

@@ -294,54 +294,6 @@ class Bf16PackedB {
   PackedB<float> fallback_;
 };
 
-/// A layer's bfloat16 packings of its weights, kept between calls: slot i holds the packing of one weight
-/// operand, made by the first product that needs it and reused while the `stamp` the layer passes (a
-/// number that changes whenever the weight may have: Linear::weight_stamp()) and the engine
-/// (set_bf16_tiles) stay the same. Packing a [512, 512] weight costs as long as the product of 128 rows
-/// with it (docs/benchmarks.md). Thread-safe — the const forwards of several threads share it — and a
-/// copy starts empty (the copy packs its own).
-class Bf16WeightCache {
- public:
-  Bf16WeightCache() = default;
-  Bf16WeightCache(const Bf16WeightCache&) noexcept {}
-  Bf16WeightCache& operator=(const Bf16WeightCache&) noexcept {
-    clear();
-    return *this;
-  }
-  ~Bf16WeightCache() = default;
-
-  /// Slot `slot`'s packing for `stamp` on the current engine; `make(Bf16PackedB&)` packs it when the
-  /// slot is empty or stale. The packing stays alive while the returned pointer does.
-  template <class Make>
-  std::shared_ptr<const Bf16PackedB> get(std::size_t slot, std::uint64_t stamp, Make&& make) const {
-    const bool tiles = bf16_tiles();
-    const std::lock_guard<std::mutex> lock(mutex_);
-    if (slots_.size() <= slot) slots_.resize(slot + 1);
-    Slot& s = slots_[slot];
-    if (s.packed == nullptr || s.stamp != stamp || s.packed->tiles() != tiles) {
-      s.packed.reset();  // the stale packing's memory back first
-      std::shared_ptr<Bf16PackedB> fresh = std::make_shared<Bf16PackedB>();
-      make(*fresh);
-      s.packed = std::move(fresh);
-      s.stamp = stamp;
-    }
-    return s.packed;
-  }
-  /// Drops every packing.
-  void clear() noexcept {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    slots_.clear();
-  }
-
- private:
-  struct Slot {
-    std::shared_ptr<const Bf16PackedB> packed;
-    std::uint64_t stamp = 0;
-  };
-  mutable std::mutex mutex_;
-  mutable std::vector<Slot> slots_;
-};
-
 #if C2F_AMX_POSSIBLE
 /// The tile registers' layout (palette 1): eight tiles of 16 rows × 64 bytes.
 struct alignas(64) TileConfig {

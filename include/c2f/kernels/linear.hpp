@@ -7,6 +7,7 @@
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
+#include "c2f/detail/weight_cache.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 
 #include <algorithm>
@@ -74,11 +75,25 @@ inline Bf16Split bf16_split(Index n, Index k, Index out, int workers) {
   return {row_chunk, col_width, (n + row_chunk - 1) / row_chunk, std::max<Index>(1, (out + col_width - 1) / col_width)};
 }
 /// True when matmul_rows in bfloat16 packs its right-hand side for an [n, ·] left side (the products a
-/// layer can serve from its Bf16WeightCache); false for the few rows (a decode step) that read B in place
+/// layer can serve from its WeightCache); false for the few rows (a decode step) that read B in place
 /// where it is a weight's transpose (`b_in_place`: a row stride of 1), unless `rows_independent`
 /// (KernelOptions) asks for the packed path on every row count. matmul_rows_workspace_bytes counts by it.
 inline bool bf16_packs(Index n, bool rows_independent, bool b_in_place) {
   return !(b_in_place && n < kBf16PackedMinRows && !honoured_rows_independent(rows_independent));
+}
+
+/// matmul_rows's micro-kernel path on a right-hand side packed already: y = x · B (+ bias), the tasks of
+/// row_col_tasks (every element the same sum whatever task computes it).
+template <class Scalar>
+void matmul_rows_packed(const Eigen::Ref<const RowMatrix<Scalar>>& x, const PackedB<Scalar>& packed, const Scalar* bias,
+                        Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options) {
+  const Index n = x.rows(), out_cols = packed.cols();
+  const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
+  row_col_tasks(n, out_cols, kernels::kPackedRowChunk, kernels::kPackedWideRows, kernels::kPackedColChunk, options, work,
+                [&](Index r0, Index rows, Index c0, Index cols) {
+                  packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
+                                      bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0, y.outerStride());
+                });
 }
 
 /// matmul_rows's bfloat16 path on a right-hand side packed already: y = x · B (+ bias), every element one
@@ -166,11 +181,7 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
   if (detail::packed_gemm_for(n, options.rows_independent())) {
     detail::PackedB<Scalar> packed;
     packed.pack(rhs, options.num_threads(), work);
-    detail::row_col_tasks(n, out_cols, kPackedRowChunk, kPackedWideRows, kPackedColChunk, options, work, [&](Index r0, Index rows, Index c0, Index cols) {
-      detail::packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
-                                  bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0,
-                                  y.outerStride());
-    });
+    detail::matmul_rows_packed(x, packed, bias, y, options);
     return;
   }
   detail::row_col_tasks(n, out_cols, kLinearRowChunk, kLinearWideRows, kLinearColChunk, options, work, [&](Index r0, Index rows, Index c0, Index cols) {
@@ -192,8 +203,8 @@ void matmul_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, c
 /// Compute::BFloat16: the bfloat16 packing of the engine in use (none below kBf16PackedMinRows rows of a
 /// weight's transpose without rows_independent), and the rounded rows of A: of one task per worker of
 /// `threads` (KernelOptions::num_threads), or all of them when they are shared by more than four
-/// column tasks (detail::bf16_split). `cached`: the bfloat16 packing comes from a layer's
-/// Bf16WeightCache (detail::matmul_rows_cached), which keeps it between calls — not counted.
+/// column tasks (detail::bf16_split). `cached`: the packing (fp32 or bfloat16) comes from a layer's
+/// WeightCache (detail::matmul_rows_cached), which keeps it between calls — not counted.
 template <class Scalar>
 std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out, bool rows_independent = false,
                                         Compute compute = Compute::Float32, int threads = 0, bool cached = false) {
@@ -213,7 +224,7 @@ std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out, bool rows_i
                              detail::Bf16A::bytes(std::min(n, few ? kBf16RowChunk : split.row_chunk), k, tiles);
     return few || cached ? rows : rows + detail::Bf16PackedB::bytes(k, out, tiles);
   }
-  return detail::packed_gemm_for(n, rows_independent) ? detail::PackedB<Scalar>::bytes(k, out) : 0;
+  return detail::packed_gemm_for(n, rows_independent) && !cached ? detail::PackedB<Scalar>::bytes(k, out) : 0;
 }
 
 /// y = x · wᵀ + bias (overwritten) for x [n, in], w [out, in] (PyTorch's Linear.weight layout), bias
@@ -302,25 +313,33 @@ void linear_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref
 }  // namespace kernels
 namespace detail {
 
-/// kernels::matmul_rows for a layer that keeps its weights' bfloat16 packings (Bf16WeightCache): in
-/// Compute::BFloat16, wherever matmul_rows would pack `rhs`, slot `slot` of `cache` serves it — packed
-/// from `rhs` on the first call and whenever `stamp` changes — with the same bits. Otherwise (fp32, few
-/// rows of a weight's transpose) matmul_rows itself.
+/// kernels::matmul_rows for a layer that keeps its weights' packings (WeightCache): wherever matmul_rows
+/// would pack `rhs` — on the micro-kernel path in fp32, or for the engine in Compute::BFloat16 — slot
+/// `slot` of `cache` serves it, packed from `rhs` on the first call and whenever `stamp` changes, with
+/// the same bits. Otherwise (few rows, Eigen's product) matmul_rows itself.
 template <class Scalar, class Rhs>
 void matmul_rows_cached(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs& rhs, const Scalar* bias,
-                        Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options, const Bf16WeightCache& cache,
+                        Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options, const WeightCache<Scalar>& cache,
                         std::size_t slot, std::uint64_t stamp) {
-  if constexpr (std::is_same<Scalar, float>::value) {
-    bool in_place = false;
-    if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) in_place = rhs.rowStride() == 1;
-    if (options.compute() == Compute::BFloat16 && x.rows() > 0 && bf16_packs(x.rows(), options.rows_independent(), in_place) &&
-        x.cols() == rhs.rows() && y.rows() == x.rows() && y.cols() == rhs.cols()) {
-      const double work = 2.0 * static_cast<double>(x.rows()) * static_cast<double>(x.cols()) * static_cast<double>(rhs.cols());
-      const std::shared_ptr<const Bf16PackedB> packed =
-          cache.get(slot, stamp, [&](Bf16PackedB& b) { b.pack(rhs, options.num_threads(), true, work); });
-      matmul_rows_packed_bf16(x, *packed, bias, y, options);
-      return;
+  const bool fits = x.cols() == rhs.rows() && y.rows() == x.rows() && y.cols() == rhs.cols();
+  const Index n = x.rows();
+  const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(rhs.cols());
+  if (options.compute() == Compute::BFloat16) {
+    if constexpr (std::is_same<Scalar, float>::value) {
+      bool in_place = false;
+      if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) in_place = rhs.rowStride() == 1;
+      if (fits && n > 0 && bf16_packs(n, options.rows_independent(), in_place)) {
+        const std::shared_ptr<const Bf16PackedB> packed =
+            cache.bf16(slot, stamp, [&](Bf16PackedB& b) { b.pack(rhs, options.num_threads(), true, work); });
+        matmul_rows_packed_bf16(x, *packed, bias, y, options);
+        return;
+      }
     }
+  } else if (fits && packed_gemm_for(n, options.rows_independent())) {
+    const std::shared_ptr<const PackedB<Scalar>> packed =
+        cache.packed(slot, stamp, [&](PackedB<Scalar>& b) { b.pack(rhs, options.num_threads(), work); });
+    matmul_rows_packed(x, *packed, bias, y, options);
+    return;
   }
   kernels::matmul_rows<Scalar>(x, rhs, bias, y, options);  // also every shape error
 }
@@ -328,7 +347,7 @@ void matmul_rows_cached(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Rhs&
 /// kernels::linear (y = x wᵀ + bias) with matmul_rows_cached's packings.
 template <class Scalar>
 void linear_cached(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Eigen::Ref<const RowMatrix<Scalar>>& w, const Scalar* bias,
-                   Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options, const Bf16WeightCache& cache,
+                   Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options, const WeightCache<Scalar>& cache,
                    std::size_t slot, std::uint64_t stamp) {
   check_linear_shapes("linear", x, w, y);
   matmul_rows_cached<Scalar>(x, w.transpose(), bias, y, options, cache, slot, stamp);

@@ -538,7 +538,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// projection's, out_proj's.
   std::size_t folded_workspace_bytes(Index blocks, Index longest_run) const {
     const Compute c = options_.compute();
-    const bool cached = c == Compute::BFloat16;  // forward_folded's per-head packings are kept
+    const bool cached = folded_weights_cached(blocks);  // forward_folded's per-head packings are kept
     const std::size_t packed = std::max({q_proj_.rows_workspace_bytes(blocks, true),
                                          kernels::matmul_rows_workspace_bytes<Scalar>(blocks, head_dim(), d_, true, c, options_.num_threads(), cached),
                                          kernels::matmul_rows_workspace_bytes<Scalar>(blocks, d_, head_dim(), true, c, options_.num_threads(), cached),
@@ -597,6 +597,12 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     return true;
   }
 
+  /// Whether forward_folded on `blocks` block rows keeps its per-head packings (packed_): where its
+  /// products pack their right side.
+  bool folded_weights_cached(Index blocks) const {
+    return options_.compute() == Compute::BFloat16 || detail::packed_gemm_for(blocks, true);
+  }
+
   /// One attention row per block; kv_proj folded into the query (keys) and the pooled tokens (values).
   /// `bias(c, h, j)`: what is added to the score of token j of block c for head h (0, a value or -inf).
   /// `keep`: nullptr, or where training keeps qk, pooled, mass and o.
@@ -612,12 +618,13 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
     // qk[c, h·d:(h+1)·d] = q[c, h·dk:(h+1)·dk] W_k,h / sqrt(dk)   (the key bias only shifts a softmax row)
     // The large temporaries live in reused scratch memory (detail/scratch.hpp).
-    // fp32: W_k,h · scale is materialised first, so that the product packs a plain matrix (packing reads
-    // an expression value by value). bfloat16: the layer keeps the per-head packings of W_k,h · scale and
-    // W_v,hᵀ (slots h and heads + h of packed_, checked against kv_proj's weight_stamp()), so the
-    // expression is packed once. The products are the same, so are the bits.
+    // Where the products pack their right side (the micro-kernel path, bfloat16), the layer keeps the
+    // per-head packings of W_k,h · scale and W_v,hᵀ (slots h and heads + h of packed_, checked against
+    // kv_proj's weight_stamp()), so the expression is packed once. Eigen's product (a portable build that
+    // ignores rows_independent) gets W_k,h · scale materialised first, as a plain matrix. The products are
+    // the same, so are the bits.
     detail::ScratchRowMatrix<Scalar> qk(chunks, heads_ * d_), pooled(chunks, heads_ * d_), mass(chunks, heads_), o(chunks, d_);
-    const bool cached = options_.compute() == Compute::BFloat16;
+    const bool cached = folded_weights_cached(chunks);
     const std::uint64_t stamp = kv_proj_.weight_stamp();
     const std::size_t heads = static_cast<std::size_t>(heads_);
     detail::ScratchRowMatrix<Scalar> wk_scaled(cached ? 0 : dk, d_);
@@ -699,7 +706,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   Linear<Scalar> q_proj_;
   Linear<Scalar> kv_proj_;
   Linear<Scalar> out_proj_;
-  detail::Bf16WeightCache packed_;  ///< Compute::BFloat16, folded path: W_k,h · scale and W_v,hᵀ per head, packed
+  detail::WeightCache<Scalar> packed_;  ///< folded path: W_k,h · scale and W_v,hᵀ per head, packed
 };
 
 /// The coarse-to-fine module's C2FAttention: mean-pooled chunks → CoarseAttention → FineAttention.

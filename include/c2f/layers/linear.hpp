@@ -42,14 +42,14 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   const Options& options() const { return options_; }
   void set_num_threads(int n) { options_.num_threads(n); }
   const RowMatrix<Scalar>& weight() const { return weight_; }
-  /// The weight, to change: a new weight_stamp(), so that the bfloat16 packing the layer keeps is made
+  /// The weight, to change: a new weight_stamp(), so that the packing the layer keeps is made
   /// again. Write through the reference before the next forward; after one, call weight() again.
   RowMatrix<Scalar>& weight() {
     weight_stamp_ = detail::fresh_parameters_id();
     return weight_;
   }
   /// A number that changes whenever the weight may have (non-const weight(), load, reset_parameters):
-  /// what the packings of Compute::BFloat16 (detail::Bf16WeightCache) are checked against.
+  /// what the layer's packings of it (detail::WeightCache) are checked against.
   std::uint64_t weight_stamp() const { return weight_stamp_; }
   const Vector<Scalar>& bias() const { return bias_; }
   Vector<Scalar>& bias() { return bias_; }
@@ -97,8 +97,8 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   }
   /// Bytes of temporary memory forward_rows() (or, with `rows_independent`, forward_rows_independent())
   /// on `rows` rows holds: the packed weight on the micro-kernel path
-  /// (kernels::matmul_rows_workspace_bytes), else 0. With Compute::BFloat16 the layer keeps the packed
-  /// weight from its first call on (not counted here; half the weight's bytes on the tile engine).
+  /// (kernels::matmul_rows_workspace_bytes), else 0. The layer keeps the packed weight from its first
+  /// call on (detail::WeightCache; not counted here: as many bytes as the weight, half on the tile engine).
   std::size_t rows_workspace_bytes(Index rows, bool rows_independent = false) const {
     return kernels::matmul_rows_workspace_bytes<Scalar>(rows, in_features(), out_features(), rows_independent,
                                                         options_.compute(), options_.num_threads(), true);
@@ -128,7 +128,7 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   Vector<Scalar> bias_;
   Options options_;
   std::uint64_t weight_stamp_ = detail::fresh_parameters_id();
-  detail::Bf16WeightCache packed_;  ///< Compute::BFloat16: the weight's transpose, packed (a copy starts empty)
+  detail::WeightCache<Scalar> packed_;  ///< the weight's transpose, packed (a copy starts empty)
 };
 
 }  // namespace c2f

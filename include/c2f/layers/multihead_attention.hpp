@@ -302,8 +302,8 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   /// Bytes of temporary memory one forward_into() (or forward() without weights) holds at its peak,
   /// besides the output and Eigen's GEMM blocking buffers (portable builds; on the heap above 128 KiB, E ≥
   /// 256): the projected q, k, v and the heads' output, and the largest of what each step adds — a packed
-  /// projection weight (micro-kernel builds; in bfloat16 the layer keeps its packed weights between calls,
-  /// not counted here), the attention kernel's shared and per-worker scratch —
+  /// projection weight (Eigen's product keeps none; the micro-kernel and bfloat16 paths keep theirs between
+  /// calls, not counted here), the attention kernel's shared and per-worker scratch —
   /// linear in the sequence lengths.
   std::size_t workspace_bytes(Index batch, Index lq, Index lk) const {
     const Index e = embed_dim();
@@ -566,7 +566,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   Vector<Scalar> b_;        ///< [b_q; b_k; b_v], empty without bias
   Linear<Scalar> out_proj_;
   std::uint64_t w_stamp_ = detail::fresh_parameters_id();  ///< new whenever w_ may change (reset_parameters, load)
-  detail::Bf16WeightCache packed_;                         ///< Compute::BFloat16: W_q, W_k, W_v transposed, packed
+  detail::WeightCache<Scalar> packed_;                     ///< W_q, W_k, W_v transposed, packed
 };
 
 }  // namespace c2f
