@@ -74,6 +74,7 @@ class DistC2F : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(DistC2F, Scalars);
 
+#if !defined(C2F_IGNORE_ROWS_INDEPENDENT)
 /// The fine mask of this rank's chunks from one over all B·m chunks [B·m, k, k].
 c2f::BoolTensor3 local_chunks(const c2f::BoolTensor3& all, Index batch, Index m, Index c0, Index mr) {
   const Index k = all.dimension(1);
@@ -85,6 +86,7 @@ c2f::BoolTensor3 local_chunks(const c2f::BoolTensor3& all, Index batch, Index m,
   }
   return mine;
 }
+#endif
 
 TYPED_TEST(DistC2F, ShardsAreBitIdenticalToTheSingleProcess) {
   using Scalar = TypeParam;
@@ -104,6 +106,8 @@ TYPED_TEST(DistC2F, ShardsAreBitIdenticalToTheSingleProcess) {
   }
 }
 
+#if !defined(C2F_IGNORE_ROWS_INDEPENDENT)  // test_dist_row_dependent (CMakeLists.txt) runs only the
+// two ShardsAreBitIdenticalToTheSingleProcess tests and does not compile the others.
 TYPED_TEST(DistC2F, MasksOfBothStages) {
   using Scalar = TypeParam;
   const c2f::dist::Comm comm = world();
@@ -220,6 +224,8 @@ TEST(DistC2FBadInput, RanksOfDifferentScalarTypesAllThrow) {
   }
 }
 
+#endif  // !defined(C2F_IGNORE_ROWS_INDEPENDENT)
+
 struct Grid2D {
   Index batch, height, width, dim, heads, block_h, block_w;
   bool bias;
@@ -263,6 +269,8 @@ TYPED_TEST(DistC2F2D, ShardsAreBitIdenticalToTheSingleProcess) {
   }
 }
 
+#if !defined(C2F_IGNORE_ROWS_INDEPENDENT)  // test_dist_row_dependent (CMakeLists.txt) runs only the
+// two ShardsAreBitIdenticalToTheSingleProcess tests and does not compile the others.
 TYPED_TEST(DistC2F2D, AnyPlanAlignedOnBlockRows) {
   using Scalar = TypeParam;
   const c2f::dist::Comm comm = world();
@@ -556,5 +564,7 @@ TEST(DistHMHABadInput, EveryRankThrowsTheSameMessage) {
 TEST(DistHarness, DISABLED_FailsOnRankOneOnly) {
   EXPECT_NE(world().rank(), 1) << "this test fails on rank 1 only";
 }
+
+#endif  // !defined(C2F_IGNORE_ROWS_INDEPENDENT)
 
 }  // namespace
