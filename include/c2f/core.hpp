@@ -20,6 +20,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace c2f {
@@ -217,6 +219,18 @@ void check_features(const ConstTensorRef<Scalar, 3>& x, Index width, const char*
     fail(layer, ": ", what, " must be [batch, seq, ", width_name, "=", width, "], got ",
          shape_string({x.batch(), x.seq(), x.features()}));
   }
+}
+
+/// Columns [c0, c0 + n) of m, as m.middleCols(c0, n) but without offsetting the null data of a matrix
+/// with no rows (Eigen's blocks do, and an offset from null is undefined: clang's UBSan reports it).
+/// M: a row-major matrix, map or Ref (const for a read-only view).
+template <class M, class Data = std::remove_pointer_t<decltype(std::declval<M&>().data())>>
+Eigen::Map<std::conditional_t<std::is_const<Data>::value, const RowMatrix<std::remove_const_t<Data>>,
+                              RowMatrix<std::remove_const_t<Data>>>,
+           0, Eigen::OuterStride<>>
+cols_of(M& m, Index c0, Index n) {
+  static_assert(static_cast<bool>(M::IsRowMajor), "cols_of views a row-major matrix");
+  return {m.rows() == 0 ? nullptr : m.data() + c0, m.rows(), n, Eigen::OuterStride<>(m.outerStride())};
 }
 
 template <class Scalar>

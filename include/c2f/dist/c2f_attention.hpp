@@ -79,7 +79,7 @@ class C2FAttention : public detail::DistLayer<C2FAttention<Scalar>, c2f::C2FAtte
       const Tensor3<Scalar> means = module_.coarse_input(x);
       q.resize(b * means.dimension(1), d);
       kv.resize(b * means.dimension(1), 2 * d);
-      coarse.project_into(means, means, means, q, kv.leftCols(d), kv.rightCols(d));
+      coarse.project_into(means, means, means, q, c2f::detail::cols_of(kv, 0, d), c2f::detail::cols_of(kv, d, d));
     });
 
     // 2. The plan the shards form (each one starts on a chunk), and every chunk's coarse key and value.

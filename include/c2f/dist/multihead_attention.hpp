@@ -130,7 +130,8 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
     detail::all_or_none(comm_, type_name, [&] {
         const MaskView<Scalar> check(AttnMask<Scalar>(), pad, b, h, 1, total);  // throws unless pad fits [B, L]
       (void)check;
-      module_.project_into(x, x, x, qkv.leftCols(e), qkv.middleCols(e, e), qkv.rightCols(e));
+      module_.project_into(x, x, x, c2f::detail::cols_of(qkv, 0, e), c2f::detail::cols_of(qkv, e, e),
+                           c2f::detail::cols_of(qkv, 2 * e, e));
     });
     RowMatrix<Scalar> attn(b * n, e);
     if (options_.method() == SequenceParallel::Ring) {
@@ -208,7 +209,7 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
 
     // The block in hand and the one arriving: [B·n_s, 2E] = k | v of rank s.
     RowMatrix<Scalar> cur(batch * n, 2 * e), next;
-    cur = qkv.rightCols(2 * e);
+    cur = c2f::detail::cols_of(qkv, e, 2 * e);
     const detail::RowType<Scalar> row(2 * e, type_name);
     for (int t = 0; t < ranks; ++t) {
       const int src = (me - t + ranks) % ranks;
@@ -306,7 +307,7 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
       for_rows_of(s, [&](Index i, Index w) { back.row(rdispl[s] + i) = o.row(w); });
     }
     alltoallv(back.data(), rcount, rdispl, mine.data(), scount, sdispl, ep);
-    for (int d = 0; d < ranks; ++d) attn.middleCols(d * ep, ep) = mine.middleRows(d * batch * n, batch * n);
+    for (int d = 0; d < ranks; ++d) c2f::detail::cols_of(attn, d * ep, ep) = mine.middleRows(d * batch * n, batch * n);
   }
 
   /// MPI_Alltoallv of rows of `width` scalars (counts and displacements in rows).

@@ -108,6 +108,7 @@ ChunkSelection select_chunks_from_means(const Eigen::Ref<const RowMatrix<Scalar>
   if (top_k < 1) detail::fail(kernel, ": top_k must be >= 1, got ", top_k);
   const Index m = grid.chunks_per_batch(), dim = qm.cols(), dh = dim / heads;
   ChunkSelection sel = empty_selection(kernel, grid.batch, heads, m, top_k, m, false);
+  if (m == 0) return sel;  // no chunks: nothing to rank (and the means' null data takes no block offsets)
   const double work = 2.0 * static_cast<double>(grid.batch * m * m * dim);
   detail::parallel_for(grid.batch * heads, options.num_threads(), work, [&](Index task, int) {
     const Index b = task / heads, h = task % heads;
@@ -403,6 +404,7 @@ void sparse_attention_backward(const Eigen::Ref<const RowMatrix<Scalar>>& q, con
                                Eigen::Ref<RowMatrix<Scalar>> dv, bool causal, const MaskView<Scalar>& mask, Scalar scale,
                                const KernelOptions& options) {
   detail::check_sparse_backward("sparse_attention_backward", q, k, v, dout, dq, dk, dv, grid, heads, selection, mask, scale);
+  if (grid.length == 0) return;  // no rows: nothing to write (and their null data takes no block offsets)
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   struct Workspace {

@@ -267,7 +267,7 @@ void conv1d_backward(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, 
                         x.block(b * length + i0 + shift, g * cin + c0, i1 - i0, nc);
     }
     if (dbias != nullptr && t == 0 && c0 == 0) {
-      for (Index o = g * cout + o0; o < g * cout + o0 + no; ++o) dbias[o] = static_cast<Scalar>(dy.col(o).template cast<double>().sum());
+      for (Index o = g * cout + o0; o < g * cout + o0 + no; ++o) dbias[o] = dy.rows() == 0 ? Scalar(0) : static_cast<Scalar>(dy.col(o).template cast<double>().sum());
     }
   });
 }

@@ -589,8 +589,9 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
         if (status == BlockMask::Partial) mask.apply(b, h, 0, j0, s);
         Eigen::VectorBlock<Eigen::Map<Vector<Scalar>>> mh = m.segment(h * n, n), lh = l.segment(h * n, n);
         typename Eigen::Map<RowMatrix<Scalar>>::RowsBlockXpr ah = acc.middleRows(h * n, n);
-        const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> vblock(value_rows + h * dv, nj, dv,
-                                                                                   Eigen::OuterStride<>(value_stride));
+        // Null when a bfloat16 cache's values are read in place (below, after the heads): then unused.
+        const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> vblock(
+            value_rows == nullptr ? nullptr : value_rows + h * dv, nj, dv, Eigen::OuterStride<>(value_stride));
         const bool guard = status == BlockMask::Partial && ws.masked.find(vblock);  // masked_values.hpp
         if (guard) ws.masked.remember_hidden(s);
         if (c2f::detail::online_softmax_step(s, mh, lh, ws.alpha)) ah = ws.alpha.asDiagonal() * ah;

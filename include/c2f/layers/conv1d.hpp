@@ -197,8 +197,8 @@ class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scala
                      const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx,
                      C3K2Projection& grad, bool add_dx) const {
     const Index e = embed_dim();
-    conv3_.backward_rows(x, batch, length, dy.leftCols(e / 2), dx, grad.conv3_, add_dx);
-    conv2_.backward_rows(x, batch, length, dy.rightCols(e - e / 2), dx, grad.conv2_, /*add_dx=*/true);
+    conv3_.backward_rows(x, batch, length, detail::cols_of(dy, 0, e / 2), dx, grad.conv3_, add_dx);
+    conv2_.backward_rows(x, batch, length, detail::cols_of(dy, e / 2, e - e / 2), dx, grad.conv2_, /*add_dx=*/true);
   }
 
  private:
