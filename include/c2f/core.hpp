@@ -221,8 +221,15 @@ void check_features(const ConstTensorRef<Scalar, 3>& x, Index width, const char*
   }
 }
 
-/// Columns [c0, c0 + n) of m, as m.middleCols(c0, n) but without offsetting the null data of a matrix
-/// with no rows (Eigen's blocks do, and an offset from null is undefined: clang's UBSan reports it).
+/// p + offset, or null for a null p: the data of an empty matrix may be null, and an offset from null is
+/// undefined even when nothing is read (clang's UBSan reports it).
+template <class T>
+T* offset_or_null(T* p, Index offset) {
+  return p == nullptr ? nullptr : p + offset;
+}
+
+/// Columns [c0, c0 + n) of m, as m.middleCols(c0, n) but without offsetting the null data of an empty
+/// matrix (Eigen's blocks do).
 /// M: a row-major matrix, map or Ref (const for a read-only view).
 template <class M, class Data = std::remove_pointer_t<decltype(std::declval<M&>().data())>>
 Eigen::Map<std::conditional_t<std::is_const<Data>::value, const RowMatrix<std::remove_const_t<Data>>,
@@ -230,7 +237,7 @@ Eigen::Map<std::conditional_t<std::is_const<Data>::value, const RowMatrix<std::r
            0, Eigen::OuterStride<>>
 cols_of(M& m, Index c0, Index n) {
   static_assert(static_cast<bool>(M::IsRowMajor), "cols_of views a row-major matrix");
-  return {m.rows() == 0 ? nullptr : m.data() + c0, m.rows(), n, Eigen::OuterStride<>(m.outerStride())};
+  return {offset_or_null(m.data(), c0), m.rows(), n, Eigen::OuterStride<>(m.outerStride())};
 }
 
 template <class Scalar>

@@ -591,7 +591,7 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
         typename Eigen::Map<RowMatrix<Scalar>>::RowsBlockXpr ah = acc.middleRows(h * n, n);
         // Null when a bfloat16 cache's values are read in place (below, after the heads): then unused.
         const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> vblock(
-            value_rows == nullptr ? nullptr : value_rows + h * dv, nj, dv, Eigen::OuterStride<>(value_stride));
+            c2f::detail::offset_or_null(value_rows, h * dv), nj, dv, Eigen::OuterStride<>(value_stride));
         const bool guard = status == BlockMask::Partial && ws.masked.find(vblock);  // masked_values.hpp
         if (guard) ws.masked.remember_hidden(s);
         if (c2f::detail::online_softmax_step(s, mh, lh, ws.alpha)) ah = ws.alpha.asDiagonal() * ah;

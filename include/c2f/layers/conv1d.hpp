@@ -172,10 +172,8 @@ class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scala
   void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
                     Eigen::Ref<RowMatrix<Scalar>> y) const {
     const Index e = embed_dim();
-    // No rows: nothing to write, and y's data may be null, where even an empty block's offset is undefined.
-    if (y.rows() == 0) return;
-    conv3_.forward_rows(x, batch, length, y.leftCols(e / 2));
-    conv2_.forward_rows(x, batch, length, y.rightCols(e - e / 2));
+    conv3_.forward_rows(x, batch, length, detail::cols_of(y, 0, e / 2));
+    conv2_.forward_rows(x, batch, length, detail::cols_of(y, e / 2, e - e / 2));
   }
   /// Bytes of temporary memory one forward_into() holds: the larger convolution's (packed taps, bf16 rows;
   /// one runs at a time), plus conv3's while conv2 runs where the scratch cache keeps them.
