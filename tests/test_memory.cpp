@@ -6,6 +6,7 @@
 #include "c2f/layers/c2f_attention.hpp"
 #include "c2f/layers/linear.hpp"
 #include "c2f/layers/multihead_attention.hpp"
+#include "c2f/layers/sparse_c2f_attention.hpp"
 #include "support/random.hpp"
 #include "tools/malloc_counter.hpp"
 
@@ -220,6 +221,31 @@ TEST_F(MemoryTest, C2FFoldedPathHasNoTokenLevelKeyValueTensor) {
   const double ratio = double(peak[1]) / double(peak[0]);
   EXPECT_GT(ratio, 3.0);
   EXPECT_LT(ratio, 4.5);
+}
+
+// SparseC2FAttention's per-chunk fine stage on the micro-kernel's panels (chunks a multiple of the panel
+// width: every head's keys and values packed once) holds what workspace_bytes reports, and not far less —
+// as the layer contract checks for its entries, whose chunks take the portable path.
+TEST_F(MemoryTest, SparsePerChunkPanelsStayWithinWorkspaceBytes) {
+  const Index E = 64, chunk = 2 * c2f::detail::GemmBlocking<float>::kNR;
+  c2f::SparseC2FAttention<float> sparse(E, 4, chunk, 3);
+  c2f_test::TestRng rng(25);
+  for (const Index L : {Index(1000), Index(5 * chunk)}) {
+    const c2f::Tensor3<float> x = rng.tensor<float>(2, L, E);
+    c2f::RowMatrix<float> out(2 * L, E);
+    for (const int threads : {1, 2}) {
+      sparse.set_num_threads(threads);
+      const long long bound = static_cast<long long>(sparse.workspace_bytes(2, L));
+      sparse.forward_into(x, out);
+      c2f::release_scratch_cache();
+      c2f_memory::reset();
+      sparse.forward_into(x, out);
+      c2f_memory::stop();
+      const long long peak = c2f_memory::peak_bytes();
+      EXPECT_LE(peak, bound + 16 * 1024) << "L=" << L << " threads=" << threads;
+      EXPECT_LE(bound, 2 * peak + 16 * 1024) << "L=" << L << " threads=" << threads;
+    }
+  }
 }
 
 // A fresh output of kHugePageMinBytes or more has its pages faulted in before the layer computes

@@ -11,9 +11,12 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
+#include <sstream>
 #include <string>
 
 namespace {
@@ -229,6 +232,61 @@ TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
         dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, sel.top_k, per_token, causal, lengths);
     const double tol = std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
     expect_close(fast.data(), dense.data(), fast.size(), tol, tol, what.str());
+  }
+}
+
+// The per-chunk fine stage on the micro-kernel's panels (detail::chunk_sparse_packed: chunks a multiple of
+// the panel width; KernelOptions::rows_independent takes that path on every build): the dense twin on
+// shapes — sequences of 1 token, of a chunk ± 1, with a partial last chunk, and selections of more chunks
+// than one online-softmax step takes (sparse_step_chunks) — the same bits on 1 and 2 threads, and NaN and
+// Inf in the keys and values the padding hides changing no output value.
+TYPED_TEST(SparseTyped, PackedPerChunkPathMatchesTheDenseTwin) {
+  using Scalar = TypeParam;
+  constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
+  const Index panel = c2f::detail::GemmBlocking<Scalar>::kNR;
+  TestRng rng(73);
+  std::vector<std::array<Index, 3>> cases;  // chunk, length, top_k
+  for (const Index chunk : {panel, 2 * panel}) {
+    const Index step = c2f::detail::sparse_step_chunks(c2f::kernels::ChunkGrid{1, 100 * chunk, chunk});
+    for (const Index length : {Index(1), chunk - 1, chunk + 1, 3 * chunk + 7, (step + 3) * chunk - 5}) {
+      for (const Index top_k : {Index(2), step + 2}) cases.push_back({chunk, length, top_k});
+    }
+  }
+  for (std::size_t rep = 0; rep < cases.size(); ++rep) {
+    const Index chunk = cases[rep][0], length = cases[rep][1], top_k = cases[rep][2];
+    const Index heads = rng.pick(std::vector<Index>{1, 3}), dh = rng.pick(std::vector<Index>{1, 5, 64});
+    const Index batch = rng.uniform_int(1, 2);
+    const c2f::kernels::ChunkGrid grid{batch, length, chunk};
+    std::ostringstream what;
+    what << "rep " << rep << ": batch=" << batch << " L=" << length << " chunk=" << chunk << " heads=" << heads
+         << " dh=" << dh << " top_k=" << top_k;
+    SCOPED_TRACE(what.str());
+    const auto options = [](int threads) { return c2f::kernels::with_threads(threads).rows_independent(true); };
+    ASSERT_TRUE(c2f::detail::chunk_sparse_packed<Scalar>(grid, options(1)));
+    const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, heads * dh, 2.0), k = rng.matrix<Scalar>(batch * length, heads * dh, 2.0),
+                            v = rng.matrix<Scalar>(batch * length, heads * dh);
+    std::vector<Index> lengths(static_cast<std::size_t>(batch), length);
+    lengths[0] = rng.uniform_int(0, length);
+    const c2f::KeyPaddingMask<Scalar> padding = c2f::KeyPaddingMask<Scalar>::lengths(lengths);
+    const c2f::MaskView<Scalar> plan({}, padding, batch, heads, length, length);
+    const c2f::kernels::ChunkSelection sel =
+        c2f::kernels::select_chunks<Scalar>(q, k, grid, heads, top_k, c2f::kernels::with_threads(1));
+    RowMatrix<Scalar> poisoned_k = k, poisoned_v = v;
+    for (Index j = lengths[0]; j < length; ++j) {
+      poisoned_k.row(j).setConstant(j % 2 ? kInf : -kInf);
+      poisoned_v.row(j).setConstant(j % 3 ? std::numeric_limits<Scalar>::quiet_NaN() : kInf);
+    }
+    const Scalar scale = c2f::kernels::default_scale<Scalar>(dh);
+    RowMatrix<Scalar> one(batch * length, heads * dh), two = one, dirty = one;
+    c2f::kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, sel, one, plan, scale, options(1));
+    c2f::kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, sel, two, plan, scale, options(2));
+    c2f::kernels::chunk_sparse_attention<Scalar>(q, poisoned_k, poisoned_v, grid, heads, sel, dirty, plan, scale, options(2));
+    const RowMatrix<Scalar> dense = dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, sel.top_k, false, false, lengths);
+    const double tol = std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
+    expect_close(one.data(), dense.data(), one.size(), tol, tol, what.str());
+    EXPECT_EQ(0, std::memcmp(one.data(), two.data(), sizeof(Scalar) * static_cast<std::size_t>(one.size()))) << "1 and 2 threads";
+    // (A row with every selected key hidden is 0 on either input.)
+    EXPECT_TRUE(dirty.allFinite() && (dirty.array() == one.array()).all()) << "non-finite keys and values behind the padding";
   }
 }
 

@@ -263,5 +263,15 @@ bool softmax_row(Row&& row, typename std::decay_t<Row>::Scalar* max_out = nullpt
   return true;
 }
 
+/// The row stride of a block of scores for blocks of bk keys (sdpa_streaming's, chunk_sparse_attention's):
+/// bk rounded up to whole aligned packets, so that every row of scores starts on the same alignment and
+/// Eigen's vectorised exp and sum split each row the same way, whatever its place in the query block
+/// (each row's bits do not depend on which rows share its block: KernelOptions::rows_independent).
+template <class Scalar>
+Index score_stride(Index bk) {
+  constexpr Index kAlign = std::max<Index>(1, EIGEN_MAX_ALIGN_BYTES / static_cast<Index>(sizeof(Scalar)));
+  return (bk + kAlign - 1) / kAlign * kAlign;
+}
+
 }  // namespace detail
 }  // namespace c2f

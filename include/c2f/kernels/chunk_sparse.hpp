@@ -20,6 +20,7 @@
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
 #include "c2f/detail/masked_values.hpp"
+#include "c2f/detail/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/detail/top_picks.hpp"
@@ -176,6 +177,155 @@ ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>
   return sel;
 }
 
+}  // namespace kernels
+namespace detail {
+
+/// Whether chunk_sparse_attention runs on the micro-kernel's panels (detail::packed_gemm): fp32 compute
+/// on a build that has the micro-kernel (or on any build with KernelOptions::rows_independent, as
+/// sdpa_streaming), with every key chunk starting on a panel (the chunk a multiple of kNR columns, or one
+/// chunk as long as the sequence). Else the portable path: each task gathers its selected keys and values
+/// and runs two Eigen products.
+template <class Scalar>
+bool chunk_sparse_packed(const kernels::ChunkGrid& grid, const kernels::KernelOptions& options) {
+  return (kPackedGemm || honoured_rows_independent(options.rows_independent())) && options.compute() != Compute::BFloat16 &&
+         (grid.chunk % GemmBlocking<Scalar>::kNR == 0 || grid.chunk >= grid.length);
+}
+
+/// Keys chunk_sparse_attention's packed path takes per online-softmax step: whole key chunks, as many as
+/// fit (at least one). The step's max, exp and rescale are then per this many keys, not per chunk.
+constexpr Index kSparseStepKeys = 256;
+/// Selected key chunks per online-softmax step of chunk_sparse_attention's packed path (fixed by the
+/// chunk: the bits do not depend on anything else).
+inline Index sparse_step_chunks(const kernels::ChunkGrid& grid) {
+  return std::max<Index>(1, kSparseStepKeys / std::max<Index>(1, std::min(grid.chunk, grid.length)));
+}
+
+/// chunk_sparse_attention's packed path. Every (batch, head)'s keys (transposed) and values are packed once
+/// into panels shared by its query chunks; a task (batch, head, query chunk) then walks its selected key
+/// chunks in ascending order, sparse_step_chunks() at a time, with an online softmax — QKᵀ of each chunk
+/// of the step into its columns of the scores, one softmax step over them, then PV of each chunk — on
+/// those panels, as sdpa_streaming walks its key blocks. Every output element depends on its task's data
+/// and selection only: not on the thread count.
+template <class Scalar>
+void chunk_sparse_attention_packed(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
+                                   const Eigen::Ref<const RowMatrix<Scalar>>& v, const kernels::ChunkGrid& grid, Index heads,
+                                   const kernels::ChunkSelection& selection, Eigen::Ref<RowMatrix<Scalar>> out,
+                                   const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options) {
+  const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k, length = grid.length;
+  const Index pairs = grid.batch * heads, tasks = pairs * m, width = std::min(grid.chunk, length);
+  const Index step = sparse_step_chunks(grid);
+  if (tasks == 0) return;
+  std::vector<PackedB<Scalar>> packed_k(static_cast<std::size_t>(pairs)), packed_v(packed_k.size());
+  parallel_for(pairs, options.num_threads(), kElementWork * 2.0 * static_cast<double>(pairs * length * dh), [&](Index bh, int) {
+    const Index b = bh / heads, h = bh % heads, row0 = b * length;
+    packed_k[static_cast<std::size_t>(bh)].pack(k.block(row0, h * dh, length, dh).transpose());
+    packed_v[static_cast<std::size_t>(bh)].pack(v.block(row0, h * dh, length, dh));
+  });
+  struct Workspace {
+    RowMatrix<Scalar> q, s, acc;
+    Vector<Scalar> max, sum, alpha;
+    std::vector<MaskedValues<Scalar>> masked;  // one per chunk of a step
+    std::vector<unsigned char> guard;
+  };
+  using ValueBlock = Eigen::Block<const Eigen::Ref<const RowMatrix<Scalar>>>;
+  const double work = attention_work(pairs, length, std::min(top_k, m) * grid.chunk, dh, dh);
+  parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
+    if (ws.q.size() == 0) {
+      ws.q.resize(width, dh);
+      ws.s.resize(width, score_stride<Scalar>(step * width));
+      ws.acc.resize(width, dh);
+      ws.max.resize(width);
+      ws.sum.resize(width);
+      ws.alpha.resize(width);
+      ws.masked.resize(static_cast<std::size_t>(step));
+      ws.guard.resize(static_cast<std::size_t>(step));
+    }
+    const Index i = task % m, bh = task / m, b = bh / heads, h = bh % heads;
+    const Index c = b * m + i, rows = grid.count(c), q_row = grid.row(c), i0 = grid.first(c);
+    const PackedB<Scalar>& pk = packed_k[static_cast<std::size_t>(bh)];
+    const PackedB<Scalar>& pv = packed_v[static_cast<std::size_t>(bh)];
+    typename RowMatrix<Scalar>::RowsBlockXpr qs = ws.q.topRows(rows), acc = ws.acc.topRows(rows);
+    qs = q.block(q_row, h * dh, rows, dh) * scale;
+    acc.setZero();
+    Eigen::VectorBlock<Vector<Scalar>> mx = ws.max.head(rows), l = ws.sum.head(rows), alpha = ws.alpha.head(rows);
+    mx.setConstant(-std::numeric_limits<Scalar>::infinity());
+    l.setZero();
+    const Index* chosen = selection.row(b, h, i);
+    Index picked = 0;
+    while (picked < top_k && chosen[picked] >= 0) ++picked;
+    for (Index t0 = 0; t0 < picked; t0 += step) {
+      const Index n_step = std::min(step, picked - t0);
+      // The chunks of a step side by side in the scores (only the sequence's last chunk is partial, and
+      // it comes last: ascending selection).
+      Index cols = 0;
+      for (Index u = 0; u < n_step; ++u) {
+        const Index kc = b * m + chosen[t0 + u], count = grid.count(kc), j0 = grid.first(kc);
+        Eigen::Block<RowMatrix<Scalar>> s = ws.s.block(0, cols, rows, count);
+        packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), rows, pk, 0, dh, j0, count, nullptr, false, s.data(), s.outerStride());
+        unsigned char& guard = ws.guard[static_cast<std::size_t>(u)];
+        guard = 0;
+        if (!mask.empty()) {
+          mask.apply(b, h, i0, j0, s);
+          // Keys the mask hides may hold non-finite values: leave them out (masked_values.hpp).
+          MaskedValues<Scalar>& masked = ws.masked[static_cast<std::size_t>(u)];
+          guard = masked.find(ValueBlock(v.block(grid.row(kc), h * dh, count, dh)));
+          if (guard) masked.remember_hidden(s);
+        }
+        cols += count;
+      }
+      Eigen::Block<RowMatrix<Scalar>> scores = ws.s.topLeftCorner(rows, cols);
+      if (online_softmax_step(scores, mx, l, alpha)) acc = alpha.asDiagonal() * acc;
+      cols = 0;
+      for (Index u = 0; u < n_step; ++u) {
+        const Index kc = b * m + chosen[t0 + u], count = grid.count(kc), j0 = grid.first(kc);
+        const Eigen::Block<RowMatrix<Scalar>> p = ws.s.block(0, cols, rows, count);
+        if (ws.guard[static_cast<std::size_t>(u)]) {
+          ws.masked[static_cast<std::size_t>(u)].product_packed_add(acc, p, ValueBlock(v.block(grid.row(kc), h * dh, count, dh)), j0);
+        } else {
+          packed_gemm_range<Scalar>(p.data(), p.outerStride(), rows, pv, j0, j0 + count, 0, dh, nullptr, true, acc.data(),
+                                    acc.outerStride());
+        }
+        cols += count;
+      }
+    }
+    Eigen::Block<Eigen::Ref<RowMatrix<Scalar>>> dst = out.block(q_row, h * dh, rows, dh);
+    for (Index r = 0; r < rows; ++r) {
+      // l is 0 only when every selected key was masked (a visible key contributes exp(0) = 1 at the max).
+      if (l[r] == Scalar(0)) {
+        dst.row(r).setZero();
+      } else {
+        dst.row(r) = acc.row(r) / l[r];
+      }
+    }
+  });
+}
+
+/// Bytes chunk_sparse_attention holds at its peak: on the packed path every (batch, head)'s keys and
+/// values in panels, and per worker the scaled queries, scores, accumulator and three vectors of a chunk;
+/// on the portable path per worker the gathered keys and values, the scores, and (bfloat16) the rounded
+/// queries of a chunk.
+template <class Scalar>
+std::size_t chunk_sparse_workspace_bytes(const kernels::ChunkGrid& grid, Index heads, Index dh, Index top_k,
+                                         const kernels::KernelOptions& options) {
+  const Compute compute = options.compute();
+  const std::size_t workers =
+      static_cast<std::size_t>(resolve_threads(options.num_threads(), grid.batch * heads * grid.chunks_per_batch()));
+  const std::size_t s = sizeof(Scalar), width = static_cast<std::size_t>(std::min(grid.chunk, grid.length));
+  const std::size_t d = static_cast<std::size_t>(dh);
+  if (chunk_sparse_packed<Scalar>(grid, options)) {
+    const std::size_t pairs = static_cast<std::size_t>(grid.batch * heads);
+    const Index step_keys = sparse_step_chunks(grid) * static_cast<Index>(width);
+    return pairs * (PackedB<Scalar>::bytes(dh, grid.length) + PackedB<Scalar>::bytes(grid.length, dh)) +
+           s * workers * (2 * width * d + width * static_cast<std::size_t>(score_stride<Scalar>(step_keys)) + 3 * width);
+  }
+  const std::size_t k = static_cast<std::size_t>(grid.chunk);
+  const std::size_t picks = std::min(static_cast<std::size_t>(top_k), std::max<std::size_t>(static_cast<std::size_t>(grid.chunks_per_batch()), 1));
+  return s * workers * (2 * picks * k * d + k * picks * k + (compute == Compute::BFloat16 ? k * d : 0));
+}
+
+}  // namespace detail
+namespace kernels {
+
 /// Fine stage of per-chunk gating: every query of chunk i attends, with one softmax, to the keys of its
 /// selected chunks; `mask` (the library's masks, absolute positions) combines.
 /// out[rows of chunk i, head h] = softmax(q kᵀ · scale + mask) v (overwritten).
@@ -188,6 +338,10 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
                             const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
   detail::check_sparse_fine_inputs("chunk_sparse_attention", q, k, v, out, grid, heads, selection, false, mask, scale);
   const bool bf16 = detail::check_compute<Scalar>("chunk_sparse_attention", options.compute());
+  if (detail::chunk_sparse_packed<Scalar>(grid, options)) {
+    detail::chunk_sparse_attention_packed<Scalar>(q, k, v, grid, heads, selection, out, mask, scale, options);
+    return;
+  }
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k;
   struct Workspace {
     RowMatrix<Scalar> kg, vg, s, qs;  // qs: Compute::BFloat16's scaled, rounded queries

@@ -216,15 +216,6 @@ namespace detail {
 inline std::pair<Index, Index> streaming_blocks(const kernels::KernelOptions& options, Index lq, Index lk) {
   return {std::max<Index>(1, std::min(options.query_block(), lq)), std::max<Index>(1, std::min(options.key_block(), lk))};
 }
-/// The row stride of sdpa_streaming's score block for key blocks of bk: bk rounded up to whole aligned
-/// packets, so that every row of scores starts on the same alignment and Eigen's vectorised exp and sum
-/// split each row the same way, whatever its place in the query block (each row's bits do not depend
-/// on which rows share its block: KernelOptions::rows_independent).
-template <class Scalar>
-Index score_stride(Index bk) {
-  constexpr Index kAlign = std::max<Index>(1, EIGEN_MAX_ALIGN_BYTES / static_cast<Index>(sizeof(Scalar)));
-  return (bk + kAlign - 1) / kAlign * kAlign;
-}
 
 /// sdpa_split_keys computes row by row of the cache (every head on a row at once) up to this many
 /// queries; with more, head by head on Eigen's products, whose register tiles then pay (measured:

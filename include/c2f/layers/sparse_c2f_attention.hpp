@@ -159,8 +159,9 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
 
   /// Bytes of temporary memory one forward_into() holds at its peak: the projected q, k, v and the
   /// heads' output ([B·L, E] each), the selection (Index per (batch, head, query row) × top_k), and the
-  /// scratch of the gating (chunk means, score blocks) and of the fine stage (gathered keys and values,
-  /// or per-token accumulators) — every worker's.
+  /// scratch of the gating (chunk means, score blocks) and of the fine stage (per chunk: the keys and
+  /// values in panels, or gathered per task — detail::chunk_sparse_workspace_bytes; per token: the
+  /// accumulators) — every worker's.
   std::size_t workspace_bytes(Index batch, Index seq) const {
     const kernels::ChunkGrid grid{batch, seq, chunk_};
     const std::size_t s = sizeof(Scalar), ix = sizeof(Index), e = static_cast<std::size_t>(embed_dim());
@@ -182,8 +183,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
     } else {
       selection = ix * chunks * h * top_k;
       gating = s * (2 * chunks * e + workers * m * m) + top_picks;
-      // Compute::BFloat16: + the rounded queries [chunk, dh] per worker.
-      fine = s * workers * (2 * picks * k * dh + k * picks * k + (bf16 ? k * dh : 0));
+      fine = detail::chunk_sparse_workspace_bytes<Scalar>(grid, num_heads(), head_dim(), top_k_, detail::kernel_options(options_));
     }
     // + a packed [E, E] projection weight (micro-kernel builds; the in- and out-projections').
     const std::size_t packed =
