@@ -223,27 +223,32 @@ TEST_F(MemoryTest, C2FFoldedPathHasNoTokenLevelKeyValueTensor) {
   EXPECT_LT(ratio, 4.5);
 }
 
-// SparseC2FAttention's per-chunk fine stage on the micro-kernel's panels (chunks a multiple of the panel
-// width: every head's keys and values packed once) holds what workspace_bytes reports, and not far less —
-// as the layer contract checks for its entries, whose chunks take the portable path.
-TEST_F(MemoryTest, SparsePerChunkPanelsStayWithinWorkspaceBytes) {
+// SparseC2FAttention's fine stages on the micro-kernel's panels (native builds: per chunk with chunks a
+// multiple of the panel width, every head's keys and values packed once; per token, a key chunk packed at
+// a time) hold what workspace_bytes reports, and not far less — as the layer contract checks for its
+// entries, whose chunks take the portable per-chunk path.
+TEST_F(MemoryTest, SparsePanelsStayWithinWorkspaceBytes) {
   const Index E = 64, chunk = 2 * c2f::detail::GemmBlocking<float>::kNR;
-  c2f::SparseC2FAttention<float> sparse(E, 4, chunk, 3);
   c2f_test::TestRng rng(25);
-  for (const Index L : {Index(1000), Index(5 * chunk)}) {
-    const c2f::Tensor3<float> x = rng.tensor<float>(2, L, E);
-    c2f::RowMatrix<float> out(2 * L, E);
-    for (const int threads : {1, 2}) {
-      sparse.set_num_threads(threads);
-      const long long bound = static_cast<long long>(sparse.workspace_bytes(2, L));
-      sparse.forward_into(x, out);
-      c2f::release_scratch_cache();
-      c2f_memory::reset();
-      sparse.forward_into(x, out);
-      c2f_memory::stop();
-      const long long peak = c2f_memory::peak_bytes();
-      EXPECT_LE(peak, bound + 16 * 1024) << "L=" << L << " threads=" << threads;
-      EXPECT_LE(bound, 2 * peak + 16 * 1024) << "L=" << L << " threads=" << threads;
+  for (const c2f::Gating gating : {c2f::Gating::PerChunk, c2f::Gating::PerToken}) {
+    c2f::SparseC2FAttention<float> sparse(E, 4, chunk, 3, c2f::SparseC2FAttention<float>::Options().gating(gating));
+    for (const Index L : {Index(1000), Index(5 * chunk)}) {
+      const c2f::Tensor3<float> x = rng.tensor<float>(2, L, E);
+      c2f::RowMatrix<float> out(2 * L, E);
+      for (const int threads : {1, 2}) {
+        sparse.set_num_threads(threads);
+        const long long bound = static_cast<long long>(sparse.workspace_bytes(2, L));
+        sparse.forward_into(x, out);
+        c2f::release_scratch_cache();
+        c2f_memory::reset();
+        sparse.forward_into(x, out);
+        c2f_memory::stop();
+        const long long peak = c2f_memory::peak_bytes();
+        const std::string what = std::string(gating == c2f::Gating::PerChunk ? "per chunk" : "per token") +
+                                 " L=" + std::to_string(L) + " threads=" + std::to_string(threads);
+        EXPECT_LE(peak, bound + 16 * 1024) << what;
+        EXPECT_LE(bound, 2 * peak + 16 * 1024) << what;
+      }
     }
   }
 }

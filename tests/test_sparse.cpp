@@ -235,14 +235,16 @@ TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
   }
 }
 
-// The per-chunk fine stage on the micro-kernel's panels (detail::chunk_sparse_packed: chunks a multiple of
-// the panel width; KernelOptions::rows_independent takes that path on every build): the dense twin on
-// shapes — sequences of 1 token, of a chunk ± 1, with a partial last chunk, and selections of more chunks
-// than one online-softmax step takes (sparse_step_chunks) — the same bits on 1 and 2 threads, and NaN and
-// Inf in the keys and values the padding hides changing no output value.
-TYPED_TEST(SparseTyped, PackedPerChunkPathMatchesTheDenseTwin) {
+// Both fine stages on the micro-kernel's panels (detail::chunk_sparse_packed: chunks a multiple of the
+// panel width; detail::token_sparse_packed: calls of kTokenGroupRows queries or more; rows_independent
+// takes both paths on every build and call): the dense twin on shapes — sequences of 1 token, of a chunk
+// ± 1, with a partial last chunk, and per chunk selections of more chunks than one online-softmax step
+// takes (sparse_step_chunks) — the same bits on 1 and 2 threads, NaN and Inf in the keys and values the
+// padding hides changing no output value, and with causal per-token gating, tokens from a position on
+// (NaN included) changing no earlier output bit.
+TYPED_TEST(SparseTyped, PackedPathsMatchTheDenseTwin) {
   using Scalar = TypeParam;
-  constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity();
+  constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity(), kNaN = std::numeric_limits<Scalar>::quiet_NaN();
   const Index panel = c2f::detail::GemmBlocking<Scalar>::kNR;
   TestRng rng(73);
   std::vector<std::array<Index, 3>> cases;  // chunk, length, top_k
@@ -252,41 +254,66 @@ TYPED_TEST(SparseTyped, PackedPerChunkPathMatchesTheDenseTwin) {
       for (const Index top_k : {Index(2), step + 2}) cases.push_back({chunk, length, top_k});
     }
   }
-  for (std::size_t rep = 0; rep < cases.size(); ++rep) {
-    const Index chunk = cases[rep][0], length = cases[rep][1], top_k = cases[rep][2];
+  const auto options = [](int threads) { return c2f::kernels::with_threads(threads).rows_independent(true); };
+  for (std::size_t rep = 0; rep < 3 * cases.size(); ++rep) {
+    const Index chunk = cases[rep / 3][0], length = cases[rep / 3][1], top_k = cases[rep / 3][2];
+    const bool per_token = rep % 3 != 0, causal = rep % 3 == 2;
     const Index heads = rng.pick(std::vector<Index>{1, 3}), dh = rng.pick(std::vector<Index>{1, 5, 64});
     const Index batch = rng.uniform_int(1, 2);
     const c2f::kernels::ChunkGrid grid{batch, length, chunk};
     std::ostringstream what;
     what << "rep " << rep << ": batch=" << batch << " L=" << length << " chunk=" << chunk << " heads=" << heads
-         << " dh=" << dh << " top_k=" << top_k;
+         << " dh=" << dh << " top_k=" << top_k << (per_token ? " per token" : " per chunk") << " causal=" << causal;
     SCOPED_TRACE(what.str());
-    const auto options = [](int threads) { return c2f::kernels::with_threads(threads).rows_independent(true); };
-    ASSERT_TRUE(c2f::detail::chunk_sparse_packed<Scalar>(grid, options(1)));
+    const bool packed = per_token ? c2f::detail::token_sparse_packed<Scalar, Scalar>(options(1), length)
+                                  : c2f::detail::chunk_sparse_packed<Scalar>(grid, options(1));
+    ASSERT_TRUE(packed);
     const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, heads * dh, 2.0), k = rng.matrix<Scalar>(batch * length, heads * dh, 2.0),
                             v = rng.matrix<Scalar>(batch * length, heads * dh);
     std::vector<Index> lengths(static_cast<std::size_t>(batch), length);
     lengths[0] = rng.uniform_int(0, length);
     const c2f::KeyPaddingMask<Scalar> padding = c2f::KeyPaddingMask<Scalar>::lengths(lengths);
     const c2f::MaskView<Scalar> plan({}, padding, batch, heads, length, length);
-    const c2f::kernels::ChunkSelection sel =
-        c2f::kernels::select_chunks<Scalar>(q, k, grid, heads, top_k, c2f::kernels::with_threads(1));
-    RowMatrix<Scalar> poisoned_k = k, poisoned_v = v;
-    for (Index j = lengths[0]; j < length; ++j) {
-      poisoned_k.row(j).setConstant(j % 2 ? kInf : -kInf);
-      poisoned_v.row(j).setConstant(j % 3 ? std::numeric_limits<Scalar>::quiet_NaN() : kInf);
-    }
     const Scalar scale = c2f::kernels::default_scale<Scalar>(dh);
-    RowMatrix<Scalar> one(batch * length, heads * dh), two = one, dirty = one;
-    c2f::kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, sel, one, plan, scale, options(1));
-    c2f::kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, sel, two, plan, scale, options(2));
-    c2f::kernels::chunk_sparse_attention<Scalar>(q, poisoned_k, poisoned_v, grid, heads, sel, dirty, plan, scale, options(2));
-    const RowMatrix<Scalar> dense = dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, sel.top_k, false, false, lengths);
+    // The selection from (q, k), then the fine stage on (q, k, v) with it.
+    const auto run = [&](const RowMatrix<Scalar>& qi, const RowMatrix<Scalar>& ki, const RowMatrix<Scalar>& vi,
+                         const c2f::kernels::ChunkSelection& sel, int threads) {
+      RowMatrix<Scalar> out(batch * length, heads * dh);
+      if (per_token) {
+        c2f::kernels::token_sparse_attention<Scalar>(qi, ki, vi, grid, heads, sel, out, causal, plan, scale, options(threads));
+      } else {
+        c2f::kernels::chunk_sparse_attention<Scalar>(qi, ki, vi, grid, heads, sel, out, plan, scale, options(threads));
+      }
+      return out;
+    };
+    const auto select = [&](const RowMatrix<Scalar>& qi, const RowMatrix<Scalar>& ki) {
+      return per_token ? c2f::kernels::select_chunks_per_token<Scalar>(qi, chunk_means(ki, grid), grid, heads, top_k, causal, options(1))
+                       : c2f::kernels::select_chunks<Scalar>(qi, ki, grid, heads, top_k, options(1));
+    };
+    const c2f::kernels::ChunkSelection sel = select(q, k);
+    const RowMatrix<Scalar> one = run(q, k, v, sel, 1), two = run(q, k, v, sel, 2);
+    const RowMatrix<Scalar> dense = dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, sel.top_k, per_token, causal, lengths);
     const double tol = std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
     expect_close(one.data(), dense.data(), one.size(), tol, tol, what.str());
     EXPECT_EQ(0, std::memcmp(one.data(), two.data(), sizeof(Scalar) * static_cast<std::size_t>(one.size()))) << "1 and 2 threads";
+    RowMatrix<Scalar> poisoned_k = k, poisoned_v = v;
+    for (Index j = lengths[0]; j < length; ++j) {
+      poisoned_k.row(j).setConstant(j % 2 ? kInf : -kInf);
+      poisoned_v.row(j).setConstant(j % 3 ? kNaN : kInf);
+    }
+    const RowMatrix<Scalar> dirty = run(q, poisoned_k, poisoned_v, sel, 2);
     // (A row with every selected key hidden is 0 on either input.)
     EXPECT_TRUE(dirty.allFinite() && (dirty.array() == one.array()).all()) << "non-finite keys and values behind the padding";
+    if (causal) {  // batch item 0 from position t on: new values, and NaN in its keys and values
+      const Index t = rng.uniform_int(0, length - 1);
+      RowMatrix<Scalar> q2 = q, k2 = k, v2 = v;
+      q2.middleRows(t, length - t) = rng.matrix<Scalar>(length - t, heads * dh, 2.0);
+      k2.middleRows(t, length - t).setConstant(kNaN);
+      v2.middleRows(t, length - t).setConstant(kNaN);
+      const RowMatrix<Scalar> later = run(q2, k2, v2, select(q2, k2), 2);
+      EXPECT_EQ(0, std::memcmp(one.data(), later.data(), sizeof(Scalar) * static_cast<std::size_t>(t * heads * dh)))
+          << "tokens from " << t << " on changed an earlier output";
+    }
   }
 }
 

@@ -177,6 +177,12 @@ ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>
   return sel;
 }
 
+/// Queries per GEMM in token_sparse_attention: min(kTokenGroupRows, n) for a call with n queries. Fixed
+/// per call, so that a token's arithmetic depends only on n, its own data and its position among the
+/// earlier tokens that chose the same key chunk — never on the thread count, and never on a later token
+/// (the causal guarantee holds bit for bit). A decode step (n = 1) runs [1, dh] products, not 32 rows.
+constexpr Index kTokenGroupRows = 32;
+
 }  // namespace kernels
 namespace detail {
 
@@ -189,6 +195,18 @@ template <class Scalar>
 bool chunk_sparse_packed(const kernels::ChunkGrid& grid, const kernels::KernelOptions& options) {
   return (kPackedGemm || honoured_rows_independent(options.rows_independent())) && options.compute() != Compute::BFloat16 &&
          (grid.chunk % GemmBlocking<Scalar>::kNR == 0 || grid.chunk >= grid.length);
+}
+
+/// Whether token_sparse_attention runs on the micro-kernel's panels: fp32 compute on keys and values
+/// stored as Scalar, on a build that has the micro-kernel, for a call of at least kTokenGroupRows queries
+/// (a forward pass; a decode step's few queries would pack each chunk for one row) — or on any build and
+/// call with KernelOptions::rows_independent. Each output element's sum does not depend on the rows
+/// around it, so the causal guarantee holds as on the portable path.
+template <class Scalar, class KV>
+bool token_sparse_packed(const kernels::KernelOptions& options, Index n) {
+  const bool ri = honoured_rows_independent(options.rows_independent());
+  return std::is_same<KV, Scalar>::value && options.compute() != Compute::BFloat16 && (kPackedGemm || ri) &&
+         (n >= kernels::kTokenGroupRows || ri);
 }
 
 /// Keys chunk_sparse_attention's packed path takes per online-softmax step: whole key chunks, as many as
@@ -323,6 +341,26 @@ std::size_t chunk_sparse_workspace_bytes(const kernels::ChunkGrid& grid, Index h
   return s * workers * (2 * picks * k * d + k * picks * k + (compute == Compute::BFloat16 ? k * d : 0));
 }
 
+/// Bytes token_sparse_attention holds at its peak for a forward pass (n = T queries): per worker the
+/// accumulators and running max and sum of every query [T, dh + 2], a group's queries, scores and products
+/// ([G, dh], [G, chunk], [G, dh]) and factors, the buckets of queries per key chunk, and a key chunk packed
+/// (the packed path: its keys and values in panels) or, in bfloat16, rounded.
+template <class Scalar, class KV = Scalar>
+std::size_t token_sparse_workspace_bytes(const kernels::ChunkGrid& grid, Index heads, Index dh, Index top_k,
+                                         const kernels::KernelOptions& options) {
+  const std::size_t s = sizeof(Scalar), ix = sizeof(Index), len = static_cast<std::size_t>(grid.length);
+  const std::size_t d = static_cast<std::size_t>(dh), k = static_cast<std::size_t>(grid.chunk);
+  const std::size_t m = static_cast<std::size_t>(grid.chunks_per_batch());
+  const std::size_t picks = std::min(static_cast<std::size_t>(top_k), std::max<std::size_t>(m, 1));
+  const std::size_t g = std::min<std::size_t>(static_cast<std::size_t>(kernels::kTokenGroupRows), std::max<std::size_t>(len, 1));
+  const std::size_t workers = static_cast<std::size_t>(resolve_threads(options.num_threads(), grid.batch * heads));
+  const bool bf16 = options.compute() == Compute::BFloat16;
+  const std::size_t chunk_copy = token_sparse_packed<Scalar, KV>(options, grid.length)
+                                     ? PackedB<Scalar>::bytes(dh, grid.chunk) + PackedB<Scalar>::bytes(grid.chunk, dh)
+                                     : (bf16 ? s * k * d : 0);
+  return workers * (s * (len * d + 2 * g * d + g * k + 2 * len + g) + chunk_copy + ix * (2 * m + 1 + len * picks));
+}
+
 }  // namespace detail
 namespace kernels {
 
@@ -396,11 +434,6 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
   });
 }
 
-/// Queries per GEMM in token_sparse_attention: min(kTokenGroupRows, n) for a call with n queries. Fixed
-/// per call, so that a token's arithmetic depends only on n, its own data and its position among the
-/// earlier tokens that chose the same key chunk — never on the thread count, and never on a later token
-/// (the causal guarantee holds bit for bit). A decode step (n = 1) runs [1, dh] products, not 32 rows.
-constexpr Index kTokenGroupRows = 32;
 
 /// Fine stage of per-token gating: the query at position t attends, with one softmax (scores q·k ·
 /// scale), to the keys of the chunks it selected; with `causal`, in its own chunk only to keys ≤ t (the
@@ -426,11 +459,15 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   const Index p0 = T - n;  // position of query 0
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index G = std::min(kTokenGroupRows, std::max<Index>(n, 1));
+  // The packed path (detail::token_sparse_packed): each key chunk's keys and values packed once per
+  // (batch, head) into the micro-kernel's panels, then QKᵀ and PV of its groups of queries on them.
+  const bool packed = !bf16 && detail::token_sparse_packed<Scalar, KV>(options, n);
   struct Workspace {
     std::vector<Index> start, members, fill;  // queries per key chunk: members[start[j] .. start[j+1])
     RowMatrix<Scalar> acc, qg, s, pv, kv;
     Vector<Scalar> run_max, run_sum, alpha;
     detail::MaskedValues<Scalar> masked;
+    detail::PackedB<Scalar> keys, values;  // the packed path's chunk
   };
   const Index tasks = grid.batch * heads;
   const double work = detail::attention_work(grid.batch * heads, n, std::min(top_k, m) * grid.chunk, dh, dh);
@@ -460,16 +497,28 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
       const Index first = ws.start[static_cast<std::size_t>(j)], last = ws.start[static_cast<std::size_t>(j + 1)];
       if (first == last) continue;
       const Index kc = b * m + j, count = grid.count(kc), j0 = grid.first(kc), key_row = grid.row(kc);
+      if constexpr (std::is_same<KV, Scalar>::value) {
+        if (packed) {
+          ws.keys.pack(k.block(key_row, h * dh, count, dh).transpose());
+          ws.values.pack(v.block(key_row, h * dh, count, dh));
+        }
+      }
       for (Index g0 = first; g0 < last; g0 += G) {
         const Index rows = std::min(G, last - g0);
         const Index* queries = ws.members.data() + g0;
         for (Index r = 0; r < rows; ++r) ws.qg.row(r) = q.block(q_base + queries[r], h * dh, 1, dh) * scale;
         if (rows < G) ws.qg.bottomRows(G - rows).setZero();  // fixed GEMM shape; these rows are discarded
         ws.s.resize(G, count);
-        // Compute::BFloat16 (float only, checked above): q·scale and the keys rounded.
-        if (bf16) detail::round_bf16_matrix(ws.qg);
-        detail::as_scalar_rounded(k.block(key_row, h * dh, count, dh), ws.kv, bf16,
-                                  [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
+        if (packed) {  // the real rows; the others 0, as the zero queries' scores would be
+          detail::packed_gemm_range<Scalar>(ws.qg.data(), ws.qg.outerStride(), rows, ws.keys, 0, dh, 0, count, nullptr, false,
+                                            ws.s.data(), ws.s.outerStride());
+          if (rows < G) ws.s.bottomRows(G - rows).setZero();
+        } else {
+          // Compute::BFloat16 (float only, checked above): q·scale and the keys rounded.
+          if (bf16) detail::round_bf16_matrix(ws.qg);
+          detail::as_scalar_rounded(k.block(key_row, h * dh, count, dh), ws.kv, bf16,
+                                    [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
+        }
         for (Index r = 0; r < rows; ++r) {
           const Index qi = queries[r], t = p0 + qi;
           if (causal && t - j0 < count - 1) ws.s.row(r).tail(count - 1 - std::max<Index>(t - j0, -1)).setConstant(kNegInf);
@@ -493,7 +542,15 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
           }
           if (rows < G) ws.s.bottomRows(G - rows).setZero();
           if (bf16) detail::round_bf16_matrix(ws.s);  // the unnormalised probabilities, as sdpa_streaming's
-          if (guard) {
+          if (packed) {  // added to zeros on both branches: the same bits for a row that hides no bad key
+            ws.pv.setZero(G, dh);
+            if (guard) {
+              ws.masked.product_packed_add(ws.pv, ws.s, vb, 0);
+            } else {
+              detail::packed_gemm_range<Scalar>(ws.s.data(), ws.s.outerStride(), rows, ws.values, 0, count, 0, dh, nullptr, true,
+                                                ws.pv.data(), ws.pv.outerStride());
+            }
+          } else if (guard) {
             ws.masked.template product<false>(ws.pv, ws.s, vb);
           } else {
             ws.pv.noalias() = ws.s * vb;

@@ -161,25 +161,21 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   /// heads' output ([B·L, E] each), the selection (Index per (batch, head, query row) × top_k), and the
   /// scratch of the gating (chunk means, score blocks) and of the fine stage (per chunk: the keys and
   /// values in panels, or gathered per task — detail::chunk_sparse_workspace_bytes; per token: the
-  /// accumulators) — every worker's.
+  /// accumulators and a key chunk — detail::token_sparse_workspace_bytes) — every worker's.
   std::size_t workspace_bytes(Index batch, Index seq) const {
     const kernels::ChunkGrid grid{batch, seq, chunk_};
     const std::size_t s = sizeof(Scalar), ix = sizeof(Index), e = static_cast<std::size_t>(embed_dim());
-    const std::size_t h = static_cast<std::size_t>(num_heads()), dh = e / h, k = static_cast<std::size_t>(chunk_);
+    const std::size_t h = static_cast<std::size_t>(num_heads()), k = static_cast<std::size_t>(chunk_);
     const std::size_t tokens = static_cast<std::size_t>(batch * seq), chunks = static_cast<std::size_t>(grid.chunks());
-    const std::size_t len = static_cast<std::size_t>(seq), m = static_cast<std::size_t>(grid.chunks_per_batch());
+    const std::size_t m = static_cast<std::size_t>(grid.chunks_per_batch());
     const std::size_t top_k = static_cast<std::size_t>(top_k_), picks = std::min(top_k, std::max<std::size_t>(m, 1));
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), batch * seq));
     const std::size_t top_picks = workers * picks * (s + ix);
     std::size_t selection, gating, fine;
-    const bool bf16 = options_.compute() == Compute::BFloat16;
     if (gating_ == Gating::PerToken) {
-      const std::size_t g = std::min<std::size_t>(static_cast<std::size_t>(kernels::kTokenGroupRows), std::max<std::size_t>(len, 1));
       selection = ix * tokens * h * top_k;
       gating = s * (chunks * e + workers * k * m) + top_picks;
-      // Compute::BFloat16: + a rounded key or value block [chunk, dh] per worker.
-      fine = s * workers * (len * dh + 2 * g * dh + g * k + 2 * len + g + (bf16 ? k * dh : 0)) +
-             ix * workers * (2 * m + 1 + len * picks);
+      fine = detail::token_sparse_workspace_bytes<Scalar>(grid, num_heads(), head_dim(), top_k_, detail::kernel_options(options_));
     } else {
       selection = ix * chunks * h * top_k;
       gating = s * (2 * chunks * e + workers * m * m) + top_picks;
