@@ -263,6 +263,19 @@ bool softmax_row(Row&& row, typename std::decay_t<Row>::Scalar* max_out = nullpt
   return true;
 }
 
+/// dst.row(r) = acc.row(r) / sum[r], the end of an online softmax; 0 where sum[r] is 0, which happens
+/// only when every key was masked (a visible key contributes exp(0) = 1 at the max).
+template <class Acc, class Sum, class Dst>
+void divide_by_sums(const Acc& acc, const Sum& sum, Dst&& dst) {
+  for (Index r = 0; r < acc.rows(); ++r) {
+    if (sum[r] == 0) {
+      dst.row(r).setZero();
+    } else {
+      dst.row(r) = acc.row(r) / sum[r];
+    }
+  }
+}
+
 /// The row stride of a block of scores for blocks of bk keys (sdpa_streaming's, chunk_sparse_attention's):
 /// bk rounded up to whole aligned packets, so that every row of scores starts on the same alignment and
 /// Eigen's vectorised exp and sum split each row the same way, whatever its place in the query block

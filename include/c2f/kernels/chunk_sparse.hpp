@@ -306,15 +306,7 @@ void chunk_sparse_attention_packed(const Eigen::Ref<const RowMatrix<Scalar>>& q,
         cols += count;
       }
     }
-    Eigen::Block<Eigen::Ref<RowMatrix<Scalar>>> dst = out.block(q_row, h * dh, rows, dh);
-    for (Index r = 0; r < rows; ++r) {
-      // l is 0 only when every selected key was masked (a visible key contributes exp(0) = 1 at the max).
-      if (l[r] == Scalar(0)) {
-        dst.row(r).setZero();
-      } else {
-        dst.row(r) = acc.row(r) / l[r];
-      }
-    }
+    divide_by_sums(acc, l, out.block(q_row, h * dh, rows, dh));
   });
 }
 
@@ -562,14 +554,7 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
         }
       }
     }
-    for (Index r = 0; r < n; ++r) {
-      // The sum is 0 only when every key was masked (a visible key contributes exp(0) = 1 at the max).
-      if (ws.run_sum[r] == Scalar(0)) {
-        out.block(q_base + r, h * dh, 1, dh).setZero();
-      } else {
-        out.block(q_base + r, h * dh, 1, dh) = ws.acc.row(r) / ws.run_sum[r];
-      }
-    }
+    detail::divide_by_sums(ws.acc, ws.run_sum, out.block(q_base, h * dh, n, dh));
   });
 }
 
