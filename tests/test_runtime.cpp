@@ -160,16 +160,20 @@ TEST(Runtime, NestedLoopsRunInline) {
 
 TEST(Runtime, TheFirstExceptionIsRethrownAndThePoolStaysUsable) {
   const RuntimeSettings settings(2, 0);
+  // The other worker keeps claiming tasks while the thrower unwinds, which under ThreadSanitizer can
+  // take milliseconds (a CI run saw all of 100 × 20 µs tasks run). 20 000 tasks need 0.4 s of work, so
+  // "stopped early" does not depend on how fast an exception unwinds.
+  constexpr int kTasks = 20000;
   for (int rep = 0; rep < 20; ++rep) {
     std::atomic<int> ran{0};
-    EXPECT_THROW(parallel_for(100, 0,
+    EXPECT_THROW(parallel_for(kTasks, 0,
                               [&](Index t, int) {
                                 ++ran;
                                 if (t == 10 + rep) throw std::runtime_error("task failed");
                                 busy_wait(std::chrono::microseconds(20));
                               }),
                  std::runtime_error);
-    EXPECT_LT(ran.load(), 100);  // the loop stopped early
+    EXPECT_LT(ran.load(), kTasks);  // the loop stopped early
   }
   run_and_check(50, 0, c2f::detail::kUnknownWork, std::chrono::microseconds(50));
 }
