@@ -194,6 +194,44 @@ TYPED_TEST(C2FPathTest, FoldedPathEqualsGeneralPathOnRandomShapes) {
   }
 }
 
+// With several workers and enough chunks (here d = 512, 8 heads: groups of about 24 chunks, from 96
+// chunks on), the folded stage runs its whole chain group by group (FineAttention::folded_groups). The
+// bits must be those of one thread, which runs every product over all the chunks at once (the path
+// FoldedPathEqualsGeneralPathOnRandomShapes checks), so every group must line up its rows, tokens and
+// mask with the whole.
+TYPED_TEST(C2FPathTest, FoldedGroupsKeepTheBitsOfOneThread) {
+  using Scalar = TypeParam;
+  TestRng rng(33);
+  constexpr Index kD = 512, kHeads = 8;
+  for (const Index chunk : {2, 3}) {
+    const Index batch = 2, length = 50 * chunk - 1;  // 100 chunks, the last of each batch item partial
+    const Index nchunks = (length + chunk - 1) / chunk;
+    C2FAttention<Scalar> m(kD, kHeads, chunk, typename C2FAttention<Scalar>::Options().fine_path(FinePath::Folded));
+    randomize(m, rng);
+    const Tensor3<Scalar> x = rng.tensor<Scalar>(batch, length, kD);
+    for (const bool masked : {false, true}) {
+      c2f::Masks<Scalar> masks;
+      if (masked) {  // a per-chunk key mask, some chunks fully masked
+        c2f::BoolTensor3 keep(batch * nchunks, chunk, chunk);
+        for (Index c = 0; c < batch * nchunks; ++c) {
+          const bool all_masked = rng.coin(0.1);
+          for (Index j = 0; j < chunk; ++j) {
+            const bool kj = !all_masked && rng.coin(0.7);
+            for (Index t = 0; t < chunk; ++t) keep(c, t, j) = kj;
+          }
+        }
+        masks.fine_attn_mask(c2f::AttnMask<Scalar>::keep(keep));
+      }
+      SCOPED_TRACE("chunk " + std::to_string(chunk) + (masked ? ", per-chunk key mask" : ", no mask"));
+      m.set_num_threads(1);
+      const Tensor3<Scalar> one = m.forward(x, masks);
+      m.set_num_threads(2);
+      const Tensor3<Scalar> two = m.forward(x, masks);
+      EXPECT_TRUE(same_bits(one, two)) << "2 threads (groups of chunks) against 1 (one pass)";
+    }
+  }
+}
+
 TEST(C2FPath, FoldedPathRejectsMasksWhoseRowsDiffer) {
   C2FAttention<float> m(8, 2, 4, C2FAttention<float>::Options().num_threads(1).fine_path(FinePath::Folded));
   TestRng rng(32);

@@ -422,6 +422,23 @@ TEST(C2F2DEquivalence, OneRowIsTheOneDimensionalLayerBitForBit) {
   }
 }
 
+// With several workers and enough blocks (d = 512, 8 heads: from 96 blocks on), the folded stage runs
+// its whole chain group by group (FineAttention::folded_groups), each block read run by run through a
+// kernels::BlockRange: the bits of one thread, which runs every product over all the blocks at once.
+TEST(C2F2DEquivalence, FoldedGroupsKeepTheBitsOfOneThread) {
+  TestRng rng(147);
+  constexpr Index kD = 512, kHeads = 8;
+  for (const bool bias : {false, true}) {
+    const Index H = 21, W = 19, bh = 2, bw = 2;  // 11 × 10 blocks, partial ones on the right and bottom
+    C2FAttention2D<float> m(kD, kHeads, bh, bw, options_of<float>(bias, 11, 10, 1));
+    randomize(m, rng);
+    const Tensor3<float> x = rng.tensor<float>(1, H * W, kD);
+    const Tensor3<float> one = m.forward(x, H, W);
+    m.set_num_threads(2);
+    EXPECT_TRUE(same_bits(one, m.forward(x, H, W))) << (bias ? "with" : "without") << " the relative position bias";
+  }
+}
+
 // One grid column: block (r, 0) holds the consecutive tokens [r·block_h, …), so this is the 1-D layer
 // with chunk_size = block_h — but each block is block_h runs of one token, merged run by run.
 TEST(C2F2DEquivalence, OneColumnIsTheOneDimensionalLayerMergedRunByRun) {

@@ -54,6 +54,22 @@ struct ChunkGrid {
   Index segment_length(Index c, Index) const { return count(c); }
 };
 
+/// Blocks [first, first + count) of a block grid, numbered from 0: the kernels below run on a range of
+/// blocks through it (token rows keep their places in the whole token matrix: tokens() is the grid's).
+template <class Grid>
+struct BlockRange {
+  const Grid& grid;
+  Index first = 0, n = 0;
+
+  Index blocks() const { return n; }
+  Index tokens() const { return grid.tokens(); }
+  void check(const char* kernel) const { grid.check(kernel); }
+  Index count(Index c) const { return grid.count(first + c); }
+  Index segments(Index c) const { return grid.segments(first + c); }
+  Index segment_row(Index c, Index s) const { return grid.segment_row(first + c, s); }
+  Index segment_length(Index c, Index s) const { return grid.segment_length(first + c, s); }
+};
+
 /// The chunks of `grid` that hold the last n positions (the queries of a kernel whose queries are the
 /// last n of the grid's T positions): [first, first + count) in every batch item, and the first query
 /// position T − n.

@@ -603,6 +603,19 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     return options_.compute() == Compute::BFloat16 || detail::packed_gemm_for(blocks, true);
   }
 
+  /// The groups forward_folded splits `blocks` blocks into: about kFoldedGroupBytes of a group's qk and
+  /// pooled rows each, as many groups as a multiple of the workers (so that they share them evenly), or
+  /// 1 — the whole chain product by product, each product on every worker — on one worker or when
+  /// there are fewer blocks than two groups' worth per worker.
+  Index folded_groups(Index blocks) const {
+    constexpr std::size_t kFoldedGroupBytes = std::size_t(768) << 10;
+    const std::size_t row_bytes = 2 * sizeof(Scalar) * static_cast<std::size_t>(heads_ * d_);
+    const Index group = std::max<Index>(1, static_cast<Index>(kFoldedGroupBytes / row_bytes));
+    const Index workers = detail::resolve_threads(options_.num_threads(), blocks);
+    if (workers <= 1 || blocks < 2 * workers * group) return 1;
+    return detail::ceil_div(detail::ceil_div(blocks, group), workers) * workers;
+  }
+
   /// One attention row per block; kv_proj folded into the query (keys) and the pooled tokens (values).
   /// `bias(c, h, j)`: what is added to the score of token j of block c for head h (0, a value or -inf).
   /// `keep`: nullptr, or where training keeps qk, pooled, mass and o.
@@ -623,35 +636,61 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     // kv_proj's weight_stamp()), so the expression is packed once. Eigen's product (a portable build that
     // ignores rows_independent) gets W_k,h · scale materialised first, as a plain matrix. The products are
     // the same, so are the bits.
-    detail::ScratchRowMatrix<Scalar> qk(chunks, heads_ * d_), pooled(chunks, heads_ * d_), mass(chunks, heads_), o(chunks, d_);
+    detail::ScratchRowMatrix<Scalar> qk(chunks, heads_ * d_), pooled(chunks, heads_ * d_), mass(chunks, heads_), o(chunks, d_),
+        chunk_out(chunks, d_);
     const bool cached = folded_weights_cached(chunks);
     const std::uint64_t stamp = kv_proj_.weight_stamp();
     const std::size_t heads = static_cast<std::size_t>(heads_);
     detail::ScratchRowMatrix<Scalar> wk_scaled(cached ? 0 : dk, d_);
     const Eigen::Ref<const RowMatrix<Scalar>> wk_h(wk_scaled);
-    for (Index h = 0; h < heads_; ++h) {
-      if (cached) {
-        detail::matmul_rows_cached<Scalar>(q.middleCols(h * dk, dk), wk.middleRows(h * dk, dk) * scale, nullptr,
-                                           qk.middleCols(h * d_, d_), threads, packed_, static_cast<std::size_t>(h), stamp);
-        continue;
+    // The whole chain on blocks [c0, c0 + n): their rows of every product, their pass over the tokens and
+    // their output rows.
+    const auto run = [&](Index c0, Index n) {
+      const kernels::BlockRange<Grid> range{grid, c0, n};
+      for (Index h = 0; h < heads_; ++h) {
+        if (cached) {
+          detail::matmul_rows_cached<Scalar>(q.middleRows(c0, n).middleCols(h * dk, dk), wk.middleRows(h * dk, dk) * scale, nullptr,
+                                             qk.middleRows(c0, n).middleCols(h * d_, d_), threads, packed_,
+                                             static_cast<std::size_t>(h), stamp);
+          continue;
+        }
+        wk_scaled = wk.middleRows(h * dk, dk) * scale;
+        kernels::matmul_rows<Scalar>(q.middleRows(c0, n).middleCols(h * dk, dk), wk_h, nullptr, qk.middleRows(c0, n).middleCols(h * d_, d_),
+                                     threads);
       }
-      wk_scaled = wk.middleRows(h * dk, dk) * scale;
-      kernels::matmul_rows<Scalar>(q.middleCols(h * dk, dk), wk_h, nullptr, qk.middleCols(h * d_, d_), threads);
+      // The pass over the tokens stays fp32 in either compute: it reads each token once for 4·H·d FLOP and
+      // is bound by memory, so rounding its operands would cost time (a rounded copy of every run) and
+      // accuracy and save nothing (docs/bf16.md).
+      kernels::fine_attention_folded<Scalar>(x, range, qk.middleRows(c0, n), heads_, pooled.middleRows(c0, n), mass.middleRows(c0, n),
+                                             [&](Index c, Index h, Index j) { return bias(c0 + c, h, j); },
+                                             kernels::KernelOptions(threads).compute(Compute::Float32));
+      // o[c, h·dk:(h+1)·dk] = pooled[c, h] W_v,hᵀ + mass[c, h] b_v,h
+      for (Index h = 0; h < heads_; ++h) {
+        detail::matmul_rows_cached<Scalar>(pooled.middleRows(c0, n).middleCols(h * d_, d_), wv.middleRows(h * dk, dk).transpose(), nullptr,
+                                           o.middleRows(c0, n).middleCols(h * dk, dk), threads, packed_,
+                                           heads + static_cast<std::size_t>(h), stamp);
+        o.middleRows(c0, n).middleCols(h * dk, dk).noalias() +=
+            mass.middleRows(c0, n).col(h) * kv_proj_.bias().segment(d_ + h * dk, dk).transpose();
+      }
+      out_proj_.forward_rows_independent(o.middleRows(c0, n), chunk_out.middleRows(c0, n));
+      kernels::broadcast_chunks<Scalar>(chunk_out.middleRows(c0, n), range, out, threads);
+    };
+    // Where the products' packings are kept (`cached`), every block's chain runs in one task, groups of
+    // blocks on the workers at once: each group's qk and pooled rows stay in the worker's L2 from the
+    // product that writes them to the pass that reads them, and one worker's pass over the tokens
+    // overlaps the other's products (measured: docs/benchmarks.md, "The folded fine stage in groups of
+    // blocks"). Every product is row by row independent and every block is computed alone, so the bits
+    // are those of one group of all the blocks, whatever the grouping or the thread count.
+    const Index groups = cached ? folded_groups(chunks) : 1;
+    if (groups <= 1) {
+      run(0, chunks);
+    } else {
+      const Index group = detail::ceil_div(chunks, groups);
+      const double work = 6.0 * static_cast<double>(chunks) * static_cast<double>(d_) * static_cast<double>(d_) +
+                          4.0 * static_cast<double>(grid.tokens() * heads_) * static_cast<double>(d_);
+      detail::parallel_for(detail::ceil_div(chunks, group), threads.num_threads(), work,
+                           [&](Index g, int) { run(g * group, std::min(group, chunks - g * group)); });
     }
-    // The pass over the tokens stays fp32 in either compute: it reads each token once for 4·H·d FLOP and
-    // is bound by memory, so rounding its operands would cost time (a rounded copy of every run) and
-    // accuracy and save nothing (docs/bf16.md).
-    kernels::fine_attention_folded<Scalar>(x, grid, qk, heads_, pooled, mass, bias, kernels::KernelOptions(threads).compute(Compute::Float32));
-
-    // o[c, h·dk:(h+1)·dk] = pooled[c, h] W_v,hᵀ + mass[c, h] b_v,h
-    RowMatrix<Scalar> chunk_out(chunks, d_);
-    for (Index h = 0; h < heads_; ++h) {
-      detail::matmul_rows_cached<Scalar>(pooled.middleCols(h * d_, d_), wv.middleRows(h * dk, dk).transpose(), nullptr,
-                                         o.middleCols(h * dk, dk), threads, packed_, heads + static_cast<std::size_t>(h), stamp);
-      o.middleCols(h * dk, dk).noalias() += mass.col(h) * kv_proj_.bias().segment(d_ + h * dk, dk).transpose();
-    }
-    out_proj_.forward_rows_independent(o, chunk_out);
-    kernels::broadcast_chunks<Scalar>(chunk_out, grid, out, threads);
     if (keep != nullptr) {
       keep->qk = std::move(qk);
       keep->pooled = std::move(pooled);
