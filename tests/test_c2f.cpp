@@ -130,6 +130,21 @@ TEST(C2FFixtureCoverage, CoversTheRequiredShapes) {
 // ------------------------------------------------------------------------------------------------
 // Folded fast path against the general (seed-literal) path
 
+// A fine mask [chunks, chunk, chunk] whose rows are equal within each chunk (a per-chunk key mask, each
+// key kept with probability 0.7), with about one chunk in ten fully masked.
+template <class Scalar>
+c2f::AttnMask<Scalar> per_chunk_key_mask(Index chunks, Index chunk, TestRng& rng) {
+  c2f::BoolTensor3 keep(chunks, chunk, chunk);
+  for (Index c = 0; c < chunks; ++c) {
+    const bool all_masked = rng.coin(0.1);
+    for (Index j = 0; j < chunk; ++j) {
+      const bool kj = !all_masked && rng.coin(0.7);
+      for (Index t = 0; t < chunk; ++t) keep(c, t, j) = kj;
+    }
+  }
+  return c2f::AttnMask<Scalar>::keep(keep);
+}
+
 template <class T>
 class C2FPathTest : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
@@ -161,15 +176,7 @@ TYPED_TEST(C2FPathTest, FoldedPathEqualsGeneralPathOnRandomShapes) {
     c2f::Masks<Scalar> masks;
     std::string mask_desc = "none";
     if (rep % 2 == 1) {
-      c2f::BoolTensor3 keep(batch * nchunks, chunk, chunk);
-      for (Index c = 0; c < batch * nchunks; ++c) {
-        const bool all_masked = rng.coin(0.1);
-        for (Index j = 0; j < chunk; ++j) {
-          const bool kj = !all_masked && rng.coin(0.7);
-          for (Index t = 0; t < chunk; ++t) keep(c, t, j) = kj;
-        }
-      }
-      masks.fine_attn_mask(c2f::AttnMask<Scalar>::keep(keep));
+      masks.fine_attn_mask(per_chunk_key_mask<Scalar>(batch * nchunks, chunk, rng));
       mask_desc = "per-chunk keys";
     }
     std::ostringstream what;
@@ -212,15 +219,7 @@ TYPED_TEST(C2FPathTest, FoldedGroupsKeepTheBitsOfOneThread) {
     for (const bool masked : {false, true}) {
       c2f::Masks<Scalar> masks;
       if (masked) {  // a per-chunk key mask, some chunks fully masked
-        c2f::BoolTensor3 keep(batch * nchunks, chunk, chunk);
-        for (Index c = 0; c < batch * nchunks; ++c) {
-          const bool all_masked = rng.coin(0.1);
-          for (Index j = 0; j < chunk; ++j) {
-            const bool kj = !all_masked && rng.coin(0.7);
-            for (Index t = 0; t < chunk; ++t) keep(c, t, j) = kj;
-          }
-        }
-        masks.fine_attn_mask(c2f::AttnMask<Scalar>::keep(keep));
+        masks.fine_attn_mask(per_chunk_key_mask<Scalar>(batch * nchunks, chunk, rng));
       }
       SCOPED_TRACE("chunk " + std::to_string(chunk) + (masked ? ", per-chunk key mask" : ", no mask"));
       m.set_num_threads(1);
