@@ -603,8 +603,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     return options_.compute() == Compute::BFloat16 || detail::packed_gemm_for(blocks, true);
   }
 
-  /// The groups forward_folded splits `blocks` blocks into: about kFoldedGroupBytes of a group's qk and
-  /// pooled rows each, as many groups as a multiple of the workers (so that they share them evenly), or
+  /// The groups forward_folded splits `blocks` blocks into: about kFoldedGroupBytes of qk and pooled rows
+  /// per group, the group count rounded up to a multiple of the workers (so that they share them evenly), or
   /// 1 — the whole chain product by product, each product on every worker — on one worker or when
   /// there are fewer blocks than two groups' worth per worker.
   Index folded_groups(Index blocks) const {
