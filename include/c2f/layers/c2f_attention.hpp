@@ -677,10 +677,10 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     };
     // Where the products' packings are kept (`cached`), every block's chain runs in one task, groups of
     // blocks on the workers at once: each group's qk and pooled rows stay in the worker's L2 from the
-    // product that writes them to the pass that reads them, and one worker's pass over the tokens
-    // overlaps the other's products (measured: docs/benchmarks.md, "The folded fine stage in groups of
-    // blocks"). Every product is row by row independent and every block is computed alone, so the bits
-    // are those of one group of all the blocks, whatever the grouping or the thread count.
+    // product that writes them to the pass that reads them, and one worker's pass over the tokens can
+    // overlap the other's products (the gain measured: docs/benchmarks.md, "The folded fine stage in
+    // groups of blocks"). Every product is row by row independent and every block is computed alone, so
+    // the bits are those of one group of all the blocks, whatever the grouping or the thread count.
     const Index groups = cached ? folded_groups(chunks) : 1;
     if (groups <= 1) {
       run(0, chunks);
