@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -297,15 +298,59 @@ TYPED_TEST(BlockKernelTest, LargeBroadcastWritesTheSameBitsWithStreamingStores) 
   const RowMatrix<Scalar> rows = rng.matrix<Scalar>(g.blocks(), d);
   std::vector<Scalar> buffer(static_cast<std::size_t>(tokens * ld + 1), Scalar(-3));
   Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> y(buffer.data() + 1, tokens, d, Eigen::OuterStride<>(ld));
-  c2f::kernels::broadcast_chunks<Scalar>(rows, g, y, c2f::kernels::with_threads(2));
-  ASSERT_EQ(buffer[0], Scalar(-3));
-  for (Index yy = 0; yy < g.height; ++yy) {
-    for (Index xx = 0; xx < g.width; ++xx) {
-      const Index t = c2f::kernels::token_row(g, 0, yy, xx);
-      ASSERT_TRUE(y.row(t) == rows.row(c2f::kernels::token_block(g, 0, yy, xx))) << "token " << t;
-      ASSERT_EQ(buffer[static_cast<std::size_t>(1 + t * ld + d)], Scalar(-3)) << "padding after token " << t;
-      ASSERT_EQ(buffer[static_cast<std::size_t>(1 + t * ld + d + 1)], Scalar(-3)) << "padding after token " << t;
+  for (const bool fresh : {false, true}) {  // streaming stores, then ordinary ones (KernelOptions::fresh_output)
+    std::fill(buffer.begin(), buffer.end(), Scalar(-3));
+    c2f::kernels::broadcast_chunks<Scalar>(rows, g, y, c2f::kernels::with_threads(2).fresh_output(fresh));
+    ASSERT_EQ(buffer[0], Scalar(-3));
+    for (Index yy = 0; yy < g.height; ++yy) {
+      for (Index xx = 0; xx < g.width; ++xx) {
+        const Index t = c2f::kernels::token_row(g, 0, yy, xx);
+        ASSERT_TRUE(y.row(t) == rows.row(c2f::kernels::token_block(g, 0, yy, xx))) << "token " << t << ", fresh " << fresh;
+        ASSERT_EQ(buffer[static_cast<std::size_t>(1 + t * ld + d)], Scalar(-3)) << "padding after token " << t;
+        ASSERT_EQ(buffer[static_cast<std::size_t>(1 + t * ld + d + 1)], Scalar(-3)) << "padding after token " << t;
+      }
     }
+  }
+}
+
+// broadcast_chunks writes a 2-D grid's output band by band (a block row), image row by image row: in
+// address order, which lets C2FAttention2D::forward's fresh output be zeroed by the system and overwritten
+// while in cache (KernelOptions::fresh_output). The grid below records the runs in the order the kernel
+// asks for them, on one thread and on a range of blocks that starts and ends inside block rows; the
+// block-by-block order (every run of a block, then the next block) fails here.
+TEST(BlockKernels, BroadcastWritesA2DGridInAddressOrder) {
+  struct Recording {
+    const BlockGrid2D& g;
+    std::vector<Index>* runs;
+    Index blocks() const { return g.blocks(); }
+    Index tokens() const { return g.tokens(); }
+    void check(const char* kernel) const { g.check(kernel); }
+    Index count(Index c) const { return g.count(c); }
+    Index segments(Index c) const { return g.segments(c); }
+    Index segment_row(Index c, Index s) const {
+      runs->push_back(g.segment_row(c, s));
+      return g.segment_row(c, s);
+    }
+    Index segment_length(Index c, Index s) const { return g.segment_length(c, s); }
+    Index band_end(Index c) const { return g.band_end(c); }
+  };
+  TestRng rng(158);
+  const Index d = 3;
+  for (const BlockGrid2D g : {BlockGrid2D{2, 13, 17, 4, 5}, BlockGrid2D{1, 9, 30, 2, 7}, BlockGrid2D{1, 5, 4, 2, 2}}) {
+    std::vector<Index> runs;
+    const Recording recording{g, &runs};
+    const RowMatrix<float> rows = rng.matrix<float>(g.blocks(), d);
+    RowMatrix<float> y = RowMatrix<float>::Zero(g.tokens(), d);
+    c2f::kernels::broadcast_chunks<float>(rows, recording, y, c2f::kernels::with_threads(1));
+    EXPECT_EQ(static_cast<Index>(runs.size()), g.batch * g.height * g.blocks_w());
+    EXPECT_TRUE(std::is_sorted(runs.begin(), runs.end()) && std::adjacent_find(runs.begin(), runs.end()) == runs.end())
+        << g.height << " x " << g.width << " in blocks of " << g.block_h << " x " << g.block_w;
+    // Blocks [3, blocks − 2) of the grid: from inside the first block row to inside the last.
+    const c2f::kernels::BlockRange<Recording> range{recording, 3, g.blocks() - 5};
+    runs.clear();
+    c2f::kernels::broadcast_chunks<float>(rows.middleRows(3, range.n), range, y, c2f::kernels::with_threads(1));
+    EXPECT_TRUE(std::is_sorted(runs.begin(), runs.end()) && std::adjacent_find(runs.begin(), runs.end()) == runs.end())
+        << "blocks 3 … " << g.blocks() - 3 << " of " << g.height << " x " << g.width;
   }
 }
 
@@ -423,20 +468,44 @@ TEST(C2F2DEquivalence, OneRowIsTheOneDimensionalLayerBitForBit) {
 }
 
 // With several workers and enough blocks (d = 512, 8 heads: from 96 blocks on), the folded stage runs
-// its whole chain group by group (FineAttention::folded_groups), each block read run by run through a
-// kernels::BlockRange: the bits of one thread, which runs every product over all the blocks at once.
+// its whole chain group by group (FineAttention::folded_group), each block read run by run through a
+// kernels::BlockRange: the bits of one thread, which runs every product over all the blocks at once. The
+// groups are whole block rows where a block row fits in one (11 × 10 blocks: groups of 10), else they
+// cut block rows (4 × 31 blocks: groups of 21), and broadcast_chunks then writes a part of a row.
 TEST(C2F2DEquivalence, FoldedGroupsKeepTheBitsOfOneThread) {
   TestRng rng(147);
   constexpr Index kD = 512, kHeads = 8;
-  for (const bool bias : {false, true}) {
-    const Index H = 21, W = 19, bh = 2, bw = 2;  // 11 × 10 blocks, partial ones on the right and bottom
-    C2FAttention2D<float> m(kD, kHeads, bh, bw, options_of<float>(bias, 11, 10, 1));
-    randomize(m, rng);
-    const Tensor3<float> x = rng.tensor<float>(1, H * W, kD);
-    const Tensor3<float> one = m.forward(x, H, W);
-    m.set_num_threads(2);
-    EXPECT_TRUE(same_bits(one, m.forward(x, H, W))) << (bias ? "with" : "without") << " the relative position bias";
+  struct Grid {
+    Index H, W;
+  };
+  for (const Grid grid : {Grid{21, 19}, Grid{7, 61}}) {  // 2 × 2 blocks, partial ones on the right and bottom
+    const Index bh = 2, bw = 2, mh = (grid.H + 1) / 2, mw = (grid.W + 1) / 2;
+    for (const bool bias : {false, true}) {
+      C2FAttention2D<float> m(kD, kHeads, bh, bw, options_of<float>(bias, mh, mw, 1));
+      randomize(m, rng);
+      const Tensor3<float> x = rng.tensor<float>(1, grid.H * grid.W, kD);
+      const Tensor3<float> one = m.forward(x, grid.H, grid.W);
+      m.set_num_threads(2);
+      EXPECT_TRUE(same_bits(one, m.forward(x, grid.H, grid.W)))
+          << mh << " x " << mw << " blocks, " << (bias ? "with" : "without") << " the relative position bias";
+    }
   }
+}
+
+// forward writes its fresh output on first touch, band by band with ordinary stores
+// (detail::FreshPages::OnFirstWrite, KernelOptions::fresh_output; a 9 MiB output, large enough for
+// that path); forward_into writes a caller's buffer with streaming stores: the same bits.
+TEST(C2F2DEquivalence, FreshOutputWrittenOnFirstTouchHasTheBitsOfForwardInto) {
+  TestRng rng(148);
+  const Index d = 64, heads = 4, H = 181, W = 190;  // 23 × 24 blocks of 8 × 8, partial ones on two edges
+  C2FAttention2D<float> m(d, heads, 8, 8, options_of<float>(true, 23, 24, 2));
+  randomize(m, rng);
+  const Tensor3<float> x = rng.tensor<float>(1, H * W, d);
+  ASSERT_GE(static_cast<std::size_t>(x.size()) * sizeof(float), c2f::detail::kHugePageMinBytes);
+  const Tensor3<float> y = m.forward(x, H, W);
+  RowMatrix<float> into = RowMatrix<float>::Constant(H * W, d, 7.0f);
+  m.forward_into(x, H, W, into);
+  EXPECT_TRUE(same_bits(into.data(), y.data(), y.size()));
 }
 
 // One grid column: block (r, 0) holds the consecutive tokens [r·block_h, …), so this is the 1-D layer

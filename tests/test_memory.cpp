@@ -310,6 +310,40 @@ TEST(FreshOutput, FaultInPagesMapsEveryPageOfTheBuffer) {
     }
   }
 }
+
+// With FreshPages::OnFirstWrite (C2FAttention2D::forward's output) only the buffer's two ends outside
+// its whole 2 MiB pages are mapped before the layer writes; the whole huge pages are left to the layer's
+// first writes, and nothing is written. A prepare_fresh that faults in everything, or nothing, fails here.
+TEST(FreshOutput, OnFirstWriteMapsOnlyTheEndsOutsideWholeHugePages) {
+  constexpr std::size_t kPage = 4096, kHuge = c2f::detail::kHugePageBytes;
+  const std::size_t bytes = c2f::detail::kHugePageMinBytes + (std::size_t(3) << 20) + 777;
+  const std::size_t length = bytes + 2 * kHuge;
+  void* const region = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(region, MAP_FAILED);
+  // A start 5 pages and 13 bytes past a 2 MiB boundary: a head of 4 KiB pages before the first whole one.
+  const std::uintptr_t base = (reinterpret_cast<std::uintptr_t>(region) + kHuge - 1) & ~std::uintptr_t(kHuge - 1);
+  unsigned char* const data = reinterpret_cast<unsigned char*>(base + 5 * kPage + 13);
+  ASSERT_LE(reinterpret_cast<std::uintptr_t>(data + bytes), reinterpret_cast<std::uintptr_t>(region) + length);
+  Eigen::Map<Eigen::Matrix<unsigned char, Eigen::Dynamic, 1>> buffer(data, static_cast<Index>(bytes));
+  c2f::detail::prepare_fresh(buffer, 2, c2f::detail::FreshPages::OnFirstWrite);
+  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(data), last = first + bytes;
+  const std::uintptr_t begin = (first + kHuge - 1) & ~std::uintptr_t(kHuge - 1), end = last & ~std::uintptr_t(kHuge - 1);
+  ASSERT_LT(begin, end);
+  const std::uintptr_t from = first & ~std::uintptr_t(kPage - 1), to = (last + kPage - 1) & ~std::uintptr_t(kPage - 1);
+  std::vector<unsigned char> resident((to - from) / kPage);
+  ASSERT_EQ(::mincore(reinterpret_cast<void*>(from), to - from, resident.data()), 0);
+  std::size_t wrong = 0;
+  for (std::size_t p = 0; p < resident.size(); ++p) {
+    const std::uintptr_t page = from + p * kPage;
+    const bool inside_whole = page >= begin && page < end;  // in a whole huge page of the buffer
+    wrong += ((resident[p] & 1) != 0) == inside_whole ? 1 : 0;
+  }
+  EXPECT_EQ(wrong, 0u) << "of " << resident.size() << " pages";
+  std::size_t nonzero = 0;
+  for (std::size_t at = 0; at < bytes; at += 997) nonzero += data[at] != 0 ? 1 : 0;
+  EXPECT_EQ(nonzero, 0u);
+  ::munmap(region, length);
+}
 #endif
 
 // forward() on an output past that size (9 MB here) gives forward_into's bits on 1 and 2 threads.

@@ -11,6 +11,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <fstream>
+#include <string>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -35,6 +37,22 @@ inline void advise_huge_pages(const void* data, std::size_t bytes) noexcept {
 #else
   (void)data;
   (void)bytes;
+#endif
+}
+
+/// Whether advise_huge_pages() takes effect: Linux with /sys/kernel/mm/transparent_hugepage/enabled set
+/// to `always` or `madvise` (read once per process).
+inline bool huge_pages_enabled() {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  static const bool enabled = [] {
+    std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+    std::string modes;
+    std::getline(f, modes);
+    return modes.find("[always]") != std::string::npos || modes.find("[madvise]") != std::string::npos;
+  }();
+  return enabled;
+#else
+  return false;
 #endif
 }
 

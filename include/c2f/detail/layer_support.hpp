@@ -146,6 +146,21 @@ std::array<Index, 3> check_call(const char* layer, const Masks<Scalar>& masks, M
   return dims;
 }
 
+/// Maps the pages that hold [data, data + bytes) writable, on the calling thread: one
+/// madvise(MADV_POPULATE_WRITE) where the kernel has it (Linux 5.14 on), which writes nothing (a page
+/// shared with memory around the range is only mapped); elsewhere, or when the call fails, one byte per
+/// 4 KiB page is written (the range holds no values yet).
+inline void populate_pages(unsigned char* data, std::size_t bytes) {
+  if (data == nullptr || bytes == 0) return;
+  constexpr std::size_t kPage = 4096;
+#if defined(__linux__) && defined(MADV_POPULATE_WRITE)
+  const std::uintptr_t from = reinterpret_cast<std::uintptr_t>(data) & ~std::uintptr_t(kPage - 1);
+  const std::uintptr_t to = (reinterpret_cast<std::uintptr_t>(data + bytes) + kPage - 1) & ~std::uintptr_t(kPage - 1);
+  if (::madvise(reinterpret_cast<void*>(from), to - from, MADV_POPULATE_WRITE) == 0) return;
+#endif
+  for (std::size_t at = 0; at < bytes; at += kPage) *static_cast<volatile unsigned char*>(data + at) = 0;
+}
+
 /// Faults in the pages of a fresh buffer of kHugePageMinBytes or more before a layer computes into it.
 /// Each of `threads` threads (KernelOptions::num_threads convention; resolve_threads) takes one
 /// contiguous run of whole 2 MiB pages in address order, so that no two threads fault the same huge page
@@ -158,43 +173,57 @@ std::array<Index, 3> check_call(const char* layer, const Masks<Scalar>& masks, M
 /// every element). Smaller buffers are left alone.
 inline void fault_in_pages(void* data, std::size_t bytes, int threads) {
   if (data == nullptr || bytes < kHugePageMinBytes) return;
-  constexpr std::size_t kPage = 4096;
   unsigned char* const begin = static_cast<unsigned char*>(data);
   const std::size_t pages = (bytes + kHugePageBytes - 1) / kHugePageBytes;
   const Index workers = resolve_threads(threads, static_cast<Index>(pages));
   const std::size_t per_worker = (pages + static_cast<std::size_t>(workers) - 1) / static_cast<std::size_t>(workers) * kHugePageBytes;
   parallel_for(workers, threads, kUnknownWork, [&](Index worker, int) {
     const std::size_t first = std::min(bytes, static_cast<std::size_t>(worker) * per_worker);
-    const std::size_t last = std::min(bytes, first + per_worker);
-    if (first >= last) return;
-#if defined(__linux__) && defined(MADV_POPULATE_WRITE)
-    // The whole pages that hold bytes of the run (a page shared with the neighbouring run or memory
-    // around the buffer is only mapped, not written).
-    const std::uintptr_t from = reinterpret_cast<std::uintptr_t>(begin + first) & ~std::uintptr_t(kPage - 1);
-    const std::uintptr_t to = (reinterpret_cast<std::uintptr_t>(begin + last) + kPage - 1) & ~std::uintptr_t(kPage - 1);
-    if (::madvise(reinterpret_cast<void*>(from), to - from, MADV_POPULATE_WRITE) == 0) return;
-#endif
-    for (std::size_t at = first; at < last; at += kPage) *static_cast<volatile unsigned char*>(begin + at) = 0;
+    populate_pages(begin + first, std::min(bytes, first + per_worker) - first);
   });
 }
 
+/// How a fresh output's pages are readied before a layer fills it.
+enum class FreshPages {
+  /// All faulted in first (fault_in_pages).
+  FaultIn,
+  /// Left to the fill's first writes, but for the 4 KiB pages at the buffer's two ends that no whole
+  /// 2 MiB page covers: for a fill that writes every element once with ordinary stores in address order
+  /// (KernelOptions::fresh_output), so that the system zeroes each huge page just before the fill
+  /// overwrites it in cache, instead of in a pass of its own over memory (measured: docs/benchmarks.md,
+  /// "Fresh 2-D outputs written on first touch"). Only where transparent huge pages are on
+  /// (huge_pages_enabled()): a first write per 4 KiB page would fault 512 times as often.
+  OnFirstWrite,
+};
+
 /// Readies a freshly allocated Eigen matrix or tensor for a layer to compute into: huge pages advised
-/// (prefer_huge_pages), then its pages faulted in on `threads` threads (fault_in_pages); both only when
-/// it is large.
+/// (prefer_huge_pages), then its pages faulted in on `threads` threads (fault_in_pages) or, with
+/// FreshPages::OnFirstWrite, only the ends outside its whole huge pages; all only when it is large.
 template <class Buffer>
-void prepare_fresh(Buffer& buffer, int threads) {
+void prepare_fresh(Buffer& buffer, int threads, FreshPages pages = FreshPages::FaultIn) {
   prefer_huge_pages(buffer);
-  fault_in_pages(buffer.data(), sizeof(*buffer.data()) * static_cast<std::size_t>(buffer.size()), threads);
+  const std::size_t bytes = sizeof(*buffer.data()) * static_cast<std::size_t>(buffer.size());
+  if (pages == FreshPages::FaultIn || bytes < kHugePageMinBytes) {
+    fault_in_pages(buffer.data(), bytes, threads);
+    return;
+  }
+  unsigned char* const data = reinterpret_cast<unsigned char*>(buffer.data());
+  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(data);
+  const std::uintptr_t begin = (first + kHugePageBytes - 1) & ~std::uintptr_t(kHugePageBytes - 1);
+  const std::uintptr_t end = (first + bytes) & ~std::uintptr_t(kHugePageBytes - 1);
+  populate_pages(data, static_cast<std::size_t>(begin - first));
+  populate_pages(data + (end - first), static_cast<std::size_t>(first + bytes - end));
 }
 
-/// A fresh [dims] output (prepare_fresh on `threads` threads) filled by fill(rows of it); refused before
-/// it is allocated when it would exceed kMaxBufferBytes.
+/// A fresh [dims] output (prepare_fresh on `threads` threads, `pages` as asked) filled by fill(rows of
+/// it); refused before it is allocated when it would exceed kMaxBufferBytes.
 template <class Scalar, class Fill>
-Tensor3<Scalar> fresh_output(const char* layer, const std::array<Index, 3>& dims, int threads, Fill&& fill) {
+Tensor3<Scalar> fresh_output(const char* layer, const std::array<Index, 3>& dims, int threads, Fill&& fill,
+                             FreshPages pages = FreshPages::FaultIn) {
   check_buffer_of<Scalar>((std::string(layer) + ": an output " + shape_string({dims[0], dims[1], dims[2]})).c_str(),
                           {dims[0], dims[1], dims[2]});
   Tensor3<Scalar> y(dims[0], dims[1], dims[2]);
-  prepare_fresh(y, threads);
+  prepare_fresh(y, threads, pages);
   fill(OutRows<Scalar>(Eigen::Map<RowMatrix<Scalar>>(y.data(), dims[0] * dims[1], dims[2])));
   return y;
 }

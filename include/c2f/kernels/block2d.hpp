@@ -66,6 +66,8 @@ struct BlockGrid2D {
     return (b * height + block_row(c) * block_h + s) * width + block_col(c) * block_w;
   }
   Index segment_length(Index c, Index) const { return cols(c); }
+  /// The end of block c's block row: its blocks' runs interleave image row by image row.
+  Index band_end(Index c) const { return c - block_col(c) + blocks_w(); }
 };
 
 /// Row of token (y, x) of batch b in the [batch·height·width, d] token matrix, and its block index.

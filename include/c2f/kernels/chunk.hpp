@@ -9,7 +9,8 @@
 // block c holding count(c) real tokens that lie in segments(c) runs of consecutive rows of the token
 // matrix — run s starts at row segment_row(c, s) and holds segment_length(c, s) rows. Tokens are
 // numbered inside a block run after run (j = 0 … count(c) − 1). A chunk is one run; a 2-D image block
-// (kernels::BlockGrid2D in c2f/kernels/block2d.hpp) is one run per image row it covers.
+// (kernels::BlockGrid2D in c2f/kernels/block2d.hpp) is one run per image row it covers. Blocks whose runs
+// interleave in memory form a band, [c, band_end(c)): a block row of 2-D blocks; a chunk is its own band.
 #pragma once
 
 #include "c2f/core.hpp"
@@ -52,6 +53,7 @@ struct ChunkGrid {
   Index segments(Index) const { return 1; }
   Index segment_row(Index c, Index) const { return row(c); }
   Index segment_length(Index c, Index) const { return count(c); }
+  Index band_end(Index c) const { return c + 1; }
 };
 
 /// Blocks [first, first + count) of a block grid, numbered from 0: the kernels below run on a range of
@@ -68,6 +70,7 @@ struct BlockRange {
   Index segments(Index c) const { return grid.segments(first + c); }
   Index segment_row(Index c, Index s) const { return grid.segment_row(first + c, s); }
   Index segment_length(Index c, Index s) const { return grid.segment_length(first + c, s); }
+  Index band_end(Index c) const { return std::min(n, grid.band_end(first + c) - first); }
 };
 
 /// The chunks of `grid` that hold the last n positions (the queries of a kernel whose queries are the
@@ -183,20 +186,30 @@ void broadcast_rows(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>
   check_shape(kernel, "chunk_rows", chunk_rows, grid.blocks(), y.cols());
   check_shape(kernel, "y", y, grid.tokens(), chunk_rows.cols());
   const double work = kElementWork * static_cast<double>(grid.tokens() * y.cols());
-  // A large overwritten output is written with streaming stores (detail/stream_store.hpp).
-  const bool stream = !Add && has_stream_stores<Scalar>() &&
+  // A large overwritten output is written with streaming stores (detail/stream_store.hpp), unless it is
+  // fresh memory (KernelOptions::fresh_output).
+  const bool stream = !Add && !options.fresh_output() && has_stream_stores<Scalar>() &&
                       static_cast<std::size_t>(grid.tokens() * y.cols()) * sizeof(Scalar) >= kStreamStoreMinBytes;
-  parallel_for(grid.blocks(), options.num_threads(), work, [&](Index c, int) {
-    for (Index s = 0; s < grid.segments(c); ++s) {
-      typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr rows = y.middleRows(grid.segment_row(c, s), grid.segment_length(c, s));
-      if constexpr (Mean) {
-        rows.rowwise() += chunk_rows.row(c) / static_cast<Scalar>(grid.count(c));
-      } else if constexpr (Add) {
-        rows.rowwise() += chunk_rows.row(c);
-      } else if (stream) {
-        for (Index r = 0; r < rows.rows(); ++r) copy_streaming(chunk_rows.row(c).data(), &rows(r, 0), y.cols());
-      } else {
-        rows.rowwise() = chunk_rows.row(c);
+  // A band per task, the task of its first block (the others have nothing to do): run s of every block
+  // of the band, then run s + 1 — in address order.
+  parallel_for(grid.blocks(), options.num_threads(), work, [&](Index first, int) {
+    if (first > 0 && grid.band_end(first - 1) != first) return;
+    const Index end = grid.band_end(first);
+    Index runs = 0;
+    for (Index c = first; c < end; ++c) runs = std::max(runs, grid.segments(c));
+    for (Index s = 0; s < runs; ++s) {
+      for (Index c = first; c < end; ++c) {
+        if (s >= grid.segments(c)) continue;
+        typename Eigen::Ref<RowMatrix<Scalar>>::RowsBlockXpr rows = y.middleRows(grid.segment_row(c, s), grid.segment_length(c, s));
+        if constexpr (Mean) {
+          rows.rowwise() += chunk_rows.row(c) / static_cast<Scalar>(grid.count(c));
+        } else if constexpr (Add) {
+          rows.rowwise() += chunk_rows.row(c);
+        } else if (stream) {
+          for (Index r = 0; r < rows.rows(); ++r) copy_streaming(chunk_rows.row(c).data(), &rows(r, 0), y.cols());
+        } else {
+          rows.rowwise() = chunk_rows.row(c);
+        }
       }
     }
     if (stream) stream_fence();

@@ -33,6 +33,11 @@ class KernelOptions {
   /// (detail/bf16_gemm.hpp), in the kernels that say they honour it (matmul_rows, linear, sdpa_naive,
   /// sdpa_streaming); float only.
   C2F_ARG(Compute, compute) = Compute::Float32;
+  /// The output is fresh memory whose pages the system maps and zeroes on their first write (a forward's
+  /// new tensor, detail::FreshPages::OnFirstWrite): broadcast_chunks then writes it with ordinary stores,
+  /// band by band in address order, so that each page is overwritten while its zeroes are still in cache
+  /// (docs/layers.md, "Fresh memory"). Otherwise a large output gets streaming stores.
+  C2F_ARG(bool, fresh_output) = false;
 };
 
 /// KernelOptions with only the thread count set (the kernels that have no blocking).

@@ -498,17 +498,21 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// kernels::BlockGrid2D, ...): tokens x [rows, embed_dim], coarse_context [blocks, embed_dim] (one row
   /// per block) → out [rows, embed_dim], where every real token of block c gets block c's output row. x is
   /// read in place, block by block; rows of `out` that belong to no block are left as they are.
+  /// `fresh_out`: out is fresh memory whose pages the system maps on their first write
+  /// (detail::FreshPages::OnFirstWrite, as C2FAttention2D::forward allocates it): it is then written with
+  /// ordinary stores, band by band in address order (KernelOptions::fresh_output). The same bits either way.
   template <class Grid>
   void forward_blocks(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
-                      const Eigen::Ref<const RowMatrix<Scalar>>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out) const {
-    detail::named(type_name, [&] { run_blocks(x, grid, coarse_context, out); });
+                      const Eigen::Ref<const RowMatrix<Scalar>>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out,
+                      bool fresh_out = false) const {
+    detail::named(type_name, [&] { run_blocks(x, grid, coarse_context, out, nullptr, fresh_out); });
   }
 
  private:
   template <class Grid>
   void run_blocks(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
                   const Eigen::Ref<const RowMatrix<Scalar>>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out,
-                  Saved* saved = nullptr) const {
+                  Saved* saved = nullptr, bool fresh_out = false) const {
     if (x.cols() != d_ || out.cols() != d_ || out.rows() != x.rows() || coarse_context.rows() != grid.blocks() ||
         coarse_context.cols() != d_) {
       detail::fail("FineAttention: forward_blocks needs x [rows, embed_dim=", d_, "], coarse_context [blocks=",
@@ -523,7 +527,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     if (grid.blocks() == 0) return;
     detail::ScratchRowMatrix<Scalar> q(grid.blocks(), d_);
     q_proj_.forward_rows_independent(coarse_context, q);
-    forward_folded(x, grid, q, [](Index, Index, Index) { return Scalar(0); }, out, saved != nullptr ? &saved->folded : nullptr);
+    forward_folded(x, grid, q, [](Index, Index, Index) { return Scalar(0); }, out, saved != nullptr ? &saved->folded : nullptr,
+                   fresh_out);
     if (saved != nullptr) saved->q = std::move(q);
   }
 
@@ -603,25 +608,33 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     return options_.compute() == Compute::BFloat16 || detail::packed_gemm_for(blocks, true);
   }
 
-  /// The groups forward_folded splits `blocks` blocks into: about kFoldedGroupBytes of qk and pooled rows
-  /// per group, the group count rounded up to a multiple of the workers (so that they share them evenly), or
-  /// 1 — the whole chain product by product, each product on every worker — on one worker or when
-  /// there are fewer blocks than two groups' worth per worker.
-  Index folded_groups(Index blocks) const {
+  /// The blocks per group of forward_folded on `grid`: about kFoldedGroupBytes of qk and pooled rows per
+  /// group, the group count rounded up to a multiple of the workers (so that they share them evenly), then
+  /// the group cut down to whole bands of the grid (a block row of 2-D blocks, whose output rows
+  /// interleave: broadcast_chunks then writes each group's output in address order); or all the blocks —
+  /// the whole chain product by product, each product on every worker — on one worker or when there are
+  /// fewer blocks than two groups' worth per worker.
+  template <class Grid>
+  Index folded_group(const Grid& grid) const {
     constexpr std::size_t kFoldedGroupBytes = std::size_t(768) << 10;
+    const Index blocks = grid.blocks();
     const std::size_t row_bytes = 2 * sizeof(Scalar) * static_cast<std::size_t>(heads_ * d_);
     const Index group = std::max<Index>(1, static_cast<Index>(kFoldedGroupBytes / row_bytes));
     const Index workers = detail::resolve_threads(options_.num_threads(), blocks);
-    if (workers <= 1 || blocks < 2 * workers * group) return 1;
-    return detail::ceil_div(detail::ceil_div(blocks, group), workers) * workers;
+    if (workers <= 1 || blocks < 2 * workers * group) return blocks;
+    const Index size = detail::ceil_div(blocks, detail::ceil_div(detail::ceil_div(blocks, group), workers) * workers);
+    const Index band = grid.band_end(0);
+    return size >= band ? size / band * band : size;
   }
 
   /// One attention row per block; kv_proj folded into the query (keys) and the pooled tokens (values).
   /// `bias(c, h, j)`: what is added to the score of token j of block c for head h (0, a value or -inf).
   /// `keep`: nullptr, or where training keeps qk, pooled, mass and o.
+  /// `fresh_out`: out is fresh memory left to its first writes (KernelOptions::fresh_output).
   template <class Grid, class Bias>
   void forward_folded(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid, const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                      const Bias& bias, Eigen::Ref<RowMatrix<Scalar>> out, FoldedState* keep = nullptr) const {
+                      const Bias& bias, Eigen::Ref<RowMatrix<Scalar>> out, FoldedState* keep = nullptr,
+                      bool fresh_out = false) const {
     const Index chunks = grid.blocks(), dk = head_dim();
     // Every product is row by row independent (KernelOptions::rows_independent): a shard of the blocks
     // (c2f/dist) computes the bits of the whole.
@@ -673,7 +686,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
             mass.middleRows(c0, n).col(h) * kv_proj_.bias().segment(d_ + h * dk, dk).transpose();
       }
       out_proj_.forward_rows_independent(o.middleRows(c0, n), chunk_out.middleRows(c0, n));
-      kernels::broadcast_chunks<Scalar>(chunk_out.middleRows(c0, n), range, out, threads);
+      kernels::broadcast_chunks<Scalar>(chunk_out.middleRows(c0, n), range, out, kernels::KernelOptions(threads).fresh_output(fresh_out));
     };
     // Where the products' packings are kept (`cached`), every block's chain runs in one task, groups of
     // blocks on the workers at once: each group's qk and pooled rows stay in the worker's L2 from the
@@ -681,11 +694,10 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     // overlap the other's products (the gain measured: docs/benchmarks.md, "The folded fine stage in
     // groups of blocks"). Every product is row by row independent and every block is computed alone, so
     // the bits are those of one group of all the blocks, whatever the grouping or the thread count.
-    const Index groups = cached ? folded_groups(chunks) : 1;
-    if (groups <= 1) {
+    const Index group = cached ? folded_group(grid) : chunks;
+    if (group >= chunks) {
       run(0, chunks);
     } else {
-      const Index group = detail::ceil_div(chunks, groups);
       const double work = 6.0 * static_cast<double>(chunks) * static_cast<double>(d_) * static_cast<double>(d_) +
                           4.0 * static_cast<double>(grid.tokens() * heads_) * static_cast<double>(d_);
       detail::parallel_for(detail::ceil_div(chunks, group), threads.num_threads(), work,

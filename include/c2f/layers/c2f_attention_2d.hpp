@@ -136,13 +136,17 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     detail::named(type_name, [&] { checked_grid(x, height, width); });
     return {x.batch(), x.seq(), embed_dim()};
   }
-  /// forward_into on a fresh buffer.
+  /// forward_into on a fresh buffer, whose pages (where transparent huge pages are on) the system maps and
+  /// zeroes as the fine stage writes them, band by band in address order (detail::FreshPages::OnFirstWrite).
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, Index height, Index width, const Masks<Scalar>& masks = {}) const {
     return detail::named(type_name, [&] {
       const kernels::BlockGrid2D grid = checked_grid(x, height, width);
       detail::check_mask_fields(masks, type_name, mask_fields);
-      return detail::fresh_output<Scalar>(type_name, {x.batch(), x.seq(), embed_dim()}, options_.num_threads(),
-                                          [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(x, grid, out); });
+      const bool first_write = detail::huge_pages_enabled();
+      return detail::fresh_output<Scalar>(
+          type_name, {x.batch(), x.seq(), embed_dim()}, options_.num_threads(),
+          [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(x, grid, out, 0, nullptr, first_write); },
+          first_write ? detail::FreshPages::OnFirstWrite : detail::FreshPages::FaultIn);
     });
   }
   /// Into caller memory: out [B·height·width, embed_dim] (overwritten; e.g. a buffer reused across calls).
@@ -254,7 +258,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   /// The forward pass into out; `saved`: nullptr, or training's state (the same arithmetic, each stage
   /// keeping its state).
   void run(const ConstTensor3Ref<Scalar>& x, const kernels::BlockGrid2D& grid, Eigen::Ref<RowMatrix<Scalar>> out,
-           std::uint64_t step = 0, Saved* saved = nullptr) const {
+           std::uint64_t step = 0, Saved* saved = nullptr, bool fresh_out = false) const {
     if (saved != nullptr) saved->grid = grid;
     if (grid.blocks() == 0) return;
     const Index d = embed_dim();
@@ -264,7 +268,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     const Masks<Scalar> coarse_masks = Masks<Scalar>().attn_mask(coarse_mask(grid.blocks_h(), grid.blocks_w()));
     if (saved == nullptr) {
       const Tensor3<Scalar> context = coarse_.forward(summaries, coarse_masks);
-      fine_.forward_blocks(x.rows(), grid, Eigen::Map<const RowMatrix<Scalar>>(context.data(), grid.blocks(), d), out);
+      fine_.forward_blocks(x.rows(), grid, Eigen::Map<const RowMatrix<Scalar>>(context.data(), grid.blocks(), d), out, fresh_out);
       return;
     }
     RowMatrix<Scalar> context(grid.blocks(), d);
