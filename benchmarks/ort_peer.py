@@ -25,8 +25,16 @@ Graphs (weights and inputs: torch_peer.py's, built by its own layers() with its 
                out-projection MatMul + Add; ORT's optimiser fuses what it can (the profile shows what ran).
     c2f32      torch_peer.py's article C2FAttention, chunk 32 (tests/reference/c2f_reference.py), exported
                with torch.onnx.export (opset 17) at each L (the module's shapes are fixed by L).
-Both MHA graphs are compared with c2f's MultiHeadAttention (bench_attention entry mha_streaming), the
-exported module with c2f's C2FAttention (entry c2f/L/32).
+    hmha       torch_peer.py's HMHA reference, window 64 (tests/reference/hmha_reference.py: dense, every
+               level over an [L, L] mask), exported the same way. Its masks depend on L only and use a
+               bitwise AND on integers, which opset 17 does not have (BitwiseAnd is opset 18): the export
+               computes them once and the trace takes them as constants, as constant folding would.
+    sparse     torch_peer.py's SparseC2F reference, chunk 64, top_k 8, per-chunk gating
+               (tests/reference/sparse_reference.py: dense, the top-k chunks chosen by a pairwise rank
+               tensor), run on its nn.MultiheadAttention, exported the same way.
+Both MHA graphs are compared with c2f's MultiHeadAttention (bench_attention entry mha_streaming), each
+exported module with its c2f layer (the entry torch_peer.py gives it: c2f/L/32, hmha/L/64,
+sparse/L/64/8/0).
 
 Per (graph, L): bench_attention's peer mode (--c2f_peer_*) computes c2f's output (once per layer and L);
 run.mjs creates the session with ORT's profiler on, runs the graph once (the check and the warm-up) and
@@ -36,7 +44,8 @@ wall clock measured inside Node (process.hrtime) around `await session.run(feeds
 in the timed region). The profile of the check run (profiler ended before the timed runs) names the
 kernels that ran: operator, domain and execution provider of every node of the optimised graph.
 
-Lengths: MHA at L ∈ {1024, 2048, 4096, 8192}, the exported C2F at L ∈ {4096, 16384}; a (graph, L) is
+Lengths: MHA at L ∈ {1024, 2048, 4096, 8192}, the exported C2F and SparseC2F at L ∈ {4096, 16384}, the
+exported HMHA at L ∈ {1024, 4096}; a (graph, L) is
 skipped when its predicted time (the last measured L scaled by (L / L_prev)^p, p from the last two
 lengths clamped to [1, 2], 2 after the first) exceeds --budget seconds for the check plus the runs, or its
 predicted memory exceeds --max-gib (or 60 % of the memory available when the script starts).
@@ -67,6 +76,7 @@ RUNNER = ORT_DIR / "run.mjs"
 
 MHA_LENGTHS = [1024, 2048, 4096, 8192]
 C2F_LENGTHS = [4096, 16384]
+HMHA_LENGTHS = [1024, 4096]
 CHECK_LENGTHS = torch_peer.CHECK_LENGTHS  # --check-only: 1, a prime, chunk 256 + 1, 1000 (padded chunks)
 C2F_CHUNK = 32
 OPSET = 17
@@ -193,15 +203,35 @@ def mha_graphs(state, directory):
     return paths
 
 
-def export_c2f(torch, module, L, path):
-    """torch.onnx.export of the article's C2FAttention at length L (opset 17); returns the seconds taken."""
+def export_module(torch, layer, module, L, path):
+    """torch.onnx.export (opset 17) of torch_peer.py's `layer` at length L, called as torch_peer.py calls it
+    (layer.call: the sparse reference is a function of its nn.MultiheadAttention); returns the seconds taken."""
     import warnings
+    import hmha_reference
+
+    class Call(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, x):
+            return layer.call(self.inner, x)
+
+    level_masks = hmha_reference.level_masks
+    if layer.key == "hmha":  # its masks as constants of the trace (the module docstring says why)
+        fixed = level_masks(L, module.window, module.causal)
+        hmha_reference.level_masks = lambda seq_len, window, causal, device=None: (
+            fixed if (seq_len, window, causal) == (L, module.window, module.causal)
+            else level_masks(seq_len, window, causal, device))
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        x = torch.zeros(1, L, EMBED)  # the trace depends on the shape only
-        warnings.simplefilter("ignore")  # the tracer's notes on Python ints and branches taken at this L
-        torch.onnx.export(module, (x,), str(path), opset_version=OPSET, input_names=["x"], output_names=["y"],
-                          do_constant_folding=True)
+    try:
+        with warnings.catch_warnings():
+            x = torch.zeros(1, L, EMBED)  # the trace depends on the shape only
+            warnings.simplefilter("ignore")  # the tracer's notes on Python ints and branches taken at this L
+            torch.onnx.export(Call(), (x,), str(path), opset_version=OPSET, input_names=["x"], output_names=["y"],
+                              do_constant_folding=True)
+    finally:
+        hmha_reference.level_masks = level_masks
     return time.perf_counter() - t0
 
 
@@ -322,17 +352,21 @@ def run(args):
           f"{setup['torch_version']}; c2f threads {threads}", flush=True)
 
     mha_lengths = CHECK_LENGTHS if args.check_only else [int(v) for v in args.lengths.split(",")]
-    c2f_lengths = CHECK_LENGTHS if args.check_only else [int(v) for v in args.c2f_lengths.split(",")]
+    module_lengths = {key: CHECK_LENGTHS if args.check_only else [int(v) for v in text.split(",")]
+                      for key, text in ((f"c2f{C2F_CHUNK}", args.c2f_lengths), ("hmha", args.hmha_lengths),
+                                        ("sparse", args.sparse_lengths))}
     dense = lambda L: 3 * HEADS * L * L * 4.0  # [8, L, L] float tensors alive at once (scores, softmax, …)
     graphs = [
         Graph("mha_op", "mha", "ORT com.microsoft MultiHeadAttention", lambda L: ("mha_streaming", L),
               mha_lengths, dense),
         Graph("mha_plain", "mha", "ORT plain ONNX attention (MatMul, Softmax)", lambda L: ("mha_streaming", L),
               mha_lengths, dense),
-        Graph(f"c2f{C2F_CHUNK}", f"c2f{C2F_CHUNK}", f"ORT exported article C2FAttention, chunk {C2F_CHUNK}",
-              lambda L: ("c2f", L, C2F_CHUNK), c2f_lengths,
-              lambda L: 8.0 * L * EMBED * 4 * 6 + HEADS * (L / C2F_CHUNK) ** 2 * 4 * 3),
     ]
+    # The exported modules: torch_peer.py's layers, with their bench_attention entries and memory estimates.
+    for layer in torch_peer.layers(torch, lambda layer: []):
+        if layer.key in module_lengths:
+            graphs.append(Graph(layer.key, layer.key, f"ORT exported {layer.label}", layer.entry,
+                                module_lengths[layer.key], layer.memory))
     budget, cap = args.budget, args.max_gib * 2**30
     avail = available_bytes()
     if avail:
@@ -345,7 +379,7 @@ def run(args):
     # tensors (the values are the same: torch_peer.py builds its modules inside inference_mode).
     with tempfile.TemporaryDirectory(prefix="c2f-ort-peer-") as tmp, torch.no_grad():
         tmp = Path(tmp)
-        for layer_key in ("mha", f"c2f{C2F_CHUNK}"):
+        for layer_key in ("mha",) + tuple(module_lengths):
             layer, module = peer_module(torch, layer_key)
             state = {name: t.detach().clone() for name, t in module.state_dict().items()}
             weights = tmp / f"{layer_key}.safetensors"
@@ -387,9 +421,9 @@ def run(args):
                     return 1
                 for g, row, n in todo:
                     model = files.get(g.key)
-                    if model is None:  # the exported module: one graph per L
+                    if model is None:  # an exported module: one graph per L
                         model = tmp / f"{g.key}_{L}.onnx"
-                        row["export_s"] = export_c2f(torch, module, L, model)
+                        row["export_s"] = export_module(torch, layer, module, L, model)
                     y_bin, prefix, optimized = tmp / "y.bin", tmp / f"profile_{g.key}_{L}", tmp / "optimized.onnx"
                     try:
                         runner = Runner(model, x_bin, L, threads, y_bin, prefix, optimized, n > 0)
@@ -443,6 +477,10 @@ def main(argv=None):
     p = torch_peer.peer_arguments(__doc__, MHA_LENGTHS, "graph", "ORT against c2f")
     p.add_argument("--c2f-lengths", default=",".join(map(str, C2F_LENGTHS)),
                    help="comma-separated sequence lengths of the exported C2F module")
+    p.add_argument("--hmha-lengths", default=",".join(map(str, HMHA_LENGTHS)),
+                   help="comma-separated sequence lengths of the exported HMHA module")
+    p.add_argument("--sparse-lengths", default=",".join(map(str, torch_peer.SPARSE_LENGTHS)),
+                   help="comma-separated sequence lengths of the exported SparseC2F module")
     return torch_peer.peer_main(p, argv, run)
 
 

@@ -6,7 +6,8 @@ import re
 
 from .common import entries, ms, table
 
-SHORT = {"mha_op": "ORT MHA op", "mha_plain": "ORT plain graph", "c2f32": "ORT exported module"}
+SHORT = {"mha_op": "ORT MHA op", "mha_plain": "ORT plain graph", "c2f32": "ORT exported module",
+         "hmha": "ORT exported module", "sparse": "ORT exported module"}
 
 
 def timed(ort):
@@ -46,7 +47,7 @@ def setup_line(ort):
             f"{s['node_version']}): {s['execution_provider']}, intraOpNumThreads {s['intra_op_threads']}, "
             f"interOpNumThreads {s['inter_op_threads']}, graphOptimizationLevel '{s['graph_optimization_level']}', "
             f"executionMode '{s['execution_mode']}'; graphs written by onnx {s['onnx_version']} (opset "
-            f"{s['opset']}), the C2F module exported by torch {s['torch_version']}'s torch.onnx.export; median of "
+            f"{s['opset']}), the other layers' PyTorch modules exported by torch {s['torch_version']}'s torch.onnx.export; median of "
             f"{ort['reps']} runs (3 when a call takes ≥ 1 s) after the check run, which is the warm-up; "
             f"{s['timing'].split(';')[0]}.")
 
@@ -100,7 +101,7 @@ def ort_table(ort, attn=None):
 
 def peer_table(peers, attn, libtorch, ort):
     """torch_peer.py's peer table with ORT's columns: "ORT ms" (this layer's graphs: the MHA operator and the
-    plain graph for MHA, the exported module for C2F) and "ORT MHA ms" (ORT's fastest MHA graph at the same L,
+    plain graph for MHA, the exported module for the others) and "ORT MHA ms" (ORT's fastest MHA graph at the same L,
     for the other layers, as "PyTorch nn.MHA ms"); best peer and c2f vs best peer include them. Returns
     (markdown, {(layer, L): row}) as torch_peer.peer_table does, rows with ort_ms added."""
     from torch_peer import peer_table as torch_peer_table
