@@ -34,9 +34,9 @@ class KernelOptions {
   /// sdpa_streaming); float only.
   C2F_ARG(Compute, compute) = Compute::Float32;
   /// The output is fresh memory whose pages the system maps and zeroes on their first write (a forward's
-  /// new tensor, detail::FreshPages::OnFirstWrite): broadcast_chunks then writes it with ordinary stores,
-  /// band by band in address order, so that each page is overwritten while its zeroes are still in cache
-  /// (docs/layers.md, "Fresh memory"). Otherwise a large output gets streaming stores.
+  /// new tensor, detail::FreshPages::OnFirstWrite): broadcast_chunks, which writes band by band in address
+  /// order, then uses ordinary stores, so that each page is overwritten while its zeroes are still in
+  /// cache (docs/layers.md, "Fresh memory"). Otherwise a large output gets streaming stores.
   C2F_ARG(bool, fresh_output) = false;
 };
 

@@ -500,7 +500,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// read in place, block by block; rows of `out` that belong to no block are left as they are.
   /// `fresh_out`: out is fresh memory whose pages the system maps on their first write
   /// (detail::FreshPages::OnFirstWrite, as C2FAttention2D::forward allocates it): it is then written with
-  /// ordinary stores, band by band in address order (KernelOptions::fresh_output). The same bits either way.
+  /// ordinary stores instead of streaming ones (KernelOptions::fresh_output). The same bits either way.
   template <class Grid>
   void forward_blocks(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Grid& grid,
                       const Eigen::Ref<const RowMatrix<Scalar>>& coarse_context, Eigen::Ref<RowMatrix<Scalar>> out,
