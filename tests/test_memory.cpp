@@ -277,6 +277,26 @@ TEST(FreshOutput, FaultInPagesWritesAtMostOneZeroPerPageAndNothingElse) {
   }
 }
 
+// whole_huge_pages: the 2 MiB pages wholly inside a buffer, as offsets, on starts at, just past and just
+// before a boundary, and on buffers that hold none (the whole buffer is then outside them).
+TEST(FreshOutput, WholeHugePagesAreTheAlignedPagesInsideTheBuffer) {
+  constexpr std::size_t kHuge = c2f::detail::kHugePageBytes;
+  const auto at = [](std::uintptr_t address) { return reinterpret_cast<const void*>(address); };
+  const std::uintptr_t base = std::uintptr_t(64) * kHuge;
+  struct Case {
+    std::uintptr_t start;
+    std::size_t bytes, begin, end;
+  };
+  for (const Case& c : {Case{base, 3 * kHuge, 0, 3 * kHuge}, Case{base, 3 * kHuge - 1, 0, 2 * kHuge},
+                        Case{base + 1, 3 * kHuge, kHuge - 1, 3 * kHuge - 1}, Case{base - 5, kHuge + 5, 5, kHuge + 5},
+                        Case{base + 7, 2 * kHuge - 8, 2 * kHuge - 8, 2 * kHuge - 8}, Case{base + 7, 2 * kHuge - 7, kHuge - 7, 2 * kHuge - 7},
+                        Case{base + 1, kHuge - 1, kHuge - 1, kHuge - 1}, Case{base + 1, 100, 100, 100}, Case{base, 0, 0, 0}}) {
+    const c2f::detail::WholeHugePages whole = c2f::detail::whole_huge_pages(at(c.start), c.bytes);
+    EXPECT_EQ(whole.begin, c.begin) << "start " << c.start - base << ", bytes " << c.bytes;
+    EXPECT_EQ(whole.end, c.end) << "start " << c.start - base << ", bytes " << c.bytes;
+  }
+}
+
 #if defined(__linux__)
 // ... and afterwards every page that holds a byte of such a buffer is in memory (mincore), in fresh
 // anonymous memory where none was before, with the buffer still reading as zeros; a smaller buffer is left
@@ -313,7 +333,8 @@ TEST(FreshOutput, FaultInPagesMapsEveryPageOfTheBuffer) {
 
 // With FreshPages::OnFirstWrite (C2FAttention2D::forward's output) only the buffer's two ends outside
 // its whole 2 MiB pages are mapped before the layer writes; the whole huge pages are left to the layer's
-// first writes, and nothing is written. A prepare_fresh that faults in everything, or nothing, fails here.
+// first writes, and nothing is written. A prepare_fresh that faults in everything, or nothing, fails here
+// (where transparent huge pages are off, it must fault in everything and return false).
 TEST(FreshOutput, OnFirstWriteMapsOnlyTheEndsOutsideWholeHugePages) {
   constexpr std::size_t kPage = 4096, kHuge = c2f::detail::kHugePageBytes;
   const std::size_t bytes = c2f::detail::kHugePageMinBytes + (std::size_t(3) << 20) + 777;
@@ -325,7 +346,9 @@ TEST(FreshOutput, OnFirstWriteMapsOnlyTheEndsOutsideWholeHugePages) {
   unsigned char* const data = reinterpret_cast<unsigned char*>(base + 5 * kPage + 13);
   ASSERT_LE(reinterpret_cast<std::uintptr_t>(data + bytes), reinterpret_cast<std::uintptr_t>(region) + length);
   Eigen::Map<Eigen::Matrix<unsigned char, Eigen::Dynamic, 1>> buffer(data, static_cast<Index>(bytes));
-  c2f::detail::prepare_fresh(buffer, 2, c2f::detail::FreshPages::OnFirstWrite);
+  const bool left = c2f::detail::prepare_fresh(buffer, 2, c2f::detail::FreshPages::OnFirstWrite);
+  // Without transparent huge pages it falls back to faulting everything in, and says so.
+  EXPECT_EQ(left, c2f::detail::huge_pages_enabled());
   const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(data), last = first + bytes;
   const std::uintptr_t begin = (first + kHuge - 1) & ~std::uintptr_t(kHuge - 1), end = last & ~std::uintptr_t(kHuge - 1);
   ASSERT_LT(begin, end);
@@ -336,7 +359,8 @@ TEST(FreshOutput, OnFirstWriteMapsOnlyTheEndsOutsideWholeHugePages) {
   for (std::size_t p = 0; p < resident.size(); ++p) {
     const std::uintptr_t page = from + p * kPage;
     const bool inside_whole = page >= begin && page < end;  // in a whole huge page of the buffer
-    wrong += ((resident[p] & 1) != 0) == inside_whole ? 1 : 0;
+    const bool want_resident = !left || !inside_whole;
+    wrong += ((resident[p] & 1) != 0) != want_resident ? 1 : 0;
   }
   EXPECT_EQ(wrong, 0u) << "of " << resident.size() << " pages";
   std::size_t nonzero = 0;

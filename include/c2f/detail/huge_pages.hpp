@@ -25,15 +25,30 @@ constexpr std::size_t kHugePageBytes = std::size_t(2) << 20;
 /// Buffers below this size are left alone (a partly covered 2 MiB page gains little).
 constexpr std::size_t kHugePageMinBytes = std::size_t(8) << 20;
 
+/// The whole 2 MiB pages inside [data, data + bytes), as byte offsets from data: [begin, end). When none
+/// fits, begin == end == bytes (the whole buffer lies outside them).
+struct WholeHugePages {
+  std::size_t begin;
+  std::size_t end;
+};
+inline WholeHugePages whole_huge_pages(const void* data, std::size_t bytes) noexcept {
+  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(data);
+  const std::uintptr_t mask = ~(std::uintptr_t(kHugePageBytes) - 1);
+  const std::uintptr_t begin = (first + kHugePageBytes - 1) & mask;
+  const std::uintptr_t end = (first + bytes) & mask;
+  if (end <= begin) return {bytes, bytes};
+  return {static_cast<std::size_t>(begin - first), static_cast<std::size_t>(end - first)};
+}
+
 /// Advises the kernel to back the whole 2 MiB pages inside [data, data + bytes) with huge pages. Call it
 /// before the buffer is first written. Failures are ignored: it is only a hint.
 inline void advise_huge_pages(const void* data, std::size_t bytes) noexcept {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (data == nullptr || bytes < kHugePageMinBytes) return;
-  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(data);
-  const std::uintptr_t begin = (first + kHugePageBytes - 1) & ~(std::uintptr_t(kHugePageBytes) - 1);
-  const std::uintptr_t end = (first + bytes) & ~(std::uintptr_t(kHugePageBytes) - 1);
-  if (end > begin) (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  const WholeHugePages whole = whole_huge_pages(data, bytes);
+  if (whole.end > whole.begin) {
+    (void)::madvise(static_cast<char*>(const_cast<void*>(data)) + whole.begin, whole.end - whole.begin, MADV_HUGEPAGE);
+  }
 #else
   (void)data;
   (void)bytes;

@@ -191,40 +191,50 @@ enum class FreshPages {
   /// 2 MiB page covers: for a fill that writes every element once with ordinary stores in address order
   /// (KernelOptions::fresh_output), so that the system zeroes each huge page just before the fill
   /// overwrites it in cache, instead of in a pass of its own over memory (measured: docs/benchmarks.md,
-  /// "Fresh 2-D outputs written on first touch"). Only where transparent huge pages are on
-  /// (huge_pages_enabled()): a first write per 4 KiB page would fault 512 times as often.
+  /// "Fresh 2-D outputs written on first touch"). Taken only where transparent huge pages are on
+  /// (huge_pages_enabled()): a first write per 4 KiB page would fault 512 times as often. Elsewhere
+  /// prepare_fresh falls back to FaultIn.
   OnFirstWrite,
 };
 
 /// Readies a freshly allocated Eigen matrix or tensor for a layer to compute into: huge pages advised
 /// (prefer_huge_pages), then its pages faulted in on `threads` threads (fault_in_pages) or, with
-/// FreshPages::OnFirstWrite, only the ends outside its whole huge pages; all only when it is large.
+/// FreshPages::OnFirstWrite where huge pages are on, only the ends outside its whole huge pages; all only
+/// when it is large. Returns whether the pages were left to the fill's first writes (OnFirstWrite taken):
+/// the fill then writes with ordinary stores in address order (KernelOptions::fresh_output).
 template <class Buffer>
-void prepare_fresh(Buffer& buffer, int threads, FreshPages pages = FreshPages::FaultIn) {
+bool prepare_fresh(Buffer& buffer, int threads, FreshPages pages = FreshPages::FaultIn) {
   prefer_huge_pages(buffer);
   const std::size_t bytes = sizeof(*buffer.data()) * static_cast<std::size_t>(buffer.size());
-  if (pages == FreshPages::FaultIn || bytes < kHugePageMinBytes) {
+  if (pages == FreshPages::FaultIn || !huge_pages_enabled()) {
     fault_in_pages(buffer.data(), bytes, threads);
-    return;
+    return false;
   }
-  unsigned char* const data = reinterpret_cast<unsigned char*>(buffer.data());
-  const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(data);
-  const std::uintptr_t begin = (first + kHugePageBytes - 1) & ~std::uintptr_t(kHugePageBytes - 1);
-  const std::uintptr_t end = (first + bytes) & ~std::uintptr_t(kHugePageBytes - 1);
-  populate_pages(data, static_cast<std::size_t>(begin - first));
-  populate_pages(data + (end - first), static_cast<std::size_t>(first + bytes - end));
+  if (bytes >= kHugePageMinBytes) {
+    unsigned char* const data = reinterpret_cast<unsigned char*>(buffer.data());
+    const WholeHugePages whole = whole_huge_pages(data, bytes);
+    populate_pages(data, whole.begin);
+    populate_pages(data + whole.end, bytes - whole.end);
+  }
+  return true;
 }
 
 /// A fresh [dims] output (prepare_fresh on `threads` threads, `pages` as asked) filled by fill(rows of
-/// it); refused before it is allocated when it would exceed kMaxBufferBytes.
+/// it), or, with FreshPages::OnFirstWrite, by fill(rows of it, whether its pages were left to the first
+/// writes); refused before it is allocated when it would exceed kMaxBufferBytes.
 template <class Scalar, class Fill>
 Tensor3<Scalar> fresh_output(const char* layer, const std::array<Index, 3>& dims, int threads, Fill&& fill,
                              FreshPages pages = FreshPages::FaultIn) {
   check_buffer_of<Scalar>((std::string(layer) + ": an output " + shape_string({dims[0], dims[1], dims[2]})).c_str(),
                           {dims[0], dims[1], dims[2]});
   Tensor3<Scalar> y(dims[0], dims[1], dims[2]);
-  prepare_fresh(y, threads, pages);
-  fill(OutRows<Scalar>(Eigen::Map<RowMatrix<Scalar>>(y.data(), dims[0] * dims[1], dims[2])));
+  const bool first_write = prepare_fresh(y, threads, pages);
+  OutRows<Scalar> out(Eigen::Map<RowMatrix<Scalar>>(y.data(), dims[0] * dims[1], dims[2]));
+  if constexpr (std::is_invocable_v<Fill&, OutRows<Scalar>, bool>) {
+    fill(out, first_write);
+  } else {
+    fill(out);
+  }
   return y;
 }
 

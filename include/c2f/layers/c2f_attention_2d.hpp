@@ -142,11 +142,10 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     return detail::named(type_name, [&] {
       const kernels::BlockGrid2D grid = checked_grid(x, height, width);
       detail::check_mask_fields(masks, type_name, mask_fields);
-      const bool first_write = detail::huge_pages_enabled();
       return detail::fresh_output<Scalar>(
           type_name, {x.batch(), x.seq(), embed_dim()}, options_.num_threads(),
-          [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(x, grid, out, 0, nullptr, first_write); },
-          first_write ? detail::FreshPages::OnFirstWrite : detail::FreshPages::FaultIn);
+          [&](Eigen::Ref<RowMatrix<Scalar>> out, bool first_write) { run(x, grid, out, 0, nullptr, first_write); },
+          detail::FreshPages::OnFirstWrite);
     });
   }
   /// Into caller memory: out [B·height·width, embed_dim] (overwritten; e.g. a buffer reused across calls).
