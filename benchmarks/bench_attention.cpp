@@ -60,6 +60,7 @@
 #include "c2f/layers/hmha.hpp"
 #include "c2f/layers/multihead_attention.hpp"
 #include "c2f/layers/sparse_c2f_attention.hpp"
+#include "benchmarks/csv_reporter.hpp"
 #include "tools/malloc_counter.hpp"
 #if C2F_BENCH_PEER
 #include "c2f/io/safetensors.hpp"
@@ -531,12 +532,13 @@ int main(int argc, char** argv) {
   }
   int n = static_cast<int>(args.size());
   register_sweep(long_sweep);
+  c2f_bench::Runner runner(&n, args.data());  // before Initialize: it takes out the CSV flags
   benchmark::Initialize(&n, args.data());
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
   benchmark::AddCustomContext("c2f_sweep", long_sweep ? "long" : "quick");
   benchmark::AddCustomContext("c2f_threads", std::to_string(bench_threads()));
   benchmark::AddCustomContext("c2f_isa", Eigen::SimdInstructionSetsInUse());
-  benchmark::RunSpecifiedBenchmarks();
+  runner.run();
   benchmark::Shutdown();
   return 0;
 }

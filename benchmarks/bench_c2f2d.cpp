@@ -39,6 +39,7 @@
 #include "c2f/kernels/linear.hpp"
 #include "c2f/layers/c2f_attention_2d.hpp"
 #include "c2f/layers/multihead_attention.hpp"
+#include "benchmarks/csv_reporter.hpp"
 #include "benchmarks/rooflines.hpp"
 #include "tools/malloc_counter.hpp"
 
@@ -230,12 +231,13 @@ int main(int argc, char** argv) {
   }
   int n = static_cast<int>(args.size());
   register_sweep(quick);
+  c2f_bench::Runner runner(&n, args.data());  // before Initialize: it takes out the CSV flags
   benchmark::Initialize(&n, args.data());
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
   benchmark::AddCustomContext("c2f2d_sweep", quick ? "quick" : "full");
   benchmark::AddCustomContext("c2f_threads", std::to_string(bench_threads()));
   benchmark::AddCustomContext("c2f_isa", Eigen::SimdInstructionSetsInUse());
-  benchmark::RunSpecifiedBenchmarks();
+  runner.run();
   benchmark::Shutdown();
   return 0;
 }

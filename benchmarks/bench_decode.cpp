@@ -29,6 +29,7 @@
 //   GB/s          mha: kv_bytes per second of a step — its achieved bandwidth
 //   tokens/s      new tokens per second over the batch (B per step)
 //   new_threads   threads the process gained during the timed steps (the pool is made once: 0)
+#include "benchmarks/csv_reporter.hpp"
 #include "benchmarks/rooflines.hpp"
 #include "c2f/layers/hmha.hpp"
 #include "c2f/layers/multihead_attention.hpp"
@@ -221,12 +222,13 @@ int main(int argc, char** argv) {
   }
   int n = static_cast<int>(args.size());
   register_sweep(quick);
+  c2f_bench::Runner runner(&n, args.data());  // before Initialize: it takes out the CSV flags
   benchmark::Initialize(&n, args.data());
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
   benchmark::AddCustomContext("decode_sweep", quick ? "quick" : "full");
   benchmark::AddCustomContext("c2f_threads", std::to_string(bench_threads()));
   benchmark::AddCustomContext("c2f_isa", Eigen::SimdInstructionSetsInUse());
-  benchmark::RunSpecifiedBenchmarks();
+  runner.run();
   benchmark::Shutdown();
   return 0;
 }

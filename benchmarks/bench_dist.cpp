@@ -34,6 +34,7 @@
 #include <benchmark/benchmark.h>
 #include <mpi.h>
 
+#include "benchmarks/csv_reporter.hpp"
 #include "c2f/dist.hpp"
 
 #include <algorithm>
@@ -307,11 +308,12 @@ class Silent : public benchmark::BenchmarkReporter {
 int main(int argc, char** argv) {
   int provided = 0;  // c2f's worker threads never call MPI: only the calling thread does
   MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  c2f_bench::Runner runner(&argc, argv);  // before Initialize: it takes out the CSV flags
   benchmark::Initialize(&argc, argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   if (rank == 0) {
-    benchmark::RunSpecifiedBenchmarks();
+    runner.run();
   } else {
     Silent silent;
     benchmark::RunSpecifiedBenchmarks(&silent);

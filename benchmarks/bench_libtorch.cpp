@@ -20,6 +20,8 @@
 //   openblas_config   openblas_get_config(): version, build options and the kernel it chose for this CPU
 //   torch_threads     at::get_num_threads();  c2f_threads  the c2f modules' num_threads
 #include <benchmark/benchmark.h>
+
+#include "csv_reporter.hpp"
 #include <torch/torch.h>
 
 #include "c2f/layers/multihead_attention.hpp"
@@ -216,6 +218,7 @@ int main(int argc, char** argv) {
     })->Arg(peer->length)->Unit(benchmark::kMillisecond)->MeasureProcessCPUTime()->UseRealTime();
   }
   int n = static_cast<int>(args.size());
+  c2f_bench::Runner runner(&n, args.data());  // before Initialize: it takes out the CSV flags
   benchmark::Initialize(&n, args.data());
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
   benchmark::AddCustomContext("c2f_sweep", sweep);
@@ -226,7 +229,7 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("openblas_config", openblas.config());
   benchmark::AddCustomContext("torch_threads", std::to_string(at::get_num_threads()));
   benchmark::AddCustomContext("c2f_threads", std::to_string(threads));
-  benchmark::RunSpecifiedBenchmarks();
+  runner.run();
   benchmark::Shutdown();
   return 0;
 }

@@ -18,6 +18,7 @@
 // Every GEMM entry first checks its output against a double-precision product on a few rows.
 #include <benchmark/benchmark.h>
 
+#include "benchmarks/csv_reporter.hpp"
 #include "benchmarks/rooflines.hpp"
 #include "c2f/kernels/linear.hpp"
 
@@ -166,6 +167,7 @@ void BM_GemmOneDnn(benchmark::State& state, bool bf16) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  c2f_bench::Runner runner(&argc, argv);  // before Initialize: it takes out the CSV flags
   benchmark::Initialize(&argc, argv);
   const int threads = bench_threads();
   const auto timed = [](benchmark::internal::Benchmark* b) {
@@ -190,7 +192,7 @@ int main(int argc, char** argv) {
       if (threads == 1) break;
     }
   }
-  benchmark::RunSpecifiedBenchmarks();
+  runner.run();
   benchmark::Shutdown();
   return 0;
 }

@@ -26,6 +26,8 @@
 //                                           the pool has been idle for 2 ms before the loop (asleep)
 #include <benchmark/benchmark.h>
 
+#include "csv_reporter.hpp"
+
 #include "c2f/kernels/linear.hpp"
 #include "c2f/layers/c2f_attention.hpp"
 #include "c2f/layers/multihead_attention.hpp"
@@ -269,6 +271,7 @@ int main(int argc, char** argv) {
   }
   int n = static_cast<int>(args.size());
   register_entries(set);
+  c2f_bench::Runner runner(&n, args.data());  // before Initialize: it takes out the CSV flags
   benchmark::Initialize(&n, args.data());
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
   benchmark::AddCustomContext("c2f_isa", Eigen::SimdInstructionSetsInUse());
@@ -281,7 +284,7 @@ int main(int argc, char** argv) {
 #else
   benchmark::AddCustomContext("c2f_runtime", "pool");
 #endif
-  benchmark::RunSpecifiedBenchmarks();
+  runner.run();
   benchmark::Shutdown();
   return 0;
 }

@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/csv_reporter.hpp"
 #include "benchmarks/rooflines.hpp"
 #include "tools/malloc_counter.hpp"
 #if C2F_BENCH_PEER
@@ -203,11 +204,12 @@ int main(int argc, char** argv) {
   }
   int n = static_cast<int>(args.size());
   register_entries();
+  c2f_bench::Runner runner(&n, args.data());  // before Initialize: it takes out the CSV flags
   benchmark::Initialize(&n, args.data());
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
   benchmark::AddCustomContext("c2f_threads", std::to_string(bench_threads()));
   benchmark::AddCustomContext("c2f_isa", Eigen::SimdInstructionSetsInUse());
-  benchmark::RunSpecifiedBenchmarks();
+  runner.run();
   benchmark::Shutdown();
   return 0;
 }
