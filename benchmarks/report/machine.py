@@ -1,5 +1,6 @@
 """The machine's rooflines (bench_machine): the fp32 FMA peak and the bf16 dot peaks (vdpbf16ps, and AMX's
-tile product where the CPU has it) of register-only loops on 1 and n threads, STREAM copy bandwidth, and
+tile product where the CPU has it) of register-only loops on 1 and n threads (each the rate of its fastest
+timed call: a slower call of the same loop is time the VM gave to others), STREAM copy bandwidth, and
 the GEMMs of Eigen, c2f and oneDNN on the same projection shape as reference points (% of the FMA peak).
 The other report modules divide by `peaks(result)`."""
 
@@ -46,6 +47,8 @@ def machine_section(result):
     for name, reason in sorted(skipped(result).items()):
         rows.append([name, "—", "not measured", reason])
     out.append(table(["roofline", "threads", "measured", "ISA / note"], rows))
+    out += ["", "The peaks are the rate of each loop's fastest timed call (its mean over every call is in "
+                "bench_machine.json, counter GFLOPS_mean)."]
     gemm_rows = []
     for key, b in sorted(e.items()):
         if not key[0].startswith("gemm_") or b.get("error_occurred"):
