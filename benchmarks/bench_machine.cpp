@@ -176,7 +176,8 @@ int main(int argc, char** argv) {
   // The peaks: the fastest of 2 s of calls each (BM_Peak), so that a short slow phase of a VM is outlasted.
   for (int t : {1, threads}) {
     for (const char* kind : {"fp32", "fp32_tile", "bf16", "amx_bf16"}) {
-      timed(benchmark::RegisterBenchmark((std::string("peak_") + kind).c_str(), c2f_bench::BM_Peak, std::string(kind))->Arg(t)->MinTime(2.0));
+      const std::string name = std::string("peak_") + kind;
+      timed(benchmark::RegisterBenchmark(name.c_str(), c2f_bench::BM_Peak, std::string(kind))->Arg(t)->MinTime(2.0));
     }
     if (threads == 1) break;
   }

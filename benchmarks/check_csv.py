@@ -32,9 +32,18 @@ def check(text, where):
     counters = header[len(FIXED):]
     present = [frozenset(c for c, v in zip(counters, row[len(FIXED):]) if v != "") for row in entries]
     if len(set(present)) < 2:
-        sys.exit(f"check_csv: {where}: every entry has the same counters; the filter must mix entries with different ones")
+        sys.exit(f"check_csv: {where}: every entry has the same counters; the filter must mix entries with "
+                 "different ones")
     print(f"check_csv: {where}: {len(entries)} entries, {len(counters)} counter columns "
           f"({', '.join(counters)}), OK")
+
+
+def csv_of(command, where):
+    """Runs command; its exit status must be 0."""
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"check_csv: {command[0]} {where} exited with {run.returncode}: {run.stderr.strip()[-400:]}")
+    return run.stdout
 
 
 def main():
@@ -42,17 +51,13 @@ def main():
         sys.exit(__doc__)
     binary, flt, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
     base = [binary, f"--benchmark_filter={flt}"] + extra
-    run = subprocess.run(base + ["--benchmark_format=csv"], capture_output=True, text=True)
-    if run.returncode != 0:
-        sys.exit(f"check_csv: {binary} --benchmark_format=csv exited with {run.returncode}: {run.stderr.strip()[-400:]}")
-    check(run.stdout, "--benchmark_format=csv")
+    screen = "--benchmark_format=csv"
+    check(csv_of(base + [screen], screen), screen)
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.csv")
-        run = subprocess.run(base + [f"--benchmark_out={out}", "--benchmark_out_format=csv"], capture_output=True, text=True)
-        if run.returncode != 0:
-            sys.exit(f"check_csv: {binary} --benchmark_out_format=csv exited with {run.returncode}: {run.stderr.strip()[-400:]}")
+        out, file = os.path.join(tmp, "out.csv"), "--benchmark_out_format=csv"
+        csv_of(base + [f"--benchmark_out={out}", file], file)
         with open(out) as f:
-            check(f.read(), "--benchmark_out_format=csv")
+            check(f.read(), file)
     print("check_csv: OK")
 
 

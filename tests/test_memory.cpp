@@ -287,10 +287,18 @@ TEST(FreshOutput, WholeHugePagesAreTheAlignedPagesInsideTheBuffer) {
     std::uintptr_t start;
     std::size_t bytes, begin, end;
   };
-  for (const Case& c : {Case{base, 3 * kHuge, 0, 3 * kHuge}, Case{base, 3 * kHuge - 1, 0, 2 * kHuge},
-                        Case{base + 1, 3 * kHuge, kHuge - 1, 3 * kHuge - 1}, Case{base - 5, kHuge + 5, 5, kHuge + 5},
-                        Case{base + 7, 2 * kHuge - 8, 2 * kHuge - 8, 2 * kHuge - 8}, Case{base + 7, 2 * kHuge - 7, kHuge - 7, 2 * kHuge - 7},
-                        Case{base + 1, kHuge - 1, kHuge - 1, kHuge - 1}, Case{base + 1, 100, 100, 100}, Case{base, 0, 0, 0}}) {
+  const Case cases[] = {
+      {base, 3 * kHuge, 0, 3 * kHuge},
+      {base, 3 * kHuge - 1, 0, 2 * kHuge},
+      {base + 1, 3 * kHuge, kHuge - 1, 3 * kHuge - 1},
+      {base - 5, kHuge + 5, 5, kHuge + 5},
+      {base + 7, 2 * kHuge - 8, 2 * kHuge - 8, 2 * kHuge - 8},  // ends 1 byte short of the boundary: none
+      {base + 7, 2 * kHuge - 7, kHuge - 7, 2 * kHuge - 7},
+      {base + 1, kHuge - 1, kHuge - 1, kHuge - 1},
+      {base + 1, 100, 100, 100},
+      {base, 0, 0, 0},
+  };
+  for (const Case& c : cases) {
     const c2f::detail::WholeHugePages whole = c2f::detail::whole_huge_pages(at(c.start), c.bytes);
     EXPECT_EQ(whole.begin, c.begin) << "start " << c.start - base << ", bytes " << c.bytes;
     EXPECT_EQ(whole.end, c.end) << "start " << c.start - base << ", bytes " << c.bytes;
