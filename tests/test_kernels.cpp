@@ -828,6 +828,30 @@ TEST(ExpSimd, MatchesCorrectlyRoundedExpAndItsEigenTwin) {
 #endif
 }
 
+// The softmax's max kernel (row_max_rows, on the build's packets; row_max for one row) against Eigen's
+// maxCoeff, on rows of every tail length around the lanes, with masked (−inf) entries, a row with nothing
+// visible and an empty row; several rows at once must give each row's own max.
+TEST(RowMax, MatchesMaxCoeffOnEveryTailLength) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  TestRng rng(29);
+  for (const Index n : {0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 255, 256, 257}) {
+    RowMatrix<float> rows = rng.matrix<float>(4, n + 5, 8.0);
+    for (Index j = 0; j < n; j += 3) rows(1, j) = -kInf;
+    rows.row(2).head(n).setConstant(-kInf);
+    if (n > 2) rows(3, n - 1) = 50.0f;       // the max in the last (tail) lane
+    rows.rightCols(5).setConstant(1e9f);     // past the row's end: never read
+    const std::string where = "n=" + std::to_string(n);
+    for (Index r = 0; r < 4 && n > 0; ++r) {  // (maxCoeff has no empty case: online_softmax_step never asks)
+      EXPECT_EQ(c2f::detail::row_max(rows.row(r).head(n)), rows.row(r).head(n).maxCoeff()) << where << " row " << r;
+    }
+    float together[4];
+    c2f::detail::row_max_rows<4>(rows.data(), rows.outerStride(), n, together);
+    for (Index r = 0; r < 4; ++r) {
+      EXPECT_EQ(together[r], n == 0 ? -kInf : rows.row(r).head(n).maxCoeff()) << where << " row " << r;
+    }
+  }
+}
+
 // online_softmax_step passes float rows of a row-major block through the exp kernel kExpRows at a time:
 // each row must get the bits it gets alone (a one-row block takes the row-by-row path) — scores, running
 // max and sum, alpha — with masked keys, a row with no visible key, a row not seen before (max −inf),

@@ -179,6 +179,43 @@ inline float exp_shifted_sum_simd(float* p, Index n, float shift) {
 }
 #endif
 
+/// For the R rows p + r·ld: mx[r] ← the largest of p[r·ld + j], j < n (−inf when n = 0), on the build's
+/// packets: one chain per row, its lanes reduced, then the elements past the last whole packet. Each row
+/// gets the same operations in the same order as alone (R = 1). A NaN may or may not reach the max; the
+/// row's exponentials are NaN either way.
+template <int R, class Scalar>
+void row_max_rows(const Scalar* p, Index ld, Index n, Scalar* mx) {
+  using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
+  constexpr Index kLanes = Eigen::internal::packet_traits<Scalar>::size;
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  Packet acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Eigen::internal::pset1<Packet>(kNegInf);
+  Index j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int r = 0; r < R; ++r) acc[r] = Eigen::internal::pmax(acc[r], Eigen::internal::ploadu<Packet>(p + r * ld + j));
+  }
+  for (int r = 0; r < R; ++r) {
+    mx[r] = Eigen::internal::predux_max(acc[r]);
+    for (Index t = j; t < n; ++t) mx[r] = std::max(mx[r], p[r * ld + t]);
+  }
+}
+
+/// The largest coefficient of `row` (a row or column vector): rows of contiguous memory by row_max_rows
+/// (the kernel online_softmax_step runs on several rows at once), the rest by Eigen's maxCoeff.
+template <class Row>
+typename Row::Scalar row_max(const Row& row) {
+  using Scalar = typename Row::Scalar;
+  if constexpr ((Eigen::internal::traits<Row>::Flags & Eigen::DirectAccessBit) != 0 &&
+                Eigen::internal::packet_traits<Scalar>::Vectorizable) {
+    if (row.innerStride() == 1 && (row.rows() == 1 || row.cols() == 1)) {
+      Scalar mx;
+      row_max_rows<1>(row.data(), 0, row.size(), &mx);
+      return mx;
+    }
+  }
+  return row.maxCoeff();
+}
+
 /// exp_shifted(row, shift), returning the sum of the row afterwards. Float rows of contiguous memory
 /// take the build's exp micro-kernel (kExpSimdLanes > 0); the rest exp_shifted then Eigen's sum.
 template <class Row, class Scalar>
@@ -204,12 +241,16 @@ bool online_softmax_step(Scores& s, Max&& m, Sum&& l, Alpha&& alpha) {
   using Scalar = typename S::Scalar;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   bool rescale = false;
-  // Row r's new max m[r], its factor alpha[r], and the shift of its exponentials.
-  const auto shift_of = [&](Index r) {
-    const Scalar m_new = std::max(m[r], s.row(r).maxCoeff());
+  // Row r's new max m[r] from the block's `block_max`, its factor alpha[r], and the shift of its
+  // exponentials.
+  const auto shift_of = [&](Index r, Scalar block_max) {
+    const Scalar m_new = std::max(m[r], block_max);
     // All keys so far hidden: shift by 0, not by -inf (which would give exp(-inf + inf) = NaN).
     const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;
-    alpha[r] = std::exp(m[r] - shift);
+    // A max that did not move (most blocks after the first few) needs no exp: exp(0) is 1 exactly
+    // (+inf − +inf is NaN, not 0, and keeps its exp).
+    const Scalar moved = m[r] - shift;
+    alpha[r] = moved == Scalar(0) ? Scalar(1) : std::exp(moved);
     rescale = rescale || alpha[r] != Scalar(1);
     m[r] = m_new;
     return shift;
@@ -223,15 +264,16 @@ bool online_softmax_step(Scores& s, Max&& m, Sum&& l, Alpha&& alpha) {
                                 (Eigen::internal::traits<S>::Flags & Eigen::RowMajorBit) != 0;
   if constexpr (kRowsInPlace) {
     for (; r + kExpRows <= s.rows() && s.innerStride() == 1; r += kExpRows) {
-      float shift[kExpRows], sum[kExpRows];
-      for (int i = 0; i < kExpRows; ++i) shift[i] = shift_of(r + i);
+      float block_max[kExpRows], shift[kExpRows], sum[kExpRows];
+      row_max_rows<kExpRows>(s.data() + r * s.outerStride(), s.outerStride(), s.cols(), block_max);
+      for (int i = 0; i < kExpRows; ++i) shift[i] = shift_of(r + i, block_max[i]);
       exp_shifted_sum_rows_simd<kExpRows>(s.data() + r * s.outerStride(), s.outerStride(), s.cols(), shift, sum);
       for (int i = 0; i < kExpRows; ++i) l[r + i] = std::fma(alpha[r + i], l[r + i], sum[i]);
     }
   }
 #endif
   for (; r < s.rows(); ++r) {
-    const Scalar shift = shift_of(r);
+    const Scalar shift = shift_of(r, row_max(s.row(r)));
     l[r] = std::fma(alpha[r], l[r], exp_shifted_sum(s.row(r), shift));
   }
   return rescale;
