@@ -49,6 +49,14 @@
 //              weights), measured by counting every malloc (tools/malloc_counter.hpp); includes the output
 //   first_call_ms  wall time of the entry's first call, which is not timed: it allocates the scratch the
 //              timed calls reuse (every entry times the calls after it)
+//   paired_peak, pct_paired_peak, paired_tile_peak, pct_paired_tile_peak  (entries with FLOP, where the
+//              CPU has AVX2+FMA or AVX-512, and whose calls take 5 ms or more) before each timed call,
+//              untimed, the fp32 FMA peaks are read on the entry's threads, each for half as long as the
+//              previous call took, at most 10 ms (rooflines.hpp, PairedPeak): the register-only loop
+//              (paired_peak, their mean in GFLOP/s) and
+//              c2f's micro-kernel on L1-resident operands (paired_tile_peak); pct_* is the median over the
+//              calls of 100 × the call's GFLOP/s ÷ the reading just before it — the entry's fraction of
+//              each peak, read in the same moments
 //   rel_error  (sparse entries) ‖y − y_MHA‖ / ‖y_MHA‖ against full MultiHeadAttention (causal for the
 //              causal entries) with the same weights on the same input: a smooth random walk plus noise
 //              (inputs with local structure)
@@ -61,6 +69,7 @@
 #include "c2f/layers/multihead_attention.hpp"
 #include "c2f/layers/sparse_c2f_attention.hpp"
 #include "benchmarks/csv_reporter.hpp"
+#include "benchmarks/rooflines.hpp"
 #include "tools/malloc_counter.hpp"
 #if C2F_BENCH_PEER
 #include "c2f/io/safetensors.hpp"
@@ -116,6 +125,18 @@ double must_move_bytes(Index length, double weight_floats) {
 
 template <class Forward>
 void run(benchmark::State& state, double flops, double bytes, Index length, Forward&& forward) {
+  // Each timed call follows readings of the FMA peaks (untimed), each half as long as the call, at most
+  // 10 ms: the call's rate over them is its fraction of the machine at that moment (PairedPeak). Only
+  // where the first call took kPairedMinSeconds or more: after a reading c2f's pool worker has gone to sleep, and
+  // waking it (tens to hundreds of µs on a VM) would slow a shorter call. Set up before the malloc
+  // counter starts (a reading allocates a few KiB, freed at once).
+  constexpr double kPairedMinSeconds = 0.005;
+  bool pair = flops > 0 && c2f_bench::PairedPeak::available();
+  c2f_bench::PairedPeak paired(bench_threads());
+  std::vector<double> fractions, tile_fractions;
+  fractions.reserve(std::size_t(1) << 16);
+  tile_fractions.reserve(fractions.capacity());
+  c2f_bench::PairedPeak::Reading sums;
   c2f::release_scratch_cache();  // the first call allocates every temporary
   c2f_memory::reset();
   // The first call, untimed (counter first_call_ms): it allocates the scratch later calls reuse and
@@ -126,11 +147,42 @@ void run(benchmark::State& state, double flops, double bytes, Index length, Forw
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   };
+  const auto seconds_since = [](std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
   const std::chrono::steady_clock::time_point first = std::chrono::steady_clock::now();
   call();
-  const double first_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - first).count();
-  for (auto _ : state) call();
+  double last = seconds_since(first);
+  const double first_ms = 1e3 * last;
+  pair = pair && last >= kPairedMinSeconds;
+  for (auto _ : state) {
+    c2f_bench::PairedPeak::Reading peak;
+    if (pair) {
+      state.PauseTiming();
+      peak = paired.measure(std::min(0.01, last / 2));
+      state.ResumeTiming();
+    }
+    const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    call();
+    last = seconds_since(start);
+    if (pair && fractions.size() < fractions.capacity()) {
+      fractions.push_back(flops * 1e-9 / last / peak.fma);
+      tile_fractions.push_back(flops * 1e-9 / last / peak.tile);
+      sums.fma += peak.fma;
+      sums.tile += peak.tile;
+    }
+  }
   c2f_memory::stop();
+  if (!fractions.empty()) {
+    const auto median = [](std::vector<double>& v) {
+      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+      return v[v.size() / 2];
+    };
+    state.counters["paired_peak"] = sums.fma / double(fractions.size());
+    state.counters["paired_tile_peak"] = sums.tile / double(fractions.size());
+    state.counters["pct_paired_peak"] = 100.0 * median(fractions);
+    state.counters["pct_paired_tile_peak"] = 100.0 * median(tile_fractions);
+  }
   state.counters["FLOP"] = flops;
   state.counters["GFLOPS"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["tokens/s"] = benchmark::Counter(double(length), benchmark::Counter::kIsIterationInvariantRate);

@@ -111,6 +111,13 @@ inline void BM_Read(benchmark::State& state) {
 // at run time, so a portable build measures the same peak as a native one). kAccumulators independent
 // chains hide the FMA latency on two FMA pipes (latency 4–5 cycles × 2 pipes ≤ 12); the values stay
 // finite (x ← x·a + b with a < 1) and are summed at the end so the loop cannot be removed.
+// GCC 12 at -O1 (the dev preset, which builds bench_attention) reports the _mm256_undefined_pd() inside
+// _mm512_reduce_add_ps as used uninitialized: a false positive of the intrinsic's own header.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 namespace peak {
 constexpr int kAccumulators = 12;
 
@@ -265,6 +272,9 @@ inline double run(const std::string& kind, std::int64_t iterations, float* sink)
 #endif
 }
 }  // namespace peak
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 /// The FMA peak of `kind` ("fp32", "fp32_tile", "bf16", "amx_bf16") on range(0) threads: each thread runs the
 /// loop for the same number of iterations at once. Skipped (with the reason) where the CPU lacks the ISA.
@@ -303,5 +313,53 @@ inline void BM_Peak(benchmark::State& state, const std::string& kind) {
   state.counters["threads"] = threads;
   state.SetLabel(kind == "fp32" || kind == "fp32_tile" ? peak::fp32_isa() : kind == "bf16" ? "avx512bf16" : "amx-bf16");
 }
+
+/// The fp32 FMA peaks measured next to each timed call of an entry, on a machine whose speed moves between
+/// (and within) entries: a VM whose host gives it more or less of its cores from one second to the next,
+/// or whose cores' other hyperthreads run someone else's loads (docs/benchmarks.md, "Paired peaks").
+/// measure() runs, on `threads` std::threads at once, the register-only loop ("fp32") and then c2f's
+/// micro-kernel on L1-resident operands ("fp32_tile"), each for about `seconds`, and returns both in
+/// GFLOP/s. An entry divides each call's rate by the readings taken just before it: a phase in which the
+/// VM gets less of the cores lowers both the call and the readings and leaves their ratio; one in which a
+/// neighbour competes for the loads shows as a tile reading below the register-only one.
+class PairedPeak {
+ public:
+  struct Reading {
+    double fma = 0.0, tile = 0.0;  ///< GFLOP/s of the register-only loop and of the L1-resident tile
+  };
+
+  explicit PairedPeak(int threads) : threads_(std::max(1, threads)), sinks_(static_cast<std::size_t>(threads_), 0.0f) {}
+
+  /// Whether this CPU has a loop to measure (AVX2+FMA or AVX-512).
+  static bool available() { return !peak::fp32_isa().empty(); }
+
+  Reading measure(double seconds) { return {rate("fp32", seconds, fma_per_second_), rate("fp32_tile", seconds, tile_per_second_)}; }
+
+ private:
+  /// GFLOP/s of `kind` on threads_ threads for about `seconds`; `per_second` (iterations per second per
+  /// thread) sizes the run from the last one (calibrated on a short run the first time) and is updated.
+  double rate(const char* kind, double seconds, double& per_second) {
+    constexpr std::int64_t kCalibration = 1 << 16, kMinIterations = 1 << 12;
+    if (per_second <= 0.0) {
+      const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+      peak::run(kind, kCalibration, &sinks_[0]);
+      per_second = double(kCalibration) / std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    const std::int64_t iterations = std::max<std::int64_t>(kMinIterations, static_cast<std::int64_t>(seconds * per_second));
+    const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    std::vector<std::thread> team;  // std::threads, not c2f's pool (one of its workers could run two loops)
+    for (int t = 1; t < threads_; ++t) team.emplace_back([&, t] { peak::run(kind, iterations, &sinks_[std::size_t(t)]); });
+    const double flop_per_iteration = peak::run(kind, iterations, &sinks_[0]);
+    for (std::thread& member : team) member.join();
+    benchmark::DoNotOptimize(sinks_.data());
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    per_second = double(iterations) / elapsed;
+    return flop_per_iteration * double(iterations) * threads_ * 1e-9 / elapsed;
+  }
+
+  int threads_;
+  std::vector<float> sinks_;
+  double fma_per_second_ = 0.0, tile_per_second_ = 0.0;
+};
 
 }  // namespace c2f_bench

@@ -221,6 +221,15 @@ def roofline_section(e, lengths, ctx, fma_peak=None):
         f"less than the {fmt_bytes(llc)} last-level cache: their data stays there between calls, so they can "
         f"pass the copy roofline. Cores = the process's CPU time ÷ wall time during the entry: {threads} on a "
         f"quiet machine, less when other processes held the cores (then every rate of that entry is low).")
+    paired = any("pct_paired_peak" in b for b in e.values())
+    if paired:
+        out[-1] += (" Paired peak: before each timed call the fp32 FMA peaks were read on the same threads, "
+                    "each for half as long as the call (at most 10 ms, untimed; entries whose calls take 5 ms or more): the register-only loop and c2f's "
+                    "micro-kernel on L1-resident operands (\"tile\"); \"% of paired peak\" is the median over "
+                    "the calls of the call's GFLOPS ÷ the reading just before it, then the readings' mean "
+                    "(GFLOP/s) and the same fraction of the tile reading — the fraction of the machine the entry "
+                    "used in the moments it ran, which a VM's phases move far less than a ratio of two readings "
+                    "taken minutes apart (docs/benchmarks.md, \"Paired peaks, and where MHA's time goes\").")
     out.append("")
     rows = []
     for k in sorted((k for k, b in e.items() if k[0] in ROOFLINE_ORDER and "bytes" in b),
@@ -229,13 +238,16 @@ def roofline_section(e, lengths, ctx, fma_peak=None):
         compute = b["intensity"] >= balance
         frac = b["GFLOPS"] / peak if compute else b["GB/s"] / bw
         rows.append(["/".join(map(str, k)), f"{ms(b):.2f}", f"{b['GFLOPS']:.1f}",
-                     f"{100 * b['GFLOPS'] / peak:.0f} %",
+                     f"{100 * b['GFLOPS'] / peak:.0f} %"] +
+                    ([f"{b['pct_paired_peak']:.0f} % of {b['paired_peak']:.0f} (tile {b['pct_paired_tile_peak']:.0f} % "
+                      f"of {b['paired_tile_peak']:.0f})" if "pct_paired_peak" in b else "—"]
+                     if paired else []) + [
                      fmt_bytes(b["bytes"]) + (" (in cache)" if b["bytes"] < llc else ""), f"{b['GB/s']:.2f}",
                      f"{100 * b['GB/s'] / bw:.1f} %", f"{b['intensity']:.0f}",
                      f"{name if compute else 'memory'}, {100 * frac:.0f} %",
                      f"{b['cpu_time'] / b['real_time']:.2f}" if "/process_time" in b["name"] else "?"])
-    out.append(table(["entry", "ms", "GFLOPS", f"% of {name}", "bytes", "GB/s", "% of copy BW", "FLOP/byte",
-                      "binding roofline, fraction", "cores"], rows))
+    out.append(table(["entry", "ms", "GFLOPS", f"% of {name}"] + (["% of paired peak"] if paired else []) +
+                     ["bytes", "GB/s", "% of copy BW", "FLOP/byte", "binding roofline, fraction", "cores"], rows))
     checks = roofline_checks(e, lengths, ctx, gemm_peak)
     bf16 = [(ms(e[("mha_streaming", L)]) / ms(e[("mha_bf16", L)]), L) for L in lengths if 1024 <= L <= 8192
             and ("mha_bf16", L) in e and ("mha_streaming", L) in e]
@@ -264,6 +276,17 @@ def roofline_section(e, lengths, ctx, fma_peak=None):
                 b = e[(name, 16384, 32)]
                 frac = b["GFLOPS"] / peak if b["intensity"] >= balance else b["GB/s"] / bw
                 checks.append((label, f"{100 * frac:.0f} %", frac >= 0.60))
+    # The same bars read against the peak paired with each call (compute-bound entries only).
+    mha_paired = [(e[("mha_streaming", L)]["pct_paired_peak"] / 100, L) for L in lengths if 1024 <= L <= 8192
+                  and "pct_paired_peak" in e.get(("mha_streaming", L), {})]
+    if mha_paired:
+        checks.append(("MHA fp32, L = 1024 … 8192, ≥ 80 % of the paired FMA peak",
+                       ", ".join(f"{L}: {100 * f:.0f} %" for f, L in mha_paired), min(mha_paired)[0] >= 0.80))
+    for name, label in (("c2f", "C2F chunk 32, L = 16384, ≥ 60 % of the paired FMA peak"),
+                        ("c2f_into", "… the same with forward_into")):
+        b = e.get((name, 16384, 32), {})
+        if "pct_paired_peak" in b and b["intensity"] >= balance:
+            checks.append((label, f"{b['pct_paired_peak']:.0f} %", b["pct_paired_peak"] >= 60))
     return out, checks
 
 
