@@ -316,7 +316,8 @@ inline void BM_Peak(benchmark::State& state, const std::string& kind) {
 
 /// The fp32 FMA peaks measured next to each timed call of an entry, on a machine whose speed moves between
 /// (and within) entries: a VM whose host gives it more or less of its cores from one second to the next,
-/// or whose cores' other hyperthreads run someone else's loads (docs/benchmarks.md, "Paired peaks").
+/// or whose cores' other hyperthreads run someone else's loads (docs/benchmarks.md, "Paired peaks, and
+/// where MHA's time goes").
 /// measure() runs, on `threads` std::threads at once, the register-only loop ("fp32") and then c2f's
 /// micro-kernel on L1-resident operands ("fp32_tile"), each for about `seconds`, and returns both in
 /// GFLOP/s. An entry divides each call's rate by the readings taken just before it: a phase in which the
@@ -333,26 +334,34 @@ class PairedPeak {
   /// Whether this CPU has a loop to measure (AVX2+FMA or AVX-512).
   static bool available() { return !peak::fp32_isa().empty(); }
 
-  Reading measure(double seconds) { return {rate("fp32", seconds, fma_per_second_), rate("fp32_tile", seconds, tile_per_second_)}; }
+  Reading measure(double seconds) {
+    return {rate("fp32", seconds, fma_per_second_), rate("fp32_tile", seconds, tile_per_second_)};
+  }
 
  private:
   /// GFLOP/s of `kind` on threads_ threads for about `seconds`; `per_second` (iterations per second per
   /// thread) sizes the run from the last one (calibrated on a short run the first time) and is updated.
   double rate(const char* kind, double seconds, double& per_second) {
     constexpr std::int64_t kCalibration = 1 << 16, kMinIterations = 1 << 12;
+    const auto seconds_since = [](std::chrono::steady_clock::time_point start) {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    };
     if (per_second <= 0.0) {
       const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
       peak::run(kind, kCalibration, &sinks_[0]);
-      per_second = double(kCalibration) / std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      per_second = double(kCalibration) / seconds_since(start);
     }
-    const std::int64_t iterations = std::max<std::int64_t>(kMinIterations, static_cast<std::int64_t>(seconds * per_second));
+    const std::int64_t iterations =
+        std::max<std::int64_t>(kMinIterations, static_cast<std::int64_t>(seconds * per_second));
     const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
     std::vector<std::thread> team;  // std::threads, not c2f's pool (one of its workers could run two loops)
-    for (int t = 1; t < threads_; ++t) team.emplace_back([&, t] { peak::run(kind, iterations, &sinks_[std::size_t(t)]); });
+    for (int t = 1; t < threads_; ++t) {
+      team.emplace_back([&, t] { peak::run(kind, iterations, &sinks_[std::size_t(t)]); });
+    }
     const double flop_per_iteration = peak::run(kind, iterations, &sinks_[0]);
     for (std::thread& member : team) member.join();
     benchmark::DoNotOptimize(sinks_.data());
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double elapsed = seconds_since(start);
     per_second = double(iterations) / elapsed;
     return flop_per_iteration * double(iterations) * threads_ * 1e-9 / elapsed;
   }

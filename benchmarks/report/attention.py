@@ -224,7 +224,8 @@ def roofline_section(e, lengths, ctx, fma_peak=None):
     paired = any("pct_paired_peak" in b for b in e.values())
     if paired:
         out[-1] += (" Paired peak: before each timed call the fp32 FMA peaks were read on the same threads, "
-                    "each for half as long as the call (at most 10 ms, untimed; entries whose calls take 5 ms or more): the register-only loop and c2f's "
+                    "each for half as long as the call (at most 10 ms, untimed; entries whose calls take 5 ms or "
+                    "more): the register-only loop and c2f's "
                     "micro-kernel on L1-resident operands (\"tile\"); \"% of paired peak\" is the median over "
                     "the calls of the call's GFLOPS ÷ the reading just before it, then the readings' mean "
                     "(GFLOP/s) and the same fraction of the tile reading — the fraction of the machine the entry "
