@@ -53,10 +53,9 @@
 //              CPU has AVX2+FMA or AVX-512, and whose calls take 5 ms or more) before each timed call,
 //              untimed, the fp32 FMA peaks are read on the entry's threads, each for half as long as the
 //              previous call took, at most 10 ms (rooflines.hpp, PairedPeak): the register-only loop
-//              (paired_peak, their mean in GFLOP/s) and
-//              c2f's micro-kernel on L1-resident operands (paired_tile_peak); pct_* is the median over the
-//              calls of 100 × the call's GFLOP/s ÷ the reading just before it — the entry's fraction of
-//              each peak, read in the same moments
+//              (paired_peak, their mean in GFLOP/s) and c2f's micro-kernel on L1-resident operands
+//              (paired_tile_peak); pct_* is the median over the calls of 100 × the call's GFLOP/s ÷ the
+//              reading just before it — the entry's fraction of each peak, read in the same moments
 //   rel_error  (sparse entries) ‖y − y_MHA‖ / ‖y_MHA‖ against full MultiHeadAttention (causal for the
 //              causal entries) with the same weights on the same input: a smooth random walk plus noise
 //              (inputs with local structure)
@@ -97,10 +96,7 @@ constexpr Index kEmbed = 512;
 constexpr Index kHeads = 8;
 constexpr Index kWindow = 64;
 
-int bench_threads() {
-  const char* env = std::getenv("C2F_BENCH_THREADS");
-  return env != nullptr ? std::atoi(env) : 2;
-}
+using c2f_bench::bench_threads;
 
 c2f::Tensor3<float> random_input(Index length) {
   std::mt19937 gen(42);
@@ -127,9 +123,9 @@ template <class Forward>
 void run(benchmark::State& state, double flops, double bytes, Index length, Forward&& forward) {
   // Each timed call follows readings of the FMA peaks (untimed), each half as long as the call, at most
   // 10 ms: the call's rate over them is its fraction of the machine at that moment (PairedPeak). Only
-  // where the first call took kPairedMinSeconds or more: after a reading c2f's pool worker has gone to sleep, and
-  // waking it (tens to hundreds of µs on a VM) would slow a shorter call. Set up before the malloc
-  // counter starts (a reading allocates a few KiB, freed at once).
+  // where the first call took kPairedMinSeconds or more: after a reading c2f's pool worker has gone to
+  // sleep, and waking it (tens to hundreds of µs on a VM) would slow a shorter call. Set up before the
+  // malloc counter starts (a reading allocates a few KiB, freed at once).
   constexpr double kPairedMinSeconds = 0.005;
   bool pair = flops > 0 && c2f_bench::PairedPeak::available();
   c2f_bench::PairedPeak paired(bench_threads());

@@ -276,6 +276,17 @@ inline double run(const std::string& kind, std::int64_t iterations, float* sink)
 #pragma GCC diagnostic pop
 #endif
 
+/// Runs `kind` for `iterations` on `sinks.size()` threads at once, one std::thread per loop (not c2f's pool,
+/// whose workers claim tasks: one could run two loops); returns the FLOP of one iteration.
+inline double run_on_threads(const std::string& kind, std::int64_t iterations, std::vector<float>& sinks) {
+  std::vector<std::thread> team;
+  for (std::size_t t = 1; t < sinks.size(); ++t) team.emplace_back([&, t] { peak::run(kind, iterations, &sinks[t]); });
+  const double flop_per_iteration = peak::run(kind, iterations, &sinks[0]);
+  for (std::thread& member : team) member.join();
+  benchmark::DoNotOptimize(sinks.data());
+  return flop_per_iteration;
+}
+
 /// The FMA peak of `kind` ("fp32", "fp32_tile", "bf16", "amx_bf16") on range(0) threads: each thread runs the
 /// loop for the same number of iterations at once. Skipped (with the reason) where the CPU lacks the ISA.
 /// GFLOPS is the rate of the fastest timed call (GFLOPS_mean: of all of them): a register-only loop does
@@ -298,12 +309,7 @@ inline void BM_Peak(benchmark::State& state, const std::string& kind) {
   double flop_per_iteration = 0.0, fastest = std::numeric_limits<double>::infinity();
   for (auto _ : state) {
     const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
-    // One std::thread per loop (not the pool, whose workers claim tasks: one could run both).
-    std::vector<std::thread> team;
-    for (int t = 1; t < threads; ++t) team.emplace_back([&, t] { peak::run(kind, kIterations, &sinks[std::size_t(t)]); });
-    flop_per_iteration = peak::run(kind, kIterations, &sinks[0]);
-    for (std::thread& member : team) member.join();
-    benchmark::DoNotOptimize(sinks.data());
+    flop_per_iteration = run_on_threads(kind, kIterations, sinks);
     fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   const double flop = flop_per_iteration * double(kIterations) * threads;
@@ -329,7 +335,7 @@ class PairedPeak {
     double fma = 0.0, tile = 0.0;  ///< GFLOP/s of the register-only loop and of the L1-resident tile
   };
 
-  explicit PairedPeak(int threads) : threads_(std::max(1, threads)), sinks_(static_cast<std::size_t>(threads_), 0.0f) {}
+  explicit PairedPeak(int threads) : sinks_(static_cast<std::size_t>(std::max(1, threads)), 0.0f) {}
 
   /// Whether this CPU has a loop to measure (AVX2+FMA or AVX-512).
   static bool available() { return !peak::fp32_isa().empty(); }
@@ -339,7 +345,7 @@ class PairedPeak {
   }
 
  private:
-  /// GFLOP/s of `kind` on threads_ threads for about `seconds`; `per_second` (iterations per second per
+  /// GFLOP/s of `kind` on the threads for about `seconds`; `per_second` (iterations per second per
   /// thread) sizes the run from the last one (calibrated on a short run the first time) and is updated.
   double rate(const char* kind, double seconds, double& per_second) {
     constexpr std::int64_t kCalibration = 1 << 16, kMinIterations = 1 << 12;
@@ -354,20 +360,13 @@ class PairedPeak {
     const std::int64_t iterations =
         std::max<std::int64_t>(kMinIterations, static_cast<std::int64_t>(seconds * per_second));
     const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
-    std::vector<std::thread> team;  // std::threads, not c2f's pool (one of its workers could run two loops)
-    for (int t = 1; t < threads_; ++t) {
-      team.emplace_back([&, t] { peak::run(kind, iterations, &sinks_[std::size_t(t)]); });
-    }
-    const double flop_per_iteration = peak::run(kind, iterations, &sinks_[0]);
-    for (std::thread& member : team) member.join();
-    benchmark::DoNotOptimize(sinks_.data());
+    const double flop_per_iteration = run_on_threads(kind, iterations, sinks_);
     const double elapsed = seconds_since(start);
     per_second = double(iterations) / elapsed;
-    return flop_per_iteration * double(iterations) * threads_ * 1e-9 / elapsed;
+    return flop_per_iteration * double(iterations) * double(sinks_.size()) * 1e-9 / elapsed;
   }
 
-  int threads_;
-  std::vector<float> sinks_;
+  std::vector<float> sinks_;  ///< one per thread
   double fma_per_second_ = 0.0, tile_per_second_ = 0.0;
 };
 
