@@ -52,28 +52,35 @@ void exp_shifted(Row&& row, Scalar shift) {
 #endif
 constexpr int kExpSimdLanes = C2F_EXP_SIMD;
 
-/// Both kernels take x = m·ln 2 + r with m = round(x·log2 e), |r| ≤ ln 2 / 2, and exp(r) by Cephes'
-/// degree-7 expansion 1 + r + r²·P5(r) (~1 ulp: ExpSimd); they differ in how they multiply by 2^m.
+/// Both kernels compute exp(x) = 2^t with t = x·log2 e rounded once, as m = floor(t) and f = t − m
+/// ∈ [0, 1) (exact where |t| ≥ 1), 2^f by a degree-6 polynomial fitted for relative error on [0, 1)
+/// (Horner, ~1 ulp) and 2^m applied exactly; they differ in how they apply it. Rounding t moves 2^t by up
+/// to |x|·2^−24 relative, as much as the rounding of the subtraction x = score − shift that made x: the
+/// relative error is within 2^−22 + |x|·2^−23, and 2 ulp where |x| ≤ 1 (ExpSimd). Against the kernels
+/// before them (Cephes' exp(r) of degree 7 after ln 2 in two parts, ~1 ulp everywhere) they cut the
+/// online softmax step by a third (docs/benchmarks.md, "A cheaper exp in the online softmax").
+
+/// 2^f for f ∈ [0, 1), the kernels' polynomial (1 at f = 0 exactly); `Scale` multiplies every
+/// coefficient (AVX2 computes 2·2^f: the same bits times 2).
+#define C2F_EXP2_POLY(fmadd, set1, f, Scale)                                                             \
+  fmadd(fmadd(fmadd(fmadd(fmadd(fmadd(set1(Scale * 2.161292068e-04f), f, set1(Scale * 1.246784464e-03f)), f, \
+                                  set1(Scale * 9.675451554e-03f)),                                       \
+                            f, set1(Scale * 5.548528209e-02f)),                                          \
+                      f, set1(Scale * 2.402293086e-01f)),                                                \
+                f, set1(Scale * 6.931470633e-01f)),                                                      \
+        f, set1(Scale * 1.0f))
+
 #if C2F_EXP_SIMD == 16
 
-/// exp of 16 floats, 2^m by vscalefps, which also gives 0 below the smallest subnormal and inf above
-/// FLT_MAX. −inf (a masked score) → exactly 0 (clamped to −120 first: 2^−173 rounds to 0); NaN stays
-/// NaN. 14 instructions against Eigen 3.4's ~30 (its exponent is set by integer operations); measured:
-/// streaming attention at L = 2048 on one core 146 → 158 GFLOP/s.
+/// exp of 16 floats: f by vreduceps (t − floor(t) in one instruction) and 2^floor(t) by vscalefps
+/// (which floors t itself), which also gives 0 below the smallest subnormal and inf above FLT_MAX. −inf
+/// (a masked score) → exactly 0 (t clamped to −200 first: 2^−200 rounds to 0); NaN stays NaN; +inf → inf.
+/// 11 instructions.
 inline __m512 exp_avx512(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-120.0f), x);  // vmaxps returns its second operand when one is NaN
-  x = _mm512_min_ps(_mm512_set1_ps(89.0f), x);
-  const __m512 m = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(m, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: m·hi is exact
-  r = _mm512_fnmadd_ps(m, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, m);
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  t = _mm512_max_ps(_mm512_set1_ps(-200.0f), t);  // vmaxps returns its second operand when one is NaN
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  return _mm512_scalef_ps(C2F_EXP2_POLY(_mm512_fmadd_ps, _mm512_set1_ps, f, 1.0f), t);
 }
 
 /// Rows that online_softmax_step passes through the exp kernel together.
@@ -111,23 +118,19 @@ inline void exp_shifted_sum_rows_simd(float* p, Index ld, Index n, const float* 
 #elif C2F_EXP_SIMD == 8
 
 /// exp of 8 floats. AVX2 has no vscalefps: 2^(m−1) is built in the exponent field (normal for
-/// m ∈ [−125, 128]) and the expansion is computed doubled, 2 + 2r + r²·2P5(r) (the same bits as
-/// doubling it: the coefficients are the same times 2), so y·2^(m−1) is exp(x), and rounds to inf above
-/// FLT_MAX by itself. Below x ≈ −86.99 (m = −126: a weight under 2e-38 of the row's largest) the
-/// result is exactly 0, −inf (a masked score, clamped to −87) included; NaN stays NaN. 16 instructions.
+/// m ∈ [−125, 128]) and the polynomial is computed doubled (the same bits as doubling it: the
+/// coefficients are the same times 2), so 2·2^f·2^(m−1) is exp(x), and inf for t ≥ 128 by itself. Where
+/// the result is normal its bits are exp_avx512's, but for t ∈ (−1, 0), where f = t + 1 is rounded:
+/// vreduceps may round it the other way (1 ulp of f). Below t = −125 (x ≈ −86.64: a weight under 3e-38 of
+/// the row's largest) the result is exactly 0, −inf (a masked score) included; NaN stays NaN. 15
+/// instructions.
 inline __m256 exp_avx2(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // m ≥ −126; vmaxps returns its second operand when one is NaN
-  x = _mm256_min_ps(_mm256_set1_ps(88.75f), x);   // m ≤ 128
-  const __m256 m = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(m, _mm256_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: m·hi is exact
-  r = _mm256_fnmadd_ps(m, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(2 * 1.9875691500e-4f), r, _mm256_set1_ps(2 * 1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2 * 8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2 * 4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2 * 1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2 * 5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_fmadd_ps(r, _mm256_set1_ps(2.0f), _mm256_set1_ps(2.0f)));
+  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  t = _mm256_min_ps(_mm256_set1_ps(128.0f), t);  // m ≤ 128; vminps returns its second operand when one is NaN
+  t = _mm256_max_ps(_mm256_set1_ps(-126.0f), t);  // m ≥ −126
+  const __m256 m = _mm256_floor_ps(t);
+  const __m256 f = _mm256_sub_ps(t, m);
+  const __m256 y = C2F_EXP2_POLY(_mm256_fmadd_ps, _mm256_set1_ps, f, 2.0f);
   // 2^(m−1): the biased exponent m − 1 + 127 in bits 23…30; m = −126 gives the field 0, the float 0.
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(m), _mm256_set1_epi32(126)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
@@ -169,6 +172,7 @@ inline void exp_shifted_sum_rows_simd(float* p, Index ld, Index n, const float* 
   }
 }
 #endif
+#undef C2F_EXP2_POLY
 
 #if C2F_EXP_SIMD
 /// p[j] ← exp(p[j] − shift) for j < n; returns their sum (one accumulator, lanes added at the end).
