@@ -2,9 +2,13 @@
 //
 //   bench_attention [--c2f_sweep=quick|long] [Google Benchmark flags]
 //   bench_attention --c2f_peer_weights=W.safetensors --c2f_peer_input=X.safetensors --c2f_peer_output=Y.safetensors
+//                   [--c2f_peer_time=R]
 //
-// The second form times nothing: it serves the PyTorch peer (benchmarks/torch_peer.py), which needs c2f's
-// output on the peer's own weights and input before it times PyTorch. W holds a layer's PyTorch state dict
+// The second form serves the peers (benchmarks/torch_peer.py, ort_peer.py), which need c2f's output on the
+// peer's own weights and input before they time their own runtime. With --c2f_peer_time=R it then times R
+// more forwards of the same layer on the same input (the first call, whose output it wrote, is the
+// warm-up) and prints {"runs_ms": [...]} as its last line: ort_peer.py alternates such rounds with ORT's,
+// so that both sides of a ratio run in the same minute of a shared machine. W holds a layer's PyTorch state dict
 // and, in its __metadata__, the layer: layer = mha | c2f | hmha | sparse, embed_dim, num_heads, and
 // chunk_size (c2f, sparse), window (hmha), top_k and gating = chunk | token (sparse). X holds "x"
 // [1, L, embed_dim]. The layer is built as the benchmark entries build it (same options, threads) and
@@ -446,8 +450,9 @@ class PeerRun {
     t.copy_to(x_.data());
   }
 
-  // The layer named by the weights' metadata, built as the benchmark entries build it; its output on x.
-  c2f::Tensor3<float> forward() const {
+  // The layer named by the weights' metadata, built as the benchmark entries build it; its output on x,
+  // then the wall-clock time of `timed` more forwards in runs_ms.
+  c2f::Tensor3<float> forward(int timed, std::vector<double>& runs_ms) const {
     const std::string layer = meta("layer");
     const Index E = meta_index("embed_dim"), H = meta_index("num_heads");
     const int threads = bench_threads();
@@ -458,14 +463,17 @@ class PeerRun {
                                      : c2f::Compute::Float32;
     if (layer == "mha") {
       return loaded(c2f::MultiHeadAttention<float>(
-          E, H, c2f::MultiHeadAttention<float>::Options().num_threads(threads).kernel(c2f::AttnKernel::Streaming).compute(compute)));
+          E, H, c2f::MultiHeadAttention<float>::Options().num_threads(threads).kernel(c2f::AttnKernel::Streaming).compute(compute)),
+          timed, runs_ms);
     }
     if (layer == "c2f") {
       return loaded(c2f::C2FAttention<float>(E, H, meta_index("chunk_size"),
-                                             c2f::C2FAttention<float>::Options().num_threads(threads).compute(compute)));
+                                             c2f::C2FAttention<float>::Options().num_threads(threads).compute(compute)),
+                    timed, runs_ms);
     }
     if (layer == "hmha") {
-      return loaded(c2f::HMHA<float>(E, H, meta_index("window"), c2f::HMHA<float>::Options().num_threads(threads)));
+      return loaded(c2f::HMHA<float>(E, H, meta_index("window"), c2f::HMHA<float>::Options().num_threads(threads)),
+                    timed, runs_ms);
     }
     if (layer == "sparse") {
       const std::string gating = meta("gating");
@@ -476,7 +484,8 @@ class PeerRun {
       return loaded(c2f::SparseC2FAttention<float>(
           E, H, meta_index("chunk_size"), meta_index("top_k"),
           c2f::SparseC2FAttention<float>::Options().num_threads(threads).gating(
-              gating == "chunk" ? c2f::Gating::PerChunk : c2f::Gating::PerToken)));
+              gating == "chunk" ? c2f::Gating::PerChunk : c2f::Gating::PerToken)),
+          timed, runs_ms);
     }
     throw std::invalid_argument(weights_path_ + ": __metadata__ layer must be mha, c2f, hmha or sparse, got '" +
                                 layer + "'");
@@ -514,9 +523,16 @@ class PeerRun {
     return static_cast<Index>(n);
   }
   template <class Layer>
-  c2f::Tensor3<float> loaded(Layer layer) const {
+  c2f::Tensor3<float> loaded(Layer layer, int timed, std::vector<double>& runs_ms) const {
     layer.load_state_dict(weights_);
-    return layer.forward(x_);
+    c2f::Tensor3<float> y = layer.forward(x_);
+    for (int i = 0; i < timed; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      const c2f::Tensor3<float> again = layer.forward(x_);
+      runs_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      benchmark::DoNotOptimize(again.data());
+    }
+    return y;
   }
 
   std::string weights_path_;
@@ -524,16 +540,22 @@ class PeerRun {
   c2f::Tensor3<float> x_;
 };
 
-int run_peer(const std::string& weights, const std::string& input, const std::string& output) {
+int run_peer(const std::string& weights, const std::string& input, const std::string& output, int timed) {
   try {
     const PeerRun peer(weights, input);
-    const c2f::Tensor3<float> y = peer.forward();
+    std::vector<double> runs_ms;
+    const c2f::Tensor3<float> y = peer.forward(timed, runs_ms);
     c2f::StateDict out;
     out.set("y", c2f::TensorData::from_values(y.data(), {y.dimension(0), y.dimension(1), y.dimension(2)}));
     out.metadata()["c2f_threads"] = std::to_string(bench_threads());
     out.metadata()["c2f_isa"] = Eigen::SimdInstructionSetsInUse();
     c2f::save_safetensors(output, out);
     std::printf("c2f peer: %s -> %s\n", peer.describe().c_str(), output.c_str());
+    if (timed > 0) {
+      std::string line = "{\"runs_ms\": [";
+      for (std::size_t i = 0; i < runs_ms.size(); ++i) line += (i ? ", " : "") + std::to_string(runs_ms[i]);
+      std::printf("%s]}\n", line.c_str());
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_attention: peer mode failed: %s\n", e.what());
@@ -559,20 +581,30 @@ int main(int argc, char** argv) {
     }
   }
   if (!peer.empty()) {
+    int timed = 0;
     for (const auto& [key, value] : peer) {
-      if ((key != "weights" && key != "input" && key != "output") || value.empty()) {
+      if (key == "time") {
+        char* end = nullptr;
+        const long r = std::strtol(value.c_str(), &end, 10);
+        if (value.empty() || *end != '\0' || r < 1 || r > 100000) {
+          std::fprintf(stderr, "bench_attention: --c2f_peer_time must be a count of runs in [1, 100000], got '%s'\n",
+                       value.c_str());
+          return 1;
+        }
+        timed = static_cast<int>(r);
+      } else if ((key != "weights" && key != "input" && key != "output") || value.empty()) {
         std::fprintf(stderr, "bench_attention: unknown or empty --c2f_peer_%s; the peer mode takes "
-                     "--c2f_peer_weights=W --c2f_peer_input=X --c2f_peer_output=Y\n", key.c_str());
+                     "--c2f_peer_weights=W --c2f_peer_input=X --c2f_peer_output=Y [--c2f_peer_time=R]\n", key.c_str());
         return 1;
       }
     }
-    if (peer.size() != 3) {
+    if (peer.size() != 3u + (timed > 0 ? 1u : 0u)) {
       std::fprintf(stderr, "bench_attention: the peer mode needs all of --c2f_peer_weights, --c2f_peer_input and "
                    "--c2f_peer_output\n");
       return 1;
     }
 #if C2F_BENCH_PEER
-    return run_peer(peer["weights"], peer["input"], peer["output"]);
+    return run_peer(peer["weights"], peer["input"], peer["output"], timed);
 #else
     std::fprintf(stderr, "bench_attention: built without c2f::safetensors (nlohmann-json3-dev): no peer mode\n");
     return 1;

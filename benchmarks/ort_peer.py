@@ -39,10 +39,16 @@ sparse/L/64/8/0).
 Per (graph, L): bench_attention's peer mode (--c2f_peer_*) computes c2f's output (once per layer and L);
 run.mjs creates the session with ORT's profiler on, runs the graph once (the check and the warm-up) and
 writes its output; this script compares it with c2f's — |ORT − c2f| ≤ ATOL + RTOL·|c2f| element-wise,
-else it stops with exit code 1 — and only then tells run.mjs to time: the median of REPS runs, each the
-wall clock measured inside Node (process.hrtime) around `await session.run(feeds)` (no file or Python
-in the timed region). The profile of the check run (profiler ended before the timed runs) names the
-kernels that ran: operator, domain and execution provider of every node of the optimised graph.
+else it stops with exit code 1 — and only then times, in ROUNDS alternating rounds (default 3): run.mjs
+runs the graph ceil(REPS / ROUNDS) times, each the wall clock measured inside Node (process.hrtime)
+around `await session.run(feeds)` (no file or Python in the timed region), then bench_attention's peer
+mode times C2F_ROUND_RUNS forwards of c2f's layer (--c2f_peer_time, after its own warm-up call). ORT's
+time is the median of all its runs; c2f's time in the same rounds the median of its; the paired ratio
+is the median over the rounds of ORT's median over c2f's. On a shared VM whose speed changes from
+minute to minute (docs/benchmarks.md, "Paired peaks, and where MHA's time goes") this ratio compares the two in the same
+minute, where bench_attention's own entries ran minutes earlier. The profile of the check run
+(profiler ended before the timed runs) names the kernels that ran: operator, domain and execution
+provider of every node of the optimised graph.
 
 Lengths: MHA at L ∈ {1024, 2048, 4096, 8192}, the exported C2F and SparseC2F at L ∈ {4096, 16384}, the
 exported HMHA at L ∈ {1024, 4096}; a (graph, L) is
@@ -68,7 +74,7 @@ import time
 from pathlib import Path
 
 import torch_peer  # the PyTorch peer: its modules, seeds, safetensors writer and c2f's peer mode
-from torch_peer import EMBED, HEADS, SKIP, available_bytes, c2f_output, save_tensors
+from torch_peer import EMBED, HEADS, SKIP, available_bytes, c2f_output, run_c2f_peer, save_tensors
 
 REPO = Path(__file__).resolve().parent.parent
 ORT_DIR = REPO / "benchmarks" / "ort"
@@ -85,6 +91,8 @@ OPSET = 17
 # for every graph and L (stored in the JSON, printed as a fraction of the bound: at most 1 %); a weight
 # matrix off by 1e-3 per element (--perturb) exceeds the bound 20-fold already at L = 1.
 ATOL, RTOL = 1e-4, 1e-4
+# c2f's timed forwards per round (bench_attention --c2f_peer_time), after its warm-up call.
+C2F_ROUND_RUNS = 3
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -117,7 +125,8 @@ def probe(threads):
         "ir_version": onnx.IR_VERSION, "torch_version": torch.__version__, "python": sys.executable,
         "execution_provider": "CPUExecutionProvider", "intra_op_threads": threads, "inter_op_threads": 1,
         "graph_optimization_level": "all", "execution_mode": "sequential", "c2f_threads": threads,
-        "timing": "wall clock inside Node (process.hrtime) around await session.run(feeds); median",
+        "timing": "wall clock inside Node (process.hrtime) around await session.run(feeds); median; rounds "
+                  "alternating with c2f's forwards (bench_attention --c2f_peer_time)",
         "cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
     }, None
 
@@ -259,15 +268,13 @@ class Runner:
         return self._line("the check run")
 
     def time(self, reps):
-        self.waits = False
+        """One round of timed runs: {runs_ms, cpu_per_wall}. The session stays for the next round."""
         self.proc.stdin.write(f"time {reps}\n")
         self.proc.stdin.flush()
-        result = self._line("the timed runs")
-        self.close()
-        return result
+        return self._line("the timed runs")
 
     def close(self):
-        if self.waits:  # no timed runs after all
+        if self.waits:  # "stop": no (more) timed runs
             try:
                 self.proc.stdin.write("stop\n")
                 self.proc.stdin.flush()
@@ -300,6 +307,21 @@ def kernels(profile_file, optimized_file):
         if name not in k["names"]:
             k["names"].append(name)
     return list(out.values())
+
+
+def paired(played):
+    """The row's timing from alternating rounds [(ORT's {runs_ms, cpu_per_wall}, c2f's runs_ms)]: ORT's
+    median over all its runs (ort_ms) and its cores, c2f's median over its runs in the same rounds
+    (c2f_paired_ms), and paired_speedup, the median over the rounds of ORT's median over c2f's median."""
+    ort_runs = [t for o, _ in played for t in o["runs_ms"]]
+    c2f_runs = [t for _, c in played for t in c]
+    wall = sum(ort_runs)
+    ratios = [statistics.median(o["runs_ms"]) / statistics.median(c) for o, c in played]
+    return dict(ort_ms=statistics.median(ort_runs), runs_ms=ort_runs,
+                cpu_per_wall=sum(o["cpu_per_wall"] * sum(o["runs_ms"]) for o, _ in played) / wall,
+                c2f_paired_ms=statistics.median(c2f_runs), c2f_runs_ms=[c for _, c in played],
+                ort_rounds_ms=[o["runs_ms"] for o, _ in played], paired_speedup=statistics.median(ratios),
+                paired_speedups=ratios)
 
 
 def agreement(ort_y, c2f_y):
@@ -372,6 +394,9 @@ def run(args):
     if avail:
         cap = min(cap, 0.6 * avail)
     reps = 0 if args.check_only else args.reps
+    rounds = args.rounds
+    if rounds < 1:
+        sys.exit(f"ort_peer: --rounds must be at least 1, got {rounds}")
     results = []
     start = time.time()
     load_start = os.getloadavg()
@@ -399,11 +424,12 @@ def run(args):
                     need = g.memory(L)
                     per_call = g.predicted(L)
                     n = reps if per_call is None or per_call < 1.0 else min(reps, 3)
+                    runs = rounds * math.ceil(n / rounds) if n else 0  # ORT's runs over all rounds
                     if need > cap:
                         row["skipped"] = f"predicted memory {need / 2**30:.1f} GiB > cap {cap / 2**30:.1f} GiB"
-                    elif per_call is not None and (1 + n) * per_call > budget:
-                        row["skipped"] = (f"predicted {per_call:.1f} s a call, {(1 + n) * per_call:.0f} s for the "
-                                          f"check and {n} runs > budget {budget:.0f} s")
+                    elif per_call is not None and (1 + runs) * per_call > budget:
+                        row["skipped"] = (f"predicted {per_call:.1f} s a call, {(1 + runs) * per_call:.0f} s for "
+                                          f"the check and {runs} runs > budget {budget:.0f} s")
                     if "skipped" in row:
                         print(f"  {g.label}, L = {L}: skipped, {row['skipped']}", flush=True)
                     else:
@@ -446,15 +472,21 @@ def run(args):
                             continue
                         if first["first_run_ms"] >= 1e3:
                             n = min(n, 3)
-                        timed = runner.time(n)
+                        per_round = math.ceil(n / rounds)
+                        played = []
+                        for _ in range(rounds):
+                            ort_round = runner.time(per_round)
+                            c2f_round = run_c2f_peer(binary, weights, x_file, tmp / "y_timed.safetensors", C2F_ROUND_RUNS)
+                            played.append((ort_round, c2f_round))
+                        runner.close()
                     except (RuntimeError, OSError, ValueError) as e:
                         print(f"ort_peer: {g.label}, L = {L}: {e}", file=sys.stderr)
                         return 1
-                    runs = timed["runs_ms"]
-                    row.update(ort_ms=statistics.median(runs), runs_ms=runs, cpu_per_wall=timed["cpu_per_wall"])
+                    row.update(paired(played))
                     g.timed.append((L, row["ort_ms"] / 1e3))
-                    print(f"  {g.label}, L = {L}: {row['ort_ms']:.2f} ms (median of {len(runs)}; "
-                          f"{time.time() - start:.0f} s so far)", flush=True)
+                    print(f"  {g.label}, L = {L}: {row['ort_ms']:.2f} ms (median of {len(row['runs_ms'])}); c2f "
+                          f"{row['c2f_paired_ms']:.2f} ms in the same rounds; paired c2f vs ORT "
+                          f"{row['paired_speedup']:.2f}× ({time.time() - start:.0f} s so far)", flush=True)
     doc = torch_peer.peer_document(setup, (ATOL, RTOL), args, budget, results, start, load_start, perturb=args.perturb,
                                    graphs={g.key: g.label for g in graphs})
     if args.check_only:
@@ -481,6 +513,9 @@ def main(argv=None):
                    help="comma-separated sequence lengths of the exported HMHA module")
     p.add_argument("--sparse-lengths", default=",".join(map(str, torch_peer.SPARSE_LENGTHS)),
                    help="comma-separated sequence lengths of the exported SparseC2F module")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternating rounds per (graph, L): ORT's runs split over them, each followed by "
+                        f"{C2F_ROUND_RUNS} c2f forwards (default 3)")
     return torch_peer.peer_main(p, argv, run)
 
 

@@ -240,11 +240,20 @@ def load_tensor(torch, path, name):
     return load_tensors(torch, path)[name]
 
 
-def c2f_output(torch, binary, weights, x_file, out_file):
+def run_c2f_peer(binary, weights, x_file, out_file, timed=0):
+    """bench_attention's peer mode: c2f's output on the weights and x written to out_file, then (timed > 0)
+    the wall-clock ms of `timed` more forwards, returned as a list (else [])."""
     cmd = [str(binary), f"--c2f_peer_weights={weights}", f"--c2f_peer_input={x_file}", f"--c2f_peer_output={out_file}"]
+    if timed > 0:
+        cmd.append(f"--c2f_peer_time={timed}")
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
+    return json.loads(r.stdout.strip().splitlines()[-1])["runs_ms"] if timed > 0 else []
+
+
+def c2f_output(torch, binary, weights, x_file, out_file):
+    run_c2f_peer(binary, weights, x_file, out_file)
     y = load_tensor(torch, out_file, "y")
     os.remove(out_file)
     return y

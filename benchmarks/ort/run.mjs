@@ -13,10 +13,11 @@
 // 1. The check run: one run, its output written to Y.bin, the profiler ended (it covers the session's
 //    creation and this run only); prints one JSON line
 //      {ort_version, node_version, inputs, outputs, output_dims, session_ms, first_run_ms, profile_file}.
-// 2. With --then-time 1 it then reads one line from stdin: "time R" runs the graph R times, measuring the
-//    wall clock (process.hrtime) around each `await session.run(feeds)` and the process's CPU time over
-//    the R runs, and prints {runs_ms: [...], cpu_per_wall}; anything else (ort_peer.py says "stop" when
-//    the check failed) ends it without timing.
+// 2. With --then-time 1 it then reads commands from stdin, one a line: "time R" runs the graph R times,
+//    measuring the wall clock (process.hrtime) around each `await session.run(feeds)` and the process's
+//    CPU time over the R runs, and prints {runs_ms: [...], cpu_per_wall}; ort_peer.py sends several, one
+//    per round, between which it times c2f. "stop" or the end of stdin ends it (ort_peer.py says "stop"
+//    at once when the check failed).
 // Exit code 0 on success, 2 when onnxruntime-node is not installed (npm ci --ignore-scripts in this
 // folder), 1 otherwise.
 
@@ -55,15 +56,6 @@ function readFloats(file, dims) {
   const data = new Float32Array(n);
   new Uint8Array(data.buffer).set(bytes);
   return data;
-}
-
-async function firstLine() {
-  const rl = readline.createInterface({ input: process.stdin });
-  for await (const line of rl) {
-    rl.close();
-    return line.trim();
-  }
-  return '';
 }
 
 function newestProfile(prefix) {
@@ -136,20 +128,25 @@ async function main() {
   }) + '\n');
 
   // 2. The timed runs, once ort_peer.py has checked the output.
-  const command = thenTime ? (await firstLine()).split(/\s+/) : [];
-  if (command[0] === 'time') {
-    const reps = count('time', command[1], 1);
-    const runsMs = [];
-    const cpu0 = process.cpuUsage();
-    for (let i = 0; i < reps; ++i) {
-      const r = process.hrtime.bigint();
-      await session.run(feeds);
-      runsMs.push(Number(process.hrtime.bigint() - r) / 1e6);
+  if (thenTime) {
+    const rl = readline.createInterface({ input: process.stdin });
+    for await (const line of rl) {
+      const command = line.trim().split(/\s+/);
+      if (command[0] !== 'time') break;
+      const reps = count('time', command[1], 1);
+      const runsMs = [];
+      const cpu0 = process.cpuUsage();
+      for (let i = 0; i < reps; ++i) {
+        const r = process.hrtime.bigint();
+        await session.run(feeds);
+        runsMs.push(Number(process.hrtime.bigint() - r) / 1e6);
+      }
+      const cpu = process.cpuUsage(cpu0);
+      const wall = runsMs.reduce((a, b) => a + b, 0);
+      process.stdout.write(JSON.stringify({ runs_ms: runsMs, cpu_per_wall: (cpu.user + cpu.system) / 1e3 / wall }) +
+                           '\n');
     }
-    const cpu = process.cpuUsage(cpu0);
-    const wall = runsMs.reduce((a, b) => a + b, 0);
-    process.stdout.write(JSON.stringify({ runs_ms: runsMs, cpu_per_wall: (cpu.user + cpu.system) / 1e3 / wall }) +
-                         '\n');
+    rl.close();
   }
   await session.release();
 }

@@ -6,7 +6,7 @@ Every ratio is between entries of the same sweep."""
 import platform
 
 from .common import entries, fmt_bytes, ms, slope, table, targets_table
-from .ort import ort_table
+from .ort import ort_table, paired_mha
 from .ort import peer_table as ort_peer_table
 
 CHUNKS = [8, 16, 32, 64, 128, 256]
@@ -360,6 +360,11 @@ def peers_section(peers, attn, torch_result, ort=None):
         names = "PyTorch nn.MultiheadAttention, libtorch" + (", ONNX Runtime" if ort is not None else "")
         checks.append((f"MHA ≥ 3× the best MHA peer ({names}) at L = 2048",
                        f"{row['speedup']:.1f}× ({row['best'][1]})", row["speedup"] >= 3))
+    pm = paired_mha(ort) if ort is not None else {}
+    if pm:
+        checks.append(("MHA ≥ 1.1× ORT's best MHA graph at every L, paired rounds (issue 21)",
+                       ", ".join(f"{L}: {x:.2f}× ({g.replace('ORT ', '')})" for L, (x, g) in sorted(pm.items())),
+                       min(x for x, _ in pm.values()) >= 1.1))
     row = by_key.get(("c2f32", 16384))
     if row and row.get("torch_ms") and row.get("c2f_ms"):
         r = row["torch_ms"] / row["c2f_ms"]

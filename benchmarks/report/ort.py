@@ -25,6 +25,25 @@ def best_mha(by_layer, L):
     return min(((r["ort_ms"], SHORT.get(g, g)) for g, r in rows.items()), default=None)
 
 
+def paired_text(row):
+    """"**1.3×** (1.2, 1.3, 1.4)": the paired ratio and each round's, or "—" when not paired."""
+    if row.get("paired_speedup") is None:
+        return "—"
+    return f"**{row['paired_speedup']:.2f}×** ({', '.join(f'{x:.2f}' for x in row['paired_speedups'])})"
+
+
+def paired_mha(ort):
+    """{L: (paired ratio, graph label)} against ORT's MHA graph that c2f leads least at L (the best ORT graph
+    of the same rounds)."""
+    out = {}
+    for (layer, L), rows in timed(ort).items():
+        if layer == "mha":
+            cand = [(r["paired_speedup"], SHORT.get(g, g)) for g, r in rows.items() if r.get("paired_speedup")]
+            if cand:
+                out[L] = min(cand)
+    return out
+
+
 def kernel_text(row):
     """What ran in the profiled check run: "MatMul ×4 (48 %), com.microsoft.MultiHeadAttention ×1 (51 %), …",
     with the ORT fusions that made a node (from its name: "FusedMatMul ×1 [MatMulScaleFusion]")."""
@@ -63,6 +82,10 @@ def ort_table(ort, attn=None):
         lines.append(f"- c2f: bench_attention, {attn['context'].get('c2f_threads')} threads, Eigen SIMD "
                      f"{attn['context'].get('c2f_isa')}.")
     load = [", ".join(f"{v:.2f}" for v in ort.get(k, [])) or "?" for k in ("load_avg_start", "load_avg_end")]
+    lines.append("- Paired: ORT's runs and c2f's forwards (bench_attention's peer mode, the same layer as its entry) "
+                 "alternate in rounds, in the same minute; the paired ratio is the median over the rounds of ORT's "
+                 "median over c2f's (each round's ratio in brackets). \"c2f ms (bench_attention)\" ran minutes "
+                 "earlier, in the sweep's bench_attention run.")
     lines.append(f"- Agreement before timing: |ORT − c2f| ≤ {tol['atol']:g} + {tol['rtol']:g}·|c2f| element-wise; "
                  f"the column gives max |diff|. Load average {load[0]} when the ORT peer started, {load[1]} when it "
                  f"ended; \"cores\" = CPU seconds of the process per wall-clock second while timed.")
@@ -77,12 +100,15 @@ def ort_table(ort, attn=None):
                      ("skipped (" + ("memory" if "memory" in r.get("skipped", "") else "time") + ")"),
                      f"{c2f_ms:.2f}" if c2f_ms is not None else ("— (no entry)" if attn else "—"),
                      f"**{own / c2f_ms:.1f}×**" if own and c2f_ms else "—",
+                     f"{r['c2f_paired_ms']:.2f}" if r.get("c2f_paired_ms") is not None else "—",
+                     paired_text(r),
                      f"{r['max_abs_diff']:.1g}" if "max_abs_diff" in r else "—",
                      f"{r['session_ms']:.0f} / {r['first_call_ms']:.0f}" if "session_ms" in r else "—",
                      (("?" if "/process_time" not in b["name"] else f"{b['cpu_time'] / b['real_time']:.1f}")
                       if b else "—") + " / " +
                      (f"{r['cpu_per_wall']:.1f}" if r.get("cpu_per_wall") is not None else "—")])
-    lines.append(table(["graph", "L", "ORT ms", "c2f ms", "c2f vs ORT", "max \\|diff\\|",
+    lines.append(table(["graph", "L", "ORT ms", "c2f ms (bench_attention)", "c2f vs ORT", "c2f ms, same rounds",
+                        "c2f vs ORT, paired (rounds)", "max \\|diff\\|",
                         "ORT session / check run ms", "cores c2f / ORT"], rows))
     lines += ["", "Kernels that ran (ORT's profiler on the check run; per operator: nodes, and the share of the "
                   "run's kernel time when ≥ 10 %):", ""]
