@@ -45,10 +45,10 @@ around `await session.run(feeds)` (no file or Python in the timed region), then 
 mode times C2F_ROUND_RUNS forwards of c2f's layer (--c2f_peer_time, after its own warm-up call). ORT's
 time is the median of all its runs; c2f's time in the same rounds the median of its; the paired ratio
 is the median over the rounds of ORT's median over c2f's. On a shared VM whose speed changes from
-minute to minute (docs/benchmarks.md, "Paired peaks, and where MHA's time goes") this ratio compares the two in the same
-minute, where bench_attention's own entries ran minutes earlier. The profile of the check run
-(profiler ended before the timed runs) names the kernels that ran: operator, domain and execution
-provider of every node of the optimised graph.
+minute to minute (docs/benchmarks.md, "Paired peaks, and where MHA's time goes") this ratio compares
+the two in the same minute, where bench_attention's own entries ran minutes earlier. The profile of the
+check run (profiler ended before the timed runs) names the kernels that ran: operator, domain and
+execution provider of every node of the optimised graph.
 
 Lengths: MHA at L ∈ {1024, 2048, 4096, 8192}, the exported C2F and SparseC2F at L ∈ {4096, 16384}, the
 exported HMHA at L ∈ {1024, 4096}; a (graph, L) is
@@ -476,7 +476,8 @@ def run(args):
                         played = []
                         for _ in range(rounds):
                             ort_round = runner.time(per_round)
-                            c2f_round = run_c2f_peer(binary, weights, x_file, tmp / "y_timed.safetensors", C2F_ROUND_RUNS)
+                            c2f_round = run_c2f_peer(binary, weights, x_file, tmp / "y_timed.safetensors",
+                                                     C2F_ROUND_RUNS)
                             played.append((ort_round, c2f_round))
                         runner.close()
                     except (RuntimeError, OSError, ValueError) as e:

@@ -121,9 +121,9 @@ inline void exp_shifted_sum_rows_simd(float* p, Index ld, Index n, const float* 
 /// m ∈ [−125, 128]) and the polynomial is computed doubled (the same bits as doubling it: the
 /// coefficients are the same times 2), so 2·2^f·2^(m−1) is exp(x), and inf for t ≥ 128 by itself. Where
 /// the result is normal its bits are exp_avx512's, but for t ∈ (−1, 0), where f = t + 1 is rounded:
-/// vreduceps may round it the other way (1 ulp of f). Below t = −125 (x ≈ −86.64: a weight under 3e-38 of
-/// the row's largest) the result is exactly 0, −inf (a masked score) included; NaN stays NaN. 15
-/// instructions.
+/// vreduceps may round it the other way (1 ulp of f). Below t = −125 (x ≈ −86.64: a weight under
+/// 2.4e-38 of the row's largest) the result is exactly 0, −inf (a masked score) included; NaN stays NaN.
+/// 15 instructions.
 inline __m256 exp_avx2(__m256 x) {
   __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
   t = _mm256_min_ps(_mm256_set1_ps(128.0f), t);  // m ≤ 128; vminps returns its second operand when one is NaN
