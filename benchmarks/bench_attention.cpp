@@ -147,12 +147,9 @@ void run(benchmark::State& state, double flops, double bytes, Index length, Forw
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   };
-  const auto seconds_since = [](std::chrono::steady_clock::time_point start) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  };
   const std::chrono::steady_clock::time_point first = std::chrono::steady_clock::now();
   call();
-  double last = seconds_since(first);
+  double last = c2f_bench::seconds_since(first);
   const double first_ms = 1e3 * last;
   pair = pair && last >= kPairedMinSeconds;
   for (auto _ : state) {
@@ -164,7 +161,7 @@ void run(benchmark::State& state, double flops, double bytes, Index length, Forw
     }
     const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
     call();
-    last = seconds_since(start);
+    last = c2f_bench::seconds_since(start);
     if (pair && fractions.size() < fractions.capacity()) {
       fractions.push_back(flops * 1e-9 / last / peak.fma);
       tile_fractions.push_back(flops * 1e-9 / last / peak.tile);
@@ -529,7 +526,7 @@ class PeerRun {
     for (int i = 0; i < timed; ++i) {
       const auto start = std::chrono::steady_clock::now();
       const c2f::Tensor3<float> again = layer.forward(x_);
-      runs_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      runs_ms.push_back(1e3 * c2f_bench::seconds_since(start));
       benchmark::DoNotOptimize(again.data());
     }
     return y;

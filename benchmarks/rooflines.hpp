@@ -38,6 +38,11 @@ inline int bench_threads() {
   return env != nullptr ? std::atoi(env) : 2;
 }
 
+/// Wall-clock seconds since `start` (steady clock).
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 /// Fills with uniform values in [-1, 1) from a counter-based hash: fast, parallel, deterministic.
 inline void fill(float* data, Index n, std::uint64_t seed) {
   c2f::detail::parallel_for((n + 65535) / 65536, bench_threads(), [&](Index task, int) {
@@ -310,7 +315,7 @@ inline void BM_Peak(benchmark::State& state, const std::string& kind) {
   for (auto _ : state) {
     const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
     flop_per_iteration = run_on_threads(kind, kIterations, sinks);
-    fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    fastest = std::min(fastest, seconds_since(start));
   }
   const double flop = flop_per_iteration * double(kIterations) * threads;
   state.counters["FLOP"] = flop;
@@ -349,9 +354,6 @@ class PairedPeak {
   /// thread) sizes the run from the last one (calibrated on a short run the first time) and is updated.
   double rate(const char* kind, double seconds, double& per_second) {
     constexpr std::int64_t kCalibration = 1 << 16, kMinIterations = 1 << 12;
-    const auto seconds_since = [](std::chrono::steady_clock::time_point start) {
-      return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    };
     if (per_second <= 0.0) {
       const std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
       peak::run(kind, kCalibration, &sinks_[0]);
