@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -177,6 +178,43 @@ TEST(Runtime, TheFirstExceptionIsRethrownAndThePoolStaysUsable) {
     EXPECT_LT(ran.load(), kTasks);  // the loop stopped early
   }
   run_and_check(50, 0, c2f::detail::kUnknownWork, std::chrono::microseconds(50));
+}
+
+// detail::LeadTasks (sdpa_streaming's and chunk_sparse_attention's order): every (group, block) is one
+// task; with preparation, the first `groups` tasks are the groups' block 0, each group is prepared once,
+// and no task of a group runs before its preparation finished — even when the other workers reach the
+// group while it is being prepared (2 groups of 8 blocks on 3 threads: the third task is group 0's
+// block 1 while group 0 is being prepared for 300 µs).
+TEST(Runtime, LeadTasksPrepareEachGroupOnceBeforeItsBlocks) {
+  const RuntimeSettings settings(3, 0);
+  for (bool prepared : {false, true}) {
+    for (const std::pair<Index, Index>& shape : {std::pair<Index, Index>{1, 1}, {1, 5}, {3, 1}, {4, 4}, {7, 3}, {2, 8}, {8, 16}}) {
+      const Index groups = shape.first, blocks = shape.second, tasks = groups * blocks;
+      const c2f::detail::LeadTasks order(groups, blocks, prepared);
+      std::vector<std::atomic<int>> seen(static_cast<std::size_t>(tasks)), preparations(static_cast<std::size_t>(groups));
+      std::vector<std::atomic<bool>> ready(static_cast<std::size_t>(groups));
+      std::atomic<int> early{0}, bad_lead{0};
+      parallel_for(tasks, 0, [&](Index t, int) {
+        const std::pair<Index, Index> at = order.task(t);
+        ASSERT_TRUE(at.first >= 0 && at.first < groups && at.second >= 0 && at.second < blocks) << "task " << t;
+        ++seen[static_cast<std::size_t>(at.first * blocks + at.second)];
+        if (prepared && t < groups && at != std::pair<Index, Index>{t, 0}) ++bad_lead;
+        order.prepare(at.first, [&](Index g) {
+          ++preparations[static_cast<std::size_t>(g)];
+          busy_wait(std::chrono::microseconds(300));
+          ready[static_cast<std::size_t>(g)] = true;
+        });
+        if (prepared && !ready[static_cast<std::size_t>(at.first)]) ++early;
+      });
+      const std::string where = std::to_string(groups) + " × " + std::to_string(blocks) + (prepared ? ", prepared" : "");
+      for (Index i = 0; i < tasks; ++i) EXPECT_EQ(seen[static_cast<std::size_t>(i)].load(), 1) << where << ": (group, block) " << i;
+      for (Index g = 0; g < groups; ++g) {
+        EXPECT_EQ(preparations[static_cast<std::size_t>(g)].load(), prepared ? 1 : 0) << where << ": group " << g;
+      }
+      EXPECT_EQ(early.load(), 0) << where;
+      EXPECT_EQ(bad_lead.load(), 0) << where;
+    }
+  }
 }
 
 TEST(Runtime, BadInputToALoopIsHarmless) {

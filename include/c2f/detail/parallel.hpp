@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(C2F_PARALLEL_OPENMP) && !defined(_OPENMP)
@@ -259,6 +260,37 @@ void parallel_for_each_worker(Index tasks, int threads, double work, Fn&& fn) {
   parallel_for(tasks, static_cast<int>(workspaces.size()), work,
                [&](Index task, int worker) { fn(task, workspaces[static_cast<std::size_t>(worker)]); });
 }
+
+/// The order of a loop over groups × blocks tasks whose groups each need a one-time preparation that all
+/// of their blocks read (sdpa_streaming: a head's keys and values packed). With `prepared`, the first
+/// `groups` tasks are each group's block 0 — the workers prepare different groups at once, each right
+/// before the group's first block, while the data is in its cache — and the rest go group by group
+/// (blocks 1, 2, …); prepare(g, fn) runs fn(g) once per group, in whichever task comes first, and a
+/// second task of the group waits for it. Without, tasks go group by group from block 0 and prepare() does
+/// nothing. A task's arithmetic depends on its (group, block) alone: the bits stay the same for any
+/// thread count. Measured: docs/benchmarks.md, "Packing each head in its first task".
+class LeadTasks {
+ public:
+  LeadTasks(Index groups, Index blocks, bool prepared)
+      : groups_(groups), blocks_(blocks), once_(prepared ? new std::once_flag[static_cast<std::size_t>(groups)] : nullptr) {}
+
+  /// Task t's (group, block).
+  std::pair<Index, Index> task(Index t) const {
+    if (!once_ || blocks_ == 1) return {t / blocks_, t % blocks_};
+    if (t < groups_) return {t, 0};
+    return {(t - groups_) / (blocks_ - 1), 1 + (t - groups_) % (blocks_ - 1)};
+  }
+
+  /// fn(g), once for group g (with `prepared`); every caller returns after it finished.
+  template <class Fn>
+  void prepare(Index g, Fn&& fn) const {
+    if (once_) std::call_once(once_[static_cast<std::size_t>(g)], std::forward<Fn>(fn), g);
+  }
+
+ private:
+  Index groups_, blocks_;
+  std::unique_ptr<std::once_flag[]> once_;
+};
 
 /// Work (FLOP) of softmax attention of `pairs` (batch, head) pairs, lq queries over lk keys: q kᵀ and
 /// p v, plus the softmax's exp, counted as kElementWork per score.

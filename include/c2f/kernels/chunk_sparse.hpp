@@ -234,11 +234,13 @@ void chunk_sparse_attention_packed(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   const Index step = sparse_step_chunks(grid);
   if (tasks == 0) return;
   std::vector<PackedB<Scalar>> packed_k(static_cast<std::size_t>(pairs)), packed_v(packed_k.size());
-  parallel_for(pairs, options.num_threads(), kElementWork * 2.0 * static_cast<double>(pairs * length * dh), [&](Index bh, int) {
+  // Each pair packed by its first task, inside the loop (as sdpa_streaming's).
+  const LeadTasks order(pairs, m, true);
+  const auto pack_pair = [&](Index bh) {
     const Index b = bh / heads, h = bh % heads, row0 = b * length;
     packed_k[static_cast<std::size_t>(bh)].pack(k.block(row0, h * dh, length, dh).transpose());
     packed_v[static_cast<std::size_t>(bh)].pack(v.block(row0, h * dh, length, dh));
-  });
+  };
   struct Workspace {
     RowMatrix<Scalar> q, s, acc;
     Vector<Scalar> max, sum, alpha;
@@ -258,7 +260,9 @@ void chunk_sparse_attention_packed(const Eigen::Ref<const RowMatrix<Scalar>>& q,
       ws.masked.resize(static_cast<std::size_t>(step));
       ws.guard.resize(static_cast<std::size_t>(step));
     }
-    const Index i = task % m, bh = task / m, b = bh / heads, h = bh % heads;
+    const std::pair<Index, Index> at = order.task(task);
+    const Index bh = at.first, i = at.second, b = bh / heads, h = bh % heads;
+    order.prepare(bh, pack_pair);
     const Index c = b * m + i, rows = grid.count(c), q_row = grid.row(c), i0 = grid.first(c);
     const PackedB<Scalar>& pk = packed_k[static_cast<std::size_t>(bh)];
     const PackedB<Scalar>& pv = packed_v[static_cast<std::size_t>(bh)];

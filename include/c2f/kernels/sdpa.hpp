@@ -355,35 +355,37 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
   // once into the micro-kernel's panels, shared by all of its query blocks; the products of a block are
   // then QKᵀ and PV on those panels.
   const bool packed = !bf16 && c2f::detail::streaming_packed<Scalar, KV>(options, lq, lk);
+  const Index pairs = q.batch * q.heads;
   std::vector<c2f::detail::PackedB<Scalar>> packed_k, packed_v;
   // Compute::BFloat16: each head's keys and values packed once for bf16_gemm_range, on the tile engine
   // where key blocks start on its 32-row steps.
   std::vector<c2f::detail::Bf16PackedB> packed_k16, packed_v16;
-  if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
-    if (bf16) {
-      packed_k16.resize(static_cast<std::size_t>(q.batch * q.heads));
-      packed_v16.resize(packed_k16.size());
-      const bool tiles = c2f::detail::streaming_bf16_tiles(bk, lk);
-      const double copy_work = c2f::detail::kElementWork * static_cast<double>(q.batch * q.heads * lk * (dk + dv));
-      c2f::detail::parallel_for(q.batch * q.heads, options.num_threads(), copy_work, [&](Index bh, int) {
-        const Index b = bh / q.heads, h = bh % q.heads;
+  const bool tiles = bf16 && c2f::detail::streaming_bf16_tiles(bk, lk);
+  if (packed) {
+    packed_k.resize(static_cast<std::size_t>(pairs));
+    packed_v.resize(packed_k.size());
+  } else if (bf16) {
+    packed_k16.resize(static_cast<std::size_t>(pairs));
+    packed_v16.resize(packed_k16.size());
+  }
+  // Each pair is packed by the first task that reaches it, inside the attention's loop (detail::LeadTasks):
+  // the packing runs on every worker, and its panels are still in that worker's cache for its first block.
+  const c2f::detail::LeadTasks order(pairs, query_blocks, packed || bf16);
+  const auto pack_pair = [&](Index bh) {
+    const Index b = bh / q.heads, h = bh % q.heads;
+    if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
+      if (bf16) {
         packed_k16[static_cast<std::size_t>(bh)].pack(k.block(b, h, 0, lk).template cast<float>().transpose(), 1, tiles);
         packed_v16[static_cast<std::size_t>(bh)].pack(v.block(b, h, 0, lk).template cast<float>(), 1, tiles);
-      });
+      }
     }
-  }
-  if (packed) {
-    packed_k.resize(static_cast<std::size_t>(q.batch * q.heads));
-    packed_v.resize(packed_k.size());
-    const double copy_work = c2f::detail::kElementWork * static_cast<double>(q.batch * q.heads * lk * (dk + dv));
-    c2f::detail::parallel_for(q.batch * q.heads, options.num_threads(), copy_work, [&](Index bh, int) {
-      if constexpr (std::is_same<KV, Scalar>::value) {
-        const Index b = bh / q.heads, h = bh % q.heads;
+    if constexpr (std::is_same<KV, Scalar>::value) {
+      if (packed) {
         packed_k[static_cast<std::size_t>(bh)].pack(k.block(b, h, 0, lk).transpose());
         packed_v[static_cast<std::size_t>(bh)].pack(v.block(b, h, 0, lk));
       }
-    });
-  }
+    }
+  };
   c2f::detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
     if (ws.q.size() == 0) {
       ws.q.resize(bq, dk);
@@ -393,7 +395,9 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
       ws.l.resize(bq);
       ws.alpha.resize(bq);
     }
-    const Index qb = task % query_blocks, bh = task / query_blocks;
+    const std::pair<Index, Index> at = order.task(task);
+    const Index bh = at.first, qb = at.second;
+    order.prepare(bh, pack_pair);
     const Index b = bh / q.heads, h = bh % q.heads;
     const Index i0 = qb * bq, ni = std::min(bq, lq - i0);
     const c2f::detail::Bf16Tiles tile_registers(bf16 && packed_k16[static_cast<std::size_t>(bh)].tiles());
