@@ -272,6 +272,56 @@ TYPED_TEST(KernelTest, StreamingAndSplitKeysMatchNaiveOnRandomShapes) {
   }
 }
 
+// sdpa_streaming's packed path gives a task two query blocks when a head's keys and values take 1 MiB or
+// more (detail::streaming_query_group): the task walks the keys once for both. Every query block's rows get
+// the bits of a call on that block's queries alone (one block per task), and the whole matches the naive
+// kernel — without a mask, causal, with padded keys, and both. rows_independent puts every build on the
+// packed path; 201 queries are blocks of 64, 64, 64 and 9, so the second task holds a short block.
+TYPED_TEST(KernelTest, StreamingTasksOfTwoQueryBlocksGiveEachRowItsBitsAlone) {
+  using Scalar = TypeParam;
+  TestRng rng(41);
+  Problem<Scalar> p;
+  p.batch = 2;
+  p.heads = 2;
+  p.lq = 201;
+  p.lk = 1100;
+  p.dk = p.dv = 128;  // 1100 keys · 256 · 4 bytes ≥ 1 MiB
+  p.q = rng.matrix<Scalar>(p.batch * p.lq, p.heads * p.dk, 2.0);
+  p.k = rng.matrix<Scalar>(p.batch * p.lk, p.heads * p.dk, 2.0);
+  p.v = rng.matrix<Scalar>(p.batch * p.lk, p.heads * p.dv);
+  c2f::kernels::KernelOptions opt;
+  opt.rows_independent(true).num_threads(2);
+  // From 1 MiB of a head's keys and values on: 1024 keys here in float, 512 in double.
+  const Index from = static_cast<Index>(c2f::detail::kStreamingGroupBytes / (sizeof(Scalar) * (p.dk + p.dv)));
+  EXPECT_EQ((c2f::detail::streaming_query_group<Scalar>(opt, p.lq, from - 1, p.dk, p.dv)), 1);
+  EXPECT_EQ((c2f::detail::streaming_query_group<Scalar>(opt, p.lq, from, p.dk, p.dv)), 2);
+  ASSERT_EQ((c2f::detail::streaming_query_group<Scalar>(opt, p.lq, p.lk, p.dk, p.dv)), 2);
+  const c2f::KeyPaddingMask<Scalar> pad = c2f::KeyPaddingMask<Scalar>::lengths({1100, 517}), no_pad;
+  const c2f::AttnMask<Scalar> no_attn;  // a MaskView refers to its masks: they outlive it
+  for (int kind = 0; kind < 4; ++kind) {
+    const bool causal = kind % 2 == 1;
+    const c2f::MaskView<Scalar> plan(no_attn, kind >= 2 ? pad : no_pad, p.batch, p.heads, p.lq, p.lk, causal);
+    const std::string what = std::string(causal ? "causal" : "not causal") + (kind >= 2 ? ", padded keys" : "");
+    RowMatrix<Scalar> whole(p.batch * p.lq, p.heads * p.dv), naive = whole;
+    c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(whole), plan, p.scale(), opt);
+    c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt);
+    expect_close(whole, naive, tolerance<Scalar>(), tolerance<Scalar>(), what);
+    for (Index first = 0; first < p.lq; first += 64) {
+      const Index count = std::min<Index>(64, p.lq - first);
+      RowMatrix<Scalar> q(p.batch * count, p.heads * p.dk), alone(p.batch * count, p.heads * p.dv), want = alone;
+      for (Index b = 0; b < p.batch; ++b) {
+        q.middleRows(b * count, count) = p.q.middleRows(b * p.lq + first, count);
+        want.middleRows(b * count, count) = whole.middleRows(b * p.lq + first, count);
+      }
+      c2f::kernels::sdpa_streaming<Scalar>(
+          c2f::kernels::heads_view<const Scalar>(q.data(), p.batch, count, p.heads * p.dk, 0, p.heads, p.dk), p.kv(), p.vv(),
+          c2f::kernels::heads_view<Scalar>(alone.data(), p.batch, count, p.heads * p.dv, 0, p.heads, p.dv),
+          plan.rows(first, count), p.scale(), opt);
+      EXPECT_TRUE((alone.array() == want.array()).all()) << what << ": queries [" << first << ", " << first + count << ")";
+    }
+  }
+}
+
 // The in-place small products of the folded kernel (detail/small_gemm.hpp) against Eigen's products:
 // every tile shape (rows 1 to 19: the 8-row tiles of an AVX-512 build, the 4-row ones and what is left
 // after them; tokens mod 2; columns mod the packet), strided x, a prefetched next run.
@@ -910,10 +960,14 @@ TEST(OnlineSoftmaxStep, RowsTakenTogetherGetTheBitsOfEachRowAlone) {
 
 TEST(KernelWorkspace, StreamingScratchDoesNotGrowWithSequenceLength) {
   c2f::kernels::KernelOptions opt;
-  // query_block·dk + query_block·key_block + query_block·dv + 3·query_block floats, whatever the lengths…
-  for (Index length : {Index(256), Index(100000)}) {
+  // query_block·dk + query_block·key_block + query_block·dv + 3·query_block floats, whatever the lengths —
+  // the queries' part (queries, accumulator, row state) twice once a task takes two query blocks (a head's
+  // keys and values of 1 MiB or more, on the packed path: detail::streaming_query_group)…
+  for (Index length : {Index(256), Index(100000), Index(10000000)}) {
+    const std::size_t g = length > 256 && c2f::detail::kPackedGemm ? 2 : 1;
     EXPECT_EQ(c2f::kernels::sdpa_streaming_workspace_bytes<float>(opt, 64, 64, length, length),
-              sizeof(float) * (64 * 64 + 64 * 256 + 64 * 64 + 3 * 64));
+              sizeof(float) * (g * 64 * 64 + 64 * 256 + g * 64 * 64 + 3 * g * 64))
+        << length;
   }
   // …and blocks longer than the sequence are the sequence (a query_block of 2^20 on 5 queries).
   opt.query_block(Index(1) << 20);

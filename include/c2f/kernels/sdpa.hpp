@@ -241,6 +241,18 @@ bool streaming_packed(const kernels::KernelOptions& options, Index lq, Index lk)
 /// Whether sdpa_streaming's bfloat16 products run on the tile engine for key blocks of bk over lk keys: the
 /// CPU has it (and set_bf16_tiles allows it), and every key block starts on a 32-row tile step.
 inline bool streaming_bf16_tiles(Index bk, Index lk) { return bf16_tiles() && (bk % kTileK == 0 || bk >= lk); }
+/// From this many bytes of one head's keys and values on, a task of sdpa_streaming's packed path takes
+/// two query blocks (streaming_query_group).
+constexpr std::size_t kStreamingGroupBytes = std::size_t(1) << 20;
+/// Query blocks per task of sdpa_streaming: 2 on the fp32 packed path when a head's keys and values take
+/// kStreamingGroupBytes or more — the task then walks the keys once for both blocks, reading the panels
+/// from beyond L2 half as often (docs/benchmarks.md, "Two query blocks per task over long keys") — else
+/// 1. A row's arithmetic is the same either way.
+template <class Scalar, class KV = Scalar>
+Index streaming_query_group(const kernels::KernelOptions& options, Index lq, Index lk, Index dk, Index dv) {
+  const bool long_keys = sizeof(Scalar) * static_cast<std::size_t>(lk * (dk + dv)) >= kStreamingGroupBytes;
+  return long_keys && options.compute() != Compute::BFloat16 && streaming_packed<Scalar, KV>(options, lq, lk) ? 2 : 1;
+}
 /// The body of sdpa_streaming, sdpa_streaming_lse and sdpa_train (lse: nullptr, or [batch·heads, queries];
 /// dropout: nullptr or the probabilities' dropout).
 template <class Scalar, class KV>
@@ -267,8 +279,10 @@ std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index q
                   ? 2 * static_cast<std::size_t>(ceil_div(bq, kTileK) * kTileK * (ceil_div(qk_dim, kTileK) + ceil_div(bk, kTileK)) * kTileK)
                   : 4 * static_cast<std::size_t>(bq * (qk_dim + bk));
   }
+  // A task's query blocks (streaming_query_group) each keep their queries, accumulator and row state.
+  const Index rows = c2f::detail::streaming_query_group<Scalar>(options, lq, lk, qk_dim, v_dim) * bq;
   return rounded + sizeof(Scalar) *
-         static_cast<std::size_t>(bq * qk_dim + bq * c2f::detail::score_stride<Scalar>(bk) + bq * v_dim + 3 * bq);
+         static_cast<std::size_t>(rows * qk_dim + bq * c2f::detail::score_stride<Scalar>(bk) + rows * v_dim + 3 * rows);
 }
 
 /// Bytes sdpa_streaming holds once per call, shared by its workers, for `pairs` (batch, head) pairs: on
@@ -337,7 +351,6 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
   const std::pair<Index, Index> blocks = c2f::detail::streaming_blocks(options, lq, lk);
   const Index bq = blocks.first, bk = blocks.second;  // named: a lambda cannot capture a structured binding in C++17
   const Index query_blocks = (lq + bq - 1) / bq;
-  const Index tasks = q.batch * q.heads * query_blocks;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const bool drop = dropout != nullptr && dropout->active();
   const Scalar kept_scale = drop ? c2f::detail::dropout_scale<Scalar>(*dropout) : Scalar(1);
@@ -370,7 +383,10 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
   }
   // Each pair is packed by the first task that reaches it, inside the attention's loop (detail::LeadTasks):
   // the packing runs on every worker, and its panels are still in that worker's cache for its first block.
-  const c2f::detail::LeadTasks order(pairs, query_blocks, packed || bf16);
+  // Each task takes `group` consecutive query blocks of one pair and walks the keys once for all of them.
+  const Index group = packed ? c2f::detail::streaming_query_group<Scalar, KV>(options, lq, lk, dk, dv) : 1;
+  const Index groups = (query_blocks + group - 1) / group;
+  const c2f::detail::LeadTasks order(pairs, groups, packed || bf16);
   const auto pack_pair = [&](Index bh) {
     const Index b = bh / q.heads, h = bh % q.heads;
     if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
@@ -386,98 +402,111 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
       }
     }
   };
-  c2f::detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
+  c2f::detail::parallel_for_each_worker<Workspace>(pairs * groups, options.num_threads(), work, [&](Index task, Workspace& ws) {
     if (ws.q.size() == 0) {
-      ws.q.resize(bq, dk);
+      ws.q.resize(group * bq, dk);
       ws.s.resize(bq, c2f::detail::score_stride<Scalar>(bk));
-      ws.acc.resize(bq, dv);
-      ws.m.resize(bq);
-      ws.l.resize(bq);
-      ws.alpha.resize(bq);
+      ws.acc.resize(group * bq, dv);
+      ws.m.resize(group * bq);
+      ws.l.resize(group * bq);
+      ws.alpha.resize(group * bq);
     }
     const std::pair<Index, Index> at = order.task(task);
-    const Index bh = at.first, qb = at.second;
+    const Index bh = at.first, first_block = at.second * group;
+    const Index task_blocks = std::min(group, query_blocks - first_block);
     order.prepare(bh, pack_pair);
     const Index b = bh / q.heads, h = bh % q.heads;
-    const Index i0 = qb * bq, ni = std::min(bq, lq - i0);
     const c2f::detail::Bf16Tiles tile_registers(bf16 && packed_k16[static_cast<std::size_t>(bh)].tiles());
-
-    typename RowMatrix<Scalar>::RowsBlockXpr qs = ws.q.topRows(ni);
-    qs = q.block(b, h, i0, ni) * scale;
-    typename RowMatrix<Scalar>::RowsBlockXpr acc = ws.acc.topRows(ni);
-    acc.setZero();
-    if constexpr (std::is_same<Scalar, float>::value) {
-      if (bf16) ws.q16.prepare(qs.data(), qs.outerStride(), ni, dk, packed_k16[static_cast<std::size_t>(bh)].tiles());
+    // Query block g of the task: its first query, its rows, and its rows of the workspace from g·bq on.
+    const auto first_query = [&](Index g) { return (first_block + g) * bq; };
+    const auto rows_of = [&](Index g) { return std::min(bq, lq - first_query(g)); };
+    for (Index g = 0; g < task_blocks; ++g) {
+      const Index ni = rows_of(g);
+      ws.q.middleRows(g * bq, ni) = q.block(b, h, first_query(g), ni) * scale;
+      ws.acc.middleRows(g * bq, ni).setZero();
+      ws.m.segment(g * bq, ni).setConstant(kNegInf);
+      ws.l.segment(g * bq, ni).setZero();
     }
-    Eigen::VectorBlock<Vector<Scalar>> m = ws.m.head(ni), l = ws.l.head(ni), alpha = ws.alpha.head(ni);
-    m.setConstant(kNegInf);
-    l.setZero();
+    if constexpr (std::is_same<Scalar, float>::value) {  // bf16: one block per task
+      if (bf16) ws.q16.prepare(ws.q.data(), ws.q.outerStride(), rows_of(0), dk, packed_k16[static_cast<std::size_t>(bh)].tiles());
+    }
 
     for (Index j0 = 0; j0 < lk; j0 += bk) {
       const Index nj = std::min(bk, lk - j0);
-      const BlockMask status = mask.classify(b, i0, ni, j0, nj);
-      if (status == BlockMask::Skip) continue;
-      Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
-      if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
-        if (bf16) {
-          c2f::detail::bf16_gemm(ws.q16, packed_k16[static_cast<std::size_t>(bh)], 0, dk, j0, nj, nullptr, false, s.data(),
-                                 s.outerStride());
-          if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
-          // The rounded values: a finite value beyond bfloat16's range is infinite there.
-          const Eigen::CwiseUnaryOp<c2f::detail::RoundBf16<Scalar>, const typename HeadsView<const KV>::Block> vr =
-              v.block(b, h, j0, nj).unaryExpr(c2f::detail::RoundBf16<Scalar>());
-          const bool guard = status == BlockMask::Partial && ws.masked.find(vr);
+      for (Index g = 0; g < task_blocks; ++g) {
+        const Index i0 = first_query(g), ni = rows_of(g);
+        typename RowMatrix<Scalar>::RowsBlockXpr qs = ws.q.middleRows(g * bq, ni), acc = ws.acc.middleRows(g * bq, ni);
+        Eigen::VectorBlock<Vector<Scalar>> m = ws.m.segment(g * bq, ni), l = ws.l.segment(g * bq, ni),
+                                           alpha = ws.alpha.segment(g * bq, ni);
+        const BlockMask status = mask.classify(b, i0, ni, j0, nj);
+        if (status == BlockMask::Skip) continue;
+        Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
+        if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
+          if (bf16) {
+            c2f::detail::bf16_gemm(ws.q16, packed_k16[static_cast<std::size_t>(bh)], 0, dk, j0, nj, nullptr, false, s.data(),
+                                   s.outerStride());
+            if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
+            // The rounded values: a finite value beyond bfloat16's range is infinite there.
+            const Eigen::CwiseUnaryOp<c2f::detail::RoundBf16<Scalar>, const typename HeadsView<const KV>::Block> vr =
+                v.block(b, h, j0, nj).unaryExpr(c2f::detail::RoundBf16<Scalar>());
+            const bool guard = status == BlockMask::Partial && ws.masked.find(vr);
+            if (guard) ws.masked.remember_hidden(s);
+            if (c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
+            if (drop) c2f::detail::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
+            if (guard) {
+              c2f::detail::round_bf16_rows(s.data(), ni, nj, s.outerStride());
+              ws.masked.template product<true>(acc, s, vr);
+            } else {
+              const c2f::detail::Bf16PackedB& pv = packed_v16[static_cast<std::size_t>(bh)];
+              ws.p16.prepare(s.data(), s.outerStride(), ni, nj, pv.tiles());
+              c2f::detail::bf16_gemm(ws.p16, pv, j0, j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
+            }
+            continue;
+          }
+        }
+        if (packed) {
+          c2f::detail::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)], 0, dk, j0, nj,
+                                                 nullptr, false, s.data(), s.outerStride());
+        } else {
+          c2f::detail::as_scalar(k.block(b, h, j0, nj), ws.kv, [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
+        }
+        if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
+        c2f::detail::as_scalar(v.block(b, h, j0, nj), ws.kv, [&](const auto& vb) {
+          // A block the mask cuts through may hide non-finite values: leave them out (masked_values.hpp).
+          const bool guard = status == BlockMask::Partial && ws.masked.find(vb);
           if (guard) ws.masked.remember_hidden(s);
           if (c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
+          // Dropout zeroes probabilities after the running sum took them (scaled by 1 / (1 − p) at the end).
           if (drop) c2f::detail::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
-          if (guard) {
-            c2f::detail::round_bf16_rows(s.data(), ni, nj, s.outerStride());
-            ws.masked.template product<true>(acc, s, vr);
+          if (guard && packed) {
+            ws.masked.product_packed_add(acc, s, vb, j0);
+          } else if (guard) {
+            ws.masked.template product<true>(acc, s, vb);
+          } else if (packed) {
+            c2f::detail::packed_gemm_range<Scalar>(s.data(), s.outerStride(), ni, packed_v[static_cast<std::size_t>(bh)], j0,
+                                                   j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
           } else {
-            const c2f::detail::Bf16PackedB& pv = packed_v16[static_cast<std::size_t>(bh)];
-            ws.p16.prepare(s.data(), s.outerStride(), ni, nj, pv.tiles());
-            c2f::detail::bf16_gemm(ws.p16, pv, j0, j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
+            acc.noalias() += s * vb;
           }
-          continue;
-        }
+        });
       }
-      if (packed) {
-        c2f::detail::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)], 0, dk, j0, nj,
-                                               nullptr, false, s.data(), s.outerStride());
-      } else {
-        c2f::detail::as_scalar(k.block(b, h, j0, nj), ws.kv, [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
-      }
-      if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
-      c2f::detail::as_scalar(v.block(b, h, j0, nj), ws.kv, [&](const auto& vb) {
-        // A block the mask cuts through may hide non-finite values: leave them out (masked_values.hpp).
-        const bool guard = status == BlockMask::Partial && ws.masked.find(vb);
-        if (guard) ws.masked.remember_hidden(s);
-        if (c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
-        // Dropout zeroes probabilities after the running sum took them (scaled by 1 / (1 − p) at the end).
-        if (drop) c2f::detail::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
-        if (guard && packed) {
-          ws.masked.product_packed_add(acc, s, vb, j0);
-        } else if (guard) {
-          ws.masked.template product<true>(acc, s, vb);
-        } else if (packed) {
-          c2f::detail::packed_gemm_range<Scalar>(s.data(), s.outerStride(), ni, packed_v[static_cast<std::size_t>(bh)], j0,
-                                                 j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
-        } else {
-          acc.noalias() += s * vb;
-        }
-      });
     }
-    typename HeadsView<Scalar>::Block dst = out.block(b, h, i0, ni);
-    for (Index r = 0; r < ni; ++r) {
-      // l is 0 only when every key was masked (a visible key contributes exp(0) = 1 at the max).
-      if (l[r] == Scalar(0)) {
-        dst.row(r).setZero();
-      } else if (drop) {
-        dst.row(r) = acc.row(r) / l[r] * kept_scale;
-      } else {
-        dst.row(r) = acc.row(r) / l[r];
+    for (Index g = 0; g < task_blocks; ++g) {
+      const Index i0 = first_query(g), ni = rows_of(g);
+      const typename RowMatrix<Scalar>::RowsBlockXpr acc = ws.acc.middleRows(g * bq, ni);
+      const Eigen::VectorBlock<Vector<Scalar>> m = ws.m.segment(g * bq, ni), l = ws.l.segment(g * bq, ni);
+      typename HeadsView<Scalar>::Block dst = out.block(b, h, i0, ni);
+      for (Index r = 0; r < ni; ++r) {
+        // l is 0 only when every key was masked (a visible key contributes exp(0) = 1 at the max).
+        if (l[r] == Scalar(0)) {
+          dst.row(r).setZero();
+        } else if (drop) {
+          dst.row(r) = acc.row(r) / l[r] * kept_scale;
+        } else {
+          dst.row(r) = acc.row(r) / l[r];
+        }
+        if (lse != nullptr) (*lse)(bh, i0 + r) = l[r] == Scalar(0) ? kNegInf : m[r] + std::log(l[r]);
       }
-      if (lse != nullptr) (*lse)(bh, i0 + r) = l[r] == Scalar(0) ? kNegInf : m[r] + std::log(l[r]);
     }
   });
 }
