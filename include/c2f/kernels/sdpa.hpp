@@ -301,7 +301,8 @@ std::size_t sdpa_streaming_shared_bytes(const KernelOptions& options, Index pair
 }
 
 /// Streaming kernel: out = softmax(q kᵀ · scale + mask) v (overwritten). Tasks are (batch, head, query
-/// block); each walks the key blocks with an online softmax. Blocks the mask fully hides (causal, key
+/// block — two blocks over long keys, detail::streaming_query_group); each walks the key blocks with an
+/// online softmax. Blocks the mask fully hides (causal, key
 /// lengths) are skipped without computing scores. Keys and values may be stored in another type `KV`
 /// (Eigen::half, Eigen::bfloat16: a KVCache's): each key block is then converted to Scalar first.
 template <class Scalar, class KV = Scalar>
