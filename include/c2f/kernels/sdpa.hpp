@@ -385,7 +385,7 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
   // Each pair is packed by the first task that reaches it, inside the attention's loop (detail::LeadTasks):
   // the packing runs on every worker, and its panels are still in that worker's cache for its first block.
   // Each task takes `group` consecutive query blocks of one pair and walks the keys once for all of them.
-  const Index group = packed ? c2f::detail::streaming_query_group<Scalar, KV>(options, lq, lk, dk, dv) : 1;
+  const Index group = c2f::detail::streaming_query_group<Scalar, KV>(options, lq, lk, dk, dv);  // 1 off the packed path
   const Index groups = (query_blocks + group - 1) / group;
   const c2f::detail::LeadTasks order(pairs, groups, packed || bf16);
   const auto pack_pair = [&](Index bh) {
