@@ -187,18 +187,18 @@ inline void keep_in_register(Packet& packet) {
 #endif
 }
 
-/// The micro-kernel: the MR × kNR tile Σ_kk A[i, kk] · b[kk][j] over kc steps of a packed B panel, A
-/// read in place — A[i, kk] at a[i·lda + kk], or at a[kk·lda + i] when TransA (A stored transposed, as
-/// the [k, rows] row-major matrix Aᵀ); then c[i, j] = (first ? bias[j] (or 0) : c[i, j]) + tile for
-/// j < cols. MR = kMR for the full tiles, fewer for the last rows of a product: the same multiply-adds
-/// per element in the same order, whatever MR or TransA.
+/// The micro-kernel's multiply-adds: acc[i][p] holds the MR × kNR tile Σ_kk A[i, kk] · b[kk][j] over kc
+/// steps of a packed B panel (a chain from 0 in k order), A read in place — A[i, kk] at a[i·lda + kk], or
+/// at a[kk·lda + i] when TransA (A stored transposed, as the [k, rows] row-major matrix Aᵀ). MR = kMR
+/// for the full tiles, fewer for the last rows of a product: the same multiply-adds per element in the
+/// same order, whatever MR or TransA. Inlined into each kernel that ends a tile its own way (gemm_tile;
+/// detail/score_tile.hpp), so the accumulators stay in registers.
 template <class Scalar, int MR, bool TransA = false>
-void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c, Index ldc, Index cols, bool first,
-               const Scalar* bias) {
+EIGEN_ALWAYS_INLINE void gemm_tile_sums(Index kc, const Scalar* a, Index lda, const Scalar* b,
+                                        typename GemmBlocking<Scalar>::Packet (&acc)[MR][GemmBlocking<Scalar>::kNP]) {
   using B = GemmBlocking<Scalar>;
   using Packet = typename B::Packet;
   constexpr int kNP = B::kNP, kP = B::kP, kNR = B::kNR;
-  Packet acc[MR][kNP];
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) {
     for (int p = 0; p < kNP; ++p) acc[i][p] = Eigen::internal::pset1<Packet>(Scalar(0));
@@ -215,6 +215,18 @@ void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c,
       for (int p = 0; p < kNP; ++p) acc[i][p] = Eigen::internal::pmadd(av, bv[p], acc[i][p]);
     }
   }
+}
+
+/// The micro-kernel: gemm_tile_sums, then c[i, j] = (first ? bias[j] (or 0) : c[i, j]) + tile for
+/// j < cols.
+template <class Scalar, int MR, bool TransA = false>
+void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c, Index ldc, Index cols, bool first,
+               const Scalar* bias) {
+  using B = GemmBlocking<Scalar>;
+  using Packet = typename B::Packet;
+  constexpr int kNP = B::kNP, kP = B::kP, kNR = B::kNR;
+  Packet acc[MR][kNP];
+  gemm_tile_sums<Scalar, MR, TransA>(kc, a, lda, b, acc);
   if (cols == kNR) {
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {

@@ -73,12 +73,11 @@ constexpr int kExpSimdLanes = C2F_EXP_SIMD;
 #if C2F_EXP_SIMD == 16
 
 /// exp of 16 floats: f by vreduceps (t − floor(t) in one instruction) and 2^floor(t) by vscalefps
-/// (which floors t itself), which also gives 0 below the smallest subnormal and inf above FLT_MAX. −inf
-/// (a masked score) → exactly 0 (t clamped to −200 first: 2^−200 rounds to 0); NaN stays NaN; +inf → inf.
-/// 11 instructions.
+/// (which floors t itself), which also gives 0 below the smallest subnormal and inf above FLT_MAX. ±inf
+/// need no clamp: vreduceps gives 0 for them, so −inf (a masked score) → 1·2^−inf = exactly 0 and +inf →
+/// inf; NaN stays NaN (ExpSimd). 10 instructions.
 inline __m512 exp_avx512(__m512 x) {
-  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  t = _mm512_max_ps(_mm512_set1_ps(-200.0f), t);  // vmaxps returns its second operand when one is NaN
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   return _mm512_scalef_ps(C2F_EXP2_POLY(_mm512_fmadd_ps, _mm512_set1_ps, f, 1.0f), t);
 }

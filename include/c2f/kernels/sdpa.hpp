@@ -26,6 +26,7 @@
 #include "c2f/detail/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/random.hpp"
+#include "c2f/detail/score_tile.hpp"
 #include "c2f/detail/small_gemm.hpp"
 #include "c2f/detail/softmax.hpp"
 #include "c2f/kernels/heads_view.hpp"
@@ -253,6 +254,17 @@ Index streaming_query_group(const kernels::KernelOptions& options, Index lq, Ind
   const bool long_keys = sizeof(Scalar) * static_cast<std::size_t>(lk * (dk + dv)) >= kStreamingGroupBytes;
   return long_keys && options.compute() != Compute::BFloat16 && streaming_packed<Scalar, KV>(options, lq, lk) ? 2 : 1;
 }
+/// Whether sdpa_streaming may take the fused online-softmax step (detail/score_tile.hpp): on the fp32
+/// packed path of builds that have it (kFusedScores), for head widths up to one k-block of packed_gemm,
+/// without rows_independent — the step is taken on the key blocks a mask leaves whole after a query
+/// block's first, so a row's bits would depend on the query block that holds it — and (checked by the
+/// kernel) without dropout.
+template <class Scalar, class KV = Scalar>
+bool streaming_fused(const kernels::KernelOptions& options, Index lq, Index lk, Index dk) {
+  return kFusedScores && std::is_same<Scalar, float>::value && options.compute() != Compute::BFloat16 &&
+         !honoured_rows_independent(options.rows_independent()) && dk <= GemmBlocking<Scalar>::kKC &&
+         streaming_packed<Scalar, KV>(options, lq, lk);
+}
 /// The body of sdpa_streaming, sdpa_streaming_lse and sdpa_train (lse: nullptr, or [batch·heads, queries];
 /// dropout: nullptr or the probabilities' dropout).
 template <class Scalar, class KV>
@@ -281,8 +293,10 @@ std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index q
   }
   // A task's query blocks (streaming_query_group) each keep their queries, accumulator and row state.
   const Index rows = c2f::detail::streaming_query_group<Scalar>(options, lq, lk, qk_dim, v_dim) * bq;
-  return rounded + sizeof(Scalar) *
-         static_cast<std::size_t>(rows * qk_dim + bq * c2f::detail::score_stride<Scalar>(bk) + rows * v_dim + 3 * rows);
+  // The fused step's sum and max lanes: 16 + 16 per query of a block.
+  const Index lanes = c2f::detail::streaming_fused<Scalar>(options, lq, lk, qk_dim) ? 32 * bq : 0;
+  return rounded + sizeof(Scalar) * static_cast<std::size_t>(rows * qk_dim + bq * c2f::detail::score_stride<Scalar>(bk) +
+                                                             rows * v_dim + 3 * rows + lanes);
 }
 
 /// Bytes sdpa_streaming holds once per call, shared by its workers, for `pairs` (batch, head) pairs: on
@@ -359,7 +373,7 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
 
   struct Workspace {
     RowMatrix<Scalar> q, s, acc, kv;  // kv: a converted key or value block (KV ≠ Scalar)
-    Vector<Scalar> m, l, alpha;
+    Vector<Scalar> m, l, alpha, lanes;  // lanes: the fused step's sums and maxes
     c2f::detail::Bf16A q16, p16;  // Compute::BFloat16: the query block and the probabilities, rounded
     c2f::detail::MaskedValues<Scalar> masked;
   };
@@ -369,6 +383,8 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
   // once into the micro-kernel's panels, shared by all of its query blocks; the products of a block are
   // then QKᵀ and PV on those panels.
   const bool packed = !bf16 && c2f::detail::streaming_packed<Scalar, KV>(options, lq, lk);
+  // After a query block's first key block, the blocks the mask leaves whole take the fused step.
+  const bool fused = !drop && c2f::detail::streaming_fused<Scalar, KV>(options, lq, lk, dk);
   const Index pairs = q.batch * q.heads;
   std::vector<c2f::detail::PackedB<Scalar>> packed_k, packed_v;
   // Compute::BFloat16: each head's keys and values packed once for bf16_gemm_range, on the tile engine
@@ -411,6 +427,7 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
       ws.m.resize(group * bq);
       ws.l.resize(group * bq);
       ws.alpha.resize(group * bq);
+      if (fused) ws.lanes.resize(32 * bq);
     }
     const std::pair<Index, Index> at = order.task(task);
     const Index bh = at.first, first_block = at.second * group;
@@ -432,6 +449,7 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
       if (bf16) ws.q16.prepare(ws.q.data(), ws.q.outerStride(), rows_of(0), dk, packed_k16[static_cast<std::size_t>(bh)].tiles());
     }
 
+    unsigned started = 0;  // bit g: query block g took a key block already
     for (Index j0 = 0; j0 < lk; j0 += bk) {
       const Index nj = std::min(bk, lk - j0);
       for (Index g = 0; g < task_blocks; ++g) {
@@ -442,6 +460,8 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
         const BlockMask status = mask.classify(b, i0, ni, j0, nj);
         if (status == BlockMask::Skip) continue;
         Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
+        [[maybe_unused]] const bool first_key_block = (started & (1u << g)) == 0;  // read by the fused step
+        started |= 1u << g;
         if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
           if (bf16) {
             c2f::detail::bf16_gemm(ws.q16, packed_k16[static_cast<std::size_t>(bh)], 0, dk, j0, nj, nullptr, false, s.data(),
@@ -465,10 +485,23 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
             continue;
           }
         }
-        if (packed) {
+        // QKᵀ and the softmax step: fused on a block the mask leaves whole after the query block's first.
+        bool stepped = false;
+#if C2F_EXP_SIMD == 16
+        if constexpr (std::is_same<Scalar, float>::value && std::is_same<KV, float>::value) {
+          if (fused && status == BlockMask::Clear && !first_key_block) {
+            if (c2f::detail::fused_online_softmax_step(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)], dk, j0,
+                                                       nj, s.data(), s.outerStride(), m, l, alpha, ws.lanes.data())) {
+              acc = alpha.asDiagonal() * acc;
+            }
+            stepped = true;
+          }
+        }
+#endif
+        if (!stepped && packed) {
           c2f::detail::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)], 0, dk, j0, nj,
                                                  nullptr, false, s.data(), s.outerStride());
-        } else {
+        } else if (!stepped) {
           c2f::detail::as_scalar(k.block(b, h, j0, nj), ws.kv, [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
         }
         if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
@@ -476,7 +509,7 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
           // A block the mask cuts through may hide non-finite values: leave them out (masked_values.hpp).
           const bool guard = status == BlockMask::Partial && ws.masked.find(vb);
           if (guard) ws.masked.remember_hidden(s);
-          if (c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
+          if (!stepped && c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
           // Dropout zeroes probabilities after the running sum took them (scaled by 1 / (1 − p) at the end).
           if (drop) c2f::detail::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
           if (guard && packed) {
