@@ -961,79 +961,98 @@ TEST(OnlineSoftmaxStep, RowsTakenTogetherGetTheBitsOfEachRowAlone) {
 
 // The fused online-softmax step (detail/score_tile.hpp) against the plain one on the same scores: tile
 // rows (1, kMR ± 1, a whole tile and a tail), depths (1, 7, 64, 65, kKC), key ranges starting on a later
-// panel and ending inside one (1, 15, 16, 17, 31, 33, 100, 256 keys). A row with a finite running max and
-// a block max within kStaleMaxSlack of it keeps exp(score − m) — the exp kernel's bits on the tile's scores
-// — with alpha 1, m as it was and l + their sum; every other row (none seen yet, a block max 10 above m)
-// gets the plain step's bits; a row of NaN queries stays NaN; the columns past the range are not written.
+// panel and ending inside one (1, 15, 16, 17, 31, 33, 100, 256 keys). In a block after others, a row with
+// a finite running max and a block max within kStaleMaxSlack of it keeps exp(score − m) — the exp
+// kernel's bits on the tile's scores — with alpha 1, m as it was and l + their sum; every other row (none
+// seen yet, a block max 10 above m) gets the plain step's bits. In a block that opens every row, the shift
+// is the max of the row's first 32 scores: a row whose block max is within the slack of it keeps
+// exp(score − shift) with m = the shift, l = their sum and alpha 0; the others get the plain step's bits.
+// A row of NaN queries stays NaN; the columns past the range are not written.
 TEST(FusedScores, StepKeepsRowsNearTheirMaxAndGivesTheOthersThePlainStep) {
   if (!c2f::detail::kFusedScores) GTEST_SKIP() << "this build has no fused step (the native AVX-512 build runs it)";
 #if C2F_EXP_SIMD == 16
   using B = c2f::detail::GemmBlocking<float>;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   TestRng rng(67);
-  int kept = 0, plain = 0;
-  for (const Index rows : {Index(1), Index(B::kMR - 1), Index(B::kMR), Index(B::kMR + 1), Index(2 * B::kMR + 5)}) {
-    for (const Index depth : {Index(1), Index(7), Index(64), Index(65), B::kKC}) {
-      for (const Index nj : {1, 15, 16, 17, 31, 33, 100, 256}) {
-        const Index j0 = B::kNR * rng.uniform_int(0, 2), keys = j0 + nj + rng.uniform_int(0, 40), ldq = depth + 3, lds = 260;
-        RowMatrix<float> q = rng.matrix<float>(rows, ldq, 1.5);
-        if (rows > 3) q(3, 0) = std::numeric_limits<float>::quiet_NaN();
-        const RowMatrix<float> k = rng.matrix<float>(keys, depth, 1.5);
-        c2f::detail::PackedB<float> packed;
-        packed.pack(k.transpose());
-        RowMatrix<float> scores(rows, lds);
-        c2f::detail::packed_gemm_range<float>(q.data(), ldq, rows, packed, 0, depth, j0, nj, nullptr, false, scores.data(), lds);
-        // Each row's running max: none yet, just below its block max (kept), above it (kept), or 10 below (plain).
-        Eigen::VectorXf m0(rows), l0(rows);
-        for (Index r = 0; r < rows; ++r) {
-          const float top = scores.row(r).head(nj).maxCoeff();
-          const int kind = static_cast<int>(r % 4);
-          m0[r] = kind == 0 ? -kInf : kind == 1 ? top - 1.0f : kind == 2 ? top + 3.0f : top - 10.0f;
-          l0[r] = kind == 0 ? 0.0f : static_cast<float>(rng.uniform(0.5, 4.0));
-        }
-        RowMatrix<float> fused = RowMatrix<float>::Constant(rows, lds, 7.0f), want = scores;
-        Eigen::VectorXf m = m0, l = l0, alpha = Eigen::VectorXf::Zero(rows);
-        Eigen::VectorXf lanes(32 * rows);
-        const bool rescale = c2f::detail::fused_online_softmax_step(q.data(), ldq, rows, packed, depth, j0, nj, fused.data(), lds, m,
-                                                                   l, alpha, lanes.data());
-        Eigen::VectorXf pm = m0, pl = l0, palpha = Eigen::VectorXf::Zero(rows);
-        Eigen::Block<RowMatrix<float>> block = want.block(0, 0, rows, nj);
-        c2f::detail::online_softmax_step(block, pm, pl, palpha);
-        const std::string where = "rows=" + std::to_string(rows) + " depth=" + std::to_string(depth) + " j0=" + std::to_string(j0) +
-                                  " nj=" + std::to_string(nj);
-        bool any_alpha = false;
-        for (Index r = 0; r < rows; ++r) {
-          const std::string row = where + " row " + std::to_string(r);
-          EXPECT_TRUE((fused.row(r).tail(lds - nj).array() == 7.0f).all()) << row << ": wrote past the keys";
-          if (r == 3) {
-            EXPECT_TRUE(std::isnan(l[r])) << row << ": NaN queries";
-            continue;
+  int kept = 0, plain = 0, opened = 0, opened_plain = 0;
+  for (const bool opening : {false, true}) {
+    for (const Index rows : {Index(1), Index(B::kMR - 1), Index(B::kMR), Index(B::kMR + 1), Index(2 * B::kMR + 5)}) {
+      for (const Index depth : {Index(1), Index(7), Index(64), Index(65), B::kKC}) {
+        for (const Index nj : {1, 15, 16, 17, 31, 33, 100, 256}) {
+          const Index j0 = B::kNR * rng.uniform_int(0, 2), keys = j0 + nj + rng.uniform_int(0, 40), ldq = depth + 3,
+                      lds = 260;
+          RowMatrix<float> q = rng.matrix<float>(rows, ldq, 1.5);
+          if (rows > 3) q(3, 0) = std::numeric_limits<float>::quiet_NaN();
+          const RowMatrix<float> k = rng.matrix<float>(keys, depth, 1.5);
+          c2f::detail::PackedB<float> packed;
+          packed.pack(k.transpose());
+          RowMatrix<float> scores(rows, lds);
+          c2f::detail::packed_gemm_range<float>(q.data(), ldq, rows, packed, 0, depth, j0, nj, nullptr, false,
+                                                scores.data(), lds);
+          // Each row's running max: none yet, just below its block max (kept), above it (kept), or 10 below
+          // (plain); or none on every row (opening).
+          Eigen::VectorXf m0(rows), l0(rows);
+          for (Index r = 0; r < rows; ++r) {
+            const float top = scores.row(r).head(nj).maxCoeff();
+            const int kind = opening ? 0 : static_cast<int>(r % 4);
+            m0[r] = kind == 0 ? -kInf : kind == 1 ? top - 1.0f : kind == 2 ? top + 3.0f : top - 10.0f;
+            l0[r] = kind == 0 ? 0.0f : static_cast<float>(rng.uniform(0.5, 4.0));
           }
-          const bool keep = std::isfinite(m0[r]) && scores.row(r).head(nj).maxCoeff() <= m0[r] + c2f::detail::kStaleMaxSlack;
-          ASSERT_EQ(keep, r % 4 == 1 || r % 4 == 2) << row;
-          if (keep) {
-            ++kept;
-            RowMatrix<float> e = scores.row(r).head(nj);
-            const float sum = c2f::detail::exp_shifted_sum_simd(e.data(), nj, m0[r]);
-            EXPECT_TRUE(bitwise_equal(RowMatrix<float>(fused.row(r).head(nj)), e)) << row;
-            EXPECT_EQ(m[r], m0[r]) << row;
-            EXPECT_EQ(alpha[r], 1.0f) << row;
-            EXPECT_NEAR(l[r], l0[r] + sum, 1e-6 * (l0[r] + sum)) << row;
-          } else {
-            ++plain;
-            any_alpha = any_alpha || palpha[r] != 1.0f;
-            EXPECT_TRUE(bitwise_equal(RowMatrix<float>(fused.row(r).head(nj)), RowMatrix<float>(want.row(r).head(nj)))) << row;
-            EXPECT_EQ(m[r], pm[r]) << row;
-            EXPECT_EQ(l[r], pl[r]) << row;
-            EXPECT_EQ(alpha[r], palpha[r]) << row;
+          RowMatrix<float> fused = RowMatrix<float>::Constant(rows, lds, 7.0f), want = scores;
+          Eigen::VectorXf m = m0, l = l0, alpha = Eigen::VectorXf::Zero(rows);
+          const bool opens = (m0.array() == -kInf).all();  // (one row of none yet opens too)
+          Eigen::VectorXf lanes(32 * rows);
+          const bool rescale = c2f::detail::fused_online_softmax_step(q.data(), ldq, rows, packed, depth, j0, nj,
+                                                                      fused.data(), lds, m, l, alpha, lanes.data());
+          Eigen::VectorXf pm = m0, pl = l0, palpha = Eigen::VectorXf::Zero(rows);
+          Eigen::Block<RowMatrix<float>> block = want.block(0, 0, rows, nj);
+          c2f::detail::online_softmax_step(block, pm, pl, palpha);
+          const std::string where = std::string(opening ? "opening " : "") + "rows=" + std::to_string(rows) +
+                                    " depth=" + std::to_string(depth) + " j0=" + std::to_string(j0) +
+                                    " nj=" + std::to_string(nj);
+          bool any_alpha = false;
+          for (Index r = 0; r < rows; ++r) {
+            const std::string row = where + " row " + std::to_string(r);
+            EXPECT_TRUE((fused.row(r).tail(lds - nj).array() == 7.0f).all()) << row << ": wrote past the keys";
+            if (r == 3) {
+              EXPECT_TRUE(std::isnan(l[r])) << row << ": NaN queries";
+              continue;
+            }
+            const float shift = opens ? scores.row(r).head(std::min<Index>(nj, 32)).maxCoeff() : m0[r];
+            const bool keep =
+                std::isfinite(shift) && scores.row(r).head(nj).maxCoeff() <= shift + c2f::detail::kStaleMaxSlack;
+            if (!opens) {
+              ASSERT_EQ(keep, r % 4 == 1 || r % 4 == 2) << row;
+            }
+            if (keep) {
+              ++(opens ? opened : kept);
+              RowMatrix<float> e = scores.row(r).head(nj);
+              const float sum = c2f::detail::exp_shifted_sum_simd(e.data(), nj, shift);
+              EXPECT_TRUE(bitwise_equal(RowMatrix<float>(fused.row(r).head(nj)), e)) << row;
+              EXPECT_EQ(m[r], shift) << row;
+              EXPECT_EQ(alpha[r], opens ? 0.0f : 1.0f) << row;
+              any_alpha = any_alpha || opens;
+              EXPECT_NEAR(l[r], l0[r] + sum, 1e-6 * (l0[r] + sum)) << row;
+            } else {
+              ++(opens ? opened_plain : plain);
+              any_alpha = any_alpha || palpha[r] != 1.0f;
+              EXPECT_TRUE(
+                  bitwise_equal(RowMatrix<float>(fused.row(r).head(nj)), RowMatrix<float>(want.row(r).head(nj))))
+                  << row;
+              EXPECT_EQ(m[r], pm[r]) << row;
+              EXPECT_EQ(l[r], pl[r]) << row;
+              EXPECT_EQ(alpha[r], palpha[r]) << row;
+            }
           }
+          EXPECT_EQ(rescale, any_alpha) << where;
         }
-        EXPECT_EQ(rescale, any_alpha) << where;
       }
     }
   }
   EXPECT_GT(kept, 0);
   EXPECT_GT(plain, 0);
+  EXPECT_GT(opened, 0);
+  EXPECT_GT(opened_plain, 0);
 #endif
 }
 
@@ -1060,15 +1079,18 @@ TEST(FusedScores, StreamingMatchesNaiveAndRisingScoresStayFinite) {
     p.v = rng.matrix<float>(p.batch * p.lk, p.heads * p.dv);
     if (rising) {  // every score of key j is 3·j/8·√dk·scale⁻¹: +96 from one 256-key block to the next
       p.q.setConstant(1.0f);
-      for (Index r = 0; r < p.k.rows(); ++r) p.k.row(r).setConstant(0.375f * static_cast<float>(r % p.lk) / std::sqrt(float(p.dk)));
+      for (Index r = 0; r < p.k.rows(); ++r)
+        p.k.row(r).setConstant(0.375f * static_cast<float>(r % p.lk) / std::sqrt(float(p.dk)));
     }
     const bool masked = rng.coin();
     std::vector<Index> lengths = {p.lk - 3, p.lk / 2};
     lengths.resize(static_cast<std::size_t>(p.batch));
-    const c2f::KeyPaddingMask<float> pad = rng.coin() ? c2f::KeyPaddingMask<float>::lengths(lengths) : c2f::KeyPaddingMask<float>();
+    const c2f::KeyPaddingMask<float> pad =
+        rng.coin() ? c2f::KeyPaddingMask<float>::lengths(lengths) : c2f::KeyPaddingMask<float>();
     const c2f::MaskView<float> plan(masked ? causal : no_attn, pad, p.batch, p.heads, p.lq, p.lk);
     c2f::kernels::KernelOptions opt;
-    EXPECT_EQ((c2f::detail::streaming_fused<float>(opt, p.lq, p.lk, p.dk)), c2f::detail::kFusedScores && p.dk <= B::kKC);
+    EXPECT_EQ((c2f::detail::streaming_fused<float>(opt, p.lq, p.lk, p.dk)),
+              c2f::detail::kFusedScores && p.dk <= B::kKC);
     RowMatrix<float> naive(p.batch * p.lq, p.heads * p.dv), one = naive, two = naive;
     c2f::kernels::sdpa_naive<float>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt);
     c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(one), plan, p.scale(), opt.num_threads(1));
@@ -1103,7 +1125,6 @@ TEST(KernelWorkspace, StreamingScratchDoesNotGrowWithSequenceLength) {
   EXPECT_EQ(c2f::kernels::sdpa_streaming_workspace_bytes<float>(opt, 64, 64, 5, 7),
             sizeof(float) * static_cast<std::size_t>(5 * 64 + 5 * stride + 5 * 64 + 3 * 5));
 }
-
 
 // --- bfloat16 products (Compute::BFloat16, detail/bf16_gemm.hpp) ---------------------------------------
 

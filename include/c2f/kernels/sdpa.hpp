@@ -256,8 +256,8 @@ Index streaming_query_group(const kernels::KernelOptions& options, Index lq, Ind
 }
 /// Whether sdpa_streaming may take the fused online-softmax step (detail/score_tile.hpp): on the fp32
 /// packed path of builds that have it (kFusedScores), for head widths up to one k-block of packed_gemm,
-/// without rows_independent — the step is taken on the key blocks a mask leaves whole after a query
-/// block's first, so a row's bits would depend on the query block that holds it — and (checked by the
+/// without rows_independent — the step is taken on the key blocks a mask leaves whole, which depend on
+/// the query block, so a row's bits would depend on the query block that holds it — and (checked by the
 /// kernel) without dropout.
 template <class Scalar, class KV = Scalar>
 bool streaming_fused(const kernels::KernelOptions& options, Index lq, Index lk, Index dk) {
@@ -383,7 +383,7 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
   // once into the micro-kernel's panels, shared by all of its query blocks; the products of a block are
   // then QKᵀ and PV on those panels.
   const bool packed = !bf16 && c2f::detail::streaming_packed<Scalar, KV>(options, lq, lk);
-  // After a query block's first key block, the blocks the mask leaves whole take the fused step.
+  // The key blocks the mask leaves whole take the fused step.
   const bool fused = !drop && c2f::detail::streaming_fused<Scalar, KV>(options, lq, lk, dk);
   const Index pairs = q.batch * q.heads;
   std::vector<c2f::detail::PackedB<Scalar>> packed_k, packed_v;
@@ -449,7 +449,6 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
       if (bf16) ws.q16.prepare(ws.q.data(), ws.q.outerStride(), rows_of(0), dk, packed_k16[static_cast<std::size_t>(bh)].tiles());
     }
 
-    unsigned started = 0;  // bit g: query block g took a key block already
     for (Index j0 = 0; j0 < lk; j0 += bk) {
       const Index nj = std::min(bk, lk - j0);
       for (Index g = 0; g < task_blocks; ++g) {
@@ -460,8 +459,6 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
         const BlockMask status = mask.classify(b, i0, ni, j0, nj);
         if (status == BlockMask::Skip) continue;
         Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
-        [[maybe_unused]] const bool first_key_block = (started & (1u << g)) == 0;  // read by the fused step
-        started |= 1u << g;
         if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
           if (bf16) {
             c2f::detail::bf16_gemm(ws.q16, packed_k16[static_cast<std::size_t>(bh)], 0, dk, j0, nj, nullptr, false, s.data(),
@@ -485,11 +482,11 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
             continue;
           }
         }
-        // QKᵀ and the softmax step: fused on a block the mask leaves whole after the query block's first.
+        // QKᵀ and the softmax step: fused on a block the mask leaves whole.
         bool stepped = false;
 #if C2F_EXP_SIMD == 16
         if constexpr (std::is_same<Scalar, float>::value && std::is_same<KV, float>::value) {
-          if (fused && status == BlockMask::Clear && !first_key_block) {
+          if (fused && status == BlockMask::Clear) {
             if (c2f::detail::fused_online_softmax_step(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)], dk, j0,
                                                        nj, s.data(), s.outerStride(), m, l, alpha, ws.lanes.data())) {
               acc = alpha.asDiagonal() * acc;
