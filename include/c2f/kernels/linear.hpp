@@ -41,17 +41,33 @@ constexpr Index kBf16RowChunk = 128;
 
 }  // namespace kernels
 namespace detail {
-/// The tasks of matmul_rows over an [n, out_cols] output: row chunks of `row_chunk` rows and, with fewer
-/// than `wide_rows` of them, column chunks of `col_chunk`; fn(r0, rows, c0, cols) per task.
+/// The tasks of matmul_rows over an [n, out_cols] output: row chunks of `row_chunk` rows — with
+/// `row_step` > 0 (a divisor of row_chunk), chunks of at most row_chunk rows, as many as a multiple of the
+/// threads the loop runs on takes, evened out in whole steps of row_step rows, so that the threads get
+/// equal shares: 2048 rows on 2 threads are 9 chunks of 120 and 9 of 108, not 17 of 120 and one of 8,
+/// which left one thread idle for most of a task — and, with fewer than `wide_rows` row chunks, column
+/// chunks of `col_chunk`; fn(r0, rows, c0, cols) per task. With row_step, the split depends on the thread
+/// count: the caller's products must give every element the same bits whatever task computes it.
 template <class Fn>
 void row_col_tasks(Index n, Index out_cols, Index row_chunk, Index wide_rows, Index col_chunk,
-                   const kernels::KernelOptions& options, double work, Fn&& fn) {
-  const Index row_chunks = (n + row_chunk - 1) / row_chunk;
+                   const kernels::KernelOptions& options, double work, Fn&& fn, Index row_step = 0) {
+  Index row_chunks = (n + row_chunk - 1) / row_chunk;
+  const Index steps = row_step > 0 ? (n + row_step - 1) / row_step : 0;  // ≥ row_chunks
+  if (row_step > 0) {
+    const Index workers = resolve_threads(options.num_threads(), row_chunks);
+    row_chunks = std::min(steps, (row_chunks + workers - 1) / workers * workers);
+  }
   const Index col_width = row_chunks >= wide_rows ? std::max<Index>(out_cols, 1) : col_chunk;
   const Index col_chunks = std::max<Index>(1, (out_cols + col_width - 1) / col_width);
   parallel_for(row_chunks * col_chunks, options.num_threads(), work, [&](Index task, int) {
-    const Index r0 = (task / col_chunks) * row_chunk, c0 = (task % col_chunks) * col_width;
-    fn(r0, std::min(row_chunk, n - r0), c0, std::min(col_width, out_cols - c0));
+    const Index chunk = task / col_chunks, c0 = (task % col_chunks) * col_width;
+    Index r0 = chunk * row_chunk, r1 = std::min(n, r0 + row_chunk);
+    if (row_step > 0) {  // the first steps % row_chunks chunks take one step more than the others
+      const Index base = steps / row_chunks, extra = steps % row_chunks;
+      r0 = row_step * (chunk * base + std::min(chunk, extra));
+      r1 = std::min(n, r0 + row_step * (base + (chunk < extra ? 1 : 0)));
+    }
+    fn(r0, r1 - r0, c0, std::min(col_width, out_cols - c0));
   });
 }
 /// The tasks of matmul_rows's bfloat16 path over an [n, out] product of depth k on `workers` threads.
@@ -89,11 +105,13 @@ void matmul_rows_packed(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Pack
                         Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options) {
   const Index n = x.rows(), out_cols = packed.cols();
   const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
-  row_col_tasks(n, out_cols, kernels::kPackedRowChunk, kernels::kPackedWideRows, kernels::kPackedColChunk, options, work,
-                [&](Index r0, Index rows, Index c0, Index cols) {
-                  packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
-                                      bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0, y.outerStride());
-                });
+  row_col_tasks(
+      n, out_cols, kernels::kPackedRowChunk, kernels::kPackedWideRows, kernels::kPackedColChunk, options, work,
+      [&](Index r0, Index rows, Index c0, Index cols) {
+        packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
+                            bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0, y.outerStride());
+      },
+      GemmBlocking<Scalar>::kMR);
 }
 
 /// matmul_rows's bfloat16 path on a right-hand side packed already: y = x · B (+ bias), every element one
