@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 namespace c2f {
@@ -255,17 +256,26 @@ void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c,
   }
 }
 
-/// gemm_tile for the last `rows` (< kMR) rows of a product: the kernel of exactly that many rows.
-template <class Scalar, bool TransA = false, int MR = GemmBlocking<Scalar>::kMR - 1>
-void gemm_tile_rows(Index rows, Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c, Index ldc, Index cols,
-                    bool first, const Scalar* bias) {
+/// fn(std::integral_constant<int, rows>()) for 1 ≤ rows ≤ MR: the choice of a tile kernel of exactly
+/// `rows` rows, for the last rows of a product (gemm_tile_rows; detail/score_tile.hpp).
+template <int MR, class Fn>
+EIGEN_ALWAYS_INLINE void with_tile_rows(Index rows, Fn&& fn) {
   if constexpr (MR >= 1) {
     if (rows == MR) {
-      gemm_tile<Scalar, MR, TransA>(kc, a, lda, b, c, ldc, cols, first, bias);
+      fn(std::integral_constant<int, MR>());
     } else {
-      gemm_tile_rows<Scalar, TransA, MR - 1>(rows, kc, a, lda, b, c, ldc, cols, first, bias);
+      with_tile_rows<MR - 1>(rows, fn);
     }
   }
+}
+
+/// gemm_tile for the last `rows` (< kMR) rows of a product: the kernel of exactly that many rows.
+template <class Scalar, bool TransA = false>
+void gemm_tile_rows(Index rows, Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c, Index ldc, Index cols,
+                    bool first, const Scalar* bias) {
+  with_tile_rows<GemmBlocking<Scalar>::kMR - 1>(rows, [&](auto mr) {
+    gemm_tile<Scalar, decltype(mr)::value, TransA>(kc, a, lda, b, c, ldc, cols, first, bias);
+  });
 }
 
 /// The product of rows of A with the columns [c0, c0 + cols) (c0 a multiple of kNR) of the packed B,

@@ -94,16 +94,11 @@ void score_exp_tile(Index kc, const float* a, Index lda, const float* b, Index c
 }
 
 /// score_exp_tile for the last `rows` (< kMR) rows of a block: the kernel of exactly that many rows.
-template <int MR = GemmBlocking<float>::kMR - 1>
-void score_exp_tile_rows(Index rows, Index kc, const float* a, Index lda, const float* b, Index cols,
-                         const float* shift, float* c, Index ldc, float* sums, float* maxes) {
-  if constexpr (MR >= 1) {
-    if (rows == MR) {
-      score_exp_tile<MR>(kc, a, lda, b, cols, shift, c, ldc, sums, maxes);
-    } else {
-      score_exp_tile_rows<MR - 1>(rows, kc, a, lda, b, cols, shift, c, ldc, sums, maxes);
-    }
-  }
+inline void score_exp_tile_rows(Index rows, Index kc, const float* a, Index lda, const float* b, Index cols,
+                                const float* shift, float* c, Index ldc, float* sums, float* maxes) {
+  with_tile_rows<GemmBlocking<float>::kMR - 1>(rows, [&](auto mr) {
+    score_exp_tile<decltype(mr)::value>(kc, a, lda, b, cols, shift, c, ldc, sums, maxes);
+  });
 }
 
 /// The fused online-softmax step over the keys [j0, j0 + nj) of a packed K (`k`: Kᵀ [depth, keys] packed,
