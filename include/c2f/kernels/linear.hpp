@@ -52,21 +52,20 @@ template <class Fn>
 void row_col_tasks(Index n, Index out_cols, Index row_chunk, Index wide_rows, Index col_chunk,
                    const kernels::KernelOptions& options, double work, Fn&& fn, Index row_step = 0) {
   Index row_chunks = (n + row_chunk - 1) / row_chunk;
-  const Index steps = row_step > 0 ? (n + row_step - 1) / row_step : 0;  // ≥ row_chunks
+  // Without row_step the step is the whole chunk: one step per chunk, the fixed split.
+  const Index step = row_step > 0 ? row_step : row_chunk, steps = (n + step - 1) / step;  // steps ≥ row_chunks
   if (row_step > 0) {
     const Index workers = resolve_threads(options.num_threads(), row_chunks);
     row_chunks = std::min(steps, (row_chunks + workers - 1) / workers * workers);
   }
   const Index col_width = row_chunks >= wide_rows ? std::max<Index>(out_cols, 1) : col_chunk;
   const Index col_chunks = std::max<Index>(1, (out_cols + col_width - 1) / col_width);
+  // The first steps % row_chunks chunks take one step more than the others.
+  const Index base = row_chunks > 0 ? steps / row_chunks : 0, extra = row_chunks > 0 ? steps % row_chunks : 0;
   parallel_for(row_chunks * col_chunks, options.num_threads(), work, [&](Index task, int) {
     const Index chunk = task / col_chunks, c0 = (task % col_chunks) * col_width;
-    Index r0 = chunk * row_chunk, r1 = std::min(n, r0 + row_chunk);
-    if (row_step > 0) {  // the first steps % row_chunks chunks take one step more than the others
-      const Index base = steps / row_chunks, extra = steps % row_chunks;
-      r0 = row_step * (chunk * base + std::min(chunk, extra));
-      r1 = std::min(n, r0 + row_step * (base + (chunk < extra ? 1 : 0)));
-    }
+    const Index r0 = step * (chunk * base + std::min(chunk, extra));
+    const Index r1 = std::min(n, r0 + step * (base + (chunk < extra ? 1 : 0)));
     fn(r0, r1 - r0, c0, std::min(col_width, out_cols - c0));
   });
 }
