@@ -483,14 +483,12 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
           }
         }
         // QKᵀ and the softmax step: fused on a block the mask leaves whole.
-        bool stepped = false;
+        bool stepped = false, rescale = false;
 #if C2F_EXP_SIMD == 16
         if constexpr (std::is_same<Scalar, float>::value && std::is_same<KV, float>::value) {
           if (fused && status == BlockMask::Clear) {
-            if (c2f::detail::fused_online_softmax_step(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)], dk, j0,
-                                                       nj, s.data(), s.outerStride(), m, l, alpha, ws.lanes.data())) {
-              acc = alpha.asDiagonal() * acc;
-            }
+            rescale = c2f::detail::fused_online_softmax_step(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)],
+                                                             dk, j0, nj, s.data(), s.outerStride(), m, l, alpha, ws.lanes.data());
             stepped = true;
           }
         }
@@ -506,7 +504,8 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
           // A block the mask cuts through may hide non-finite values: leave them out (masked_values.hpp).
           const bool guard = status == BlockMask::Partial && ws.masked.find(vb);
           if (guard) ws.masked.remember_hidden(s);
-          if (!stepped && c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
+          if (!stepped) rescale = c2f::detail::online_softmax_step(s, m, l, alpha);
+          if (rescale) acc = alpha.asDiagonal() * acc;
           // Dropout zeroes probabilities after the running sum took them (scaled by 1 / (1 − p) at the end).
           if (drop) c2f::detail::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
           if (guard && packed) {
