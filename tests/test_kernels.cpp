@@ -46,10 +46,12 @@ TYPED_TEST(KernelTest, LinearMatchesNaiveOnAwkwardShapes) {
   using Scalar = TypeParam;
   TestRng rng(1);
   for (int rep = 0; rep < 30; ++rep) {
-    // Some shapes span several row chunks, some (few rows) several column chunks, some both.
+    // Some shapes span several row chunks, some (few rows) several column chunks, some both; every 7th
+    // has a right-hand side of more than kPackedWholeColsBytes, which the packed path splits into column
+    // chunks below kPackedWideRows row chunks (the others it keeps whole).
     const Index n = rng.pick(kAwkward) + (rep % 3 == 0 ? c2f::kernels::kLinearRowChunk : 0) +
                     (rep % 5 == 0 ? c2f::kernels::kLinearWideRows * c2f::kernels::kLinearRowChunk : 0);
-    const Index in = rng.pick(kAwkward);
+    const Index in = rep % 7 == 6 ? 1031 : rng.pick(kAwkward);
     const Index out = rng.pick(kAwkward) + (rep % 2 == 1 ? c2f::kernels::kLinearColChunk : 0);
     const bool with_bias = rng.coin();
     const RowMatrix<Scalar> x = rng.matrix<Scalar>(n, in), w = rng.matrix<Scalar>(out, in);

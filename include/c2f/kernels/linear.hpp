@@ -35,6 +35,11 @@ constexpr Index kPackedRowChunk = 120;
 /// whatever task computes it (detail/packed_gemm.hpp), so the split changes no bit.
 constexpr Index kPackedWideRows = 16;
 constexpr Index kPackedColChunk = 128;
+/// ... except where the packed B takes at most kPackedWholeColsBytes (half of a 2 MiB L2) and the rows
+/// give every thread a chunk: each task then takes whole rows, reading A's rows once while B stays in
+/// L2: [1024, 512] × [512, 512] ran 3.6–4.5 % faster than in 128-column chunks on 2 threads, and a B
+/// of 2 MiB no faster, of 3 MiB 2 % slower (docs/benchmarks.md).
+constexpr std::size_t kPackedWholeColsBytes = std::size_t(1) << 20;
 /// Rows per task of the bfloat16 path (KernelOptions::compute), at most: whole 32-row blocks of the tile
 /// engine; detail::bf16_split halves it for products of few rows.
 constexpr Index kBf16RowChunk = 128;
@@ -45,7 +50,7 @@ namespace detail {
 /// `row_step` > 0 (a divisor of row_chunk), chunks of at most row_chunk rows, as many as a multiple of the
 /// threads the loop runs on takes, evened out in whole steps of row_step rows, so that the threads get
 /// equal shares: 2048 rows on 2 threads are 9 chunks of 120 and 9 of 108, not 17 of 120 and one of 8,
-/// which left one thread idle for most of a task — and, with fewer than `wide_rows` row chunks, column
+/// which left one thread idle for most of a task — and, with fewer than `wide_rows` row chunks (0: never), column
 /// chunks of `col_chunk`; fn(r0, rows, c0, cols) per task. With row_step, the split depends on the thread
 /// count: the caller's products must give every element the same bits whatever task computes it.
 template <class Fn>
@@ -102,15 +107,17 @@ inline bool bf16_packs(Index n, bool rows_independent, bool b_in_place) {
 template <class Scalar>
 void matmul_rows_packed(const Eigen::Ref<const RowMatrix<Scalar>>& x, const PackedB<Scalar>& packed, const Scalar* bias,
                         Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options) {
-  const Index n = x.rows(), out_cols = packed.cols();
+  const Index n = x.rows(), out_cols = packed.cols(), tile = GemmBlocking<Scalar>::kMR;
   const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
+  const bool whole_cols = static_cast<std::size_t>(packed.rows() * out_cols) * sizeof(Scalar) <= kernels::kPackedWholeColsBytes &&
+                          (n + tile - 1) / tile >= resolve_threads(options.num_threads(), n);
   row_col_tasks(
-      n, out_cols, kernels::kPackedRowChunk, kernels::kPackedWideRows, kernels::kPackedColChunk, options, work,
+      n, out_cols, kernels::kPackedRowChunk, whole_cols ? 0 : kernels::kPackedWideRows, kernels::kPackedColChunk, options, work,
       [&](Index r0, Index rows, Index c0, Index cols) {
         packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
                             bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0, y.outerStride());
       },
-      GemmBlocking<Scalar>::kMR);
+      tile);
 }
 
 /// matmul_rows's bfloat16 path on a right-hand side packed already: y = x · B (+ bias), every element one
