@@ -12,7 +12,12 @@
 //   gemm_eigen/L/threads, gemm_c2f/L/threads, gemm_onednn/L/threads
 //                       [L, 512] × [512, 512]ᵀ (a projection, W in torch's [out, in] layout) by Eigen's
 //                       product, by c2f's kernels::linear and by oneDNN's matmul (when built with it): the
-//                       reference points — what a library reaches on the same shape, as % of the peak
+//                       reference points — what a library reaches on the same shape, as % of the peak;
+//                       c2f and oneDNN pack W inside each call
+//   gemm_c2f_layer/L/threads, gemm_onednn_packed/L/threads
+//                       the same product with W packed once, before the timing, as a model runs it: c2f's
+//                       Linear layer (its packing kept between calls, as in every c2f layer) and oneDNN's
+//                       matmul on W reordered once into the layout its primitive picks (format_tag::any)
 //   gemm_onednn_bf16/L/threads   oneDNN's bf16 matmul (bf16 inputs, fp32 output) where it has a kernel
 //
 // Every GEMM entry first checks its output against a double-precision product on a few rows.
@@ -21,6 +26,7 @@
 #include "benchmarks/csv_reporter.hpp"
 #include "benchmarks/rooflines.hpp"
 #include "c2f/kernels/linear.hpp"
+#include "c2f/layers/linear.hpp"
 
 #if C2F_BENCH_ONEDNN
 #include <dnnl.hpp>
@@ -121,10 +127,21 @@ void BM_GemmC2F(benchmark::State& state) {
   timed_gemm(state, d, length, threads, once);
 }
 
+// c2f's Linear layer: its first call (timed_gemm's check) packs W, which it keeps for the timed calls.
+void BM_GemmC2FLayer(benchmark::State& state) {
+  const Index length = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
+  GemmData d(length);
+  c2f::Linear<float> layer(kEmbed, kEmbed, c2f::Linear<float>::Options().bias(false).num_threads(threads));
+  layer.weight() = d.w;
+  timed_gemm(state, d, length, threads, [&] { layer.forward_rows(d.x, d.y); });
+}
+
 #if C2F_BENCH_ONEDNN
 // oneDNN's matmul primitive, as a user who cares would run it: the primitive built once, weights in their
-// [out, in] layout described as the transposed operand (format tag ba), OpenMP threads = `threads`.
-void BM_GemmOneDnn(benchmark::State& state, bool bf16) {
+// [out, in] layout described as the transposed operand (format tag ba) — or, `packed`, in the layout the
+// primitive picks (format tag any), reordered into it once before the timing — OpenMP threads = `threads`.
+void BM_GemmOneDnn(benchmark::State& state, bool bf16, bool packed) {
   const Index length = state.range(0);
   const int threads = static_cast<int>(state.range(1));
   omp_set_num_threads(threads);
@@ -135,20 +152,25 @@ void BM_GemmOneDnn(benchmark::State& state, bool bf16) {
   try {
     dnnl::engine engine(dnnl::engine::kind::cpu, 0);
     dnnl::stream stream(engine);
-    const dnnl::memory::desc a_md({length, kEmbed}, in, tag::ab), b_md({kEmbed, kEmbed}, in, tag::ba),
+    const dnnl::memory::desc a_md({length, kEmbed}, in, tag::ab), b_md({kEmbed, kEmbed}, in, packed ? tag::any : tag::ba),
         c_md({length, kEmbed}, dt::f32, tag::ab);
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), engine);
     const dnnl::matmul matmul(pd);
-    dnnl::memory a(a_md, engine), b(b_md, engine), c(c_md, engine, d.y.data());
+    dnnl::memory a(a_md, engine), b(pd.weights_desc(), engine), c(c_md, engine, d.y.data());
+    dnnl::memory b32({{kEmbed, kEmbed}, dt::f32, tag::ba}, engine, d.w.data());
     if (bf16) {  // round the inputs to bf16 once, outside the timing (the reorder primitive)
       dnnl::memory a32({{length, kEmbed}, dt::f32, tag::ab}, engine, d.x.data());
-      dnnl::memory b32({{kEmbed, kEmbed}, dt::f32, tag::ba}, engine, d.w.data());
       dnnl::reorder(a32, a).execute(stream, a32, a);
       dnnl::reorder(b32, b).execute(stream, b32, b);
       stream.wait();
     } else {
       a = dnnl::memory(a_md, engine, d.x.data());
-      b = dnnl::memory(b_md, engine, d.w.data());
+      if (packed) {
+        dnnl::reorder(b32, b).execute(stream, b32, b);
+        stream.wait();
+      } else {
+        b = b32;
+      }
     }
     const auto once = [&] {
       matmul.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
@@ -186,9 +208,11 @@ int main(int argc, char** argv) {
     for (int t : {1, threads}) {
       timed(benchmark::RegisterBenchmark("gemm_eigen", BM_GemmEigen)->Args({L, t}));
       timed(benchmark::RegisterBenchmark("gemm_c2f", BM_GemmC2F)->Args({L, t}));
+      timed(benchmark::RegisterBenchmark("gemm_c2f_layer", BM_GemmC2FLayer)->Args({L, t}));
 #if C2F_BENCH_ONEDNN
-      timed(benchmark::RegisterBenchmark("gemm_onednn", BM_GemmOneDnn, false)->Args({L, t}));
-      timed(benchmark::RegisterBenchmark("gemm_onednn_bf16", BM_GemmOneDnn, true)->Args({L, t}));
+      timed(benchmark::RegisterBenchmark("gemm_onednn", BM_GemmOneDnn, false, false)->Args({L, t}));
+      timed(benchmark::RegisterBenchmark("gemm_onednn_packed", BM_GemmOneDnn, false, true)->Args({L, t}));
+      timed(benchmark::RegisterBenchmark("gemm_onednn_bf16", BM_GemmOneDnn, true, false)->Args({L, t}));
 #endif
       if (threads == 1) break;
     }
