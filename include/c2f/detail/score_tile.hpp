@@ -86,6 +86,7 @@ void score_exp_tile(Index kc, const float* a, Index lda, const float* b, Index c
   // The last panel of the keys: the columns past cols become −inf (exponential 0) and are not stored.
   const std::pair<__mmask16, __mmask16> k = lane_masks(cols);
   const __m512 hidden = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+#pragma GCC unroll 12  // as gemm_tile's last panel: acc stays in registers
   for (int i = 0; i < MR; ++i) {
     exp_into_lanes<false>(_mm512_mask_mov_ps(hidden, k.first, acc[i][0]),
                           _mm512_mask_mov_ps(hidden, k.second, acc[i][1]), shift[i], c + i * ldc, k.first, k.second,

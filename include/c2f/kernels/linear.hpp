@@ -30,15 +30,15 @@ constexpr Index kLinearColChunk = 256;
 /// Rows per task of the packed path: a multiple of the micro-kernel's 6 or 12 rows.
 constexpr Index kPackedRowChunk = 120;
 /// Below kPackedWideRows row chunks the packed path splits the columns too, into chunks of
-/// kPackedColChunk (a multiple of every build's panel width, 4 … 32): a product of 512 rows is then 20
-/// tasks, not 5 (which leave one of 2 threads idle a fifth of the time). Every element is the same sum
-/// whatever task computes it (detail/packed_gemm.hpp), so the split changes no bit.
+/// kPackedColChunk (a multiple of every build's panel width, 4 … 32), so that each task streams a slice
+/// of B that stays in L2 — except where the packed B takes at most kPackedWholeColsBytes (half of a
+/// 2 MiB L2) and the rows give every thread a 12-row tile: each task then takes whole rows, reading its
+/// rows of A once while all of B stays in L2. [1024, 512] × [512, 512] ran 3.6–4.5 % faster whole than
+/// in 128-column chunks on 2 threads; a B of 2 MiB no faster, of 3 MiB 2 % slower (docs/benchmarks.md).
+/// Every element is the same sum whatever task computes it (detail/packed_gemm.hpp), so the split
+/// changes no bit.
 constexpr Index kPackedWideRows = 16;
 constexpr Index kPackedColChunk = 128;
-/// ... except where the packed B takes at most kPackedWholeColsBytes (half of a 2 MiB L2) and the rows
-/// give every thread a chunk: each task then takes whole rows, reading A's rows once while B stays in
-/// L2: [1024, 512] × [512, 512] ran 3.6–4.5 % faster than in 128-column chunks on 2 threads, and a B
-/// of 2 MiB no faster, of 3 MiB 2 % slower (docs/benchmarks.md).
 constexpr std::size_t kPackedWholeColsBytes = std::size_t(1) << 20;
 /// Rows per task of the bfloat16 path (KernelOptions::compute), at most: whole 32-row blocks of the tile
 /// engine; detail::bf16_split halves it for products of few rows.
@@ -109,10 +109,13 @@ void matmul_rows_packed(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Pack
                         Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options) {
   const Index n = x.rows(), out_cols = packed.cols(), tile = GemmBlocking<Scalar>::kMR;
   const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
-  const bool whole_cols = static_cast<std::size_t>(packed.rows() * out_cols) * sizeof(Scalar) <= kernels::kPackedWholeColsBytes &&
+  // Whole columns (kPackedWholeColsBytes): wide_rows 0, no column split.
+  const std::size_t b_bytes = static_cast<std::size_t>(packed.rows() * out_cols) * sizeof(Scalar);
+  const bool whole_cols = b_bytes <= kernels::kPackedWholeColsBytes &&
                           (n + tile - 1) / tile >= resolve_threads(options.num_threads(), n);
   row_col_tasks(
-      n, out_cols, kernels::kPackedRowChunk, whole_cols ? 0 : kernels::kPackedWideRows, kernels::kPackedColChunk, options, work,
+      n, out_cols, kernels::kPackedRowChunk, whole_cols ? 0 : kernels::kPackedWideRows, kernels::kPackedColChunk,
+      options, work,
       [&](Index r0, Index rows, Index c0, Index cols) {
         packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
                             bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0, y.outerStride());
