@@ -32,9 +32,11 @@ constexpr Index kPackedRowChunk = 120;
 /// Below kPackedWideRows row chunks the packed path splits the columns too, into chunks of
 /// kPackedColChunk (a multiple of every build's panel width, 4 … 32), so that each task streams a slice
 /// of B that stays in L2 — except where the packed B takes at most kPackedWholeColsBytes (half of a
-/// 2 MiB L2) and the rows give every thread a 12-row tile: each task then takes whole rows, reading its
-/// rows of A once while all of B stays in L2. [1024, 512] × [512, 512] ran 3.6–4.5 % faster whole than
-/// in 128-column chunks on 2 threads; a B of 2 MiB no faster, of 3 MiB 2 % slower (docs/benchmarks.md).
+/// 2 MiB L2) and the rows make more row chunks than there are threads (so at least two per thread after
+/// evening out): each task then takes whole rows, reading its rows of A once while all of B stays in L2.
+/// [1024, 512] × [512, 512] ran 3.6–4.5 % faster whole than in 128-column chunks on 2 threads; a B of
+/// 2 MiB no faster, of 3 MiB 2 % slower; with one chunk per thread (MHA at L ≤ 128), a thread that
+/// woke late left its chunk to the other, up to 1.6× slower (docs/benchmarks.md).
 /// Every element is the same sum whatever task computes it (detail/packed_gemm.hpp), so the split
 /// changes no bit.
 constexpr Index kPackedWideRows = 16;
@@ -111,8 +113,9 @@ void matmul_rows_packed(const Eigen::Ref<const RowMatrix<Scalar>>& x, const Pack
   const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
   // Whole columns (kPackedWholeColsBytes): wide_rows 0, no column split.
   const std::size_t b_bytes = static_cast<std::size_t>(packed.rows() * out_cols) * sizeof(Scalar);
-  const bool whole_cols = b_bytes <= kernels::kPackedWholeColsBytes &&
-                          (n + tile - 1) / tile >= resolve_threads(options.num_threads(), n);
+  const Index row_chunks = (n + kernels::kPackedRowChunk - 1) / kernels::kPackedRowChunk;
+  const bool whole_cols =
+      b_bytes <= kernels::kPackedWholeColsBytes && row_chunks > resolve_threads(options.num_threads(), n);
   row_col_tasks(
       n, out_cols, kernels::kPackedRowChunk, whole_cols ? 0 : kernels::kPackedWideRows, kernels::kPackedColChunk,
       options, work,
