@@ -152,8 +152,8 @@ void BM_GemmOneDnn(benchmark::State& state, bool bf16, bool packed) {
   try {
     dnnl::engine engine(dnnl::engine::kind::cpu, 0);
     dnnl::stream stream(engine);
-    const dnnl::memory::desc a_md({length, kEmbed}, in, tag::ab), b_md({kEmbed, kEmbed}, in, packed ? tag::any : tag::ba),
-        c_md({length, kEmbed}, dt::f32, tag::ab);
+    const dnnl::memory::desc a_md({length, kEmbed}, in, tag::ab),
+        b_md({kEmbed, kEmbed}, in, packed ? tag::any : tag::ba), c_md({length, kEmbed}, dt::f32, tag::ab);
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), engine);
     const dnnl::matmul matmul(pd);
     dnnl::memory a(a_md, engine), b(pd.weights_desc(), engine), c(c_md, engine, d.y.data());

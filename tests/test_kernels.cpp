@@ -46,9 +46,10 @@ TYPED_TEST(KernelTest, LinearMatchesNaiveOnAwkwardShapes) {
   using Scalar = TypeParam;
   TestRng rng(1);
   for (int rep = 0; rep < 30; ++rep) {
-    // Some shapes span several row chunks, some (few rows) several column chunks, some both; every 7th
+    // Some shapes span several row chunks, some (few rows) several column chunks, some both. Every 7th
     // has a right-hand side of more than kPackedWholeColsBytes, which the packed path splits into column
-    // chunks below kPackedWideRows row chunks (the others it keeps whole).
+    // chunks below kPackedWideRows row chunks; a smaller one it keeps whole once the rows make more
+    // chunks than threads.
     const Index n = rng.pick(kAwkward) + (rep % 3 == 0 ? c2f::kernels::kLinearRowChunk : 0) +
                     (rep % 5 == 0 ? c2f::kernels::kLinearWideRows * c2f::kernels::kLinearRowChunk : 0);
     const Index in = rep % 7 == 6 ? 1031 : rng.pick(kAwkward);

@@ -52,9 +52,10 @@ namespace detail {
 /// `row_step` > 0 (a divisor of row_chunk), chunks of at most row_chunk rows, as many as a multiple of the
 /// threads the loop runs on takes, evened out in whole steps of row_step rows, so that the threads get
 /// equal shares: 2048 rows on 2 threads are 9 chunks of 120 and 9 of 108, not 17 of 120 and one of 8,
-/// which left one thread idle for most of a task — and, with fewer than `wide_rows` row chunks (0: never), column
-/// chunks of `col_chunk`; fn(r0, rows, c0, cols) per task. With row_step, the split depends on the thread
-/// count: the caller's products must give every element the same bits whatever task computes it.
+/// which left one thread idle for most of a task — and, with fewer than `wide_rows` row chunks (0:
+/// never), column chunks of `col_chunk`; fn(r0, rows, c0, cols) per task. With row_step, the split
+/// depends on the thread count: the caller's products must give every element the same bits whatever task
+/// computes it.
 template <class Fn>
 void row_col_tasks(Index n, Index out_cols, Index row_chunk, Index wide_rows, Index col_chunk,
                    const kernels::KernelOptions& options, double work, Fn&& fn, Index row_step = 0) {
