@@ -52,21 +52,25 @@ namespace detail {
 /// `row_step` > 0 (a divisor of row_chunk), chunks of at most row_chunk rows, as many as a multiple of the
 /// threads the loop runs on takes, evened out in whole steps of row_step rows, so that the threads get
 /// equal shares: 2048 rows on 2 threads are 9 chunks of 120 and 9 of 108, not 17 of 120 and one of 8,
-/// which left one thread idle for most of a task — and, with fewer than `wide_rows` row chunks (0:
-/// never), column chunks of `col_chunk`; fn(r0, rows, c0, cols) per task. With row_step, the split
-/// depends on the thread count: the caller's products must give every element the same bits whatever task
-/// computes it.
+/// which left one thread idle for most of a task — and, with fewer than `wide_rows` row chunks, column
+/// chunks of `col_chunk`, unless `whole_fits` (with row_step: the right-hand side stays in L2 whole) and
+/// the rows make more chunks of row_chunk than there are threads; fn(r0, rows, c0, cols) per task. With
+/// row_step, the split depends on the thread count: the caller's products must give every element the
+/// same bits whatever task computes it.
 template <class Fn>
 void row_col_tasks(Index n, Index out_cols, Index row_chunk, Index wide_rows, Index col_chunk,
-                   const kernels::KernelOptions& options, double work, Fn&& fn, Index row_step = 0) {
+                   const kernels::KernelOptions& options, double work, Fn&& fn, Index row_step = 0,
+                   bool whole_fits = false) {
   Index row_chunks = (n + row_chunk - 1) / row_chunk;
   // Without row_step the step is the whole chunk: one step per chunk, the fixed split.
   const Index step = row_step > 0 ? row_step : row_chunk, steps = (n + step - 1) / step;  // steps ≥ row_chunks
+  bool whole = false;
   if (row_step > 0) {
     const Index workers = resolve_threads(options.num_threads(), row_chunks);
+    whole = whole_fits && row_chunks > workers;
     row_chunks = std::min(steps, (row_chunks + workers - 1) / workers * workers);
   }
-  const Index col_width = row_chunks >= wide_rows ? std::max<Index>(out_cols, 1) : col_chunk;
+  const Index col_width = whole || row_chunks >= wide_rows ? std::max<Index>(out_cols, 1) : col_chunk;
   const Index col_chunks = std::max<Index>(1, (out_cols + col_width - 1) / col_width);
   // The first steps % row_chunks chunks take one step more than the others.
   const Index base = row_chunks > 0 ? steps / row_chunks : 0, extra = row_chunks > 0 ? steps % row_chunks : 0;
@@ -110,21 +114,16 @@ inline bool bf16_packs(Index n, bool rows_independent, bool b_in_place) {
 template <class Scalar>
 void matmul_rows_packed(const Eigen::Ref<const RowMatrix<Scalar>>& x, const PackedB<Scalar>& packed, const Scalar* bias,
                         Eigen::Ref<RowMatrix<Scalar>> y, const kernels::KernelOptions& options) {
-  const Index n = x.rows(), out_cols = packed.cols(), tile = GemmBlocking<Scalar>::kMR;
+  const Index n = x.rows(), out_cols = packed.cols();
   const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
-  // Whole columns (kPackedWholeColsBytes): wide_rows 0, no column split.
   const std::size_t b_bytes = static_cast<std::size_t>(packed.rows() * out_cols) * sizeof(Scalar);
-  const Index row_chunks = (n + kernels::kPackedRowChunk - 1) / kernels::kPackedRowChunk;
-  const bool whole_cols =
-      b_bytes <= kernels::kPackedWholeColsBytes && row_chunks > resolve_threads(options.num_threads(), n);
   row_col_tasks(
-      n, out_cols, kernels::kPackedRowChunk, whole_cols ? 0 : kernels::kPackedWideRows, kernels::kPackedColChunk,
-      options, work,
+      n, out_cols, kernels::kPackedRowChunk, kernels::kPackedWideRows, kernels::kPackedColChunk, options, work,
       [&](Index r0, Index rows, Index c0, Index cols) {
         packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
                             bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0, y.outerStride());
       },
-      tile);
+      GemmBlocking<Scalar>::kMR, b_bytes <= kernels::kPackedWholeColsBytes);
 }
 
 /// matmul_rows's bfloat16 path on a right-hand side packed already: y = x · B (+ bias), every element one
