@@ -7,7 +7,7 @@
 #include <benchmark/benchmark.h>
 
 #include "c2f/core.hpp"
-#include "c2f/detail/bf16_gemm.hpp"
+#include "c2f/cpu/bf16_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
 
 #include <Eigen/Core>
@@ -157,17 +157,17 @@ __attribute__((target("avx2,fma"))) inline float fma_avx2(std::int64_t iteration
   return total;
 }
 
-// The fp32 FMA peak with a GEMM's loads: c2f's register-blocked micro-kernel (detail::gemm_tile: a kMR ×
+// The fp32 FMA peak with a GEMM's loads: c2f's register-blocked micro-kernel (c2f::cpu::gemm_tile: a kMR ×
 // kNR tile of C in registers, each k-step loading kNP vectors of a packed B panel and broadcasting kMR
 // values of A) on operands that stay in L1 (A kMR × 256, B 256 × kNR), call after call. Its ceiling on
 // this CPU; the register-only loop above has no loads. Returns FLOP per iteration (one k-step).
 inline double gemm_tile_l1(std::int64_t iterations, float* sink) {
-  using B = c2f::detail::GemmBlocking<float>;
+  using B = c2f::cpu::GemmBlocking<float>;
   constexpr c2f::Index kDepth = 256;
   std::vector<float> a(static_cast<std::size_t>(B::kMR * kDepth), 1e-3f), b(static_cast<std::size_t>(kDepth * B::kNR), 1e-3f),
       c(static_cast<std::size_t>(B::kMR * B::kNR), 0.0f);
   for (std::int64_t it = 0; it < iterations; it += kDepth) {
-    c2f::detail::gemm_tile<float, B::kMR>(kDepth, a.data(), kDepth, b.data(), c.data(), B::kNR, B::kNR, it == 0, nullptr);
+    c2f::cpu::gemm_tile<float, B::kMR>(kDepth, a.data(), kDepth, b.data(), c.data(), B::kNR, B::kNR, it == 0, nullptr);
   }
   *sink += c[0];
   return 2.0 * B::kMR * B::kNR;
@@ -191,10 +191,10 @@ __attribute__((target("avx512f,avx512bf16"))) inline float bf16_avx512(std::int6
 // AMX (Sapphire Rapids on): tdpbf16ps multiplies a tile of 16 × 32 bf16 by one of 32 × 16 into a 16 × 16
 // fp32 tile, 16·16·32·2 = 16384 FLOP per instruction. Four accumulator tiles (0-3) from two A tiles (4, 5)
 // and two B tiles (6, 7) that stay in the tile registers: no memory operand in the loop. The tile layout is
-// c2f's bf16 engine's (eight tiles of 16 rows × 64 bytes, c2f/detail/bf16_gemm.hpp).
+// c2f's bf16 engine's (eight tiles of 16 rows × 64 bytes, c2f/cpu/bf16_gemm.hpp).
 #if C2F_AMX_POSSIBLE
 __attribute__((target("amx-tile,amx-bf16"))) inline float amx_bf16(std::int64_t iterations) {
-  c2f::detail::amx_configure();
+  c2f::cpu::amx_configure();
   alignas(64) std::uint16_t ab[16 * 32];
   for (int i = 0; i < 16 * 32; ++i) ab[i] = i % 2 ? 0x3a83 : 0xba83;  // ±1e-3 in bf16: the sums stay small
   _tile_zero(0);
@@ -228,7 +228,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline float amx_bf16(std::int64_t 
 
 /// Whether the CPU has AMX-BF16 and Linux lets this process use the tile registers (c2f's own check, which
 /// asks for the permission once per process).
-inline bool has_amx_bf16() { return c2f::detail::cpu_has_amx_bf16(); }
+inline bool has_amx_bf16() { return c2f::cpu::cpu_has_amx_bf16(); }
 
 /// The widest fp32 FMA this CPU runs: "avx512f" (16 lanes), "avx2+fma" (8 lanes), or "" (none).
 inline std::string fp32_isa() {

@@ -313,6 +313,33 @@ TEST(BadSizes, GridsStatesAndMaskTensorsThatOverflowAreRefused) {
             std::string::npos);
 }
 
+// A relative position bias's maxima give its table (2·max_h − 1)·(2·max_w − 1) rows: maxima whose product
+// overflows are refused by name, also where it wraps to the given table's rows — 2^62 x 2^62 gives
+// (2^63 − 1)^2, which is 1 modulo 2^64: a one-row table would otherwise be accepted and then indexed far
+// outside itself. The table-gradient kernel checks its maxima the same way, before it multiplies the grid.
+TEST(BadMasks, RelativePositionMaximaThatOverflowAreRefused) {
+  const RowMatrix<float> one_row = RowMatrix<float>::Ones(1, 2);
+  for (const Index max : {Index(1) << 32, Index(1) << 62}) {
+    const std::string msg = error_of([&] { c2f::AttnMask<float>::relative_position(one_row, 1, 1, max, max); });
+    EXPECT_NE(msg.find("relative position bias: the table for max_h x max_w"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("overflows"), std::string::npos) << msg;
+  }
+  // The largest maxima that fit: refused for the table's size, naming both.
+  const std::string wrong = error_of([&] { c2f::AttnMask<float>::relative_position(one_row, 1, 1, 1, Index(1) << 30); });
+  EXPECT_NE(wrong.find("[(2*max_h - 1)*(2*max_w - 1), heads] = [2147483647, heads]"), std::string::npos) << wrong;
+  // relative_position_bias_backward on one query and key (grid 1 x 1) with maxima of 2^62.
+  const float v[2] = {1.0f, 1.0f};
+  float o[2] = {0.0f, 0.0f}, lse[1] = {0.0f};
+  const c2f::kernels::HeadsView<const float> h1 = c2f::kernels::heads_view<const float>(v, 1, 1, 2, 0, 1, 2);
+  Eigen::Map<RowMatrix<float>> lse_rows(lse, 1, 1), dtable(o, 1, 1);
+  const std::string kernel = error_of([&] {
+    c2f::kernels::relative_position_bias_backward<float>(h1, h1, h1, h1, lse_rows, h1, c2f::MaskView<float>(), 1, 1,
+                                                         Index(1) << 62, Index(1) << 62, 1.0f, dtable, c2f::kernels::with_threads(1));
+  });
+  EXPECT_NE(kernel.find("relative_position_bias_backward"), std::string::npos) << kernel;
+  EXPECT_NE(kernel.find("overflows"), std::string::npos) << kernel;
+}
+
 TEST(BadMasks, InfinityAndNanInAnAdditiveMaskAreRefused) {
   for (float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
     Eigen::Tensor<float, 2, Eigen::RowMajor> m(2, 2);

@@ -8,6 +8,7 @@
 #include "support/compare.hpp"
 #include "support/fixtures.hpp"
 #include "support/random.hpp"
+#include "support/settings.hpp"
 
 #include <gtest/gtest.h>
 
@@ -441,11 +442,10 @@ TEST(C2fBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
   const StateDict sd = c2f::load_safetensors(c2f_test::data_path("bf16/c2f_chunk8_l64_f32.safetensors"));
   const Tensor3<float> x = c2f_test::tensor3<float>(sd, "x");
   const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
-  const bool allowed = c2f::get_bf16_tiles();
   for (FinePath path : {FinePath::Folded, FinePath::General}) {
     for (bool tiles : {true, false}) {
-      c2f::set_bf16_tiles(tiles);
-      const char* engine = tiles && c2f::detail::cpu_has_amx_bf16() ? "tiles" : "fallback";
+      const auto engine_setting = c2f_test::scoped_bf16_tiles(tiles);
+      const char* engine = tiles && c2f::cpu::cpu_has_amx_bf16() ? "tiles" : "fallback";
       C2FAttention<float> m(meta_index(sd, "d_model"), meta_index(sd, "num_heads"), meta_index(sd, "chunk_size"),
                             C2FAttention<float>::Options().fine_path(path).compute(c2f::Compute::BFloat16).num_threads(2));
       m.load_state_dict(sd, "c2f.");
@@ -457,7 +457,6 @@ TEST(C2fBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
                                      y.data(), fp32, autocast);
     }
   }
-  c2f::set_bf16_tiles(allowed);
   TestRng rng(0xbf21);
   const Tensor3<float> tokens = rng.tensor<float>(1, 16, 8);
   const C2FAttention<float> bf16(8, 2, 4, C2FAttention<float>::Options().compute(c2f::Compute::BFloat16));

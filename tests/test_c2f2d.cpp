@@ -8,6 +8,7 @@
 #include "support/compare.hpp"
 #include "support/fixtures.hpp"
 #include "support/random.hpp"
+#include "support/settings.hpp"
 #include "tools/malloc_counter.hpp"
 
 #include <gtest/gtest.h>
@@ -233,7 +234,7 @@ TYPED_TEST(BlockKernelTest, MeanBroadcastAndFoldedAttentionMatchTheNaiveTwins) {
 TEST(FoldedBf16, MatchesTheNaiveTwinOnRoundedOperands) {
   TestRng rng(157);
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
-  const auto rounded = [](const RowMatrix<float>& m) { return RowMatrix<float>(m.unaryExpr(c2f::detail::RoundBf16<float>())); };
+  const auto rounded = [](const RowMatrix<float>& m) { return RowMatrix<float>(m.unaryExpr(c2f::cpu::RoundBf16<float>())); };
   for (int rep = 0; rep < 30; ++rep) {
     const Index bh = rng.uniform_int(1, 5), bw = rng.pick(std::vector<Index>{1, 15, 16, 17, 31, 32, 33});
     const BlockGrid2D g{rng.uniform_int(1, 2), rng.uniform_int(1, 2 * bh + 1), rng.uniform_int(1, 2 * bw + 1), bh, bw};
@@ -273,7 +274,7 @@ TEST(FoldedBf16, MatchesTheNaiveTwinOnRoundedOperands) {
   }
 }
 
-// Large outputs are broadcast with streaming stores (detail/stream_store.hpp): the same bits as an
+// Large outputs are broadcast with streaming stores (cpu/stream_store.hpp): the same bits as an
 // ordinary copy, with unaligned rows (a one-element offset, a prime width, a padded row stride), and
 // nothing written outside the rows and columns of y.
 TYPED_TEST(BlockKernelTest, LargeBroadcastWritesTheSameBitsWithStreamingStores) {
@@ -283,8 +284,8 @@ TYPED_TEST(BlockKernelTest, LargeBroadcastWritesTheSameBitsWithStreamingStores) 
     for (Index n = 0; n < 41; ++n) {
       const RowMatrix<Scalar> src = rng.matrix<Scalar>(1, n);
       std::vector<Scalar> dst(static_cast<std::size_t>(offset + n + 1), Scalar(7));
-      c2f::detail::copy_streaming(src.data(), dst.data() + offset, n);
-      c2f::detail::stream_fence();
+      c2f::cpu::copy_streaming(src.data(), dst.data() + offset, n);
+      c2f::cpu::stream_fence();
       for (Index k = 0; k < offset + n + 1; ++k) {
         const Scalar want = k >= offset && k < offset + n ? src(0, k - offset) : Scalar(7);
         ASSERT_TRUE(same_bits(&dst[static_cast<std::size_t>(k)], &want, 1)) << "offset " << offset << ", n " << n << ", k " << k;
@@ -293,7 +294,7 @@ TYPED_TEST(BlockKernelTest, LargeBroadcastWritesTheSameBitsWithStreamingStores) 
   }
   const BlockGrid2D g{1, 179, 181, 25, 27};  // partial blocks on both edges
   const Index d = 131, ld = d + 2, tokens = g.batch * g.height * g.width;
-  ASSERT_GE(static_cast<std::size_t>(tokens * d) * sizeof(Scalar), c2f::detail::kStreamStoreMinBytes)
+  ASSERT_GE(static_cast<std::size_t>(tokens * d) * sizeof(Scalar), c2f::cpu::kStreamStoreMinBytes)
       << "the output must be large enough for the streaming path";
   const RowMatrix<Scalar> rows = rng.matrix<Scalar>(g.blocks(), d);
   std::vector<Scalar> buffer(static_cast<std::size_t>(tokens * ld + 1), Scalar(-3));
@@ -719,10 +720,9 @@ TEST(C2f2dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
   const Tensor3<float> x = c2f_test::tensor3<float>(sd, "x");
   const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
   const Index height = meta_index(sd, "height"), width = meta_index(sd, "width");
-  const bool allowed = c2f::get_bf16_tiles();
   for (bool tiles : {true, false}) {
-    c2f::set_bf16_tiles(tiles);
-    const char* engine = tiles && c2f::detail::cpu_has_amx_bf16() ? "tiles" : "fallback";
+    const auto engine_setting = c2f_test::scoped_bf16_tiles(tiles);
+    const char* engine = tiles && c2f::cpu::cpu_has_amx_bf16() ? "tiles" : "fallback";
     C2FAttention2D<float> m(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"), meta_index(sd, "block_h"),
                             meta_index(sd, "block_w"),
                             options_of<float>(true, meta_index(sd, "max_blocks_h"), meta_index(sd, "max_blocks_w"), 2)
@@ -733,7 +733,6 @@ TEST(C2f2dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
     EXPECT_TRUE(same_bits(m.forward(x, height, width), y)) << engine;
     c2f_test::expect_bf16_accuracy(std::string("c2f2d_9x13_b4x4, ") + engine, y.data(), fp32, autocast);
   }
-  c2f::set_bf16_tiles(allowed);
   const C2FAttention2D<float> bf16(8, 2, 2, 2, options_of<float>(true, 4, 4, 1).compute(c2f::Compute::BFloat16));
   TestRng rng(0xbf22);
   const Tensor3<float> tokens = rng.tensor<float>(1, 16, 8);

@@ -199,7 +199,7 @@ TEST(HmhaBf16, Conv1dMatchesTheNaiveTwinOnRoundedOperands) {
       const c2f::kernels::Conv1dShape shape{in, out, kernel, padding, groups, false};
       const RowMatrix<float> x = rng.matrix<float>(batch * length, in), w = rng.matrix<float>(out, in / groups * kernel);
       const RowMatrix<float> bias = rng.matrix<float>(1, out);
-      const RowMatrix<float> xr = x.unaryExpr(c2f::detail::RoundBf16<float>()), wr = w.unaryExpr(c2f::detail::RoundBf16<float>());
+      const RowMatrix<float> xr = x.unaryExpr(c2f::cpu::RoundBf16<float>()), wr = w.unaryExpr(c2f::cpu::RoundBf16<float>());
       const RowMatrix<float> xa = xr.cwiseAbs(), wa = wr.cwiseAbs(), ba = bias.cwiseAbs();
       const Index out_len = shape.out_length(length);
       RowMatrix<float> fast(batch * out_len, out), one(batch * out_len, out), naive(batch * out_len, out), size(batch * out_len, out);

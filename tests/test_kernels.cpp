@@ -2,11 +2,12 @@
 // bit identity, and the masking edge cases every attention kernel must get right.
 #include "support/eigen_assert_throws.hpp"
 
-#include "c2f/detail/score_tile.hpp"
-#include "c2f/detail/small_gemm.hpp"
-#include "c2f/detail/softmax.hpp"
+#include "c2f/cpu/score_tile.hpp"
+#include "c2f/cpu/small_gemm.hpp"
+#include "c2f/cpu/softmax.hpp"
 #include "c2f/kernels/block2d.hpp"
 #include "c2f/kernels/chunk.hpp"
+#include "c2f/kernels/fine_folded.hpp"
 #include "c2f/kernels/conv1d.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
@@ -48,12 +49,12 @@ TYPED_TEST(KernelTest, LinearMatchesNaiveOnAwkwardShapes) {
   for (int rep = 0; rep < 30; ++rep) {
     // Some shapes span several row chunks, some (few rows) several column chunks, some both. Every 7th
     // has a right-hand side of more than kPackedWholeColsBytes, which the packed path splits into column
-    // chunks below kPackedWideRows row chunks; a smaller one it keeps whole once the rows make more
+    // chunks below kPackedMinRowTasks row chunks; a smaller one it keeps whole once the rows make more
     // chunks than threads.
-    const Index n = rng.pick(kAwkward) + (rep % 3 == 0 ? c2f::kernels::kLinearRowChunk : 0) +
-                    (rep % 5 == 0 ? c2f::kernels::kLinearWideRows * c2f::kernels::kLinearRowChunk : 0);
+    const Index n = rng.pick(kAwkward) + (rep % 3 == 0 ? c2f::kernels::kLinearTaskRows : 0) +
+                    (rep % 5 == 0 ? c2f::kernels::kLinearMinRowTasks * c2f::kernels::kLinearTaskRows : 0);
     const Index in = rep % 7 == 6 ? 1031 : rng.pick(kAwkward);
-    const Index out = rng.pick(kAwkward) + (rep % 2 == 1 ? c2f::kernels::kLinearColChunk : 0);
+    const Index out = rng.pick(kAwkward) + (rep % 2 == 1 ? c2f::kernels::kLinearTaskCols : 0);
     const bool with_bias = rng.coin();
     const RowMatrix<Scalar> x = rng.matrix<Scalar>(n, in), w = rng.matrix<Scalar>(out, in);
     const c2f::Vector<Scalar> b = rng.matrix<Scalar>(out, 1);
@@ -68,14 +69,14 @@ TYPED_TEST(KernelTest, LinearMatchesNaiveOnAwkwardShapes) {
   }
 }
 
-// detail::packed_gemm, the fast path of matmul_rows where the build has FMA vectors, called directly so
+// c2f::cpu::packed_gemm, the fast path of matmul_rows where the build has FMA vectors, called directly so
 // that every build tests it (on its own packets): shapes one either side of the micro-kernel's rows
 // (kMR), columns (kNR) and k-block (kKC), primes and 1; column ranges starting at panel boundaries; with
 // and without bias. Each element is the same sum whatever the partition: two different partitions of
 // the rows and columns give the same bits.
 TYPED_TEST(KernelTest, PackedGemmMatchesNaiveOnAwkwardShapes) {
   using Scalar = TypeParam;
-  using B = c2f::detail::GemmBlocking<Scalar>;
+  using B = c2f::cpu::GemmBlocking<Scalar>;
   TestRng rng(17);
   const std::vector<Index> rows = {1, 2, B::kMR - 1, B::kMR, B::kMR + 1, 2 * B::kMR + 1, 37, 121};
   const std::vector<Index> depths = {1, 3, 31, B::kKC - 1, B::kKC, B::kKC + 1, 2 * B::kKC + 7};
@@ -88,16 +89,16 @@ TYPED_TEST(KernelTest, PackedGemmMatchesNaiveOnAwkwardShapes) {
     const Scalar* bias = with_bias ? b.data() : nullptr;
     RowMatrix<Scalar> naive(n, out), whole(n, out), split(n, out);
     c2f::kernels::linear_naive<Scalar>(x, w, bias, naive);
-    c2f::detail::PackedB<Scalar> packed;
+    c2f::cpu::PackedB<Scalar> packed;
     packed.pack(w.transpose());
-    c2f::detail::packed_gemm<Scalar>(x.data(), k, n, packed, 0, out, bias, whole.data(), out);
+    c2f::cpu::packed_gemm<Scalar>(x.data(), k, n, packed, 0, out, bias, whole.data(), out);
     // The same product in pieces: rows split after r, columns after the panel boundary c.
     const Index r = n / 2, c = std::min<Index>(out, B::kNR * ((out / B::kNR + 1) / 2));
     for (const auto& [r0, nr] : {std::pair<Index, Index>{0, r}, std::pair<Index, Index>{r, n - r}}) {
       if (nr == 0) continue;
       for (const auto& [c0, nc] : {std::pair<Index, Index>{0, c}, std::pair<Index, Index>{c, out - c}}) {
         if (nc > 0) {
-          c2f::detail::packed_gemm<Scalar>(x.data() + r0 * k, k, nr, packed, c0, nc, with_bias ? bias + c0 : nullptr,
+          c2f::cpu::packed_gemm<Scalar>(x.data() + r0 * k, k, nr, packed, c0, nc, with_bias ? bias + c0 : nullptr,
                                            split.data() + r0 * out + c0, out);
         }
       }
@@ -113,8 +114,8 @@ TYPED_TEST(KernelTest, PackedGemmMatchesNaiveOnAwkwardShapes) {
     RowMatrix<Scalar> range_naive(n, out), range(n, out);
     const RowMatrix<Scalar> xs = x.middleCols(k_begin, k_end - k_begin), ws = w.middleCols(k_begin, k_end - k_begin);
     c2f::kernels::linear_naive<Scalar>(xs, ws, bias, range_naive);
-    c2f::detail::packed_gemm_range<Scalar>(x.data(), k, n, packed, 0, 0, 0, out, bias, false, range.data(), out);  // bias only
-    c2f::detail::packed_gemm_range<Scalar>(x.data() + k_begin, k, n, packed, k_begin, k_end, 0, out, nullptr, true,
+    c2f::cpu::packed_gemm_range<Scalar>(x.data(), k, n, packed, 0, 0, 0, out, bias, false, range.data(), out);  // bias only
+    c2f::cpu::packed_gemm_range<Scalar>(x.data() + k_begin, k, n, packed, k_begin, k_end, 0, out, nullptr, true,
                                            range.data(), out);
     expect_close(range, range_naive, tolerance<Scalar>() * std::sqrt(double(k)), tolerance<Scalar>(),
                  what.str() + " rows [" + std::to_string(k_begin) + ", " + std::to_string(k_end) + ")");
@@ -123,8 +124,8 @@ TYPED_TEST(KernelTest, PackedGemmMatchesNaiveOnAwkwardShapes) {
     const Index pad = 3;
     RowMatrix<Scalar> xt = RowMatrix<Scalar>::Constant(k, n + pad, Scalar(7)), range_t(n, out);
     xt.leftCols(n) = x.transpose();
-    c2f::detail::packed_gemm_range<Scalar>(x.data(), k, n, packed, 0, 0, 0, out, bias, false, range_t.data(), out);
-    c2f::detail::packed_gemm_range<Scalar, true>(xt.data() + k_begin * (n + pad), n + pad, n, packed, k_begin, k_end, 0, out,
+    c2f::cpu::packed_gemm_range<Scalar>(x.data(), k, n, packed, 0, 0, 0, out, bias, false, range_t.data(), out);
+    c2f::cpu::packed_gemm_range<Scalar, true>(xt.data() + k_begin * (n + pad), n + pad, n, packed, k_begin, k_end, 0, out,
                                                  nullptr, true, range_t.data(), out);
     EXPECT_TRUE(bitwise_equal(range_t, range)) << what.str() << ": TransA gave other bits";
   }
@@ -138,12 +139,12 @@ TYPED_TEST(KernelTest, PackedGemmPacksExpressions) {
   const RowMatrix<Scalar> x = rng.matrix<Scalar>(45, 70), w = rng.matrix<Scalar>(70, 29);
   RowMatrix<Scalar> want(45, 29), got(45, 29);
   want.noalias() = x * (w * Scalar(0.5));
-  c2f::detail::PackedB<Scalar> packed;
+  c2f::cpu::PackedB<Scalar> packed;
   packed.pack(w * Scalar(0.5));
-  c2f::detail::packed_gemm<Scalar>(x.data(), 70, 45, packed, 0, 29, nullptr, got.data(), 29);
+  c2f::cpu::packed_gemm<Scalar>(x.data(), 70, 45, packed, 0, 29, nullptr, got.data(), 29);
   expect_close(got, want, tolerance<Scalar>() * std::sqrt(70.0), tolerance<Scalar>(), "row-major scaled B");
   packed.pack(w.transpose().transpose());
-  c2f::detail::packed_gemm<Scalar>(x.data(), 70, 45, packed, 0, 29, nullptr, got.data(), 29);
+  c2f::cpu::packed_gemm<Scalar>(x.data(), 70, 45, packed, 0, 29, nullptr, got.data(), 29);
   want.noalias() = x * w;
   expect_close(got, want, tolerance<Scalar>() * std::sqrt(70.0), tolerance<Scalar>(), "row-major B");
   // k = 0: the bias alone.
@@ -151,16 +152,16 @@ TYPED_TEST(KernelTest, PackedGemmPacksExpressions) {
   const c2f::Vector<Scalar> b = rng.matrix<Scalar>(5, 1);
   RowMatrix<Scalar> y0(3, 5);
   packed.pack(w0);
-  c2f::detail::packed_gemm<Scalar>(x0.data(), 0, 3, packed, 0, 5, b.data(), y0.data(), 5);
+  c2f::cpu::packed_gemm<Scalar>(x0.data(), 0, 3, packed, 0, 5, b.data(), y0.data(), 5);
   for (Index i = 0; i < 3; ++i) EXPECT_EQ(RowMatrix<Scalar>(y0.row(i)), RowMatrix<Scalar>(b.transpose()));
 }
 
 // conv1d on lengths where it runs on the packed micro-kernel (from kPackedGemmMinRows output rows on, in
-// builds with detail::kPackedGemm; Eigen's product otherwise), channels either side of a panel: the
+// builds with c2f::cpu::kPackedGemm; Eigen's product otherwise), channels either side of a panel: the
 // defining sum, and the same bits for 1 and 2 threads.
 TYPED_TEST(KernelTest, Conv1dMatchesNaiveOnPanelShapes) {
   using Scalar = TypeParam;
-  using B = c2f::detail::GemmBlocking<Scalar>;
+  using B = c2f::cpu::GemmBlocking<Scalar>;
   TestRng rng(19);
   const std::vector<Index> channels = {1, B::kNR - 1, B::kNR, B::kNR + 1, 2 * B::kNR + 3};
   for (int rep = 0; rep < 24; ++rep) {
@@ -277,7 +278,7 @@ TYPED_TEST(KernelTest, StreamingAndSplitKeysMatchNaiveOnRandomShapes) {
 }
 
 // sdpa_streaming's packed path gives a task two query blocks when a head's keys and values take 1 MiB or
-// more (detail::streaming_query_group): the task walks the keys once for both. Every query block's rows get
+// more (kernels::impl::streaming_query_group): the task walks the keys once for both. Every query block's rows get
 // the bits of a call on that block's queries alone (one block per task), and the whole matches the naive
 // kernel — without a mask, causal, with padded keys, and both. rows_independent puts every build on the
 // packed path; 201 queries are blocks of 64, 64, 64 and 9, so the second task holds a short block.
@@ -296,10 +297,10 @@ TYPED_TEST(KernelTest, StreamingTasksOfTwoQueryBlocksGiveEachRowItsBitsAlone) {
   c2f::kernels::KernelOptions opt;
   opt.rows_independent(true).num_threads(2);
   // From 1 MiB of a head's keys and values on: 1024 keys here in float, 512 in double.
-  const Index from = static_cast<Index>(c2f::detail::kStreamingGroupBytes / (sizeof(Scalar) * (p.dk + p.dv)));
-  EXPECT_EQ((c2f::detail::streaming_query_group<Scalar>(opt, p.lq, from - 1, p.dk, p.dv)), 1);
-  EXPECT_EQ((c2f::detail::streaming_query_group<Scalar>(opt, p.lq, from, p.dk, p.dv)), 2);
-  ASSERT_EQ((c2f::detail::streaming_query_group<Scalar>(opt, p.lq, p.lk, p.dk, p.dv)), 2);
+  const Index from = static_cast<Index>(c2f::kernels::impl::kStreamingGroupBytes / (sizeof(Scalar) * (p.dk + p.dv)));
+  EXPECT_EQ((c2f::kernels::impl::streaming_query_group<Scalar>(opt, p.lq, from - 1, p.dk, p.dv)), 1);
+  EXPECT_EQ((c2f::kernels::impl::streaming_query_group<Scalar>(opt, p.lq, from, p.dk, p.dv)), 2);
+  ASSERT_EQ((c2f::kernels::impl::streaming_query_group<Scalar>(opt, p.lq, p.lk, p.dk, p.dv)), 2);
   const c2f::KeyPaddingMask<Scalar> pad = c2f::KeyPaddingMask<Scalar>::lengths({1100, 517}), no_pad;
   const c2f::AttnMask<Scalar> no_attn;  // a MaskView refers to its masks: they outlive it
   for (int kind = 0; kind < 4; ++kind) {
@@ -326,7 +327,7 @@ TYPED_TEST(KernelTest, StreamingTasksOfTwoQueryBlocksGiveEachRowItsBitsAlone) {
   }
 }
 
-// The in-place small products of the folded kernel (detail/small_gemm.hpp) against Eigen's products:
+// The in-place small products of the folded kernel (cpu/small_gemm.hpp) against Eigen's products:
 // every tile shape (rows 1 to 19: the 8-row tiles of an AVX-512 build, the 4-row ones and what is left
 // after them; tokens mod 2; columns mod the packet), strided x, a prefetched next run.
 TYPED_TEST(KernelTest, SmallProductsMatchEigenProducts) {
@@ -339,8 +340,8 @@ TYPED_TEST(KernelTest, SmallProductsMatchEigenProducts) {
     const RowMatrix<Scalar> xs = rng.matrix<Scalar>(2 * n, ldx);  // rows [0, n) are the run, [n, 2n) the next one
     const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> x(xs.data(), n, d, Eigen::OuterStride<>(ldx));
     RowMatrix<Scalar> s(rows, n), o(rows, d);
-    c2f::detail::dot_rows(q.data(), rows, d, xs.data(), ldx, n, s.data(), n, xs.data() + n * ldx, n);
-    c2f::detail::weighted_rows(p.data(), n, rows, n, xs.data(), ldx, d, o.data(), d);
+    c2f::cpu::dot_rows(q.data(), rows, d, xs.data(), ldx, n, s.data(), n, xs.data() + n * ldx, n);
+    c2f::cpu::weighted_rows(p.data(), n, rows, n, xs.data(), ldx, d, o.data(), d);
     const RowMatrix<Scalar> s_want = q * x.transpose(), o_want = p * x;
     const std::string what = "rows " + std::to_string(rows) + ", n " + std::to_string(n) + ", d " + std::to_string(d);
     expect_close(s, s_want, tolerance<Scalar>() * 20, tolerance<Scalar>() * 20, what + " scores");
@@ -349,7 +350,7 @@ TYPED_TEST(KernelTest, SmallProductsMatchEigenProducts) {
 }
 
 #if defined(EIGEN_VECTORIZE_AVX512DQ)
-// detail::predux_many (dot_rows' final sums on AVX-512) gives every packet the bits of Eigen's predux,
+// c2f::cpu::predux_many (dot_rows' final sums on AVX-512) gives every packet the bits of Eigen's predux,
 // for 1 to 16 packets: a lane mapping or an addition order that differs fails here.
 TEST(SmallProducts, ManyLaneSumsHaveTheBitsOfOneAtATime) {
   TestRng rng(171);
@@ -360,7 +361,7 @@ TEST(SmallProducts, ManyLaneSumsHaveTheBitsOfOneAtATime) {
       __m512 packets[16];
       for (int i = 0; i < count; ++i) packets[i] = _mm512_load_ps(values + 16 * i);
       float sums[16];
-      c2f::detail::predux_many(packets, count, sums);
+      c2f::cpu::predux_many(packets, count, sums);
       for (int i = 0; i < count; ++i) {
         const float want = Eigen::internal::predux(packets[i]);
         EXPECT_EQ(std::memcmp(&sums[i], &want, sizeof(float)), 0) << "packet " << i << " of " << count << ": " << sums[i] << " vs " << want;
@@ -423,7 +424,7 @@ TYPED_TEST(KernelTest, BlockMeansAddRowsInTokenOrder) {
   }
 }
 
-// The folded fine-attention kernel (kernels/chunk.hpp) with the heads of real layers (1 to 19: the
+// The folded fine-attention kernel (kernels/fine_folded.hpp) with the heads of real layers (1 to 19: the
 // 8-row register tiles and what is left after them) on grids of up to a few hundred blocks, so that a
 // task holds several consecutive blocks and reads the next one ahead, against its naive twin; 1, 2 and 3
 // threads give the same bits. Sequences are one image row of 1 × chunk blocks; some keys are masked.
@@ -716,14 +717,14 @@ TYPED_TEST(KernelTest, NonFiniteKeysBehindTheMaskChangeNoBitOnEitherPath) {
   }
 }
 
-// The split-key kernel on both sides of its row-by-row limit (detail::kSplitKeysByRowMaxQueries queries,
+// The split-key kernel on both sides of its row-by-row limit (kernels::impl::kSplitKeysByRowMaxQueries queries,
 // a decode step: every head on each cached row at once; above it head by head): the naive kernel's
 // result, with head widths off the packet size, blocks the padding cuts through, and NaN and Inf in the
 // hidden keys and values changing no output bit.
 TYPED_TEST(KernelTest, SplitKeysRowAndHeadPathsAtTheirLimit) {
   using Scalar = TypeParam;
   TestRng rng(43);
-  const Index limit = c2f::detail::kSplitKeysByRowMaxQueries;
+  const Index limit = c2f::kernels::impl::kSplitKeysByRowMaxQueries;
   for (const Index lq : {Index(1), limit - 1, limit, limit + 1, 2 * limit + 1}) {
     Problem<Scalar> p;
     p.batch = 2, p.heads = 3, p.lq = lq, p.lk = 77, p.dk = 11, p.dv = 9;
@@ -805,8 +806,8 @@ TYPED_TEST(KernelTest, MaskShapeErrorsNameBothShapes) {
                std::invalid_argument);  // one length for two batches
 }
 
-// The softmax's exp micro-kernel (built with -march=native: detail::exp_avx512 on AVX-512 CPUs,
-// detail::exp_avx2 on AVX2 + FMA ones) against the correctly rounded exp (double precision, rounded
+// The softmax's exp micro-kernel (built with -march=native: c2f::cpu::exp_avx512 on AVX-512 CPUs,
+// c2f::cpu::exp_avx2 on AVX2 + FMA ones) against the correctly rounded exp (double precision, rounded
 // once): relative error within 2^−22 + |x|·2^−23 over the whole range the softmax feeds it (the |x| term
 // is the rounding of t = x·log2 e, as large as that of the subtraction that made x), 2 ulp where
 // |x| ≤ 1, exactly 1 at 0, exactly 0 for −inf and below, NaN for NaN, inf above FLT_MAX; and
@@ -817,10 +818,10 @@ namespace {
 float exp_simd(float x) {
 #if C2F_EXP_SIMD == 16
   alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, c2f::detail::exp_avx512(_mm512_set1_ps(x)));
+  _mm512_store_ps(lanes, c2f::cpu::exp_avx512(_mm512_set1_ps(x)));
 #else
   alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, c2f::detail::exp_avx2(_mm256_set1_ps(x)));
+  _mm256_store_ps(lanes, c2f::cpu::exp_avx2(_mm256_set1_ps(x)));
 #endif
   return lanes[0];
 }
@@ -831,7 +832,7 @@ double exp_simd_bound(double x) { return std::ldexp(1.0, -22) + std::abs(x) * st
 #endif
 
 TEST(ExpSimd, MatchesCorrectlyRoundedExpAndItsEigenTwin) {
-  if (c2f::detail::kExpSimdLanes == 0) GTEST_SKIP() << "this build has no exp micro-kernel (the native build runs it)";
+  if (c2f::cpu::kExpSimdLanes == 0) GTEST_SKIP() << "this build has no exp micro-kernel (the native build runs it)";
 #if C2F_EXP_SIMD
   constexpr float kInf = std::numeric_limits<float>::infinity();
   double worst_ulp = 0.0, worst_of_bound = 0.0;
@@ -846,11 +847,11 @@ TEST(ExpSimd, MatchesCorrectlyRoundedExpAndItsEigenTwin) {
   EXPECT_LE(worst_ulp, 2.0);
   EXPECT_LE(worst_of_bound, 1.0);
   std::printf("exp micro-kernel (%d lanes): worst error %.2f ulp over [-1, 1], %.2f of the bound over [-86.6, 88.7]\n",
-              c2f::detail::kExpSimdLanes, worst_ulp, worst_of_bound);
+              c2f::cpu::kExpSimdLanes, worst_ulp, worst_of_bound);
   EXPECT_EQ(exp_simd(0.0f), 1.0f);
   EXPECT_EQ(exp_simd(-kInf), 0.0f);
   EXPECT_EQ(exp_simd(-200.0f), 0.0f);
-  if (c2f::detail::kExpSimdLanes == 16) {
+  if (c2f::cpu::kExpSimdLanes == 16) {
     const float subnormal = static_cast<float>(std::exp(-100.0));  // vscalefps keeps subnormal results
     EXPECT_NEAR(exp_simd(-100.0f), subnormal, std::numeric_limits<float>::denorm_min());
     EXPECT_GT(exp_simd(-100.0f), 0.0f);
@@ -871,9 +872,9 @@ TEST(ExpSimd, MatchesCorrectlyRoundedExpAndItsEigenTwin) {
     const float shift = row.maxCoeff() == -kInf ? 0.0f : row.maxCoeff();
     const RowMatrix<float> scores = row;
     RowMatrix<float> twin = row;
-    c2f::detail::exp_shifted(twin.row(0), shift);
+    c2f::cpu::exp_shifted(twin.row(0), shift);
     const float twin_sum = twin.sum();
-    const float sum = c2f::detail::exp_shifted_sum(row.row(0), shift);
+    const float sum = c2f::cpu::exp_shifted_sum(row.row(0), shift);
     for (Index j = 0; j < n; ++j) {
       if (j % 3 == 0) {
         EXPECT_EQ(row(0, j), 0.0f) << "n=" << n << " j=" << j << ": a masked score must give exactly 0";
@@ -887,7 +888,7 @@ TEST(ExpSimd, MatchesCorrectlyRoundedExpAndItsEigenTwin) {
   }
   // A row that is not a multiple of the lanes leaves what follows it alone (the masked tail store).
   RowMatrix<float> wide = RowMatrix<float>::Constant(1, 12, 5.0f);
-  const float tail_sum = c2f::detail::exp_shifted_sum(wide.row(0).head(11), 5.0f);
+  const float tail_sum = c2f::cpu::exp_shifted_sum(wide.row(0).head(11), 5.0f);
   EXPECT_EQ(tail_sum, 11.0f);
   EXPECT_EQ(wide(0, 10), 1.0f);
   EXPECT_EQ(wide(0, 11), 5.0f);
@@ -908,10 +909,10 @@ TEST(RowMax, MatchesMaxCoeffOnEveryTailLength) {
     rows.rightCols(5).setConstant(1e9f);     // past the row's end: never read
     const std::string where = "n=" + std::to_string(n);
     for (Index r = 0; r < 4 && n > 0; ++r) {  // (maxCoeff has no empty case: online_softmax_step never asks)
-      EXPECT_EQ(c2f::detail::row_max(rows.row(r).head(n)), rows.row(r).head(n).maxCoeff()) << where << " row " << r;
+      EXPECT_EQ(c2f::cpu::row_max(rows.row(r).head(n)), rows.row(r).head(n).maxCoeff()) << where << " row " << r;
     }
     float together[4];
-    c2f::detail::row_max_rows<4>(rows.data(), rows.outerStride(), n, together);
+    c2f::cpu::row_max_rows<4>(rows.data(), rows.outerStride(), n, together);
     for (Index r = 0; r < 4; ++r) {
       EXPECT_EQ(together[r], n == 0 ? -kInf : rows.row(r).head(n).maxCoeff()) << where << " row " << r;
     }
@@ -939,7 +940,7 @@ TEST(OnlineSoftmaxStep, RowsTakenTogetherGetTheBitsOfEachRowAlone) {
       RowMatrix<float> together = scores;
       Eigen::VectorXf m = m0, l = l0, alpha = Eigen::VectorXf::Zero(rows);
       Eigen::Block<RowMatrix<float>> block = together.block(0, 0, rows, cols);
-      const bool rescale = c2f::detail::online_softmax_step(block, m, l, alpha);
+      const bool rescale = c2f::cpu::online_softmax_step(block, m, l, alpha);
 
       RowMatrix<float> alone = scores;
       Eigen::VectorXf m1 = m0, l1 = l0, alpha1 = Eigen::VectorXf::Zero(rows);
@@ -947,7 +948,7 @@ TEST(OnlineSoftmaxStep, RowsTakenTogetherGetTheBitsOfEachRowAlone) {
       for (Index r = 0; r < rows; ++r) {
         Eigen::Block<RowMatrix<float>> row = alone.block(r, 0, 1, cols);
         Eigen::VectorBlock<Eigen::VectorXf> mr = m1.segment(r, 1), lr = l1.segment(r, 1), ar = alpha1.segment(r, 1);
-        rescale_alone = c2f::detail::online_softmax_step(row, mr, lr, ar) || rescale_alone;
+        rescale_alone = c2f::cpu::online_softmax_step(row, mr, lr, ar) || rescale_alone;
       }
       const auto same = [](const Eigen::VectorXf& a, const Eigen::VectorXf& b) {
         return std::memcmp(a.data(), b.data(), sizeof(float) * static_cast<std::size_t>(a.size())) == 0;
@@ -962,7 +963,7 @@ TEST(OnlineSoftmaxStep, RowsTakenTogetherGetTheBitsOfEachRowAlone) {
   }
 }
 
-// The fused online-softmax step (detail/score_tile.hpp) against the plain one on the same scores: tile
+// The fused online-softmax step (cpu/score_tile.hpp) against the plain one on the same scores: tile
 // rows (1, kMR ± 1, a whole tile and a tail), depths (1, 7, 64, 65, kKC), key ranges starting on a later
 // panel and ending inside one (1, 15, 16, 17, 31, 33, 100, 256 keys). In a block after others, a row with
 // a finite running max and a block max within kStaleMaxSlack of it keeps exp(score − m) — the exp
@@ -972,9 +973,9 @@ TEST(OnlineSoftmaxStep, RowsTakenTogetherGetTheBitsOfEachRowAlone) {
 // exp(score − shift) with m = the shift, l = their sum and alpha 0; the others get the plain step's bits.
 // A row of NaN queries stays NaN; the columns past the range are not written.
 TEST(FusedScores, StepKeepsRowsNearTheirMaxAndGivesTheOthersThePlainStep) {
-  if (!c2f::detail::kFusedScores) GTEST_SKIP() << "this build has no fused step (the native AVX-512 build runs it)";
+  if (!c2f::cpu::kFusedScores) GTEST_SKIP() << "this build has no fused step (the native AVX-512 build runs it)";
 #if C2F_EXP_SIMD == 16
-  using B = c2f::detail::GemmBlocking<float>;
+  using B = c2f::cpu::GemmBlocking<float>;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   TestRng rng(67);
   int kept = 0, plain = 0, opened = 0, opened_plain = 0;
@@ -987,10 +988,10 @@ TEST(FusedScores, StepKeepsRowsNearTheirMaxAndGivesTheOthersThePlainStep) {
           RowMatrix<float> q = rng.matrix<float>(rows, ldq, 1.5);
           if (rows > 3) q(3, 0) = std::numeric_limits<float>::quiet_NaN();
           const RowMatrix<float> k = rng.matrix<float>(keys, depth, 1.5);
-          c2f::detail::PackedB<float> packed;
+          c2f::cpu::PackedB<float> packed;
           packed.pack(k.transpose());
           RowMatrix<float> scores(rows, lds);
-          c2f::detail::packed_gemm_range<float>(q.data(), ldq, rows, packed, 0, depth, j0, nj, nullptr, false,
+          c2f::cpu::packed_gemm_range<float>(q.data(), ldq, rows, packed, 0, depth, j0, nj, nullptr, false,
                                                 scores.data(), lds);
           // Each row's running max: none yet, just below its block max (kept), above it (kept), or 10 below
           // (plain); or none on every row (opening).
@@ -1005,11 +1006,11 @@ TEST(FusedScores, StepKeepsRowsNearTheirMaxAndGivesTheOthersThePlainStep) {
           Eigen::VectorXf m = m0, l = l0, alpha = Eigen::VectorXf::Zero(rows);
           const bool opens = (m0.array() == -kInf).all();  // (one row of none yet opens too)
           Eigen::VectorXf lanes(32 * rows);
-          const bool rescale = c2f::detail::fused_online_softmax_step(q.data(), ldq, rows, packed, depth, j0, nj,
+          const bool rescale = c2f::cpu::fused_online_softmax_step(q.data(), ldq, rows, packed, depth, j0, nj,
                                                                       fused.data(), lds, m, l, alpha, lanes.data());
           Eigen::VectorXf pm = m0, pl = l0, palpha = Eigen::VectorXf::Zero(rows);
           Eigen::Block<RowMatrix<float>> block = want.block(0, 0, rows, nj);
-          c2f::detail::online_softmax_step(block, pm, pl, palpha);
+          c2f::cpu::online_softmax_step(block, pm, pl, palpha);
           const std::string where = std::string(opening ? "opening " : "") + "rows=" + std::to_string(rows) +
                                     " depth=" + std::to_string(depth) + " j0=" + std::to_string(j0) +
                                     " nj=" + std::to_string(nj);
@@ -1023,14 +1024,14 @@ TEST(FusedScores, StepKeepsRowsNearTheirMaxAndGivesTheOthersThePlainStep) {
             }
             const float shift = opens ? scores.row(r).head(std::min<Index>(nj, 32)).maxCoeff() : m0[r];
             const bool keep =
-                std::isfinite(shift) && scores.row(r).head(nj).maxCoeff() <= shift + c2f::detail::kStaleMaxSlack;
+                std::isfinite(shift) && scores.row(r).head(nj).maxCoeff() <= shift + c2f::cpu::kStaleMaxSlack;
             if (!opens) {
               ASSERT_EQ(keep, r % 4 == 1 || r % 4 == 2) << row;
             }
             if (keep) {
               ++(opens ? opened : kept);
               RowMatrix<float> e = scores.row(r).head(nj);
-              const float sum = c2f::detail::exp_shifted_sum_simd(e.data(), nj, shift);
+              const float sum = c2f::cpu::exp_shifted_sum_simd(e.data(), nj, shift);
               EXPECT_TRUE(bitwise_equal(RowMatrix<float>(fused.row(r).head(nj)), e)) << row;
               EXPECT_EQ(m[r], shift) << row;
               EXPECT_EQ(alpha[r], opens ? 0.0f : 1.0f) << row;
@@ -1065,7 +1066,7 @@ TEST(FusedScores, StepKeepsRowsNearTheirMaxAndGivesTheOthersThePlainStep) {
 // the sequence, each block's far above the last (beyond exp's range: kept, they would overflow), which
 // the rows must take through the plain step. Two threads give one thread's bits.
 TEST(FusedScores, StreamingMatchesNaiveAndRisingScoresStayFinite) {
-  using B = c2f::detail::GemmBlocking<float>;
+  using B = c2f::cpu::GemmBlocking<float>;
   TestRng rng(71);
   const c2f::AttnMask<float> no_attn, causal = c2f::AttnMask<float>::causal();
   for (int rep = 0; rep < 14; ++rep) {
@@ -1092,8 +1093,8 @@ TEST(FusedScores, StreamingMatchesNaiveAndRisingScoresStayFinite) {
         rng.coin() ? c2f::KeyPaddingMask<float>::lengths(lengths) : c2f::KeyPaddingMask<float>();
     const c2f::MaskView<float> plan(masked ? causal : no_attn, pad, p.batch, p.heads, p.lq, p.lk);
     c2f::kernels::KernelOptions opt;
-    EXPECT_EQ((c2f::detail::streaming_fused<float>(opt, p.lq, p.lk, p.dk)),
-              c2f::detail::kFusedScores && p.dk <= B::kKC);
+    EXPECT_EQ((c2f::kernels::impl::streaming_fused<float>(opt, p.lq, p.lk, p.dk)),
+              c2f::cpu::kFusedScores && p.dk <= B::kKC);
     RowMatrix<float> naive(p.batch * p.lq, p.heads * p.dv), one = naive, two = naive;
     c2f::kernels::sdpa_naive<float>(p.qv(), p.kv(), p.vv(), p.out_view(naive), plan, p.scale(), opt);
     c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(one), plan, p.scale(), opt.num_threads(1));
@@ -1111,11 +1112,11 @@ TEST(KernelWorkspace, StreamingScratchDoesNotGrowWithSequenceLength) {
   c2f::kernels::KernelOptions opt;
   // query_block·dk + query_block·key_block + query_block·dv + 3·query_block floats, whatever the lengths —
   // the queries' part (queries, accumulator, row state) twice once a task takes two query blocks (a head's
-  // keys and values of 1 MiB or more, on the packed path: detail::streaming_query_group)…
+  // keys and values of 1 MiB or more, on the packed path: kernels::impl::streaming_query_group)…
   for (Index length : {Index(256), Index(100000), Index(10000000)}) {
-    const std::size_t g = length > 256 && c2f::detail::kPackedGemm ? 2 : 1;
-    // (AVX-512 builds: the fused step's 32 lanes per query of a block, detail/score_tile.hpp.)
-    const std::size_t lanes = c2f::detail::kFusedScores ? 32 * 64 : 0;
+    const std::size_t g = length > 256 && c2f::cpu::kPackedGemm ? 2 : 1;
+    // (AVX-512 builds: the fused step's 32 lanes per query of a block, cpu/score_tile.hpp.)
+    const std::size_t lanes = c2f::cpu::kFusedScores ? 32 * 64 : 0;
     EXPECT_EQ(c2f::kernels::sdpa_streaming_workspace_bytes<float>(opt, 64, 64, length, length),
               sizeof(float) * (g * 64 * 64 + 64 * 256 + g * 64 * 64 + 3 * g * 64 + lanes))
         << length;
@@ -1129,20 +1130,20 @@ TEST(KernelWorkspace, StreamingScratchDoesNotGrowWithSequenceLength) {
             sizeof(float) * static_cast<std::size_t>(5 * 64 + 5 * stride + 5 * 64 + 3 * 5));
 }
 
-// --- bfloat16 products (Compute::BFloat16, detail/bf16_gemm.hpp) ---------------------------------------
+// --- bfloat16 products (Compute::BFloat16, cpu/bf16_gemm.hpp) ---------------------------------------
 
 TEST(Bf16Round, NearestEvenWithInfinityAndNaNKept) {
-  using c2f::detail::round_bf16;
-  EXPECT_EQ(round_bf16(1.0f), 1.0f);
+  using c2f::cpu::round_bf16;
+  EXPECT_EQ(c2f::cpu::round_bf16(1.0f), 1.0f);
   // 7 stored bits: the neighbours of 1 are 1 and 1 + 2^-7.
-  EXPECT_EQ(round_bf16(1.0f + 0x1p-8f), 1.0f);                // a tie: to the even neighbour 1
-  EXPECT_EQ(round_bf16(1.0f + 3 * 0x1p-8f), 1.0f + 0x1p-6f);  // a tie: to the even neighbour 1 + 2^-6
-  EXPECT_EQ(round_bf16(1.0f + 0x1p-8f + 0x1p-20f), 1.0f + 0x1p-7f);
-  EXPECT_EQ(round_bf16(-2.5f), -2.5f);
-  EXPECT_EQ(round_bf16(std::numeric_limits<float>::max()), std::numeric_limits<float>::infinity());
-  EXPECT_EQ(round_bf16(-std::numeric_limits<float>::infinity()), -std::numeric_limits<float>::infinity());
-  EXPECT_TRUE(std::isnan(round_bf16(std::numeric_limits<float>::quiet_NaN())));
-  EXPECT_EQ(round_bf16(0x1p-130f), 0x1p-130f);  // a subnormal that fits in 7 bits stays
+  EXPECT_EQ(c2f::cpu::round_bf16(1.0f + 0x1p-8f), 1.0f);                // a tie: to the even neighbour 1
+  EXPECT_EQ(c2f::cpu::round_bf16(1.0f + 3 * 0x1p-8f), 1.0f + 0x1p-6f);  // a tie: to the even neighbour 1 + 2^-6
+  EXPECT_EQ(c2f::cpu::round_bf16(1.0f + 0x1p-8f + 0x1p-20f), 1.0f + 0x1p-7f);
+  EXPECT_EQ(c2f::cpu::round_bf16(-2.5f), -2.5f);
+  EXPECT_EQ(c2f::cpu::round_bf16(std::numeric_limits<float>::max()), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(c2f::cpu::round_bf16(-std::numeric_limits<float>::infinity()), -std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(c2f::cpu::round_bf16(std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_EQ(c2f::cpu::round_bf16(0x1p-130f), 0x1p-130f);  // a subnormal that fits in 7 bits stays
 }
 
 // linear() in bfloat16 on awkward shapes, both engines, against a double product of the rounded operands:
@@ -1155,11 +1156,11 @@ TEST(Bf16Gemm, MatchesTheRoundedProductOnAwkwardShapes) {
       Index n = rng.pick(kAwkward), out = rng.pick(std::vector<Index>{1, 15, 16, 17, 31, 32, 33, 100, 129, 513});
       Index k = rng.pick(std::vector<Index>{1, 7, 31, 32, 33, 64, 129, 257, 512});
       // The first reps: a depth whose packed B is split into more than four column tasks, which then share
-      // the rounded rows of x (detail::bf16_split); one, two and three row chunks. On 2 threads the rows
+      // the rounded rows of x (kernels::impl::bf16_split); one, two and three row chunks. On 2 threads the rows
       // are split finer than on 1 (down to 32 rows a task): the bits must not change.
       if (rep < 3) {
         n = std::vector<Index>{65, 129, 257}[static_cast<std::size_t>(rep)], out = 641, k = 3073;
-        EXPECT_TRUE(c2f::detail::bf16_split(n, k, out, 2).rows_shared()) << "n=" << n << ": the shared rows are not covered";
+        EXPECT_TRUE(c2f::kernels::impl::bf16_split(n, k, out, 2).rows_shared()) << "n=" << n << ": the shared rows are not covered";
       }
       const RowMatrix<float> x = rng.matrix<float>(n, k), w = rng.matrix<float>(out, k);
       const Eigen::VectorXf bias = rng.matrix<float>(out, 1);
@@ -1170,8 +1171,8 @@ TEST(Bf16Gemm, MatchesTheRoundedProductOnAwkwardShapes) {
       c2f::kernels::linear<float>(x, w, with_bias ? bias.data() : nullptr, y, o);
       c2f::kernels::linear<float>(x, w, with_bias ? bias.data() : nullptr, y1, o.num_threads(1));
       EXPECT_TRUE(bitwise_equal(y, y1)) << engine << ": 1 and 2 threads differ";
-      const Eigen::MatrixXd xr = x.unaryExpr(c2f::detail::RoundBf16<float>()).cast<double>();
-      const Eigen::MatrixXd wr = w.unaryExpr(c2f::detail::RoundBf16<float>()).cast<double>();
+      const Eigen::MatrixXd xr = x.unaryExpr(c2f::cpu::RoundBf16<float>()).cast<double>();
+      const Eigen::MatrixXd wr = w.unaryExpr(c2f::cpu::RoundBf16<float>()).cast<double>();
       Eigen::MatrixXd want = xr * wr.transpose();
       if (with_bias) want.rowwise() += bias.cast<double>().transpose();
       const Eigen::MatrixXd bound = (xr.cwiseAbs() * wr.cwiseAbs().transpose()).array() * 1e-5 + 1e-6;
@@ -1188,7 +1189,7 @@ TEST(Bf16Gemm, MatchesTheRoundedProductOnAwkwardShapes) {
 // values that round up, and the padding past k and n must be zero. A transposition or interleaving
 // error moves values between blocks or lanes and fails here.
 TEST(Bf16Gemm, VectorPackingEqualsTheValueByValuePacking) {
-  if (!c2f::detail::bf16_tiles()) GTEST_SKIP() << "no tile engine on this CPU";
+  if (!c2f::cpu::bf16_tiles()) GTEST_SKIP() << "no tile engine on this CPU";
   TestRng rng(0xbf18);
   for (const Index k : {1, 2, 15, 31, 32, 33, 64, 97}) {
     for (const Index n : {1, 15, 16, 17, 31, 33, 64}) {
@@ -1197,7 +1198,7 @@ TEST(Bf16Gemm, VectorPackingEqualsTheValueByValuePacking) {
       v(k - 1, n - 1) = -std::numeric_limits<float>::infinity();
       w(n - 1, k - 1) = 1.0f + 3 * 0x1p-8f;  // a tie, rounded up to the even neighbour
       const auto same = [](float x) { return x; };
-      c2f::detail::Bf16PackedB fast, slow;
+      c2f::cpu::Bf16PackedB fast, slow;
       for (int layout = 0; layout < 2; ++layout) {
         if (layout == 0) {  // columns contiguous: B = wᵀ
           fast.pack(w.transpose(), 2);
@@ -1234,7 +1235,7 @@ TEST(Bf16Sdpa, StreamingMatchesNaiveAndTheEnginesAgree) {
     o.compute(c2f::Compute::BFloat16).num_threads(2).query_block(rng.pick(std::vector<Index>{16, 64}));
     RowMatrix<float> naive(p.batch * p.lq, p.heads * p.dv), magnitude(naive.rows(), naive.cols());
     c2f::kernels::sdpa_naive<float>(p.qv(), p.kv(), p.vv(), p.out_view(naive), mask, p.scale(), o);
-    const RowMatrix<float> abs_v = p.v.unaryExpr(c2f::detail::RoundBf16<float>()).cwiseAbs();
+    const RowMatrix<float> abs_v = p.v.unaryExpr(c2f::cpu::RoundBf16<float>()).cwiseAbs();
     c2f::kernels::sdpa_naive<float>(p.qv(), p.kv(), p.view(abs_v, p.lk, p.dv), p.out_view(magnitude), mask, p.scale(),
                                     c2f::kernels::KernelOptions());
     for (Index key_block : {Index(32), Index(4096)}) {

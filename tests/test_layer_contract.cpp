@@ -20,6 +20,7 @@
 #include "support/compare.hpp"
 #include "support/layer_entries.hpp"
 #include "support/random.hpp"
+#include "support/settings.hpp"
 #include "tools/malloc_counter.hpp"
 
 #include <gtest/gtest.h>
@@ -49,7 +50,7 @@ using c2f_test::error_of;
 using c2f_test::same_bits;
 using c2f_test::TestRng;
 
-using c2f_test::Calls;
+using c2f_test::LayerCalls;
 using c2f_test::every_mask;
 using c2f_test::HasDecode;
 using c2f_test::kWidth;
@@ -59,7 +60,7 @@ using namespace c2f_test;  // NOLINT: the entries of support/layer_entries.hpp
 constexpr Index kBatch = 2, kLength = 35;  // partial chunks and windows; a 5 × 7 grid of partial 2-D blocks
 
 template <class S>
-bool all_nan(const Eigen::Ref<const RowMatrix<S>>& m) {
+bool all_nan(const c2f::ConstRowMatrixRef<S>& m) {
   return m.array().isNaN().all();
 }
 
@@ -254,7 +255,7 @@ TYPED_TEST_P(LayerContract, StateDictRoundTrip) {
   EXPECT_TRUE(same_bits(TypeParam::forward(c, x, {}), TypeParam::forward(a, x, {}))) << TypeParam::name;
 }
 
-// A layer keeps its weights packed between calls (detail::WeightCache; fp32 and bfloat16): parameters
+// A layer keeps its weights packed between calls (kernels::WeightCache; fp32 and bfloat16): parameters
 // loaded or reset after a forward must give their own bits, the bits of a layer made with them.
 TYPED_TEST_P(LayerContract, ParametersChangedAfterAForwardAreUsed) {
   using S = typename TestFixture::ScalarType;
@@ -588,11 +589,10 @@ TEST(WeightCache, LinearSeesAChangedWeightAndAnotherEngine) {
     EXPECT_TRUE(equal(y, fresh_output(lin)));
     const bool allowed = c2f::get_bf16_tiles();
     for (bool tiles : {!allowed, allowed}) {  // the packing of the engine in use
-      c2f::set_bf16_tiles(tiles);
+      const auto engine_setting = c2f_test::scoped_bf16_tiles(tiles);
       lin.forward_rows_independent(x, y);
       EXPECT_TRUE(equal(y, fresh_output(lin))) << "tiles allowed: " << tiles;
     }
-    c2f::set_bf16_tiles(allowed);
   }
 }
 
@@ -647,7 +647,7 @@ TEST(SharedModule, MixedModulesAtOnce) {
 // ctests contract.catches_* check that it does). They are MultiHeadAttention with one thing changed.
 
 using Mha = c2f::MultiHeadAttention<float>;
-using Out = Eigen::Ref<RowMatrix<float>>;
+using Out = c2f::RowMatrixRef<float>;
 
 /// Adds 1e-6 × its thread count to every output.
 struct ThreadDependentLayer : Mha {

@@ -8,6 +8,7 @@
 #include "c2f/layers/multihead_attention.hpp"
 #include "c2f/layers/sparse_c2f_attention.hpp"
 #include "support/random.hpp"
+#include "support/settings.hpp"
 #include "tools/malloc_counter.hpp"
 
 #include <gtest/gtest.h>
@@ -84,7 +85,7 @@ TEST_F(MemoryTest, StreamingForwardAllocatesNoQueryKeyBuffer) {
   };
   for (const Case& c : {Case{64, {1024, 4096}}, Case{256, {512, 2048}}}) {
     const Index E = c.embed;
-    if (E > 64 && !c2f::detail::kPackedGemm) continue;
+    if (E > 64 && !c2f::cpu::kPackedGemm) continue;
     c2f::MultiHeadAttention<float> mha(E, 4);
     c2f_test::TestRng rng(22);
     // The layer packs its projection weights on its first call and keeps them (docs/layers.md, "Packed
@@ -127,7 +128,7 @@ TEST_F(MemoryTest, ScratchCacheServesTheNextCallsTemporaries) {
   mha.set_num_threads(2);
   c2f_test::TestRng rng(24);
   const c2f::Tensor3<float> x = rng.tensor<float>(1, L, E);
-  const std::size_t limit = c2f::scratch_cache_limit();
+  const auto cache_setting = c2f_test::scoped_scratch_cache_limit(c2f::scratch_cache_limit());
   const long long output = L * E * sizeof(float), workspace = static_cast<long long>(mha.workspace_bytes(1, L));
   const auto second_call_peak = [&](std::size_t cache_limit) {
     c2f::set_scratch_cache_limit(cache_limit);
@@ -140,8 +141,6 @@ TEST_F(MemoryTest, ScratchCacheServesTheNextCallsTemporaries) {
     return c2f_memory::peak_bytes();
   };
   const long long cached = second_call_peak(std::size_t(64) << 20), uncached = second_call_peak(0);
-  c2f::set_scratch_cache_limit(limit);
-  EXPECT_GT(c2f::scratch_cache_limit(), 0U);
   // With the cache: the output, and the workers' small blocks below kScratchMinBytes (malloc's).
   EXPECT_LE(cached, output + workspace / 8) << "workspace " << workspace;
   EXPECT_GE(uncached, output + workspace);
@@ -228,7 +227,7 @@ TEST_F(MemoryTest, C2FFoldedPathHasNoTokenLevelKeyValueTensor) {
 // a time) hold what workspace_bytes reports, and not far less — as the layer contract checks for its
 // entries, whose chunks take the portable per-chunk path.
 TEST_F(MemoryTest, SparsePanelsStayWithinWorkspaceBytes) {
-  const Index E = 64, chunk = 2 * c2f::detail::GemmBlocking<float>::kNR;
+  const Index E = 64, chunk = 2 * c2f::cpu::GemmBlocking<float>::kNR;
   c2f_test::TestRng rng(25);
   for (const c2f::Gating gating : {c2f::Gating::PerChunk, c2f::Gating::PerToken}) {
     c2f::SparseC2FAttention<float> sparse(E, 4, chunk, 3, c2f::SparseC2FAttention<float>::Options().gating(gating));

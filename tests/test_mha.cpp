@@ -9,6 +9,7 @@
 #include "support/fixtures.hpp"
 #include "support/mha_fixtures.hpp"
 #include "support/random.hpp"
+#include "support/settings.hpp"
 
 #include <gtest/gtest.h>
 
@@ -270,11 +271,10 @@ TEST(MhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
     MultiHeadAttention<float> mha(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"),
                                   MultiHeadAttention<float>::Options().causal(causal).compute(c2f::Compute::BFloat16));
     mha.load_state_dict(sd, "mha.");
-    const bool allowed = c2f::get_bf16_tiles();
     std::vector<Tensor3<float>> outputs;
     for (bool tiles : {true, false}) {
-      c2f::set_bf16_tiles(tiles);
-      const char* engine = tiles && c2f::detail::cpu_has_amx_bf16() ? "tiles" : "fallback";
+      const auto engine_setting = c2f_test::scoped_bf16_tiles(tiles);
+      const char* engine = tiles && c2f::cpu::cpu_has_amx_bf16() ? "tiles" : "fallback";
       mha.set_num_threads(2);
       const Tensor3<float> y = mha.forward(x);
       mha.set_num_threads(1);
@@ -283,7 +283,6 @@ TEST(MhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
       c2f_test::expect_bf16_accuracy(std::string(name) + ", " + engine, y.data(), fp32, autocast);
       outputs.push_back(y);
     }
-    c2f::set_bf16_tiles(allowed);
     const std::vector<float> first(outputs[0].data(), outputs[0].data() + outputs[0].size());
     EXPECT_LE(relative_error(outputs[1].data(), first), 1e-3) << name << ": tile engine vs fallback";
   }

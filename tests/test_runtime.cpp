@@ -1,6 +1,7 @@
 // The thread runtime: one persistent pool, thread counts, nested loops, the small-work threshold,
 // errors. Every test that changes a process-wide setting restores the default at the end.
 #include "support/eigen_assert_throws.hpp"
+#include "support/settings.hpp"
 
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/scratch.hpp"
@@ -180,7 +181,7 @@ TEST(Runtime, TheFirstExceptionIsRethrownAndThePoolStaysUsable) {
   run_and_check(50, 0, c2f::detail::kUnknownWork, std::chrono::microseconds(50));
 }
 
-// detail::LeadTasks (sdpa_streaming's and chunk_sparse_attention's order): every (group, block) is one
+// detail::GroupBlockTasks (sdpa_streaming's and chunk_sparse_attention's order): every (group, block) is one
 // task; with preparation, the first `groups` tasks are the groups' block 0, each group is prepared once,
 // and no task of a group runs before its preparation finished — even when the other workers reach the
 // group while it is being prepared (2 groups of 8 blocks on 3 threads: the third task is group 0's
@@ -190,7 +191,7 @@ TEST(Runtime, LeadTasksPrepareEachGroupOnceBeforeItsBlocks) {
   for (bool prepared : {false, true}) {
     for (const std::pair<Index, Index>& shape : {std::pair<Index, Index>{1, 1}, {1, 5}, {3, 1}, {4, 4}, {7, 3}, {2, 8}, {8, 16}}) {
       const Index groups = shape.first, blocks = shape.second, tasks = groups * blocks;
-      const c2f::detail::LeadTasks order(groups, blocks, prepared);
+      const c2f::detail::GroupBlockTasks order(groups, blocks, prepared);
       std::vector<std::atomic<int>> seen(static_cast<std::size_t>(tasks)), preparations(static_cast<std::size_t>(groups));
       std::vector<std::atomic<bool>> ready(static_cast<std::size_t>(groups));
       std::atomic<int> early{0}, bad_lead{0};
@@ -230,8 +231,7 @@ TEST(Runtime, BadInputToALoopIsHarmless) {
 // runs this suite) the cache's bookkeeping shows no race. Block sizes are above kScratchMinBytes, so
 // the cache is used (below it malloc serves them directly).
 TEST(Runtime, ScratchCacheServesConcurrentHolders) {
-  const std::size_t limit = c2f::scratch_cache_limit();
-  c2f::set_scratch_cache_limit(std::size_t(64) << 20);
+  const auto cache_setting = c2f_test::scoped_scratch_cache_limit(std::size_t(64) << 20);
   constexpr int kThreads = 4, kRounds = 200;
   const std::size_t base = c2f::detail::kScratchMinBytes / sizeof(int);
   std::atomic<int> corrupted{0};
@@ -255,7 +255,6 @@ TEST(Runtime, ScratchCacheServesConcurrentHolders) {
   for (std::thread& th : threads) th.join();
   EXPECT_EQ(corrupted.load(), 0);
   EXPECT_LE(c2f::scratch_cache_bytes(), c2f::scratch_cache_limit());
-  c2f::set_scratch_cache_limit(limit);
 }
 
 // Registered separately with C2F_NUM_THREADS / C2F_MIN_PARALLEL_WORK set (tests/CMakeLists.txt);

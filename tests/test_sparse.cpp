@@ -235,8 +235,8 @@ TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
   }
 }
 
-// Both fine stages on the micro-kernel's panels (detail::chunk_sparse_packed: chunks a multiple of the
-// panel width; detail::token_sparse_packed: calls of kTokenGroupRows queries or more; rows_independent
+// Both fine stages on the micro-kernel's panels (kernels::impl::chunk_sparse_packed: chunks a multiple of the
+// panel width; kernels::impl::token_sparse_packed: calls of kTokenGroupRows queries or more; rows_independent
 // takes both paths on every build and call): the dense twin on shapes — sequences of 1 token, of a chunk
 // ± 1, with a partial last chunk, and per chunk selections of more chunks than one online-softmax step
 // takes (sparse_step_chunks) — the same bits on 1 and 2 threads, NaN and Inf in the keys and values the
@@ -245,11 +245,11 @@ TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
 TYPED_TEST(SparseTyped, PackedPathsMatchTheDenseTwin) {
   using Scalar = TypeParam;
   constexpr Scalar kInf = std::numeric_limits<Scalar>::infinity(), kNaN = std::numeric_limits<Scalar>::quiet_NaN();
-  const Index panel = c2f::detail::GemmBlocking<Scalar>::kNR;
+  const Index panel = c2f::cpu::GemmBlocking<Scalar>::kNR;
   TestRng rng(73);
   std::vector<std::array<Index, 3>> cases;  // chunk, length, top_k
   for (const Index chunk : {panel, 2 * panel}) {
-    const Index step = c2f::detail::sparse_step_chunks(c2f::kernels::ChunkGrid{1, 100 * chunk, chunk});
+    const Index step = c2f::kernels::impl::sparse_step_chunks(c2f::kernels::ChunkGrid{1, 100 * chunk, chunk});
     for (const Index length : {Index(1), chunk - 1, chunk + 1, 3 * chunk + 7, (step + 3) * chunk - 5}) {
       for (const Index top_k : {Index(2), step + 2}) cases.push_back({chunk, length, top_k});
     }
@@ -265,8 +265,8 @@ TYPED_TEST(SparseTyped, PackedPathsMatchTheDenseTwin) {
     what << "rep " << rep << ": batch=" << batch << " L=" << length << " chunk=" << chunk << " heads=" << heads
          << " dh=" << dh << " top_k=" << top_k << (per_token ? " per token" : " per chunk") << " causal=" << causal;
     SCOPED_TRACE(what.str());
-    const bool packed = per_token ? c2f::detail::token_sparse_packed<Scalar, Scalar>(options(1), length)
-                                  : c2f::detail::chunk_sparse_packed<Scalar>(grid, options(1));
+    const bool packed = per_token ? c2f::kernels::impl::token_sparse_packed<Scalar, Scalar>(options(1), length)
+                                  : c2f::kernels::impl::chunk_sparse_packed<Scalar>(grid, options(1));
     ASSERT_TRUE(packed);
     const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, heads * dh, 2.0), k = rng.matrix<Scalar>(batch * length, heads * dh, 2.0),
                             v = rng.matrix<Scalar>(batch * length, heads * dh);
@@ -413,7 +413,7 @@ TEST(SparseBf16, FineStagesMatchTheNaiveTwinOnCoveringSelections) {
     RowMatrix<float> naive(batch * length, e), magnitude(batch * length, e);
     c2f::kernels::sdpa_naive<float>(view(q), view(k), view(v), c2f::kernels::heads_view(naive, batch, length, heads), dense_mask,
                                     scale, o);
-    const RowMatrix<float> abs_v = v.unaryExpr(c2f::detail::RoundBf16<float>()).cwiseAbs();
+    const RowMatrix<float> abs_v = v.unaryExpr(c2f::cpu::RoundBf16<float>()).cwiseAbs();
     c2f::kernels::sdpa_naive<float>(view(q), view(k), view(abs_v), c2f::kernels::heads_view(magnitude, batch, length, heads),
                                     dense_mask, scale, c2f::kernels::KernelOptions());
     const c2f::kernels::ChunkSelection selection =
@@ -459,7 +459,7 @@ TEST(SparseBf16, CoveringTopKMatchesTorchAutocastWithinTheStatedBound) {
       if (causal && gating == c2f::Gating::PerChunk) continue;
       for (bool tiles : {true, false}) {
         c2f::set_bf16_tiles(tiles);
-        const char* engine = tiles && c2f::detail::cpu_has_amx_bf16() ? "tiles" : "fallback";
+        const char* engine = tiles && c2f::cpu::cpu_has_amx_bf16() ? "tiles" : "fallback";
         SparseC2FAttention<float> m(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"), chunk, top_k,
                                     SparseC2FAttention<float>::Options().causal(causal).gating(gating).num_threads(2).compute(
                                         c2f::Compute::BFloat16));

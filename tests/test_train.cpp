@@ -22,6 +22,7 @@
 #include "support/mha_fixtures.hpp"
 #include "support/random.hpp"
 #include "support/train_checks.hpp"
+#include "support/settings.hpp"
 
 #include <gtest/gtest.h>
 
@@ -42,7 +43,7 @@ using c2f::Masks;
 using c2f::RowMatrix;
 using c2f::StateDict;
 using c2f::Tensor3;
-using c2f_test::Calls;  // the entries of C2F_LAYER
+using c2f_test::LayerCalls;  // the entries of C2F_LAYER
 using c2f_test::check_central;
 using c2f_test::check_one_input_case;
 using c2f_test::check_parameters;
@@ -283,13 +284,13 @@ TYPED_TEST(TrainKernel, NonFiniteMaskedKeysReachNoGradient) {
 TYPED_TEST(TrainKernel, BackwardBitsDoNotDependOnThreadCount) {
   using Scalar = TypeParam;
   TestRng rng(44);
-  c2f::set_num_threads(4);
+  const auto pool_threads = c2f_test::scoped_threads(4);
   for (int rep = 0; rep < 4; ++rep) {
     c2f_test::Problem<Scalar> p = sized_problem<Scalar>(rng, 1 + rep % 2, 1 + rep / 2, 201, rep == 3 ? 77 : 201, 8, 5);
     p.attn = rep % 2 == 0 ? c2f::AttnMask<Scalar>::causal() : c2f::AttnMask<Scalar>();
     p.pad = rep == 3 ? c2f::KeyPaddingMask<Scalar>::lengths(std::vector<Index>(static_cast<std::size_t>(p.batch), 50))
                      : c2f::KeyPaddingMask<Scalar>();
-    ASSERT_GT(c2f::detail::backward_query_parts(p.batch * p.heads, c2f::detail::ceil_div(p.lq, 16)), 1);
+    ASSERT_GT(c2f::kernels::impl::backward_query_parts(p.batch * p.heads, c2f::detail::ceil_div(p.lq, 16)), 1);
     const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
     const RowMatrix<Scalar> dout = rng.matrix<Scalar>(p.batch * p.lq, p.heads * p.dv);
     const kernels::AttnDropout dropout{rep % 2 == 1 ? 0.2 : 0.0, 3, 9};
@@ -301,7 +302,6 @@ TYPED_TEST(TrainKernel, BackwardBitsDoNotDependOnThreadCount) {
       EXPECT_TRUE(attention_backward(p, dout, plan, dropout, opt, false) == one) << p.description << ": " << threads << " threads";
     }
   }
-  c2f::set_num_threads(0);
 }
 
 // linear_backward against its twin on awkward shapes (several weight tiles, row chunks), with and without
@@ -535,7 +535,7 @@ TEST(Dropout, KeepsOneMinusPOfTheProbabilities) {
     Index kept = 0, total = 0, same_other_step = 0;
     const kernels::AttnDropout other{p, 17, 4};
     for (Index row = 0; row < 400; ++row) {
-      const c2f::detail::DropoutRow r(d, row % 7, row), r2(d, row % 7, row), o(other, row % 7, row);
+      const c2f::kernels::impl::DropoutRow r(d, row % 7, row), r2(d, row % 7, row), o(other, row % 7, row);
       for (Index j = 0; j < 1000; ++j) {
         kept += r.keep(j);
         ASSERT_EQ(r.keep(j), r2.keep(j));
@@ -546,7 +546,7 @@ TEST(Dropout, KeepsOneMinusPOfTheProbabilities) {
     EXPECT_NEAR(double(kept) / double(total), 1 - p, 0.004) << "p = " << p;
     EXPECT_LT(double(same_other_step) / double(total), 1 - 2 * p * (1 - p) + 0.01) << "another step, another mask";
   }
-  EXPECT_TRUE(c2f::detail::DropoutRow({0.0, 1, 2}, 0, 0).keep(5));
+  EXPECT_TRUE(c2f::kernels::impl::DropoutRow({0.0, 1, 2}, 0, 0).keep(5));
 }
 
 // A layer's dropout: the same bits for 1, 2 and 3 threads and on every call with the same step, output and
@@ -554,7 +554,7 @@ TEST(Dropout, KeepsOneMinusPOfTheProbabilities) {
 TEST(Dropout, ReproducibleAndIndependentOfTheThreadCount) {
   using Mha = c2f::MultiHeadAttention<float>;
   TestRng rng(48);
-  c2f::set_num_threads(4);
+  const auto pool_threads = c2f_test::scoped_threads(4);
   Mha mha(16, 4, Mha::Options().dropout(0.1).causal(true).seed(9).query_block(16).key_block(32));
   c2f_test::randomize(mha, rng);
   const Tensor3<float> x = rng.tensor<float>(2, 67, 16), dy = rng.tensor<float>(2, 67, 16);
@@ -578,7 +578,6 @@ TEST(Dropout, ReproducibleAndIndependentOfTheThreadCount) {
   Mha no_dropout(16, 4, Mha::Options().causal(true).query_block(16).key_block(32));
   no_dropout.load_state_dict(mha.state_dict());
   EXPECT_TRUE(c2f_test::same_bits(no_dropout.forward(x), eval)) << "forward() is eval mode: dropout never applies";
-  c2f::set_num_threads(0);
 }
 
 TEST(Dropout, OutsideZeroToOneIsRefusedNamingTheLayer) {

@@ -44,7 +44,7 @@ using c2f::Masks;
 using c2f::RowMatrix;
 using c2f::StateDict;
 using c2f::Tensor3;
-using c2f_test::Calls;  // the entries of C2F_LAYER
+using c2f_test::LayerCalls;  // the entries of C2F_LAYER
 using c2f_test::check_central;
 using c2f_test::check_parameters;
 using c2f_test::Comparison;

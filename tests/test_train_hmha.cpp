@@ -47,7 +47,7 @@ using c2f::Index;
 using c2f::RowMatrix;
 using c2f::StateDict;
 using c2f::Tensor3;
-using c2f_test::Calls;  // the entries of C2F_LAYER
+using c2f_test::LayerCalls;  // the entries of C2F_LAYER
 using c2f_test::Comparison;
 using c2f_test::meta_index;
 using c2f_test::ScalarOf;
@@ -133,7 +133,7 @@ void expect_level_twin(TestRng& rng, const LevelProblem<Scalar>& p, Index key_ro
 // The backward kernels against their twins
 
 // conv1d_backward against the defining sums: groups, kernel sizes, padding and causal padding, lengths
-// around the row chunk (kConv1dRowChunk ± 1) and channels around the weight tile (kConv1dGradTile ± 1) now
+// around the row chunk (kConv1dTaskRows ± 1) and channels around the weight tile (kConv1dGradTile ± 1) now
 // and then; dx overwritten and added to; bias and none; 1, 2, 3 threads bit for bit.
 TYPED_TEST(TrainHmhaKernel, Conv1dBackwardEqualsTheNaiveTwin) {
   using Scalar = TypeParam;

@@ -86,6 +86,12 @@ inline Index checked_product(const char* what, std::initializer_list<Index> size
   return r;
 }
 
+/// (2·max_h − 1)·(2·max_w − 1), the rows of a relative position bias table covering grids of up to max_h x
+/// max_w positions (max_h, max_w >= 1); "c2f: <what>: a x b overflows" when it does not fit an Index.
+inline Index relative_table_entries(Index max_h, Index max_w, const char* what) {
+  return checked_mul(checked_mul(2, max_h, what) - 1, checked_mul(2, max_w, what) - 1, what);
+}
+
 /// ceil(a / b) for a >= 0 and b >= 1, without the overflow of (a + b − 1) / b.
 inline Index ceil_div(Index a, Index b) { return a <= 0 ? 0 : 1 + (a - 1) / b; }
 
@@ -116,6 +122,15 @@ using Tensor4 = Eigen::Tensor<Scalar, 4, Eigen::RowMajor>;
 /// Row-major matrix: the layout of PyTorch's 2-D tensors (`Linear.weight` is [out, in]).
 template <class Scalar>
 using RowMatrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// A writable view of a row-major matrix — a matrix, a block of rows or columns, a Map of the caller's
+/// memory — without a copy: what kernels and forward_into write.
+template <class Scalar>
+using RowMatrixRef = Eigen::Ref<RowMatrix<Scalar>>;
+/// A read-only view of a row-major matrix (or of any expression Eigen can view, copied only when it
+/// cannot): what kernels read.
+template <class Scalar>
+using ConstRowMatrixRef = Eigen::Ref<const RowMatrix<Scalar>>;
 
 template <class Scalar>
 using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
@@ -202,7 +217,7 @@ namespace detail {
 /// fn(), with the errors it raises in the name of `layer`, the layer the user called (a wrapped layer or
 /// a kernel adds its own name after it).
 template <class Fn>
-decltype(auto) named(const char* layer, Fn&& fn) {
+decltype(auto) with_layer_name(const char* layer, Fn&& fn) {
   try {
     return fn();
   } catch (const std::invalid_argument& e) {

@@ -1,6 +1,6 @@
 // c2f — KVCache: the projected keys and values of the tokens a decoding layer has seen, per batch item,
 // stored as float, double, Eigen::half or Eigen::bfloat16 (arithmetic stays in the layer's Scalar).
-// The decoding states built on it and the layers' decode() are in c2f/detail/decoding.hpp.
+// The decoding states built on it and the layers' decode() are in c2f/layers/support/decoding.hpp.
 #pragma once
 
 #include "c2f/core.hpp"
@@ -72,7 +72,7 @@ class KVCache {
   /// Appends n tokens per batch item: k_new, v_new [batch·n, width], batch-major (row b·n + i),
   /// converted to Storage.
   template <class Scalar>
-  void append(const Eigen::Ref<const RowMatrix<Scalar>>& k_new, const Eigen::Ref<const RowMatrix<Scalar>>& v_new,
+  void append(const ConstRowMatrixRef<Scalar>& k_new, const ConstRowMatrixRef<Scalar>& v_new,
               Index n) {
     if (n < 0 || k_new.rows() != batch_ * n || v_new.rows() != batch_ * n || k_new.cols() != width_ ||
         v_new.cols() != width_) {

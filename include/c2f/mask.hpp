@@ -36,7 +36,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/arg.hpp"
+#include "c2f/arg.hpp"
 
 #include <array>
 #include <cmath>
@@ -139,13 +139,14 @@ class AttnMask {
   /// (Swin's `relative_position_bias_table`), for a grid of grid_h × grid_w positions flattened row-major,
   /// grid_h ≤ max_h and grid_w ≤ max_w. Its plan needs queries = keys = grid_h·grid_w and the table's
   /// number of heads.
-  static AttnMask relative_position(const Eigen::Ref<const RowMatrix<Scalar>>& table, Index grid_h, Index grid_w,
+  static AttnMask relative_position(const ConstRowMatrixRef<Scalar>& table, Index grid_h, Index grid_w,
                                     Index max_h, Index max_w) {
     if (max_h < 1 || max_w < 1 || grid_h < 0 || grid_w < 0 || grid_h > max_h || grid_w > max_w) {
       detail::fail("relative position bias: a grid of grid_h x grid_w <= max_h x max_w positions, got grid ", grid_h,
                    " x ", grid_w, " for max ", max_h, " x ", max_w);
     }
-    const Index entries = (2 * max_h - 1) * (2 * max_w - 1);
+    // Checked: maxima whose product wraps around could otherwise match the table's row count.
+    const Index entries = detail::relative_table_entries(max_h, max_w, "relative position bias: the table for max_h x max_w");
     if (table.rows() != entries || table.cols() < 1) {
       detail::fail("relative position bias table must be [(2*max_h - 1)*(2*max_w - 1), heads] = [", entries,
                    ", heads] for max ", max_h, " x ", max_w, ", got ", detail::shape_string({table.rows(), table.cols()}));

@@ -103,7 +103,7 @@ class MaskView {
   Index keys() const { return keys_; }
 
   /// What is added to score (b, h, i, j): 0, an additive value, or -inf when masked (add it with
-  /// detail::add_bias, so that −inf masks a NaN score too).
+  /// cpu::add_bias, so that −inf masks a NaN score too).
   Scalar bias(Index b, Index h, Index i, Index j) const {
     Scalar out = Scalar(0);
     if (causal_ && j - i > diagonal_) return kMasked;

@@ -11,7 +11,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/arg.hpp"
+#include "c2f/arg.hpp"
 #include "c2f/state_dict.hpp"
 
 #include <cmath>

@@ -1,5 +1,5 @@
-// c2f python — one template that binds any layer through the layer contract (include/c2f/detail/
-// layer_support.hpp): the constructor from its sizes and options as keyword arguments, forward /
+// c2f python — one template that binds any layer through the layer contract
+// (include/c2f/layers/support/layer_base.hpp): the constructor from its sizes and options as keyword arguments, forward /
 // __call__ with the masks, and — when the layer has them — cross-attention, the attention weights, the
 // chunk selection, a coarse context (FineAttention), a grid (C2FAttention2D) and decoding. What differs
 // between layers is found from the layer's type; an entry (layers.hpp) names only its sizes and its own

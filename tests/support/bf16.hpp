@@ -1,7 +1,7 @@
 // Helpers of the bfloat16 compute tests (docs/bf16.md).
 #pragma once
 
-#include "c2f/detail/bf16_gemm.hpp"
+#include "c2f/cpu/bf16_gemm.hpp"
 #include "c2f/runtime.hpp"
 #include "support/compare.hpp"
 
@@ -19,7 +19,7 @@ template <class Fn>
 void on_each_bf16_engine(Fn&& fn) {
   const bool allowed = c2f::get_bf16_tiles();
   for (bool tiles : {true, false}) {
-    if (tiles && !c2f::detail::cpu_has_amx_bf16()) continue;
+    if (tiles && !c2f::cpu::cpu_has_amx_bf16()) continue;
     c2f::set_bf16_tiles(tiles);
     fn(tiles ? "tiles" : "fallback");
   }

@@ -31,10 +31,10 @@ constexpr Index kWidth = 8;                // input features of every entry
 // a grid) adapt it.
 
 template <class L, class S>
-struct Calls {
+struct LayerCalls {
   static std::array<Index, 3> output_shape(const L& l, c2f::ConstTensor3Ref<S> x) { return l.output_shape(x); }
   static Tensor3<S> forward(const L& l, c2f::ConstTensor3Ref<S> x, const Masks<S>& m) { return l.forward(x, m); }
-  static void forward_into(const L& l, c2f::ConstTensor3Ref<S> x, Eigen::Ref<RowMatrix<S>> out, const Masks<S>& m) {
+  static void forward_into(const L& l, c2f::ConstTensor3Ref<S> x, c2f::RowMatrixRef<S> out, const Masks<S>& m) {
     l.forward_into(x, out, m);
   }
   static std::size_t workspace_bytes(const L& l, Index batch, Index seq) { return l.workspace_bytes(batch, seq); }
@@ -50,7 +50,7 @@ struct Calls {
 
 // FineAttention on chunks of 4 tokens; the coarse context is the chunk means of x (any [B, m, d] would do).
 template <class S>
-struct Calls<c2f::FineAttention<S>, S> {
+struct LayerCalls<c2f::FineAttention<S>, S> {
   using L = c2f::FineAttention<S>;
   static constexpr Index kChunk = 4;
   static Tensor3<S> context(c2f::ConstTensor3Ref<S> x) {
@@ -75,7 +75,7 @@ struct Calls<c2f::FineAttention<S>, S> {
     if (unreadable(x)) return l.forward_chunked(x, kChunk, placeholder(x), m);
     return l.forward_chunked(x, kChunk, context(x), m);
   }
-  static void forward_into(const L& l, c2f::ConstTensor3Ref<S> x, Eigen::Ref<RowMatrix<S>> out, const Masks<S>& m) {
+  static void forward_into(const L& l, c2f::ConstTensor3Ref<S> x, c2f::RowMatrixRef<S> out, const Masks<S>& m) {
     l.forward_chunked_into(x, kChunk, context(x), out, m);
   }
   static std::size_t workspace_bytes(const L& l, Index batch, Index seq) {
@@ -94,7 +94,7 @@ struct Calls<c2f::FineAttention<S>, S> {
 
 // C2FAttention2D on the height × width grid with height the largest divisor of L up to sqrt(L).
 template <class S>
-struct Calls<c2f::C2FAttention2D<S>, S> {
+struct LayerCalls<c2f::C2FAttention2D<S>, S> {
   using L = c2f::C2FAttention2D<S>;
   static std::pair<Index, Index> grid(Index seq) {
     Index h = 1;
@@ -111,7 +111,7 @@ struct Calls<c2f::C2FAttention2D<S>, S> {
     const auto [h, w] = grid(x.dimension(1));
     return l.forward(x, h, w, m);
   }
-  static void forward_into(const L& l, c2f::ConstTensor3Ref<S> x, Eigen::Ref<RowMatrix<S>> out, const Masks<S>& m) {
+  static void forward_into(const L& l, c2f::ConstTensor3Ref<S> x, c2f::RowMatrixRef<S> out, const Masks<S>& m) {
     const auto [h, w] = grid(x.dimension(1));
     l.forward_into(x, h, w, out, m);
   }
@@ -143,7 +143,7 @@ struct ScalarOf<L<S>> {
 /// One entry of the list: the layer type and how to build it from options (seed, threads) — the
 /// sizes are the entry's. Everything else comes from the contract.
 #define C2F_LAYER(Entry, Type, ...)                                                \
-  struct Entry : Calls<Type, ScalarOf<Type>::type> {                               \
+  struct Entry : LayerCalls<Type, ScalarOf<Type>::type> {                               \
     using Layer = Type;                                                            \
     using Scalar = ScalarOf<Type>::type;                                           \
     using Options = Layer::Options;                                                \
@@ -202,7 +202,7 @@ template <class T>
 struct HasTrain<T, std::void_t<typename T::Saved>> : std::true_type {};
 
 template <class S>
-bool all_nan(const Eigen::Ref<const RowMatrix<S>>& m) {
+bool all_nan(const c2f::ConstRowMatrixRef<S>& m) {
   return m.array().isNaN().all();
 }
 

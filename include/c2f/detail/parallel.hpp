@@ -269,9 +269,9 @@ void parallel_for_each_worker(Index tasks, int threads, double work, Fn&& fn) {
 /// second task of the group waits for it. Without, tasks go group by group from block 0 and prepare() does
 /// nothing. A task's arithmetic depends on its (group, block) alone: the bits stay the same for any
 /// thread count. Measured: docs/benchmarks.md, "Packing each head in its first task".
-class LeadTasks {
+class GroupBlockTasks {
  public:
-  LeadTasks(Index groups, Index blocks, bool prepared)
+  GroupBlockTasks(Index groups, Index blocks, bool prepared)
       : groups_(groups), blocks_(blocks), once_(prepared ? new std::once_flag[static_cast<std::size_t>(groups)] : nullptr) {}
 
   /// Task t's (group, block).

@@ -33,44 +33,28 @@ namespace dist {
 /// own chunks ([k, k], or [n, k, k] with n = 1, B·m_r or B·m_r·H, m_r the rank's chunks).
 template <class Scalar>
 class C2FAttention : public detail::DistLayer<C2FAttention<Scalar>, c2f::C2FAttention<Scalar>, Scalar> {
-  using Base = detail::DistLayer<C2FAttention<Scalar>, c2f::C2FAttention<Scalar>, Scalar>;
-  using Base::comm_;
-  using Base::module_;
-
- public:
-  using Module = typename Base::Module;
+  C2F_DIST_LAYER_BASICS(C2FAttention);
   using Options = typename Module::Options;
-  static constexpr const char* type_name = "dist::C2FAttention";
-
-  C2FAttention(Comm comm, Index embed_dim, Index num_heads, Index chunk_size, Options options = Options())
-      : Base(comm, Module(embed_dim, num_heads, chunk_size, options)) {}
-  /// Wraps a built (e.g. loaded) single-process layer.
-  C2FAttention(Comm comm, Module module) : Base(comm, std::move(module)) {}
+  using Base::Base;  // (comm, sizes…, options = {}) or (comm, module): detail::DistLayer
 
   // comm(), module() and forward(x, masks) → this rank's output rows [B, n_r, d] (detail::DistLayer).
 
   /// forward() into caller memory: out [B·n_r, d].
-  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    const Index d = module_.embed_dim(), k = module_.chunk_size(), b = x.batch(), h = module_.num_heads();
+  void forward_into(ConstTensor3Ref<Scalar> x, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks = {}) const {
+    const Index d = module_.embed_dim(), k = module_.chunk_size(), b = x.batch();
     const MultiHeadAttention<Scalar>& coarse = module_.coarse_attn().as_multihead_attention();
     const AttnMask<Scalar>& coarse_mask = masks.attn_mask();
     const AttnMask<Scalar>& fine_mask = masks.fine_attn_mask();
     // 1. This rank's chunk means and their coarse q and k | v, and one exchange of what every rank was given.
     RowMatrix<Scalar> q, kv;
-    const std::vector<detail::Field> fields = {
-        {"the batch size", b, true},
-        {"the input's feature size", x.features(), true},
-        {"embed_dim", d, true},
-        {"num_heads", h, true},
-        {"chunk_size", k, true},
-        {"the scalar size (float or double)", static_cast<std::int64_t>(sizeof(Scalar)), true},
-        {"attn_mask's kind", static_cast<std::int64_t>(coarse_mask.kind()), true},
-        {"attn_mask's first size", coarse_mask.dims()[0], true},
-        {"attn_mask's second size", coarse_mask.dims()[1], true},
-        {"attn_mask's third size", coarse_mask.dims()[2], true},
-        {"fine_attn_mask's kind", static_cast<std::int64_t>(fine_mask.kind()), true},
-        {"the shard's length", x.seq(), false},
-    };
+    const std::vector<detail::Field> fields = this->call_fields(
+        b, x.features(), {{"chunk_size", k, true}},
+        {{"attn_mask's kind", static_cast<std::int64_t>(coarse_mask.kind()), true},
+         {"attn_mask's first size", coarse_mask.dims()[0], true},
+         {"attn_mask's second size", coarse_mask.dims()[1], true},
+         {"attn_mask's third size", coarse_mask.dims()[2], true},
+         {"fine_attn_mask's kind", static_cast<std::int64_t>(fine_mask.kind()), true}},
+        {"the shard's length", x.seq(), false});
     const std::vector<std::vector<std::int64_t>> reports = detail::exchange(comm_, type_name, fields, [&] {
       c2f::detail::check_mask_fields(masks, "C2FAttention", Module::mask_fields);
       c2f::detail::check_features(x, d, "C2FAttention", "x", "embed_dim");

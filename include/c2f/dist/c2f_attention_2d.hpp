@@ -30,30 +30,21 @@ namespace dist {
 /// gives the even plan in image rows; a rank may hold none). Takes no masks, as the module.
 template <class Scalar>
 class C2FAttention2D : public detail::DistLayer<C2FAttention2D<Scalar>, c2f::C2FAttention2D<Scalar>, Scalar> {
-  using Base = detail::DistLayer<C2FAttention2D<Scalar>, c2f::C2FAttention2D<Scalar>, Scalar>;
-  using Base::comm_;
-  using Base::module_;
-
- public:
-  using Module = typename Base::Module;
+  C2F_DIST_LAYER_BASICS(C2FAttention2D);
   using Options = typename Module::Options;
-  static constexpr const char* type_name = "dist::C2FAttention2D";
+  using Base::Base;  // (comm, sizes…, options = {}) or (comm, module): detail::DistLayer
 
-  C2FAttention2D(Comm comm, Index embed_dim, Index num_heads, Index block_h, Index block_w, Options options = Options())
-      : Base(comm, Module(embed_dim, num_heads, block_h, block_w, options)) {}
-  /// Wraps a built (e.g. loaded) single-process layer.
-  C2FAttention2D(Comm comm, Module module) : Base(comm, std::move(module)) {}
 
   // comm() and module() (detail::DistLayer); forward takes the grid's rows and width.
 
   /// This rank's output rows [B, rows·width, d] for its image rows x [B, rows·width, d].
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, Index rows, Index width, const Masks<Scalar>& masks = {}) const {
     return detail::fresh_forward<Scalar>(
-        x, module_.embed_dim(), [&](Eigen::Ref<RowMatrix<Scalar>> out) { forward_into(x, rows, width, out, masks); });
+        x, module_.embed_dim(), [&](RowMatrixRef<Scalar> out) { forward_into(x, rows, width, out, masks); });
   }
 
   /// forward() into caller memory: out [B·rows·width, d].
-  void forward_into(ConstTensor3Ref<Scalar> x, Index rows, Index width, Eigen::Ref<RowMatrix<Scalar>> out,
+  void forward_into(ConstTensor3Ref<Scalar> x, Index rows, Index width, RowMatrixRef<Scalar> out,
                     const Masks<Scalar>& masks = {}) const {
     const Index d = module_.embed_dim(), b = x.batch(), bh = module_.block_h(), bw = module_.block_w();
     const MultiHeadAttention<Scalar>& coarse = module_.coarse_attn().as_multihead_attention();

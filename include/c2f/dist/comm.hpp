@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -178,12 +179,23 @@ Tensor3<Scalar> fresh_forward(const ConstTensor3Ref<Scalar>& x, Index width, Fil
 }
 
 /// What every sequence-parallel layer has: its communicator and the single-process layer whose weights
-/// and options it runs (module(): load the same state dict on every rank), and, for the layers whose
-/// input is one [B, n_r, width] tensor, forward() — Derived::forward_into on a fresh output.
+/// and options it runs (module(): load the same state dict on every rank); its constructors — from the
+/// single-process layer's own constructor arguments, (comm, sizes…, options), or wrapping a built (e.g.
+/// loaded) one, (comm, module) — which a layer takes with `using Base::Base;`; the fields every rank's
+/// call must agree on (call_fields); and, for the layers whose input is one [B, n_r, width] tensor,
+/// forward() — Derived::forward_into on a fresh output.
 template <class Derived, class ModuleType, class Scalar>
 class DistLayer {
  public:
   using Module = ModuleType;
+
+  /// Wraps a built (e.g. loaded) single-process layer.
+  DistLayer(Comm comm, Module module) : comm_(comm), module_(std::move(module)) {}
+  /// Builds the single-process layer from its constructor's arguments: (comm, sizes…, options).
+  template <class First, class... Rest,
+            class = std::enable_if_t<!std::is_same<std::decay_t<First>, Module>::value>>
+  DistLayer(Comm comm, First&& first, Rest&&... rest)
+      : DistLayer(comm, Module(std::forward<First>(first), std::forward<Rest>(rest)...)) {}
 
   const Comm& comm() const { return comm_; }
   Module& module() { return module_; }
@@ -191,17 +203,44 @@ class DistLayer {
 
   /// This rank's output rows [B, n_r, width] for its input rows x.
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    return fresh_forward<Scalar>(x, module_.embed_dim(), [&](Eigen::Ref<RowMatrix<Scalar>> out) {
+    return fresh_forward<Scalar>(x, module_.embed_dim(), [&](RowMatrixRef<Scalar> out) {
       static_cast<const Derived&>(*this).forward_into(x, out, masks);
     });
   }
 
  protected:
-  DistLayer(Comm comm, Module module) : comm_(comm), module_(std::move(module)) {}
+  /// The fields of one call that exchange() compares across the ranks, in this order: the batch size, the
+  /// input's feature size, embed_dim and num_heads; the layer's own sizes and options (`own`); the scalar
+  /// size; the masks' kinds and sizes (`masks`); and last `shard`, this rank's share, which may differ.
+  std::vector<Field> call_fields(Index batch, Index features, std::initializer_list<Field> own,
+                                 std::initializer_list<Field> masks, Field shard) const {
+    std::vector<Field> fields = {{"the batch size", batch, true},
+                                 {"the input's feature size", features, true},
+                                 {"embed_dim", module_.embed_dim(), true},
+                                 {"num_heads", module_.num_heads(), true}};
+    fields.insert(fields.end(), own);
+    fields.push_back({"the scalar size (float or double)", static_cast<std::int64_t>(sizeof(Scalar)), true});
+    fields.insert(fields.end(), masks);
+    fields.push_back(shard);
+    return fields;
+  }
 
   Comm comm_;
   Module module_;
 };
+
+/// The declarations a sequence-parallel layer `Name` opens its class with, after `class Name : public
+/// detail::DistLayer<Name<Scalar>, c2f::Name<Scalar>, Scalar> {`: Base, the members it reads (comm_,
+/// module_), the public Module type and type_name "dist::Name". The class goes on in its public part.
+#define C2F_DIST_LAYER_BASICS(Name)                                          \
+ private:                                                                   \
+  using Base = ::c2f::dist::detail::DistLayer<Name<Scalar>, ::c2f::Name<Scalar>, Scalar>; \
+  using Base::comm_;                                                        \
+  using Base::module_;                                                      \
+                                                                            \
+ public:                                                                    \
+  using Module = typename Base::Module;                                     \
+  static constexpr const char* type_name = "dist::" #Name
 
 /// exchange() without fields: runs `local` here and throws the same on every rank if it threw on one.
 template <class Local>

@@ -25,7 +25,7 @@ struct Range {
 /// Collective: every rank calls it with the same plan and the same function `wants`.
 template <class Scalar, class Wants>
 std::vector<RowMatrix<Scalar>> fetch_rows(const Comm& comm, const char* layer,
-                                          const Eigen::Ref<const RowMatrix<Scalar>>& local, Index batch,
+                                          const ConstRowMatrixRef<Scalar>& local, Index batch,
                                           const std::vector<Index>& begin, Wants&& wants) {
   const int ranks = comm.size(), me = comm.rank();
   const Index width = local.cols(), n = begin[me + 1] - begin[me];

@@ -61,7 +61,7 @@ inline GlobalRows global_rows(Index s, Index e, Index length, bool causal) {
 /// Per batch item, `lead` rows, own's n rows and `trail` rows: before [batch·a, width] (a <= lead) fills
 /// the end of the lead, after [batch·c, width] (c <= trail) the start of the trail, zeros the rest.
 template <class Scalar>
-RowMatrix<Scalar> join_rows(const RowMatrix<Scalar>& before, const Eigen::Ref<const RowMatrix<Scalar>>& own,
+RowMatrix<Scalar> join_rows(const RowMatrix<Scalar>& before, const ConstRowMatrixRef<Scalar>& own,
                             const RowMatrix<Scalar>& after, Index batch, Index lead, Index trail) {
   const Index n = own.rows() / batch, span = lead + n + trail, a = before.rows() / batch, c = after.rows() / batch;
   RowMatrix<Scalar> joined = RowMatrix<Scalar>::Zero(batch * span, own.cols());
@@ -81,38 +81,24 @@ RowMatrix<Scalar> join_rows(const RowMatrix<Scalar>& before, const Eigen::Ref<co
 /// masks; causal and the levels are the module's options.
 template <class Scalar>
 class HMHA : public detail::DistLayer<HMHA<Scalar>, c2f::HMHA<Scalar>, Scalar> {
-  using Base = detail::DistLayer<HMHA<Scalar>, c2f::HMHA<Scalar>, Scalar>;
-  using Base::comm_;
-  using Base::module_;
-
- public:
-  using Module = typename Base::Module;
+  C2F_DIST_LAYER_BASICS(HMHA);
   using Options = typename Module::Options;
-  static constexpr const char* type_name = "dist::HMHA";
-
-  HMHA(Comm comm, Index embed_dim, Index num_heads, Index window, Options options = Options())
-      : Base(comm, Module(embed_dim, num_heads, window, options)) {}
-  /// Wraps a built (e.g. loaded) single-process layer.
-  HMHA(Comm comm, Module module) : Base(comm, std::move(module)) {}
+  using Base::Base;  // (comm, sizes…, options = {}) or (comm, module): detail::DistLayer
 
   // comm(), module() and forward(x, masks) → this rank's output rows [B, n_r, E] (detail::DistLayer).
 
   /// forward() into caller memory: out [B·n_r, E].
-  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
+  void forward_into(ConstTensor3Ref<Scalar> x, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks = {}) const {
     const Index e = module_.embed_dim(), h = module_.num_heads(), w = module_.window(), b = x.batch(), n = x.seq();
     const bool causal = module_.causal();
     const HMHALevels levels = module_.options().levels();
-    const std::vector<detail::Field> fields = {
-        {"the batch size", b, true},
-        {"the input's feature size", x.features(), true},
-        {"embed_dim", e, true},
-        {"num_heads", h, true},
-        {"window", w, true},
-        {"causal", causal ? 1 : 0, true},
-        {"the levels (local, cross, global)", (levels.local ? 1 : 0) + (levels.cross ? 2 : 0) + (levels.global ? 4 : 0), true},
-        {"the scalar size (float or double)", static_cast<std::int64_t>(sizeof(Scalar)), true},
-        {"the shard's length", n, false},
-    };
+    const std::vector<detail::Field> fields = this->call_fields(
+        b, x.features(),
+        {{"window", w, true},
+         {"causal", causal ? 1 : 0, true},
+         {"the levels (local, cross, global)", (levels.local ? 1 : 0) + (levels.cross ? 2 : 0) + (levels.global ? 4 : 0), true}},
+        {},
+        {"the shard's length", n, false});
     const std::vector<std::vector<std::int64_t>> reports = detail::exchange(comm_, type_name, fields, [&] {
       c2f::detail::check_mask_fields(masks, "HMHA", Module::mask_fields);
       c2f::detail::check_features(x, e, "HMHA", "x", "embed_dim");

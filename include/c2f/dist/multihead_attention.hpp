@@ -47,13 +47,7 @@ enum class Layout {
 
 template <class Scalar>
 class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, c2f::MultiHeadAttention<Scalar>, Scalar> {
-  using Base = detail::DistLayer<MultiHeadAttention<Scalar>, c2f::MultiHeadAttention<Scalar>, Scalar>;
-  using Base::comm_;
-  using Base::module_;
-
- public:
-  using Module = typename Base::Module;
-  static constexpr const char* type_name = "dist::MultiHeadAttention";
+  C2F_DIST_LAYER_BASICS(MultiHeadAttention);
 
   class Options {
     C2F_ARG(SequenceParallel, method) = SequenceParallel::Ring;
@@ -72,24 +66,19 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
   // [B, n_r, E], the positions options().layout() gives it (detail::DistLayer).
 
   /// forward() into caller memory: out [B·n_r, E].
-  void forward_into(ConstTensor3Ref<Scalar> x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
+  void forward_into(ConstTensor3Ref<Scalar> x, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks = {}) const {
     const Index e = module_.embed_dim(), h = module_.num_heads(), b = x.batch(), n = x.seq();
     const KeyPaddingMask<Scalar>& pad = masks.key_padding_mask();
     const int ranks = comm_.size();
-    const std::vector<detail::Field> fields = {
-        {"the batch size", b, true},
-        {"the input's feature size", x.features(), true},
-        {"embed_dim", e, true},
-        {"num_heads", h, true},
-        {"causal", module_.causal() ? 1 : 0, true},
-        {"the scalar size (float or double)", static_cast<std::int64_t>(sizeof(Scalar)), true},
-        {"the method (Ring or Ulysses)", static_cast<std::int64_t>(options_.method()), true},
-        {"the layout (Contiguous or ZigZag)", static_cast<std::int64_t>(options_.layout()), true},
-        {"key_padding_mask's kind", static_cast<std::int64_t>(pad.kind()), true},
-        {"key_padding_mask's first size", pad.dims()[0], true},
-        {"key_padding_mask's second size", pad.dims()[1], true},
-        {"the shard's length", n, false},
-    };
+    const std::vector<detail::Field> fields = this->call_fields(
+        b, x.features(),
+        {{"causal", module_.causal() ? 1 : 0, true},
+         {"the method (Ring or Ulysses)", static_cast<std::int64_t>(options_.method()), true},
+         {"the layout (Contiguous or ZigZag)", static_cast<std::int64_t>(options_.layout()), true}},
+        {{"key_padding_mask's kind", static_cast<std::int64_t>(pad.kind()), true},
+         {"key_padding_mask's first size", pad.dims()[0], true},
+         {"key_padding_mask's second size", pad.dims()[1], true}},
+        {"the shard's length", n, false});
     const std::vector<std::vector<std::int64_t>> reports = detail::exchange(comm_, type_name, fields, [&] {
       if (!masks.attn_mask().is_none() || !masks.fine_attn_mask().is_none()) {
         c2f::detail::fail("dist::MultiHeadAttention takes only a key_padding_mask (causal is the module's option)");
@@ -172,9 +161,9 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
   }
 
   /// Merges a partial output (o, lse over other keys) into the running one, row by row and head by head.
-  static void merge(const Eigen::Ref<const RowMatrix<Scalar>>& o, const Eigen::Ref<const RowMatrix<Scalar>>& lse,
+  static void merge(const ConstRowMatrixRef<Scalar>& o, const ConstRowMatrixRef<Scalar>& lse,
                     Index batch, Index heads, Index dk, Index rows, Index row0, Index n,
-                    Eigen::Ref<RowMatrix<Scalar>> acc, Eigen::Ref<RowMatrix<Scalar>> acc_lse) {
+                    RowMatrixRef<Scalar> acc, RowMatrixRef<Scalar> acc_lse) {
     constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
     for (Index bi = 0; bi < batch; ++bi) {
       for (Index hh = 0; hh < heads; ++hh) {
@@ -182,8 +171,8 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
           const Scalar lb = lse(bi * heads + hh, i);
           if (lb == kNegInf) continue;  // no visible key in this block
           Scalar& la = acc_lse(bi * heads + hh, row0 + i);
-          typename Eigen::Ref<RowMatrix<Scalar>>::RowXpr dst = acc.row(bi * n + row0 + i);
-          const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstRowXpr src = o.row(bi * rows + i);
+          typename RowMatrixRef<Scalar>::RowXpr dst = acc.row(bi * n + row0 + i);
+          const typename ConstRowMatrixRef<Scalar>::ConstRowXpr src = o.row(bi * rows + i);
           if (la == kNegInf) {
             dst.segment(hh * dk, dk) = src.segment(hh * dk, dk);
             la = lb;
@@ -198,7 +187,7 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
   }
 
   void ring(const RowMatrix<Scalar>& qkv, Index batch, const Segments& segs, const std::vector<Index>& lengths,
-            const KeyPaddingMask<Scalar>& pad, Eigen::Ref<RowMatrix<Scalar>> attn) const {
+            const KeyPaddingMask<Scalar>& pad, RowMatrixRef<Scalar> attn) const {
     const int ranks = comm_.size(), me = comm_.rank();
     const Index e = module_.embed_dim(), h = module_.num_heads(), dk = module_.head_dim(), n = lengths[me];
     const kernels::KernelOptions kopts = c2f::detail::kernel_options(module_.options());
@@ -259,7 +248,7 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
   }
 
   void ulysses(const RowMatrix<Scalar>& qkv, Index batch, const Segments& segs, const std::vector<Index>& lengths,
-               const KeyPaddingMask<Scalar>& pad, Index total, Eigen::Ref<RowMatrix<Scalar>> attn) const {
+               const KeyPaddingMask<Scalar>& pad, Index total, RowMatrixRef<Scalar> attn) const {
     const int ranks = comm_.size(), me = comm_.rank();
     const Index e = module_.embed_dim(), h = module_.num_heads(), dk = module_.head_dim(), n = lengths[me];
     const Index hp = h / ranks, ep = hp * dk;

@@ -18,9 +18,9 @@
 
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
-#include "c2f/detail/masked_values.hpp"
+#include "c2f/cpu/masked_values.hpp"
 #include "c2f/detail/parallel.hpp"
-#include "c2f/detail/softmax.hpp"
+#include "c2f/cpu/softmax.hpp"
 #include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 #include "c2f/kernels/sdpa.hpp"
@@ -79,8 +79,8 @@ inline Index token_block(const BlockGrid2D& g, Index b, Index y, Index x) {
 /// Twin of chunk_mean on a BlockGrid2D: every token adds itself to its block's sum, then each sum is
 /// divided by its block's token count. x [batch·H·W, d], out [blocks, d].
 template <class Scalar>
-void block_mean_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, const BlockGrid2D& g,
-                      Eigen::Ref<RowMatrix<Scalar>> out) {
+void block_mean_naive(const ConstRowMatrixRef<Scalar>& x, const BlockGrid2D& g,
+                      RowMatrixRef<Scalar> out) {
   out.setZero();
   std::vector<Index> count(static_cast<std::size_t>(g.blocks()), 0);
   for (Index b = 0; b < g.batch; ++b) {
@@ -98,9 +98,9 @@ void block_mean_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, const BlockG
 /// Twin of fine_attention_folded on a BlockGrid2D: gathers each block's tokens by their coordinates
 /// (row-major inside the block), takes one softmax over all of them per head, and sums p_j x_j.
 template <class Scalar, class Bias>
-void fine_attention_folded_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, const BlockGrid2D& g,
-                                 const Eigen::Ref<const RowMatrix<Scalar>>& qk, Index heads,
-                                 Eigen::Ref<RowMatrix<Scalar>> pooled, Eigen::Ref<RowMatrix<Scalar>> mass, Bias&& bias) {
+void fine_attention_folded_naive(const ConstRowMatrixRef<Scalar>& x, const BlockGrid2D& g,
+                                 const ConstRowMatrixRef<Scalar>& qk, Index heads,
+                                 RowMatrixRef<Scalar> pooled, RowMatrixRef<Scalar> mass, Bias&& bias) {
   const Index d = x.cols();
   for (Index c = 0; c < g.blocks(); ++c) {
     const Index b = c / g.blocks_per_batch();
@@ -115,9 +115,9 @@ void fine_attention_folded_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, c
       for (std::size_t j = 0; j < tokens.size(); ++j) {
         Scalar s = 0;
         for (Index k = 0; k < d; ++k) s += qk(c, h * d + k) * x(tokens[j], k);
-        p[static_cast<Index>(j)] = detail::add_bias(s, bias(c, h, static_cast<Index>(j)));
+        p[static_cast<Index>(j)] = cpu::add_bias(s, bias(c, h, static_cast<Index>(j)));
       }
-      mass(c, h) = detail::softmax_row(p) ? Scalar(1) : Scalar(0);
+      mass(c, h) = cpu::softmax_row(p) ? Scalar(1) : Scalar(0);
       for (Index k = 0; k < d; ++k) {
         Scalar acc = 0;
         for (std::size_t j = 0; j < tokens.size(); ++j) acc += p[static_cast<Index>(j)] * x(tokens[j], k);
@@ -127,8 +127,7 @@ void fine_attention_folded_naive(const Eigen::Ref<const RowMatrix<Scalar>>& x, c
   }
 }
 
-}  // namespace kernels
-namespace detail {
+namespace impl {
 
 /// Row of the relative position bias table between positions i and j of a grid_w-wide grid, for a table
 /// covering max_h × max_w (AttnMask::relative_position's index).
@@ -142,17 +141,20 @@ template <class Scalar>
 void check_table_backward(const char* kernel, const kernels::HeadsView<const Scalar>& q,
                           const kernels::HeadsView<const Scalar>& k, const kernels::HeadsView<const Scalar>& v,
                           const kernels::HeadsView<const Scalar>& dout, const MaskView<Scalar>& mask, Index grid_h,
-                          Index grid_w, Index max_h, Index max_w, Scalar scale, const Eigen::Ref<RowMatrix<Scalar>>& dtable) {
-  check_sdpa(kernel, q, k, v, dout, mask, scale);
-  if (grid_h < 0 || grid_w < 0 || grid_h > max_h || grid_w > max_w || q.seq != grid_h * grid_w || k.seq != q.seq) {
-    fail(kernel, ": a self-attention problem over a grid of grid_h x grid_w <= max_h x max_w positions, got ", q.seq,
-         " queries, ", k.seq, " keys, grid ", grid_h, " x ", grid_w, " and max ", max_h, " x ", max_w);
-  }
-  check_shape(kernel, "dtable", dtable, (2 * max_h - 1) * (2 * max_w - 1), q.heads);
+                          Index grid_w, Index max_h, Index max_w, Scalar scale, const RowMatrixRef<Scalar>& dtable) {
+  detail::check_sdpa(kernel, q, k, v, dout, mask, scale);
+  const auto refuse = [&] {
+    detail::fail(kernel, ": a self-attention problem over a grid of grid_h x grid_w <= max_h x max_w positions, got ", q.seq,
+                 " queries, ", k.seq, " keys, grid ", grid_h, " x ", grid_w, " and max ", max_h, " x ", max_w);
+  };
+  if (max_h < 1 || max_w < 1 || grid_h < 0 || grid_w < 0 || grid_h > max_h || grid_w > max_w) refuse();
+  // The table's rows, checked: they bound grid_h · grid_w too.
+  const Index entries = detail::relative_table_entries(max_h, max_w, kernel);
+  if (q.seq != grid_h * grid_w || k.seq != q.seq) refuse();
+  detail::check_shape(kernel, "dtable", dtable, entries, q.heads);
 }
 
-}  // namespace detail
-namespace kernels {
+}  // namespace impl
 
 /// The gradient of a relative position bias table (AttnMask::relative_position(table, grid_h, grid_w,
 /// max_h, max_w), added to the scores of self-attention over the grid's positions) from the attention's
@@ -166,19 +168,18 @@ namespace kernels {
 template <class Scalar>
 void relative_position_bias_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                                      const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& out,
-                                     const Eigen::Ref<const RowMatrix<Scalar>>& lse, const HeadsView<const Scalar>& dout,
+                                     const ConstRowMatrixRef<Scalar>& lse, const HeadsView<const Scalar>& dout,
                                      const MaskView<Scalar>& mask, Index grid_h, Index grid_w, Index max_h, Index max_w,
-                                     Scalar scale, Eigen::Ref<RowMatrix<Scalar>> dtable, const KernelOptions& options) {
-  namespace d = c2f::detail;
+                                     Scalar scale, RowMatrixRef<Scalar> dtable, const KernelOptions& options) {
   const char* kernel = "relative_position_bias_backward";
-  d::check_table_backward(kernel, q, k, v, dout, mask, grid_h, grid_w, max_h, max_w, scale, dtable);
-  d::check_sdpa(kernel, q, k, v, out, mask, scale);
-  d::check_lse(kernel, q, lse);
+  impl::check_table_backward(kernel, q, k, v, dout, mask, grid_h, grid_w, max_h, max_w, scale, dtable);
+  detail::check_sdpa(kernel, q, k, v, out, mask, scale);
+  impl::check_lse(kernel, q, lse);
   const Index n = q.seq, heads = q.heads;
   constexpr Index kRows = 64;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-  const double work = 2.0 * d::attention_work(q.batch * heads, n, n, q.dim, v.dim);
-  d::parallel_for(heads, options.num_threads(), work, [&](Index h, int) {
+  const double work = 2.0 * detail::attention_work(q.batch * heads, n, n, q.dim, v.dim);
+  detail::parallel_for(heads, options.num_threads(), work, [&](Index h, int) {
     Eigen::Matrix<double, Eigen::Dynamic, 1> sum = Eigen::Matrix<double, Eigen::Dynamic, 1>::Zero(dtable.rows());
     RowMatrix<Scalar> s, dp;
     Vector<Scalar> rowdot;
@@ -192,7 +193,7 @@ void relative_position_bias_backward(const HeadsView<const Scalar>& q, const Hea
           if (lse(bh, i0 + r) == kNegInf) {
             s.row(r).setZero();  // a row that sees no key gives no gradient
           } else {
-            d::exp_shifted(s.row(r), lse(bh, i0 + r));
+            cpu::exp_shifted(s.row(r), lse(bh, i0 + r));
           }
         }
         const typename HeadsView<const Scalar>::Block g = dout.block(b, h, i0, ni);
@@ -201,7 +202,7 @@ void relative_position_bias_backward(const HeadsView<const Scalar>& q, const Hea
         for (Index r = 0; r < ni; ++r) {
           for (Index j = 0; j < n; ++j) {
             if (s(r, j) == Scalar(0)) continue;  // masked (or underflowed): no gradient, even from a NaN dp
-            sum[d::relative_position_entry(i0 + r, j, grid_w, max_h, max_w)] += static_cast<double>(s(r, j) * (dp(r, j) - rowdot[r]));
+            sum[impl::relative_position_entry(i0 + r, j, grid_w, max_h, max_w)] += static_cast<double>(s(r, j) * (dp(r, j) - rowdot[r]));
           }
         }
       }
@@ -218,8 +219,8 @@ template <class Scalar>
 void relative_position_bias_backward_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
                                            const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
                                            const MaskView<Scalar>& mask, Index grid_h, Index grid_w, Index max_h,
-                                           Index max_w, Scalar scale, Eigen::Ref<RowMatrix<Scalar>> dtable) {
-  c2f::detail::check_table_backward("relative_position_bias_backward_naive", q, k, v, dout, mask, grid_h, grid_w, max_h,
+                                           Index max_w, Scalar scale, RowMatrixRef<Scalar> dtable) {
+  impl::check_table_backward("relative_position_bias_backward_naive", q, k, v, dout, mask, grid_h, grid_w, max_h,
                                     max_w, scale, dtable);
   const Index n = q.seq;
   dtable.setZero();
@@ -228,8 +229,8 @@ void relative_position_bias_backward_naive(const HeadsView<const Scalar>& q, con
       RowMatrix<Scalar> p(n, n), dp(n, n);
       p.noalias() = (q.block(b, h, 0, n) * scale) * k.block(b, h, 0, n).transpose();
       for (Index i = 0; i < n; ++i) {
-        for (Index j = 0; j < n; ++j) p(i, j) = c2f::detail::add_bias(p(i, j), mask.bias(b, h, i, j));
-        c2f::detail::softmax_row(p.row(i));
+        for (Index j = 0; j < n; ++j) p(i, j) = c2f::cpu::add_bias(p(i, j), mask.bias(b, h, i, j));
+        c2f::cpu::softmax_row(p.row(i));
       }
       dp.noalias() = dout.block(b, h, 0, n) * v.block(b, h, 0, n).transpose();
       for (Index i = 0; i < n; ++i) {

@@ -16,13 +16,13 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/bf16_gemm.hpp"
+#include "c2f/cpu/bf16_gemm.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
-#include "c2f/detail/masked_values.hpp"
-#include "c2f/detail/packed_gemm.hpp"
+#include "c2f/cpu/masked_values.hpp"
+#include "c2f/cpu/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
-#include "c2f/detail/softmax.hpp"
+#include "c2f/cpu/softmax.hpp"
 #include "c2f/detail/top_picks.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/kernel_options.hpp"
@@ -67,7 +67,6 @@ struct ChunkSelection {
   }
 };
 
-
 /// A selection of `rows` query rows per (batch, head) with every entry −1, top_k capped at the m chunks.
 inline ChunkSelection empty_selection(const char* kernel, Index batch, Index heads, Index rows, Index top_k, Index m,
                                       bool per_token) {
@@ -81,12 +80,12 @@ inline ChunkSelection empty_selection(const char* kernel, Index batch, Index hea
 /// and keys of chunk i and j; query chunk i keeps itself and the (top_k − 1) chunks j ≠ i with the
 /// highest q̄_i·k̄_j (ties to the lower index; all of them when fewer exist).
 template <class Scalar>
-ChunkSelection select_chunks_from_means(const Eigen::Ref<const RowMatrix<Scalar>>& qm,
-                                        const Eigen::Ref<const RowMatrix<Scalar>>& km, const ChunkGrid& grid,
+ChunkSelection select_chunks_from_means(const ConstRowMatrixRef<Scalar>& qm,
+                                        const ConstRowMatrixRef<Scalar>& km, const ChunkGrid& grid,
                                         Index heads, Index top_k, const KernelOptions& options);
 
 template <class Scalar>
-ChunkSelection select_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
+ChunkSelection select_chunks(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
                              const ChunkGrid& grid, Index heads, Index top_k, const KernelOptions& options) {
   detail::check_selection_inputs("select_chunks", q, k, grid, heads, top_k);
   RowMatrix<Scalar> qm(grid.chunks(), q.cols()), km(grid.chunks(), q.cols());
@@ -98,8 +97,8 @@ ChunkSelection select_chunks(const Eigen::Ref<const RowMatrix<Scalar>>& q, const
 /// select_chunks from the chunk means q̄, k̄ [batch·m, cols] themselves (e.g. means over the tokens a
 /// key padding mask keeps; a NaN mean ranks below every other chunk).
 template <class Scalar>
-ChunkSelection select_chunks_from_means(const Eigen::Ref<const RowMatrix<Scalar>>& qm,
-                                        const Eigen::Ref<const RowMatrix<Scalar>>& km, const ChunkGrid& grid,
+ChunkSelection select_chunks_from_means(const ConstRowMatrixRef<Scalar>& qm,
+                                        const ConstRowMatrixRef<Scalar>& km, const ChunkGrid& grid,
                                         Index heads, Index top_k, const KernelOptions& options) {
   const char* kernel = "select_chunks_from_means";
   detail::check_grid(kernel, grid);
@@ -137,8 +136,8 @@ ChunkSelection select_chunks_from_means(const Eigen::Ref<const RowMatrix<Scalar>
 /// The selection has one row per query (queries = n). Tasks are (batch, query chunk); each is one
 /// [queries in the chunk, eligible] score GEMM per head.
 template <class Scalar>
-ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                                       const Eigen::Ref<const RowMatrix<Scalar>>& k_means, const ChunkGrid& grid,
+ChunkSelection select_chunks_per_token(const ConstRowMatrixRef<Scalar>& q,
+                                       const ConstRowMatrixRef<Scalar>& k_means, const ChunkGrid& grid,
                                        Index heads, Index top_k, bool causal, const KernelOptions& options) {
   const char* kernel = "select_chunks_per_token";
   const Index n = detail::check_last_queries(kernel, q, q, q, q, grid, heads, Scalar(1), /*keys_are_tokens=*/false);
@@ -183,18 +182,17 @@ ChunkSelection select_chunks_per_token(const Eigen::Ref<const RowMatrix<Scalar>>
 /// (the causal guarantee holds bit for bit). A decode step (n = 1) runs [1, dh] products, not 32 rows.
 constexpr Index kTokenGroupRows = 32;
 
-}  // namespace kernels
-namespace detail {
+namespace impl {
 
-/// Whether chunk_sparse_attention runs on the micro-kernel's panels (detail::packed_gemm): fp32 compute
+/// Whether chunk_sparse_attention runs on the micro-kernel's panels (cpu::packed_gemm): fp32 compute
 /// on a build that has the micro-kernel (or on any build with KernelOptions::rows_independent, as
 /// sdpa_streaming), with every key chunk starting on a panel (the chunk a multiple of kNR columns, or one
 /// chunk as long as the sequence). Else the portable path: each task gathers its selected keys and values
 /// and runs two Eigen products.
 template <class Scalar>
 bool chunk_sparse_packed(const kernels::ChunkGrid& grid, const kernels::KernelOptions& options) {
-  return (kPackedGemm || honoured_rows_independent(options.rows_independent())) && options.compute() != Compute::BFloat16 &&
-         (grid.chunk % GemmBlocking<Scalar>::kNR == 0 || grid.chunk >= grid.length);
+  return (cpu::kPackedGemm || cpu::honoured_rows_independent(options.rows_independent())) && options.compute() != Compute::BFloat16 &&
+         (grid.chunk % cpu::GemmBlocking<Scalar>::kNR == 0 || grid.chunk >= grid.length);
 }
 
 /// Whether token_sparse_attention runs on the micro-kernel's panels: fp32 compute on keys and values
@@ -204,8 +202,8 @@ bool chunk_sparse_packed(const kernels::ChunkGrid& grid, const kernels::KernelOp
 /// around it, so the causal guarantee holds as on the portable path.
 template <class Scalar, class KV>
 bool token_sparse_packed(const kernels::KernelOptions& options, Index n) {
-  const bool ri = honoured_rows_independent(options.rows_independent());
-  return std::is_same<KV, Scalar>::value && options.compute() != Compute::BFloat16 && (kPackedGemm || ri) &&
+  const bool ri = cpu::honoured_rows_independent(options.rows_independent());
+  return std::is_same<KV, Scalar>::value && options.compute() != Compute::BFloat16 && (cpu::kPackedGemm || ri) &&
          (n >= kernels::kTokenGroupRows || ri);
 }
 
@@ -225,17 +223,17 @@ inline Index sparse_step_chunks(const kernels::ChunkGrid& grid) {
 /// those panels, as sdpa_streaming walks its key blocks. Every output element depends on its task's data
 /// and selection only: not on the thread count.
 template <class Scalar>
-void chunk_sparse_attention_packed(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                                   const Eigen::Ref<const RowMatrix<Scalar>>& v, const kernels::ChunkGrid& grid, Index heads,
-                                   const kernels::ChunkSelection& selection, Eigen::Ref<RowMatrix<Scalar>> out,
+void chunk_sparse_attention_packed(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
+                                   const ConstRowMatrixRef<Scalar>& v, const kernels::ChunkGrid& grid, Index heads,
+                                   const kernels::ChunkSelection& selection, RowMatrixRef<Scalar> out,
                                    const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options) {
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k, length = grid.length;
   const Index pairs = grid.batch * heads, tasks = pairs * m, width = std::min(grid.chunk, length);
   const Index step = sparse_step_chunks(grid);
   if (tasks == 0) return;
-  std::vector<PackedB<Scalar>> packed_k(static_cast<std::size_t>(pairs)), packed_v(packed_k.size());
+  std::vector<cpu::PackedB<Scalar>> packed_k(static_cast<std::size_t>(pairs)), packed_v(packed_k.size());
   // Each pair packed by its first task, inside the loop (as sdpa_streaming's).
-  const LeadTasks order(pairs, m, true);
+  const detail::GroupBlockTasks order(pairs, m, true);
   const auto pack_pair = [&](Index bh) {
     const Index b = bh / heads, h = bh % heads, row0 = b * length;
     packed_k[static_cast<std::size_t>(bh)].pack(k.block(row0, h * dh, length, dh).transpose());
@@ -244,15 +242,15 @@ void chunk_sparse_attention_packed(const Eigen::Ref<const RowMatrix<Scalar>>& q,
   struct Workspace {
     RowMatrix<Scalar> q, s, acc;
     Vector<Scalar> max, sum, alpha;
-    std::vector<MaskedValues<Scalar>> masked;  // one per chunk of a step
+    std::vector<cpu::MaskedValues<Scalar>> masked;  // one per chunk of a step
     std::vector<unsigned char> guard;
   };
-  using ValueBlock = Eigen::Block<const Eigen::Ref<const RowMatrix<Scalar>>>;
-  const double work = attention_work(pairs, length, std::min(top_k, m) * grid.chunk, dh, dh);
-  parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
+  using ValueBlock = Eigen::Block<const ConstRowMatrixRef<Scalar>>;
+  const double work = detail::attention_work(pairs, length, std::min(top_k, m) * grid.chunk, dh, dh);
+  detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
     if (ws.q.size() == 0) {
       ws.q.resize(width, dh);
-      ws.s.resize(width, score_stride<Scalar>(step * width));
+      ws.s.resize(width, cpu::score_stride<Scalar>(step * width));
       ws.acc.resize(width, dh);
       ws.max.resize(width);
       ws.sum.resize(width);
@@ -264,8 +262,8 @@ void chunk_sparse_attention_packed(const Eigen::Ref<const RowMatrix<Scalar>>& q,
     const Index bh = at.first, i = at.second, b = bh / heads, h = bh % heads;
     order.prepare(bh, pack_pair);
     const Index c = b * m + i, rows = grid.count(c), q_row = grid.row(c), i0 = grid.first(c);
-    const PackedB<Scalar>& pk = packed_k[static_cast<std::size_t>(bh)];
-    const PackedB<Scalar>& pv = packed_v[static_cast<std::size_t>(bh)];
+    const cpu::PackedB<Scalar>& pk = packed_k[static_cast<std::size_t>(bh)];
+    const cpu::PackedB<Scalar>& pv = packed_v[static_cast<std::size_t>(bh)];
     typename RowMatrix<Scalar>::RowsBlockXpr qs = ws.q.topRows(rows), acc = ws.acc.topRows(rows);
     qs = q.block(q_row, h * dh, rows, dh) * scale;
     acc.setZero();
@@ -283,20 +281,20 @@ void chunk_sparse_attention_packed(const Eigen::Ref<const RowMatrix<Scalar>>& q,
       for (Index u = 0; u < n_step; ++u) {
         const Index kc = b * m + chosen[t0 + u], count = grid.count(kc), j0 = grid.first(kc);
         Eigen::Block<RowMatrix<Scalar>> s = ws.s.block(0, cols, rows, count);
-        packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), rows, pk, 0, dh, j0, count, nullptr, false, s.data(), s.outerStride());
+        cpu::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), rows, pk, 0, dh, j0, count, nullptr, false, s.data(), s.outerStride());
         unsigned char& guard = ws.guard[static_cast<std::size_t>(u)];
         guard = 0;
         if (!mask.empty()) {
           mask.apply(b, h, i0, j0, s);
           // Keys the mask hides may hold non-finite values: leave them out (masked_values.hpp).
-          MaskedValues<Scalar>& masked = ws.masked[static_cast<std::size_t>(u)];
+          cpu::MaskedValues<Scalar>& masked = ws.masked[static_cast<std::size_t>(u)];
           guard = masked.find(ValueBlock(v.block(grid.row(kc), h * dh, count, dh)));
           if (guard) masked.remember_hidden(s);
         }
         cols += count;
       }
       Eigen::Block<RowMatrix<Scalar>> scores = ws.s.topLeftCorner(rows, cols);
-      if (online_softmax_step(scores, mx, l, alpha)) acc = alpha.asDiagonal() * acc;
+      if (cpu::online_softmax_step(scores, mx, l, alpha)) acc = alpha.asDiagonal() * acc;
       cols = 0;
       for (Index u = 0; u < n_step; ++u) {
         const Index kc = b * m + chosen[t0 + u], count = grid.count(kc), j0 = grid.first(kc);
@@ -304,13 +302,13 @@ void chunk_sparse_attention_packed(const Eigen::Ref<const RowMatrix<Scalar>>& q,
         if (ws.guard[static_cast<std::size_t>(u)]) {
           ws.masked[static_cast<std::size_t>(u)].product_packed_add(acc, p, ValueBlock(v.block(grid.row(kc), h * dh, count, dh)), j0);
         } else {
-          packed_gemm_range<Scalar>(p.data(), p.outerStride(), rows, pv, j0, j0 + count, 0, dh, nullptr, true, acc.data(),
+          cpu::packed_gemm_range<Scalar>(p.data(), p.outerStride(), rows, pv, j0, j0 + count, 0, dh, nullptr, true, acc.data(),
                                     acc.outerStride());
         }
         cols += count;
       }
     }
-    divide_by_sums(acc, l, out.block(q_row, h * dh, rows, dh));
+    cpu::divide_by_sums(acc, l, out.block(q_row, h * dh, rows, dh));
   });
 }
 
@@ -323,14 +321,14 @@ std::size_t chunk_sparse_workspace_bytes(const kernels::ChunkGrid& grid, Index h
                                          const kernels::KernelOptions& options) {
   const Compute compute = options.compute();
   const std::size_t workers =
-      static_cast<std::size_t>(resolve_threads(options.num_threads(), grid.batch * heads * grid.chunks_per_batch()));
+      static_cast<std::size_t>(detail::resolve_threads(options.num_threads(), grid.batch * heads * grid.chunks_per_batch()));
   const std::size_t s = sizeof(Scalar), width = static_cast<std::size_t>(std::min(grid.chunk, grid.length));
   const std::size_t d = static_cast<std::size_t>(dh);
   if (chunk_sparse_packed<Scalar>(grid, options)) {
     const std::size_t pairs = static_cast<std::size_t>(grid.batch * heads);
     const Index step_keys = sparse_step_chunks(grid) * static_cast<Index>(width);
-    return pairs * (PackedB<Scalar>::bytes(dh, grid.length) + PackedB<Scalar>::bytes(grid.length, dh)) +
-           s * workers * (2 * width * d + width * static_cast<std::size_t>(score_stride<Scalar>(step_keys)) + 3 * width);
+    return pairs * (cpu::PackedB<Scalar>::bytes(dh, grid.length) + cpu::PackedB<Scalar>::bytes(grid.length, dh)) +
+           s * workers * (2 * width * d + width * static_cast<std::size_t>(cpu::score_stride<Scalar>(step_keys)) + 3 * width);
   }
   const std::size_t k = static_cast<std::size_t>(grid.chunk);
   const std::size_t picks = std::min(static_cast<std::size_t>(top_k), std::max<std::size_t>(static_cast<std::size_t>(grid.chunks_per_batch()), 1));
@@ -349,16 +347,31 @@ std::size_t token_sparse_workspace_bytes(const kernels::ChunkGrid& grid, Index h
   const std::size_t m = static_cast<std::size_t>(grid.chunks_per_batch());
   const std::size_t picks = std::min(static_cast<std::size_t>(top_k), std::max<std::size_t>(m, 1));
   const std::size_t g = std::min<std::size_t>(static_cast<std::size_t>(kernels::kTokenGroupRows), std::max<std::size_t>(len, 1));
-  const std::size_t workers = static_cast<std::size_t>(resolve_threads(options.num_threads(), grid.batch * heads));
+  const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options.num_threads(), grid.batch * heads));
   const bool bf16 = options.compute() == Compute::BFloat16;
   const std::size_t chunk_copy = token_sparse_packed<Scalar, KV>(options, grid.length)
-                                     ? PackedB<Scalar>::bytes(dh, grid.chunk) + PackedB<Scalar>::bytes(grid.chunk, dh)
+                                     ? cpu::PackedB<Scalar>::bytes(dh, grid.chunk) + cpu::PackedB<Scalar>::bytes(grid.chunk, dh)
                                      : (bf16 ? s * k * d : 0);
   return workers * (s * (len * d + 2 * g * d + g * k + 2 * len + g) + chunk_copy + ix * (2 * m + 1 + len * picks));
 }
 
-}  // namespace detail
-namespace kernels {
+/// The entry checks of sparse_attention_backward and its twin: the fine stage's (a forward pass of all
+/// T = grid.length queries: n = T), dout shaped like q, dq, dk, dv like q, k, v.
+template <class Scalar>
+void check_sparse_backward(const char* kernel, const ConstRowMatrixRef<Scalar>& q,
+                           const ConstRowMatrixRef<Scalar>& k, const ConstRowMatrixRef<Scalar>& v,
+                           const ConstRowMatrixRef<Scalar>& dout, const RowMatrixRef<Scalar>& dq,
+                           const RowMatrixRef<Scalar>& dk, const RowMatrixRef<Scalar>& dv,
+                           const kernels::ChunkGrid& grid, Index heads, const kernels::ChunkSelection& selection,
+                           const MaskView<Scalar>& mask, Scalar scale) {
+  detail::check_sparse_fine_inputs(kernel, q, k, v, dout, grid, heads, selection, selection.per_token, mask, scale);
+  if (q.rows() != grid.tokens()) detail::fail(kernel, ": the queries of every position, [batch·length, cols], got ", q.rows(), " rows");
+  detail::check_shape(kernel, "dq", dq, q.rows(), q.cols());
+  detail::check_shape(kernel, "dk", dk, k.rows(), k.cols());
+  detail::check_shape(kernel, "dv", dv, v.rows(), v.cols());
+}
+
+}  // namespace impl
 
 /// Fine stage of per-chunk gating: every query of chunk i attends, with one softmax, to the keys of its
 /// selected chunks; `mask` (the library's masks, absolute positions) combines.
@@ -366,20 +379,20 @@ namespace kernels {
 /// Tasks are (batch, head, query chunk); the selected keys and values of a task are gathered into one
 /// block, so each task is two GEMMs: [chunk, dh] × [dh, selected keys] and back.
 template <class Scalar>
-void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                            const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads,
-                            const ChunkSelection& selection, Eigen::Ref<RowMatrix<Scalar>> out,
+void chunk_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
+                            const ConstRowMatrixRef<Scalar>& v, const ChunkGrid& grid, Index heads,
+                            const ChunkSelection& selection, RowMatrixRef<Scalar> out,
                             const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
   detail::check_sparse_fine_inputs("chunk_sparse_attention", q, k, v, out, grid, heads, selection, false, mask, scale);
-  const bool bf16 = detail::check_compute<Scalar>("chunk_sparse_attention", options.compute());
-  if (detail::chunk_sparse_packed<Scalar>(grid, options)) {
-    detail::chunk_sparse_attention_packed<Scalar>(q, k, v, grid, heads, selection, out, mask, scale, options);
+  const bool bf16 = cpu::check_compute<Scalar>("chunk_sparse_attention", options.compute());
+  if (impl::chunk_sparse_packed<Scalar>(grid, options)) {
+    impl::chunk_sparse_attention_packed<Scalar>(q, k, v, grid, heads, selection, out, mask, scale, options);
     return;
   }
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k;
   struct Workspace {
     RowMatrix<Scalar> kg, vg, s, qs;  // qs: Compute::BFloat16's scaled, rounded queries
-    detail::MaskedValues<Scalar> masked;
+    cpu::MaskedValues<Scalar> masked;
   };
   const Index tasks = grid.batch * heads * m;
   const double work = detail::attention_work(grid.batch * heads, grid.length, std::min(top_k, m) * grid.chunk, dh, dh);
@@ -401,9 +414,9 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
     ws.s.resize(rows, n);
     if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale, the keys and values rounded
       ws.qs = q.block(q_row, h * dh, rows, dh) * scale;
-      detail::round_bf16_matrix(ws.qs);
-      detail::round_bf16_matrix(ws.kg);
-      detail::round_bf16_matrix(ws.vg);
+      cpu::round_bf16_matrix(ws.qs);
+      cpu::round_bf16_matrix(ws.kg);
+      cpu::round_bf16_matrix(ws.vg);
       ws.s.noalias() = ws.qs * ws.kg.transpose();
     } else {
       ws.s.noalias() = (q.block(q_row, h * dh, rows, dh) * scale) * ws.kg.transpose();
@@ -420,8 +433,8 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
     // Keys the mask hides may hold non-finite values: leave them out (masked_values.hpp).
     const bool guard = !mask.empty() && ws.masked.find(ws.vg);
     if (guard) ws.masked.remember_hidden(ws.s);
-    for (Index r = 0; r < rows; ++r) detail::softmax_row(ws.s.row(r));
-    if (bf16) detail::round_bf16_matrix(ws.s);  // the probabilities
+    for (Index r = 0; r < rows; ++r) cpu::softmax_row(ws.s.row(r));
+    if (bf16) cpu::round_bf16_matrix(ws.s);  // the probabilities
     if (guard) {
       ws.masked.template product<false>(out.block(q_row, h * dh, rows, dh), ws.s, ws.vg);
     } else {
@@ -429,7 +442,6 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
     }
   });
 }
-
 
 /// Fine stage of per-token gating: the query at position t attends, with one softmax (scores q·k ·
 /// scale), to the keys of the chunks it selected; with `causal`, in its own chunk only to keys ≤ t (the
@@ -443,27 +455,27 @@ void chunk_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q, const 
 /// partial softmaxes of its chunks with a running max and sum (the log-sum-exp merge of split-K flash
 /// decoding) in ascending key-chunk order. Working memory per worker: [n, dh] accumulators.
 template <class Scalar, class KV = Scalar>
-void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                            const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& k,
-                            const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& v, const ChunkGrid& grid,
-                            Index heads, const ChunkSelection& selection, Eigen::Ref<RowMatrix<Scalar>> out, bool causal,
+void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q,
+                            const detail::NoDeduce<ConstRowMatrixRef<KV>>& k,
+                            const detail::NoDeduce<ConstRowMatrixRef<KV>>& v, const ChunkGrid& grid,
+                            Index heads, const ChunkSelection& selection, RowMatrixRef<Scalar> out, bool causal,
                             const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
   const Index n = detail::check_sparse_fine_inputs("token_sparse_attention", q, k, v, out, grid, heads, selection,
                                                    true, mask, scale);
-  const bool bf16 = detail::check_compute<Scalar, KV>("token_sparse_attention", options.compute(), true);
+  const bool bf16 = cpu::check_compute<Scalar, KV>("token_sparse_attention", options.compute(), true);
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k, T = grid.length;
   const Index p0 = T - n;  // position of query 0
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index G = std::min(kTokenGroupRows, std::max<Index>(n, 1));
-  // The packed path (detail::token_sparse_packed): each key chunk's keys and values packed once per
+  // The packed path (impl::token_sparse_packed): each key chunk's keys and values packed once per
   // (batch, head) into the micro-kernel's panels, then QKᵀ and PV of its groups of queries on them.
-  const bool packed = !bf16 && detail::token_sparse_packed<Scalar, KV>(options, n);
+  const bool packed = !bf16 && impl::token_sparse_packed<Scalar, KV>(options, n);
   struct Workspace {
     std::vector<Index> start, members, fill;  // queries per key chunk: members[start[j] .. start[j+1])
     RowMatrix<Scalar> acc, qg, s, pv, kv;
     Vector<Scalar> run_max, run_sum, alpha;
-    detail::MaskedValues<Scalar> masked;
-    detail::PackedB<Scalar> keys, values;  // the packed path's chunk
+    cpu::MaskedValues<Scalar> masked;
+    cpu::PackedB<Scalar> keys, values;  // the packed path's chunk
   };
   const Index tasks = grid.batch * heads;
   const double work = detail::attention_work(grid.batch * heads, n, std::min(top_k, m) * grid.chunk, dh, dh);
@@ -506,13 +518,13 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
         if (rows < G) ws.qg.bottomRows(G - rows).setZero();  // fixed GEMM shape; these rows are discarded
         ws.s.resize(G, count);
         if (packed) {  // the real rows; the others 0, as the zero queries' scores would be
-          detail::packed_gemm_range<Scalar>(ws.qg.data(), ws.qg.outerStride(), rows, ws.keys, 0, dh, 0, count, nullptr, false,
+          cpu::packed_gemm_range<Scalar>(ws.qg.data(), ws.qg.outerStride(), rows, ws.keys, 0, dh, 0, count, nullptr, false,
                                             ws.s.data(), ws.s.outerStride());
           if (rows < G) ws.s.bottomRows(G - rows).setZero();
         } else {
           // Compute::BFloat16 (float only, checked above): q·scale and the keys rounded.
-          if (bf16) detail::round_bf16_matrix(ws.qg);
-          detail::as_scalar_rounded(k.block(key_row, h * dh, count, dh), ws.kv, bf16,
+          if (bf16) cpu::round_bf16_matrix(ws.qg);
+          cpu::as_scalar_rounded(k.block(key_row, h * dh, count, dh), ws.kv, bf16,
                                     [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
         }
         for (Index r = 0; r < rows; ++r) {
@@ -523,7 +535,7 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
             mask.apply(b, h, qi, j0, one);
           }
         }
-        detail::as_scalar_rounded(v.block(key_row, h * dh, count, dh), ws.kv, bf16, [&](const auto& vb) {
+        cpu::as_scalar_rounded(v.block(key_row, h * dh, count, dh), ws.kv, bf16, [&](const auto& vb) {
           // Keys hidden from a row (future ones, masked ones) may hold non-finite values: leave them out.
           const bool guard = (causal || !mask.empty()) && ws.masked.find(vb);
           if (guard) ws.masked.remember_hidden(ws.s);
@@ -533,17 +545,17 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
             const Scalar m_old = ws.run_max[qi], m_new = std::max(m_old, row.maxCoeff());
             const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;  // all hidden so far: no −inf − −inf
             ws.alpha[r] = std::exp(m_old - shift);
-            ws.run_sum[qi] = ws.alpha[r] * ws.run_sum[qi] + detail::exp_shifted_sum(row, shift);
+            ws.run_sum[qi] = ws.alpha[r] * ws.run_sum[qi] + cpu::exp_shifted_sum(row, shift);
             ws.run_max[qi] = m_new;
           }
           if (rows < G) ws.s.bottomRows(G - rows).setZero();
-          if (bf16) detail::round_bf16_matrix(ws.s);  // the unnormalised probabilities, as sdpa_streaming's
+          if (bf16) cpu::round_bf16_matrix(ws.s);  // the unnormalised probabilities, as sdpa_streaming's
           if (packed) {  // added to zeros on both branches: the same bits for a row that hides no bad key
             ws.pv.setZero(G, dh);
             if (guard) {
               ws.masked.product_packed_add(ws.pv, ws.s, vb, 0);
             } else {
-              detail::packed_gemm_range<Scalar>(ws.s.data(), ws.s.outerStride(), rows, ws.values, 0, count, 0, dh, nullptr, true,
+              cpu::packed_gemm_range<Scalar>(ws.s.data(), ws.s.outerStride(), rows, ws.values, 0, count, 0, dh, nullptr, true,
                                                 ws.pv.data(), ws.pv.outerStride());
             }
           } else if (guard) {
@@ -558,31 +570,9 @@ void token_sparse_attention(const Eigen::Ref<const RowMatrix<Scalar>>& q,
         }
       }
     }
-    detail::divide_by_sums(ws.acc, ws.run_sum, out.block(q_base, h * dh, n, dh));
+    cpu::divide_by_sums(ws.acc, ws.run_sum, out.block(q_base, h * dh, n, dh));
   });
 }
-
-}  // namespace kernels
-namespace detail {
-
-/// The entry checks of sparse_attention_backward and its twin: the fine stage's (a forward pass of all
-/// T = grid.length queries: n = T), dout shaped like q, dq, dk, dv like q, k, v.
-template <class Scalar>
-void check_sparse_backward(const char* kernel, const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                           const Eigen::Ref<const RowMatrix<Scalar>>& k, const Eigen::Ref<const RowMatrix<Scalar>>& v,
-                           const Eigen::Ref<const RowMatrix<Scalar>>& dout, const Eigen::Ref<RowMatrix<Scalar>>& dq,
-                           const Eigen::Ref<RowMatrix<Scalar>>& dk, const Eigen::Ref<RowMatrix<Scalar>>& dv,
-                           const kernels::ChunkGrid& grid, Index heads, const kernels::ChunkSelection& selection,
-                           const MaskView<Scalar>& mask, Scalar scale) {
-  check_sparse_fine_inputs(kernel, q, k, v, dout, grid, heads, selection, selection.per_token, mask, scale);
-  if (q.rows() != grid.tokens()) fail(kernel, ": the queries of every position, [batch·length, cols], got ", q.rows(), " rows");
-  check_shape(kernel, "dq", dq, q.rows(), q.cols());
-  check_shape(kernel, "dk", dk, k.rows(), k.cols());
-  check_shape(kernel, "dv", dv, v.rows(), v.cols());
-}
-
-}  // namespace detail
-namespace kernels {
 
 /// The backward pass of chunk_sparse_attention (a per-chunk selection) and token_sparse_attention (a
 /// per-token one, causal or not) with the selection a constant — as MoBA and NSA train: the gradients flow
@@ -597,20 +587,20 @@ namespace kernels {
 /// Working memory per worker: the gathered keys and values of one group and its scores. Twin:
 /// sparse_attention_backward_naive.
 template <class Scalar>
-void sparse_attention_backward(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                               const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads,
-                               const ChunkSelection& selection, const Eigen::Ref<const RowMatrix<Scalar>>& dout,
-                               Eigen::Ref<RowMatrix<Scalar>> dq, Eigen::Ref<RowMatrix<Scalar>> dk,
-                               Eigen::Ref<RowMatrix<Scalar>> dv, bool causal, const MaskView<Scalar>& mask, Scalar scale,
+void sparse_attention_backward(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
+                               const ConstRowMatrixRef<Scalar>& v, const ChunkGrid& grid, Index heads,
+                               const ChunkSelection& selection, const ConstRowMatrixRef<Scalar>& dout,
+                               RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk,
+                               RowMatrixRef<Scalar> dv, bool causal, const MaskView<Scalar>& mask, Scalar scale,
                                const KernelOptions& options) {
-  detail::check_sparse_backward("sparse_attention_backward", q, k, v, dout, dq, dk, dv, grid, heads, selection, mask, scale);
+  impl::check_sparse_backward("sparse_attention_backward", q, k, v, dout, dq, dk, dv, grid, heads, selection, mask, scale);
   if (grid.length == 0) return;  // no rows: nothing to write (and their null data takes no block offsets)
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   struct Workspace {
     RowMatrix<Scalar> kg, vg, s, dp, qs, dkg, dvg;
     Vector<Scalar> rowdot;
-    detail::MaskedValues<Scalar> hidden_k, hidden_v;
+    cpu::MaskedValues<Scalar> hidden_k, hidden_v;
   };
   const double work = 2.5 * detail::attention_work(grid.batch * heads, grid.length, std::min(top_k, m) * grid.chunk, dh, dh);
   detail::parallel_for_each_worker<Workspace>(grid.batch * heads, options.num_threads(), work, [&](Index task, Workspace& ws) {
@@ -647,14 +637,14 @@ void sparse_attention_backward(const Eigen::Ref<const RowMatrix<Scalar>>& q, con
       const bool guard_k = hides && ws.hidden_k.find(ws.kg), guard_v = hides && ws.hidden_v.find(ws.vg);
       if (guard_k) ws.hidden_k.remember_hidden(ws.s);
       if (guard_v) ws.hidden_v.remember_hidden(ws.s);
-      for (Index r = 0; r < rows; ++r) detail::softmax_row(ws.s.row(r));
-      const typename Eigen::Ref<const RowMatrix<Scalar>>::ConstBlockXpr g = dout.block(q_row, h * dh, rows, dh);
+      for (Index r = 0; r < rows; ++r) cpu::softmax_row(ws.s.row(r));
+      const typename ConstRowMatrixRef<Scalar>::ConstBlockXpr g = dout.block(q_row, h * dh, rows, dh);
       ws.dvg.noalias() = ws.s.transpose() * g;
       ws.dp.noalias() = g * ws.vg.transpose();
       if (guard_v) ws.hidden_v.zero_hidden(ws.dp);  // 0 · Inf would poison the row's sum
       ws.rowdot = ws.s.cwiseProduct(ws.dp).rowwise().sum();
       ws.dp = ws.s.cwiseProduct(ws.dp.colwise() - ws.rowdot);  // dS
-      typename Eigen::Ref<RowMatrix<Scalar>>::BlockXpr dqb = dq.block(q_row, h * dh, rows, dh);
+      typename RowMatrixRef<Scalar>::BlockXpr dqb = dq.block(q_row, h * dh, rows, dh);
       if (guard_k) {
         ws.hidden_k.template product<false>(dqb, ws.dp, ws.kg);
       } else {
@@ -685,14 +675,14 @@ void sparse_attention_backward(const Eigen::Ref<const RowMatrix<Scalar>>& q, con
 /// probabilities P of the scores with the mask's bias, then the textbook formulas dv = Pᵀ dout,
 /// dS = P ∘ (dP − rowsum(P ∘ dP)), dq = scale · dS k, dk = scale · dSᵀ q.
 template <class Scalar>
-void sparse_attention_backward_naive(const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                                     const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                                     const Eigen::Ref<const RowMatrix<Scalar>>& v, const ChunkGrid& grid, Index heads,
-                                     const ChunkSelection& selection, const Eigen::Ref<const RowMatrix<Scalar>>& dout,
-                                     Eigen::Ref<RowMatrix<Scalar>> dq, Eigen::Ref<RowMatrix<Scalar>> dk,
-                                     Eigen::Ref<RowMatrix<Scalar>> dv, bool causal, const MaskView<Scalar>& mask,
+void sparse_attention_backward_naive(const ConstRowMatrixRef<Scalar>& q,
+                                     const ConstRowMatrixRef<Scalar>& k,
+                                     const ConstRowMatrixRef<Scalar>& v, const ChunkGrid& grid, Index heads,
+                                     const ChunkSelection& selection, const ConstRowMatrixRef<Scalar>& dout,
+                                     RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk,
+                                     RowMatrixRef<Scalar> dv, bool causal, const MaskView<Scalar>& mask,
                                      Scalar scale) {
-  detail::check_sparse_backward("sparse_attention_backward_naive", q, k, v, dout, dq, dk, dv, grid, heads, selection, mask,
+  impl::check_sparse_backward("sparse_attention_backward_naive", q, k, v, dout, dq, dk, dv, grid, heads, selection, mask,
                                 scale);
   const Index T = grid.length, dh = q.cols() / heads;
   for (Index b = 0; b < grid.batch; ++b) {
@@ -706,10 +696,10 @@ void sparse_attention_backward_naive(const Eigen::Ref<const RowMatrix<Scalar>>& 
           bool selected = false;
           for (Index t = 0; t < selection.top_k; ++t) selected = selected || chosen[t] == j / grid.chunk;
           const bool visible = selected && !(causal && j > i);
-          p(i, j) = visible ? detail::add_bias(p(i, j), mask.empty() ? Scalar(0) : mask.bias(b, h, i, j))
+          p(i, j) = visible ? cpu::add_bias(p(i, j), mask.empty() ? Scalar(0) : mask.bias(b, h, i, j))
                             : -std::numeric_limits<Scalar>::infinity();
         }
-        detail::softmax_row(p.row(i));
+        cpu::softmax_row(p.row(i));
       }
       dp.noalias() = dout.block(r0, c0, T, dh) * v.block(r0, c0, T, dh).transpose();
       const Vector<Scalar> rowdot = p.cwiseProduct(dp).rowwise().sum();

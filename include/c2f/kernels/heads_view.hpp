@@ -33,12 +33,12 @@ struct HeadsView {
 
   /// Rows [i0, i0 + n) of every head of batch b, as an n × (heads · dim) matrix.
   Block rows(Index b, Index i0, Index n) const {
-    return Block(c2f::detail::offset_or_null(data, b * batch_stride + i0 * row_stride), n, heads * dim, Eigen::OuterStride<>(row_stride));
+    return Block(detail::offset_or_null(data, b * batch_stride + i0 * row_stride), n, heads * dim, Eigen::OuterStride<>(row_stride));
   }
 
   /// Rows [i0, i0 + n) of head h of batch b, as an n × dim matrix.
   Block block(Index b, Index h, Index i0, Index n) const {
-    return Block(c2f::detail::offset_or_null(data, b * batch_stride + i0 * row_stride + h * dim), n, dim, Eigen::OuterStride<>(row_stride));
+    return Block(detail::offset_or_null(data, b * batch_stride + i0 * row_stride + h * dim), n, dim, Eigen::OuterStride<>(row_stride));
   }
 };
 
@@ -47,7 +47,7 @@ struct HeadsView {
 template <class T>
 HeadsView<T> heads_view(T* data, Index batch, Index seq, Index cols, Index col0, Index heads, Index dim) {
   HeadsView<T> v;
-  v.data = c2f::detail::offset_or_null(data, col0);
+  v.data = detail::offset_or_null(data, col0);
   v.batch = batch;
   v.seq = seq;
   v.heads = heads;

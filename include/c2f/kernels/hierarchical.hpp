@@ -14,12 +14,12 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/bf16_gemm.hpp"
+#include "c2f/cpu/bf16_gemm.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
-#include "c2f/detail/masked_values.hpp"
+#include "c2f/cpu/masked_values.hpp"
 #include "c2f/detail/parallel.hpp"
-#include "c2f/detail/softmax.hpp"
+#include "c2f/cpu/softmax.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 
@@ -36,19 +36,19 @@ namespace kernels {
 /// those ≤ p): out[p] += softmax_t(q_p·k_t · scale) v_t per head. Windows are the chunks of `grid`.
 /// Tasks are (batch item, window holding queries); each is one score block per head.
 template <class Scalar, class KV = Scalar>
-void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                          const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& k,
-                          const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& v, const ChunkGrid& grid, Index heads,
-                          Eigen::Ref<RowMatrix<Scalar>> out, bool causal, Scalar scale, const KernelOptions& options) {
+void window_attention_add(const ConstRowMatrixRef<Scalar>& q,
+                          const detail::NoDeduce<ConstRowMatrixRef<KV>>& k,
+                          const detail::NoDeduce<ConstRowMatrixRef<KV>>& v, const ChunkGrid& grid, Index heads,
+                          RowMatrixRef<Scalar> out, bool causal, Scalar scale, const KernelOptions& options) {
   const char* kernel = "window_attention_add";
   const Index n = detail::check_last_queries(kernel, q, out, k, v, grid, heads, scale);
-  const bool bf16 = detail::check_compute<Scalar, KV>(kernel, options.compute(), true);
+  const bool bf16 = cpu::check_compute<Scalar, KV>(kernel, options.compute(), true);
   const Index dh = q.cols() / heads, T = grid.length;
   const QueryChunks windows(grid, n);
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   struct Workspace {
     RowMatrix<Scalar> s, kv, qs;  // qs: Compute::BFloat16's q·scale
-    detail::MaskedValues<Scalar> masked;
+    cpu::MaskedValues<Scalar> masked;
   };
   const Index tasks = grid.batch * windows.count;
   const double work = detail::attention_work(grid.batch * heads, n, std::min(grid.chunk, T), dh, dh);
@@ -62,8 +62,8 @@ void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
     for (Index h = 0; h < heads; ++h) {
       if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale and the keys rounded
         ws.qs = q.block(q_row, h * dh, nq, dh) * scale;
-        detail::round_bf16_matrix(ws.qs);
-        detail::round_bf16_copy(k.block(k_row, h * dh, nk, dh), ws.kv);
+        cpu::round_bf16_matrix(ws.qs);
+        cpu::round_bf16_copy(k.block(k_row, h * dh, nk, dh), ws.kv);
         ws.s.noalias() = ws.qs * ws.kv.transpose();
       } else {
         detail::as_scalar(k.block(k_row, h * dh, nk, dh), ws.kv,
@@ -75,12 +75,12 @@ void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
           if (visible < nk) ws.s.row(i).tail(nk - visible).setConstant(kNegInf);
         }
       }
-      detail::as_scalar_rounded(v.block(k_row, h * dh, nk, dh), ws.kv, bf16, [&](const auto& vb) {
+      cpu::as_scalar_rounded(v.block(k_row, h * dh, nk, dh), ws.kv, bf16, [&](const auto& vb) {
         // Future keys of the window may hold non-finite values: leave them out (masked_values.hpp).
         const bool guard = causal && ws.masked.find(vb);
         if (guard) ws.masked.remember_hidden(ws.s);
-        for (Index i = 0; i < nq; ++i) detail::softmax_row(ws.s.row(i));
-        if (bf16) detail::round_bf16_matrix(ws.s);  // the probabilities
+        for (Index i = 0; i < nq; ++i) cpu::softmax_row(ws.s.row(i));
+        if (bf16) cpu::round_bf16_matrix(ws.s);  // the probabilities
         if (guard) {
           ws.masked.template product<true>(out.block(q_row, h * dh, nq, dh), ws.s, vb);
         } else {
@@ -99,10 +99,10 @@ void window_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
 /// holding queries); each is one [queries, c] score block per head, so a query's result never depends
 /// on a later token.
 template <class Scalar>
-void window_summary_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                                  const Eigen::Ref<const RowMatrix<Scalar>>& k_mean,
-                                  const Eigen::Ref<const RowMatrix<Scalar>>& v_mean, const ChunkGrid& grid, Index heads,
-                                  Eigen::Ref<RowMatrix<Scalar>> out, Scalar scale, const KernelOptions& options) {
+void window_summary_attention_add(const ConstRowMatrixRef<Scalar>& q,
+                                  const ConstRowMatrixRef<Scalar>& k_mean,
+                                  const ConstRowMatrixRef<Scalar>& v_mean, const ChunkGrid& grid, Index heads,
+                                  RowMatrixRef<Scalar> out, Scalar scale, const KernelOptions& options) {
   const char* kernel = "window_summary_attention_add";
   const Index n = detail::check_last_queries(kernel, q, out, q, q, grid, heads, scale, /*keys_are_tokens=*/false);
   const Index dh = q.cols() / heads, T = grid.length;
@@ -114,7 +114,7 @@ void window_summary_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
                  detail::shape_string({v_mean.rows(), v_mean.cols()}), " must be [batch·m, ", q.cols(),
                  "] with m >= ", (T - 1) / std::max<Index>(grid.chunk, 1), " windows per batch item");
   }
-  const bool bf16 = detail::check_compute<Scalar>(kernel, options.compute());
+  const bool bf16 = cpu::check_compute<Scalar>(kernel, options.compute());
   const Index tasks = grid.batch * windows.count;
   const double work = detail::attention_work(grid.batch * heads, n, m, dh, dh);
   struct Workspace {
@@ -131,17 +131,17 @@ void window_summary_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
     for (Index h = 0; h < heads; ++h) {
       if (bf16) {  // Compute::BFloat16 (float only, checked above): every operand rounded
         ws.qs = q.block(q_row, h * dh, nq, dh) * scale;
-        detail::round_bf16_matrix(ws.qs);
-        detail::round_bf16_copy(k_mean.block(first, h * dh, c, dh), ws.rounded);
+        cpu::round_bf16_matrix(ws.qs);
+        cpu::round_bf16_copy(k_mean.block(first, h * dh, c, dh), ws.rounded);
         s.noalias() = ws.qs * ws.rounded.transpose();
-        for (Index i = 0; i < nq; ++i) detail::softmax_row(s.row(i));
-        detail::round_bf16_matrix(s);
-        detail::round_bf16_copy(v_mean.block(first, h * dh, c, dh), ws.rounded);
+        for (Index i = 0; i < nq; ++i) cpu::softmax_row(s.row(i));
+        cpu::round_bf16_matrix(s);
+        cpu::round_bf16_copy(v_mean.block(first, h * dh, c, dh), ws.rounded);
         out.block(q_row, h * dh, nq, dh).noalias() += s * ws.rounded;
         continue;
       }
       s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * k_mean.block(first, h * dh, c, dh).transpose();
-      for (Index i = 0; i < nq; ++i) detail::softmax_row(s.row(i));
+      for (Index i = 0; i < nq; ++i) cpu::softmax_row(s.row(i));
       out.block(q_row, h * dh, nq, dh).noalias() += s * v_mean.block(first, h * dh, c, dh);
     }
   });
@@ -184,8 +184,8 @@ struct OffsetRows {
 /// rows, so the kernel works offset by offset on contiguous rows (no gather): scores for all rows and
 /// heads at once, one softmax across offsets, then the weighted value rows.
 template <class Scalar, class KV = Scalar>
-void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>& q, Index batch, Index first_position,
-                                      Index length, Index heads, Eigen::Ref<RowMatrix<Scalar>> out, bool causal,
+void sparse_global_attention_rows_add(const ConstRowMatrixRef<Scalar>& q, Index batch, Index first_position,
+                                      Index length, Index heads, RowMatrixRef<Scalar> out, bool causal,
                                       Scalar scale, const std::vector<OffsetRows<KV>>& sources,
                                       const KernelOptions& options) {
   const char* kernel = "sparse_global_attention_rows_add";
@@ -222,7 +222,7 @@ void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>&
                    dim, " (value rows contiguous), got ", s.rows, " rows with strides ", s.k_stride, " and ", s.v_stride);
     }
   }
-  const bool bf16 = detail::check_compute<Scalar, KV>(kernel, options.compute(), true);
+  const bool bf16 = cpu::check_compute<Scalar, KV>(kernel, options.compute(), true);
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const Index blocks_per_batch = (n + kSparseRowBlock - 1) / kSparseRowBlock;
   const double work = detail::attention_work(batch * heads, n, noff, dh, dh);
@@ -238,7 +238,7 @@ void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>&
     RowMatrix<Scalar> prod(nb, dim), kv, qs;
     if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale, the keys, probabilities and values rounded
       qs = q.middleRows(q_base, nb) * scale;
-      detail::round_bf16_matrix(qs);
+      cpu::round_bf16_matrix(qs);
     }
     Index i0 = 0, i1 = 0;
     for (Index o = 0; o < noff; ++o) {
@@ -248,7 +248,7 @@ void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>&
       const Index rows = i1 - i0;
       const Rows kb(s.k + key_row(s, delta, i0) * s.k_stride, rows, dim, Eigen::OuterStride<>(s.k_stride));
       if (bf16) {
-        detail::round_bf16_copy(kb, kv);
+        cpu::round_bf16_copy(kb, kv);
         prod.topRows(rows) = qs.middleRows(i0, rows).cwiseProduct(kv);
         scores.col(o).segment(i0 * heads, rows * heads) = Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum();
         continue;
@@ -257,8 +257,8 @@ void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>&
       scores.col(o).segment(i0 * heads, rows * heads) =
           Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum() * scale;
     }
-    for (Index r = 0; r < nb * heads; ++r) detail::softmax_row(scores.row(r));
-    if (bf16) detail::round_bf16_matrix(scores);
+    for (Index r = 0; r < nb * heads; ++r) cpu::softmax_row(scores.row(r));
+    if (bf16) cpu::round_bf16_matrix(scores);
     for (Index o = 0; o < noff; ++o) {
       const Index delta = offsets[static_cast<std::size_t>(o)];
       if (!queries_with_key(delta, a, nb, i0, i1)) continue;
@@ -267,7 +267,7 @@ void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>&
       // out rows as [rows·heads, dh]: each (query, head) row gains weight · its value row.
       Eigen::Map<RowMatrix<Scalar>> dst(out.row(q_base + i0).data(), rows * heads, dh);
       const Rows vb(s.v + key_row(s, delta, i0) * s.v_stride, rows, dim, Eigen::OuterStride<>(s.v_stride));
-      detail::as_scalar_rounded(vb, kv, bf16, [&](const auto& v) {
+      cpu::as_scalar_rounded(vb, kv, bf16, [&](const auto& v) {
         const Eigen::Map<const RowMatrix<Scalar>> src(v.data(), rows * heads, dh);
         dst.noalias() += scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src;
       });
@@ -280,10 +280,10 @@ void sparse_global_attention_rows_add(const Eigen::Ref<const RowMatrix<Scalar>>&
 /// contiguous, and v too when it holds Scalar. (sparse_global_attention_rows_add with every offset's
 /// rows in k and v.)
 template <class Scalar, class KV = Scalar>
-void sparse_global_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                                 const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& k,
-                                 const detail::NoDeduce<Eigen::Ref<const RowMatrix<KV>>>& v, Index batch, Index length,
-                                 Index heads, Eigen::Ref<RowMatrix<Scalar>> out, bool causal, Scalar scale,
+void sparse_global_attention_add(const ConstRowMatrixRef<Scalar>& q,
+                                 const detail::NoDeduce<ConstRowMatrixRef<KV>>& k,
+                                 const detail::NoDeduce<ConstRowMatrixRef<KV>>& v, Index batch, Index length,
+                                 Index heads, RowMatrixRef<Scalar> out, bool causal, Scalar scale,
                                  const KernelOptions& options) {
   const char* kernel = "sparse_global_attention_add";
   if (batch < 0 || length < 0) detail::fail(kernel, ": batch and length must be >= 0");
@@ -314,13 +314,12 @@ void sparse_global_attention_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
 // keys recomputes p = exp(s − lse). Twins: tests/support/hmha_dense.hpp (sdpa_backward_naive under dense
 // masks).
 
-}  // namespace kernels
-namespace detail {
+namespace impl {
 /// A level backward's [rows, width] matrix (`what`); `contiguous`: its rows are read as [rows·heads, dh].
 template <class M>
 void check_level_matrix(const char* kernel, const char* what, const M& m, Index rows, Index width, bool contiguous) {
-  check_shape(kernel, what, m, rows, width);
-  if (contiguous && m.outerStride() != width) fail(kernel, ": ", what, " must be a contiguous [rows, ", width, "] matrix");
+  detail::check_shape(kernel, what, m, rows, width);
+  if (contiguous && m.outerStride() != width) detail::fail(kernel, ": ", what, " must be a contiguous [rows, ", width, "] matrix");
 }
 
 /// The arguments of a level backward: the grid, heads dividing q's width, the scale; q, dout, dq
@@ -329,9 +328,9 @@ template <class Scalar, class Q, class DQ>
 void check_level_backward(const char* kernel, const kernels::ChunkGrid& grid, Index heads, Scalar scale, const Q& q,
                           const Q& k, const Q& v, const Q& dout, const DQ& dq, const DQ& dk, const DQ& dv, Index key_rows,
                           bool contiguous) {
-  check_grid(kernel, grid);
-  check_heads(kernel, q.cols(), heads);
-  check_scale(kernel, scale);
+  detail::check_grid(kernel, grid);
+  detail::check_heads(kernel, q.cols(), heads);
+  detail::check_scale(kernel, scale);
   const Index rows = grid.tokens(), width = q.cols();
   check_level_matrix(kernel, "q", q, rows, width, contiguous);
   check_level_matrix(kernel, "dout", dout, rows, width, contiguous);
@@ -342,8 +341,7 @@ void check_level_backward(const char* kernel, const kernels::ChunkGrid& grid, In
   check_level_matrix(kernel, "dv", dv, key_rows, width, contiguous);
 }
 
-}  // namespace detail
-namespace kernels {
+}  // namespace impl
 
 /// Level 1's backward (window_attention_add with every position a query): per window and head the
 /// probabilities p = softmax(q kᵀ · scale) of the window (causal: keys ≤ the query), dp = dout vᵀ,
@@ -352,21 +350,21 @@ namespace kernels {
 /// or value a causal row hides reaches none of that row's gradients (masked_values.hpp). All matrices are
 /// [batch·T, heads·dh].
 template <class Scalar>
-void window_attention_backward_add(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                                   const Eigen::Ref<const RowMatrix<Scalar>>& v,
-                                   const Eigen::Ref<const RowMatrix<Scalar>>& dout, const ChunkGrid& grid, Index heads,
-                                   Eigen::Ref<RowMatrix<Scalar>> dq, Eigen::Ref<RowMatrix<Scalar>> dk,
-                                   Eigen::Ref<RowMatrix<Scalar>> dv, bool causal, Scalar scale, const KernelOptions& options) {
+void window_attention_backward_add(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
+                                   const ConstRowMatrixRef<Scalar>& v,
+                                   const ConstRowMatrixRef<Scalar>& dout, const ChunkGrid& grid, Index heads,
+                                   RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk,
+                                   RowMatrixRef<Scalar> dv, bool causal, Scalar scale, const KernelOptions& options) {
   const char* kernel = "window_attention_backward_add";
-  detail::check_level_backward(kernel, grid, heads, scale, q, k, v, dout, dq, dk, dv, grid.tokens(), false);
+  impl::check_level_backward(kernel, grid, heads, scale, q, k, v, dout, dq, dk, dv, grid.tokens(), false);
   const Index dh = q.cols() / heads;
-  using Block = typename Eigen::Ref<const RowMatrix<Scalar>>::ConstBlockXpr;
-  using OutBlock = typename Eigen::Ref<RowMatrix<Scalar>>::BlockXpr;
+  using Block = typename ConstRowMatrixRef<Scalar>::ConstBlockXpr;
+  using OutBlock = typename RowMatrixRef<Scalar>::BlockXpr;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   struct Workspace {
     RowMatrix<Scalar> p, ds;
     Vector<Scalar> rowdot;
-    detail::MaskedValues<Scalar> hidden_k, hidden_v;
+    cpu::MaskedValues<Scalar> hidden_k, hidden_v;
   };
   const double work = 2.5 * detail::attention_work(grid.batch * heads, grid.length, std::min(grid.chunk, grid.length), dh, dh);
   detail::parallel_for_each_worker<Workspace>(grid.chunks(), options.num_threads(), work, [&](Index c, Workspace& ws) {
@@ -385,7 +383,7 @@ void window_attention_backward_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
         guard_v = ws.hidden_v.find(vb);
         if (guard_v) ws.hidden_v.remember_hidden(ws.p);
       }
-      for (Index i = 0; i < n; ++i) detail::softmax_row(ws.p.row(i));
+      for (Index i = 0; i < n; ++i) cpu::softmax_row(ws.p.row(i));
       ws.ds.noalias() = g * vb.transpose();  // dp
       if (guard_v) ws.hidden_v.zero_hidden(ws.ds);
       ws.rowdot = ws.p.cwiseProduct(ws.ds).rowwise().sum();
@@ -414,17 +412,17 @@ constexpr Index kSummaryBlock = 16;
 /// exp(q·k̄ · scale − lse), dk̄ += scale · dSᵀ q, dv̄ += pᵀ dout. Memory: 2 values per (query, head) and a
 /// [window, m] block per worker — no [T, m] buffer.
 template <class Scalar>
-void window_summary_attention_backward_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                                           const Eigen::Ref<const RowMatrix<Scalar>>& k_mean,
-                                           const Eigen::Ref<const RowMatrix<Scalar>>& v_mean,
-                                           const Eigen::Ref<const RowMatrix<Scalar>>& dout, const ChunkGrid& grid,
-                                           Index heads, Eigen::Ref<RowMatrix<Scalar>> dq,
-                                           Eigen::Ref<RowMatrix<Scalar>> dk_mean, Eigen::Ref<RowMatrix<Scalar>> dv_mean,
+void window_summary_attention_backward_add(const ConstRowMatrixRef<Scalar>& q,
+                                           const ConstRowMatrixRef<Scalar>& k_mean,
+                                           const ConstRowMatrixRef<Scalar>& v_mean,
+                                           const ConstRowMatrixRef<Scalar>& dout, const ChunkGrid& grid,
+                                           Index heads, RowMatrixRef<Scalar> dq,
+                                           RowMatrixRef<Scalar> dk_mean, RowMatrixRef<Scalar> dv_mean,
                                            Scalar scale, const KernelOptions& options) {
   const char* kernel = "window_summary_attention_backward_add";
-  detail::check_level_backward(kernel, grid, heads, scale, q, k_mean, v_mean, dout, dq, dk_mean, dv_mean, grid.chunks(), false);
+  impl::check_level_backward(kernel, grid, heads, scale, q, k_mean, v_mean, dout, dq, dk_mean, dv_mean, grid.chunks(), false);
   const Index dh = q.cols() / heads, m = grid.chunks_per_batch();
-  using Block = typename Eigen::Ref<const RowMatrix<Scalar>>::ConstBlockXpr;
+  using Block = typename ConstRowMatrixRef<Scalar>::ConstBlockXpr;
   struct Workspace {
     RowMatrix<Scalar> p, ds;
   };
@@ -443,7 +441,7 @@ void window_summary_attention_backward_add(const Eigen::Ref<const RowMatrix<Scal
       ws.p.noalias() = (qb * scale) * km.transpose();
       for (Index i = 0; i < nq; ++i) {
         Scalar max = 0, sum = 0;
-        detail::softmax_row(ws.p.row(i), &max, &sum);
+        cpu::softmax_row(ws.p.row(i), &max, &sum);
         lse(h, row + i) = max + std::log(sum);
       }
       ws.ds.noalias() = g * vm.transpose();  // dp
@@ -462,7 +460,7 @@ void window_summary_attention_backward_add(const Eigen::Ref<const RowMatrix<Scal
       for (Index h = 0; h < heads; ++h) {
         const Block qb = q.block(row, h * dh, nq, dh), g = dout.block(row, h * dh, nq, dh);
         ws.p.noalias() = (qb * scale) * k_mean.block(b * m + j0, h * dh, seen, dh).transpose();
-        for (Index i = 0; i < nq; ++i) detail::exp_shifted(ws.p.row(i), lse(h, row + i));
+        for (Index i = 0; i < nq; ++i) cpu::exp_shifted(ws.p.row(i), lse(h, row + i));
         ws.ds.noalias() = g * v_mean.block(b * m + j0, h * dh, seen, dh).transpose();  // dp
         ws.ds = ws.p.cwiseProduct(ws.ds.colwise() - rowdot.row(h).segment(row, nq).transpose()) * scale;
         dk_mean.block(b * m + j0, h * dh, seen, dh).noalias() += ws.ds.transpose() * qb;
@@ -480,17 +478,17 @@ void window_summary_attention_backward_add(const Eigen::Ref<const RowMatrix<Scal
 /// read key j: p = exp(q·k · scale − lse), dk_j += scale · dS q_(j−δ), dv_j += p dout_(j−δ). Memory: 2
 /// values per (query, head) and [rows, heads · offsets] blocks per worker.
 template <class Scalar>
-void sparse_global_attention_backward_add(const Eigen::Ref<const RowMatrix<Scalar>>& q,
-                                          const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                                          const Eigen::Ref<const RowMatrix<Scalar>>& v,
-                                          const Eigen::Ref<const RowMatrix<Scalar>>& dout, Index batch, Index length,
-                                          Index heads, Eigen::Ref<RowMatrix<Scalar>> dq, Eigen::Ref<RowMatrix<Scalar>> dk,
-                                          Eigen::Ref<RowMatrix<Scalar>> dv, bool causal, Scalar scale,
+void sparse_global_attention_backward_add(const ConstRowMatrixRef<Scalar>& q,
+                                          const ConstRowMatrixRef<Scalar>& k,
+                                          const ConstRowMatrixRef<Scalar>& v,
+                                          const ConstRowMatrixRef<Scalar>& dout, Index batch, Index length,
+                                          Index heads, RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk,
+                                          RowMatrixRef<Scalar> dv, bool causal, Scalar scale,
                                           const KernelOptions& options) {
   const char* kernel = "sparse_global_attention_backward_add";
   if (batch < 0 || length < 0) detail::fail(kernel, ": batch and length must be >= 0, got ", batch, " and ", length);
   const ChunkGrid tokens{batch, length, 1};
-  detail::check_level_backward(kernel, tokens, heads, scale, q, k, v, dout, dq, dk, dv, tokens.tokens(), true);
+  impl::check_level_backward(kernel, tokens, heads, scale, q, k, v, dout, dq, dk, dv, tokens.tokens(), true);
   const Index dim = q.cols(), dh = dim / heads, T = length;
   const std::vector<Index> offsets = sparse_offsets(T, causal);
   const Index noff = static_cast<Index>(offsets.size());
@@ -527,7 +525,7 @@ void sparse_global_attention_backward_add(const Eigen::Ref<const RowMatrix<Scala
     }
     for (Index r = 0; r < nb * heads; ++r) {
       Scalar max = 0, sum = 0;
-      detail::softmax_row(ws.p.row(r), &max, &sum);  // offset 0 is always there
+      cpu::softmax_row(ws.p.row(r), &max, &sum);  // offset 0 is always there
       lse(base * heads + r) = max + std::log(sum);
     }
     rowdot.segment(base * heads, nb * heads) = ws.p.cwiseProduct(ws.dp).rowwise().sum();

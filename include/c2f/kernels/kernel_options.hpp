@@ -7,7 +7,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/arg.hpp"
+#include "c2f/arg.hpp"
 #include "c2f/options.hpp"
 
 namespace c2f {
@@ -26,11 +26,11 @@ class KernelOptions {
   C2F_ARG(Index, key_part) = 1024;
   /// matmul_rows: every output row gets the bits it would get in a product of any other number of rows
   /// (the packed GEMM for every row count, on every build, instead of Eigen's product below
-  /// detail::kPackedGemmMinRows rows). A layer whose rows may be split across processes (c2f/dist) sets
+  /// cpu::kPackedGemmMinRows rows). A layer whose rows may be split across processes (c2f/dist) sets
   /// it, so that a shard computes exactly the rows of the whole.
   C2F_ARG(bool, rows_independent) = false;
   /// The products' arithmetic: Compute::BFloat16 rounds their operands to bfloat16 and sums in fp32
-  /// (detail/bf16_gemm.hpp), in the kernels that say they honour it (matmul_rows, linear, sdpa_naive,
+  /// (cpu/bf16_gemm.hpp), in the kernels that say they honour it (matmul_rows, linear, sdpa_naive,
   /// sdpa_streaming); float only.
   C2F_ARG(Compute, compute) = Compute::Float32;
   /// The output is fresh memory whose pages the system maps and zeroes on their first write (a forward's

@@ -10,7 +10,7 @@
 // check their arguments at entry (std::invalid_argument, in every build type). Every task's arithmetic
 // depends only on its index, so the output bits do not depend on the thread count.
 // A query row with no visible key outputs zeros (and zero weights). A masked key never reaches an
-// output, NaN or Inf in its key or value included (c2f/detail/masked_values.hpp).
+// output, NaN or Inf in its key or value included (c2f/cpu/masked_values.hpp).
 //
 // For training (docs/training.md): sdpa_train (streaming) and sdpa_naive_train (its twin) also write each
 // row's log-sum-exp, which the backward pass (c2f/kernels/sdpa_backward.hpp) needs, and apply dropout to
@@ -19,16 +19,16 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/bf16_gemm.hpp"
+#include "c2f/cpu/bf16_gemm.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
-#include "c2f/detail/masked_values.hpp"
-#include "c2f/detail/packed_gemm.hpp"
+#include "c2f/cpu/masked_values.hpp"
+#include "c2f/cpu/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/random.hpp"
-#include "c2f/detail/score_tile.hpp"
-#include "c2f/detail/small_gemm.hpp"
-#include "c2f/detail/softmax.hpp"
+#include "c2f/cpu/score_tile.hpp"
+#include "c2f/cpu/small_gemm.hpp"
+#include "c2f/cpu/softmax.hpp"
 #include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 #include "c2f/mask_view.hpp"
@@ -55,22 +55,21 @@ struct AttnDropout {
   bool active() const { return p > 0; }
 };
 
-}  // namespace kernels
-namespace detail {
+namespace impl {
 
 /// "<what>: dropout must lie in [0, 1), got p" unless it does.
 inline void check_dropout(const char* what, double p) {
-  if (!(p >= 0.0 && p < 1.0)) fail(what, ": dropout must lie in [0, 1), got ", p);
+  if (!(p >= 0.0 && p < 1.0)) detail::fail(what, ": dropout must lie in [0, 1), got ", p);
 }
 
 /// The dropout decisions of one row (b·heads + h, i) of a problem: keep(j) for its keys j.
 class DropoutRow {
  public:
   DropoutRow(const kernels::AttnDropout& d, Index bh, Index i)
-      : key_(CounterRng::key(d.seed, d.step, static_cast<std::uint64_t>(bh), static_cast<std::uint64_t>(i))),
+      : key_(detail::CounterRng::key(d.seed, d.step, static_cast<std::uint64_t>(bh), static_cast<std::uint64_t>(i))),
         threshold_(static_cast<std::uint64_t>(std::ldexp(d.p, 53))) {}
   /// Kept with probability 1 − p: the top 53 bits of draw j against p · 2^53.
-  bool keep(Index j) const { return (CounterRng::at(key_, static_cast<std::uint64_t>(j)) >> 11) >= threshold_; }
+  bool keep(Index j) const { return (detail::CounterRng::at(key_, static_cast<std::uint64_t>(j)) >> 11) >= threshold_; }
 
  private:
   std::uint64_t key_, threshold_;
@@ -104,36 +103,36 @@ template <class Scalar>
 void sdpa_naive_impl(const char* kernel, const kernels::HeadsView<const Scalar>& q, const kernels::HeadsView<const Scalar>& k,
                      const kernels::HeadsView<const Scalar>& v, const kernels::HeadsView<Scalar>& out,
                      const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options, Scalar* weights,
-                     Eigen::Ref<RowMatrix<Scalar>>* lse, const kernels::AttnDropout* dropout) {
+                     RowMatrixRef<Scalar>* lse, const kernels::AttnDropout* dropout) {
   using kernels::HeadsView;
-  check_sdpa(kernel, q, k, v, out, mask, scale);
+  detail::check_sdpa(kernel, q, k, v, out, mask, scale);
   const Index lq = q.seq, lk = k.seq;
   const bool drop = dropout != nullptr && dropout->active();
-  const bool bf16 = check_compute<Scalar>(kernel, options.compute());
-  const double work = attention_work(q.batch * q.heads, lq, lk, q.dim, v.dim);
-  parallel_for(q.batch * q.heads, options.num_threads(), work, [&](Index task, int) {
+  const bool bf16 = cpu::check_compute<Scalar>(kernel, options.compute());
+  const double work = detail::attention_work(q.batch * q.heads, lq, lk, q.dim, v.dim);
+  detail::parallel_for(q.batch * q.heads, options.num_threads(), work, [&](Index task, int) {
     const Index b = task / q.heads, h = task % q.heads;
     RowMatrix<Scalar> s(lq, lk);
     const typename HeadsView<const Scalar>::Block vb = v.block(b, h, 0, lk);
     RowMatrix<Scalar> vr;  // Compute::BFloat16: the rounded values
     if (bf16) {
-      s.noalias() = (q.block(b, h, 0, lq) * scale).unaryExpr(RoundBf16<Scalar>()) *
-                    k.block(b, h, 0, lk).unaryExpr(RoundBf16<Scalar>()).transpose();
-      vr = vb.unaryExpr(RoundBf16<Scalar>());
+      s.noalias() = (q.block(b, h, 0, lq) * scale).unaryExpr(cpu::RoundBf16<Scalar>()) *
+                    k.block(b, h, 0, lk).unaryExpr(cpu::RoundBf16<Scalar>()).transpose();
+      vr = vb.unaryExpr(cpu::RoundBf16<Scalar>());
     } else {
       s.noalias() = (q.block(b, h, 0, lq) * scale) * k.block(b, h, 0, lk).transpose();
     }
     for (Index i = 0; i < lq; ++i) {
-      for (Index j = 0; j < lk; ++j) s(i, j) = add_bias(s(i, j), mask.bias(b, h, i, j));
+      for (Index j = 0; j < lk; ++j) s(i, j) = cpu::add_bias(s(i, j), mask.bias(b, h, i, j));
     }
-    MaskedValues<Scalar> masked;
+    cpu::MaskedValues<Scalar> masked;
     const bool guard = bf16 ? masked.find(vr) : masked.find(vb);
     if (guard) masked.remember_hidden(s);
     RowMatrix<Scalar> e;  // Compute::BFloat16: the scores, then exp(score − row max) rounded, as sdpa_streaming rounds them
     if (bf16) e = s;
     for (Index i = 0; i < lq; ++i) {
       Scalar max = 0, sum = 0;
-      softmax_row(s.row(i), &max, &sum);
+      cpu::softmax_row(s.row(i), &max, &sum);
       if (lse != nullptr) (*lse)(task, i) = sum == Scalar(0) ? max : max + std::log(sum);
     }
     if (drop) apply_dropout(*dropout, task, 0, 0, s, dropout_scale<Scalar>(*dropout));
@@ -154,7 +153,7 @@ void sdpa_naive_impl(const char* kernel, const kernels::HeadsView<const Scalar>&
         sums[i] = sum;
       }
       if (drop) apply_dropout(*dropout, task, 0, 0, e, dropout_scale<Scalar>(*dropout));
-      e = e.unaryExpr(RoundBf16<Scalar>());
+      e = e.unaryExpr(cpu::RoundBf16<Scalar>());
       typename HeadsView<Scalar>::Block dst = out.block(b, h, 0, lq);
       if (guard) {
         masked.template product<false>(dst, e, vr);
@@ -180,38 +179,12 @@ void sdpa_naive_impl(const char* kernel, const kernels::HeadsView<const Scalar>&
 template <class View, class Lse>
 void check_lse(const char* kernel, const View& q, const Lse& lse, const kernels::AttnDropout* dropout = nullptr) {
   if (lse.rows() != q.batch * q.heads || lse.cols() != q.seq) {
-    fail(kernel, ": lse must be [batch·heads, queries] = ", shape_string({q.batch * q.heads, q.seq}), ", got ",
-         shape_string({lse.rows(), lse.cols()}));
+    detail::fail(kernel, ": lse must be [batch·heads, queries] = ", detail::shape_string({q.batch * q.heads, q.seq}), ", got ",
+         detail::shape_string({lse.rows(), lse.cols()}));
   }
   if (dropout != nullptr) check_dropout(kernel, dropout->p);
 }
 
-}  // namespace detail
-namespace kernels {
-
-/// Reference kernel: out = softmax(q kᵀ · scale + mask) v (overwritten). `weights`, when not null,
-/// receives the softmax weights as a row-major [batch, heads, q.seq, k.seq] array. Tasks are
-/// (batch, head) pairs.
-template <class Scalar>
-void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options,
-                Scalar* weights = nullptr) {
-  c2f::detail::sdpa_naive_impl<Scalar>("sdpa_naive", q, k, v, out, mask, scale, options, weights, nullptr, nullptr);
-}
-
-/// sdpa_naive() in train mode, the twin of sdpa_train(): also writes each row's log-sum-exp lse
-/// [batch·heads, queries] (−inf for a row with no visible key), and applies `dropout` to the
-/// probabilities. Without dropout the output has sdpa_naive()'s bits.
-template <class Scalar>
-void sdpa_naive_train(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                      const HeadsView<Scalar>& out, Eigen::Ref<RowMatrix<Scalar>> lse, const MaskView<Scalar>& mask,
-                      const AttnDropout& dropout, Scalar scale, const KernelOptions& options) {
-  c2f::detail::check_lse("sdpa_naive_train", q, lse, &dropout);
-  c2f::detail::sdpa_naive_impl<Scalar>("sdpa_naive_train", q, k, v, out, mask, scale, options, nullptr, &lse, &dropout);
-}
-
-}  // namespace kernels
-namespace detail {
 /// The blocks sdpa_streaming works in: the options' query and key blocks, capped by the problem's lengths
 /// (a block longer than the sequence is the sequence: the same arithmetic, less scratch).
 inline std::pair<Index, Index> streaming_blocks(const kernels::KernelOptions& options, Index lq, Index lk) {
@@ -224,7 +197,7 @@ inline std::pair<Index, Index> streaming_blocks(const kernels::KernelOptions& op
 constexpr Index kSplitKeysByRowMaxQueries = 4;
 
 /// From this many queries on, sdpa_streaming packs each head's keys and values once (where the build has
-/// detail::packed_gemm): below, packing would cost more than the products it speeds up.
+/// cpu::packed_gemm): below, packing would cost more than the products it speeds up.
 constexpr Index kPackedAttentionMinQueries = 32;
 
 /// Whether sdpa_streaming takes its packed path: the build has packed_gemm (or the options ask for
@@ -235,13 +208,13 @@ constexpr Index kPackedAttentionMinQueries = 32;
 template <class Scalar, class KV = Scalar>
 bool streaming_packed(const kernels::KernelOptions& options, Index lq, Index lk) {
   const Index bk = streaming_blocks(options, lq, lk).second;
-  const bool ri = honoured_rows_independent(options.rows_independent());
-  return (kPackedGemm || ri) && std::is_same<KV, Scalar>::value && (lq >= kPackedAttentionMinQueries || ri) &&
-         (bk % GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
+  const bool ri = cpu::honoured_rows_independent(options.rows_independent());
+  return (cpu::kPackedGemm || ri) && std::is_same<KV, Scalar>::value && (lq >= kPackedAttentionMinQueries || ri) &&
+         (bk % cpu::GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
 }
 /// Whether sdpa_streaming's bfloat16 products run on the tile engine for key blocks of bk over lk keys: the
 /// CPU has it (and set_bf16_tiles allows it), and every key block starts on a 32-row tile step.
-inline bool streaming_bf16_tiles(Index bk, Index lk) { return bf16_tiles() && (bk % kTileK == 0 || bk >= lk); }
+inline bool streaming_bf16_tiles(Index bk, Index lk) { return cpu::bf16_tiles() && (bk % cpu::kTileK == 0 || bk >= lk); }
 /// From this many bytes of one head's keys and values on, a task of sdpa_streaming's packed path takes
 /// two query blocks (streaming_query_group).
 constexpr std::size_t kStreamingGroupBytes = std::size_t(1) << 20;
@@ -254,143 +227,54 @@ Index streaming_query_group(const kernels::KernelOptions& options, Index lq, Ind
   const bool long_keys = sizeof(Scalar) * static_cast<std::size_t>(lk * (dk + dv)) >= kStreamingGroupBytes;
   return long_keys && options.compute() != Compute::BFloat16 && streaming_packed<Scalar, KV>(options, lq, lk) ? 2 : 1;
 }
-/// Whether sdpa_streaming may take the fused online-softmax step (detail/score_tile.hpp): on the fp32
+/// Whether sdpa_streaming may take the fused online-softmax step (cpu/score_tile.hpp): on the fp32
 /// packed path of builds that have it (kFusedScores), for head widths up to one k-block of packed_gemm,
 /// without rows_independent — the step is taken on the key blocks a mask leaves whole, which depend on
 /// the query block, so a row's bits would depend on the query block that holds it — and (checked by the
 /// kernel) without dropout.
 template <class Scalar, class KV = Scalar>
 bool streaming_fused(const kernels::KernelOptions& options, Index lq, Index lk, Index dk) {
-  return kFusedScores && std::is_same<Scalar, float>::value && options.compute() != Compute::BFloat16 &&
-         !honoured_rows_independent(options.rows_independent()) && dk <= GemmBlocking<Scalar>::kKC &&
+  return cpu::kFusedScores && std::is_same<Scalar, float>::value && options.compute() != Compute::BFloat16 &&
+         !cpu::honoured_rows_independent(options.rows_independent()) && dk <= cpu::GemmBlocking<Scalar>::kKC &&
          streaming_packed<Scalar, KV>(options, lq, lk);
 }
 /// The body of sdpa_streaming, sdpa_streaming_lse and sdpa_train (lse: nullptr, or [batch·heads, queries];
 /// dropout: nullptr or the probabilities' dropout).
 template <class Scalar, class KV>
-void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scalar>& q,
-                         const kernels::HeadsView<const KV>& k, const kernels::HeadsView<const KV>& v,
-                         const kernels::HeadsView<Scalar>& out, Eigen::Ref<RowMatrix<Scalar>>* lse,
-                         const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options,
-                         const kernels::AttnDropout* dropout = nullptr);
-}  // namespace detail
-namespace kernels {
-
-/// Bytes of scratch memory one worker of sdpa_streaming uses for lq queries over lk keys: at most
-/// query_block × key_block scores, whatever the lengths.
-/// Compute::BFloat16 adds the query block and a block of probabilities rounded (bf16 in whole 32-row,
-/// 32-column tiles on the tile engine, floats on the fallback).
-template <class Scalar>
-std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index qk_dim, Index v_dim, Index lq, Index lk) {
-  const auto [bq, bk] = c2f::detail::streaming_blocks(options, lq, lk);
-  std::size_t rounded = 0;
-  if (options.compute() == Compute::BFloat16) {
-    using c2f::detail::ceil_div;
-    using c2f::detail::kTileK;
-    rounded = c2f::detail::streaming_bf16_tiles(bk, lk)
-                  ? 2 * static_cast<std::size_t>(ceil_div(bq, kTileK) * kTileK * (ceil_div(qk_dim, kTileK) + ceil_div(bk, kTileK)) * kTileK)
-                  : 4 * static_cast<std::size_t>(bq * (qk_dim + bk));
-  }
-  // A task's query blocks (streaming_query_group) each keep their queries, accumulator and row state.
-  const Index rows = c2f::detail::streaming_query_group<Scalar>(options, lq, lk, qk_dim, v_dim) * bq;
-  // The fused step's sum and max lanes: 16 + 16 per query of a block.
-  const Index lanes = c2f::detail::streaming_fused<Scalar>(options, lq, lk, qk_dim) ? 32 * bq : 0;
-  return rounded + sizeof(Scalar) * static_cast<std::size_t>(rows * qk_dim + bq * c2f::detail::score_stride<Scalar>(bk) +
-                                                             rows * v_dim + 3 * rows + lanes);
-}
-
-/// Bytes sdpa_streaming holds once per call, shared by its workers, for `pairs` (batch, head) pairs: on
-/// the packed path every head's keys and values in the micro-kernel's panels (linear in lk); else 0.
-template <class Scalar>
-std::size_t sdpa_streaming_shared_bytes(const KernelOptions& options, Index pairs, Index qk_dim, Index v_dim, Index lq,
-                                        Index lk) {
-  if (options.compute() == Compute::BFloat16) {  // every head's keys and values packed for bf16_gemm
-    const bool tiles = c2f::detail::streaming_bf16_tiles(c2f::detail::streaming_blocks(options, lq, lk).second, lk);
-    return static_cast<std::size_t>(pairs) *
-           (c2f::detail::Bf16PackedB::bytes(qk_dim, lk, tiles) + c2f::detail::Bf16PackedB::bytes(lk, v_dim, tiles));
-  }
-  if (!c2f::detail::streaming_packed<Scalar>(options, lq, lk)) return 0;
-  return static_cast<std::size_t>(pairs) *
-         (c2f::detail::PackedB<Scalar>::bytes(qk_dim, lk) + c2f::detail::PackedB<Scalar>::bytes(lk, v_dim));
-}
-
-/// Streaming kernel: out = softmax(q kᵀ · scale + mask) v (overwritten). Tasks are (batch, head, query
-/// block — two blocks over long keys, detail::streaming_query_group); each walks the key blocks with an
-/// online softmax. Blocks the mask fully hides (causal, key
-/// lengths) are skipped without computing scores. Keys and values may be stored in another type `KV`
-/// (Eigen::half, Eigen::bfloat16: a KVCache's): each key block is then converted to Scalar first.
-template <class Scalar, class KV = Scalar>
-void sdpa_streaming(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduce<HeadsView<const KV>>& k,
-                    const c2f::detail::NoDeduce<HeadsView<const KV>>& v,
-                    const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale,
-                    const KernelOptions& options) {
-  c2f::detail::sdpa_streaming_impl<Scalar, KV>("sdpa_streaming", q, k, v, out, nullptr, mask, scale, options);
-}
-
-/// sdpa_streaming() that also writes each row's log-sum-exp, lse [batch·heads, queries] (row b·heads + h):
-/// log Σ_j exp(scale · q_i·k_j + mask_ij), −inf for a row whose keys are all masked (its output is 0).
-/// Two outputs over disjoint key sets merge into the output over their union by the log-sum-exp rule
-/// (c2f/dist's ring attention): with M = max(lse_a, lse_b), w = exp(lse − M),
-/// out = (w_a·out_a + w_b·out_b) / (w_a + w_b) and lse = M + log(w_a + w_b).
-template <class Scalar>
-void sdpa_streaming_lse(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                        const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
-                        Eigen::Ref<RowMatrix<Scalar>> lse, const MaskView<Scalar>& mask, Scalar scale,
-                        const KernelOptions& options) {
-  c2f::detail::check_lse("sdpa_streaming_lse", q, lse);
-  c2f::detail::sdpa_streaming_impl<Scalar, Scalar>("sdpa_streaming_lse", q, k, v, out, &lse, mask, scale, options);
-}
-
-/// sdpa_streaming_lse() in train mode: `dropout` applied to the probabilities after the softmax (the
-/// log-sum-exp is of the scores before it, as the backward pass needs). Without dropout it is
-/// sdpa_streaming_lse(), bit for bit. Twin: sdpa_naive_train().
-template <class Scalar>
-void sdpa_train(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                const HeadsView<Scalar>& out, Eigen::Ref<RowMatrix<Scalar>> lse, const MaskView<Scalar>& mask,
-                const AttnDropout& dropout, Scalar scale, const KernelOptions& options) {
-  c2f::detail::check_lse("sdpa_train", q, lse, &dropout);
-  c2f::detail::sdpa_streaming_impl<Scalar, Scalar>("sdpa_train", q, k, v, out, &lse, mask, scale, options, &dropout);
-}
-
-}  // namespace kernels
-namespace detail {
-template <class Scalar, class KV>
-void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scalar>& q,
-                         const kernels::HeadsView<const KV>& k, const kernels::HeadsView<const KV>& v,
-                         const kernels::HeadsView<Scalar>& out, Eigen::Ref<RowMatrix<Scalar>>* lse,
-                         const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options,
-                         const kernels::AttnDropout* dropout) {
-  using namespace kernels;  // NOLINT(google-build-using-namespace): the body reads as the kernels' own
-  c2f::detail::check_sdpa(kernel, q, k, v, out, mask, scale);
+void sdpa_streaming_impl(const char* kernel, const HeadsView<const Scalar>& q, const HeadsView<const KV>& k,
+                         const HeadsView<const KV>& v, const HeadsView<Scalar>& out, RowMatrixRef<Scalar>* lse,
+                         const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options,
+                         const AttnDropout* dropout = nullptr) {
+  detail::check_sdpa(kernel, q, k, v, out, mask, scale);
   const Index lq = q.seq, lk = k.seq, dk = q.dim, dv = v.dim;
-  const std::pair<Index, Index> blocks = c2f::detail::streaming_blocks(options, lq, lk);
+  const std::pair<Index, Index> blocks = impl::streaming_blocks(options, lq, lk);
   const Index bq = blocks.first, bk = blocks.second;  // named: a lambda cannot capture a structured binding in C++17
   const Index query_blocks = (lq + bq - 1) / bq;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   const bool drop = dropout != nullptr && dropout->active();
-  const Scalar kept_scale = drop ? c2f::detail::dropout_scale<Scalar>(*dropout) : Scalar(1);
-  const bool bf16 = c2f::detail::check_compute<Scalar, KV>(kernel, options.compute(), true);
+  const Scalar kept_scale = drop ? impl::dropout_scale<Scalar>(*dropout) : Scalar(1);
+  const bool bf16 = c2f::cpu::check_compute<Scalar, KV>(kernel, options.compute(), true);
 
   struct Workspace {
     RowMatrix<Scalar> q, s, acc, kv;  // kv: a converted key or value block (KV ≠ Scalar)
     Vector<Scalar> m, l, alpha, lanes;  // lanes: the fused step's sums and maxes
-    c2f::detail::Bf16A q16, p16;  // Compute::BFloat16: the query block and the probabilities, rounded
-    c2f::detail::MaskedValues<Scalar> masked;
+    c2f::cpu::Bf16A q16, p16;  // Compute::BFloat16: the query block and the probabilities, rounded
+    c2f::cpu::MaskedValues<Scalar> masked;
   };
   // Work: the key blocks a causal or length mask skips are not counted (an upper bound).
-  const double work = c2f::detail::attention_work(q.batch * q.heads, lq, lk, dk, dv);
-  // The packed path (detail::packed_gemm, where the build has it): each head's keys and values packed
+  const double work = detail::attention_work(q.batch * q.heads, lq, lk, dk, dv);
+  // The packed path (cpu::packed_gemm, where the build has it): each head's keys and values packed
   // once into the micro-kernel's panels, shared by all of its query blocks; the products of a block are
   // then QKᵀ and PV on those panels.
-  const bool packed = !bf16 && c2f::detail::streaming_packed<Scalar, KV>(options, lq, lk);
+  const bool packed = !bf16 && impl::streaming_packed<Scalar, KV>(options, lq, lk);
   // The key blocks the mask leaves whole take the fused step.
-  const bool fused = !drop && c2f::detail::streaming_fused<Scalar, KV>(options, lq, lk, dk);
+  const bool fused = !drop && impl::streaming_fused<Scalar, KV>(options, lq, lk, dk);
   const Index pairs = q.batch * q.heads;
-  std::vector<c2f::detail::PackedB<Scalar>> packed_k, packed_v;
+  std::vector<c2f::cpu::PackedB<Scalar>> packed_k, packed_v;
   // Compute::BFloat16: each head's keys and values packed once for bf16_gemm_range, on the tile engine
   // where key blocks start on its 32-row steps.
-  std::vector<c2f::detail::Bf16PackedB> packed_k16, packed_v16;
-  const bool tiles = bf16 && c2f::detail::streaming_bf16_tiles(bk, lk);
+  std::vector<c2f::cpu::Bf16PackedB> packed_k16, packed_v16;
+  const bool tiles = bf16 && impl::streaming_bf16_tiles(bk, lk);
   if (packed) {
     packed_k.resize(static_cast<std::size_t>(pairs));
     packed_v.resize(packed_k.size());
@@ -398,12 +282,12 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
     packed_k16.resize(static_cast<std::size_t>(pairs));
     packed_v16.resize(packed_k16.size());
   }
-  // Each pair is packed by the first task that reaches it, inside the attention's loop (detail::LeadTasks):
+  // Each pair is packed by the first task that reaches it, inside the attention's loop (detail::GroupBlockTasks):
   // the packing runs on every worker, and its panels are still in that worker's cache for its first block.
   // Each task takes `group` consecutive query blocks of one pair and walks the keys once for all of them.
-  const Index group = c2f::detail::streaming_query_group<Scalar, KV>(options, lq, lk, dk, dv);  // 1 off the packed path
+  const Index group = impl::streaming_query_group<Scalar, KV>(options, lq, lk, dk, dv);  // 1 off the packed path
   const Index groups = (query_blocks + group - 1) / group;
-  const c2f::detail::LeadTasks order(pairs, groups, packed || bf16);
+  const detail::GroupBlockTasks order(pairs, groups, packed || bf16);
   const auto pack_pair = [&](Index bh) {
     const Index b = bh / q.heads, h = bh % q.heads;
     if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
@@ -419,10 +303,10 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
       }
     }
   };
-  c2f::detail::parallel_for_each_worker<Workspace>(pairs * groups, options.num_threads(), work, [&](Index task, Workspace& ws) {
+  detail::parallel_for_each_worker<Workspace>(pairs * groups, options.num_threads(), work, [&](Index task, Workspace& ws) {
     if (ws.q.size() == 0) {
       ws.q.resize(group * bq, dk);
-      ws.s.resize(bq, c2f::detail::score_stride<Scalar>(bk));
+      ws.s.resize(bq, c2f::cpu::score_stride<Scalar>(bk));
       ws.acc.resize(group * bq, dv);
       ws.m.resize(group * bq);
       ws.l.resize(group * bq);
@@ -434,7 +318,7 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
     const Index task_blocks = std::min(group, query_blocks - first_block);
     order.prepare(bh, pack_pair);
     const Index b = bh / q.heads, h = bh % q.heads;
-    const c2f::detail::Bf16Tiles tile_registers(bf16 && packed_k16[static_cast<std::size_t>(bh)].tiles());
+    const c2f::cpu::Bf16Tiles tile_registers(bf16 && packed_k16[static_cast<std::size_t>(bh)].tiles());
     // Query block g of the task: its first query, its rows, and its rows of the workspace from g·bq on.
     const auto first_query = [&](Index g) { return (first_block + g) * bq; };
     const auto rows_of = [&](Index g) { return std::min(bq, lq - first_query(g)); };
@@ -461,23 +345,23 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
         Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
         if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
           if (bf16) {
-            c2f::detail::bf16_gemm(ws.q16, packed_k16[static_cast<std::size_t>(bh)], 0, dk, j0, nj, nullptr, false, s.data(),
+            c2f::cpu::bf16_gemm(ws.q16, packed_k16[static_cast<std::size_t>(bh)], 0, dk, j0, nj, nullptr, false, s.data(),
                                    s.outerStride());
             if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
             // The rounded values: a finite value beyond bfloat16's range is infinite there.
-            const Eigen::CwiseUnaryOp<c2f::detail::RoundBf16<Scalar>, const typename HeadsView<const KV>::Block> vr =
-                v.block(b, h, j0, nj).unaryExpr(c2f::detail::RoundBf16<Scalar>());
+            const Eigen::CwiseUnaryOp<c2f::cpu::RoundBf16<Scalar>, const typename HeadsView<const KV>::Block> vr =
+                v.block(b, h, j0, nj).unaryExpr(c2f::cpu::RoundBf16<Scalar>());
             const bool guard = status == BlockMask::Partial && ws.masked.find(vr);
             if (guard) ws.masked.remember_hidden(s);
-            if (c2f::detail::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
-            if (drop) c2f::detail::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
+            if (c2f::cpu::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
+            if (drop) impl::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
             if (guard) {
-              c2f::detail::round_bf16_rows(s.data(), ni, nj, s.outerStride());
+              c2f::cpu::round_bf16_rows(s.data(), ni, nj, s.outerStride());
               ws.masked.template product<true>(acc, s, vr);
             } else {
-              const c2f::detail::Bf16PackedB& pv = packed_v16[static_cast<std::size_t>(bh)];
+              const c2f::cpu::Bf16PackedB& pv = packed_v16[static_cast<std::size_t>(bh)];
               ws.p16.prepare(s.data(), s.outerStride(), ni, nj, pv.tiles());
-              c2f::detail::bf16_gemm(ws.p16, pv, j0, j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
+              c2f::cpu::bf16_gemm(ws.p16, pv, j0, j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
             }
             continue;
           }
@@ -487,33 +371,33 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
 #if C2F_EXP_SIMD == 16
         if constexpr (std::is_same<Scalar, float>::value && std::is_same<KV, float>::value) {
           if (fused && status == BlockMask::Clear) {
-            rescale = c2f::detail::fused_online_softmax_step(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)],
+            rescale = c2f::cpu::fused_online_softmax_step(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)],
                                                              dk, j0, nj, s.data(), s.outerStride(), m, l, alpha, ws.lanes.data());
             stepped = true;
           }
         }
 #endif
         if (!stepped && packed) {
-          c2f::detail::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)], 0, dk, j0, nj,
+          c2f::cpu::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)], 0, dk, j0, nj,
                                                  nullptr, false, s.data(), s.outerStride());
         } else if (!stepped) {
-          c2f::detail::as_scalar(k.block(b, h, j0, nj), ws.kv, [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
+          detail::as_scalar(k.block(b, h, j0, nj), ws.kv, [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
         }
         if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
-        c2f::detail::as_scalar(v.block(b, h, j0, nj), ws.kv, [&](const auto& vb) {
+        detail::as_scalar(v.block(b, h, j0, nj), ws.kv, [&](const auto& vb) {
           // A block the mask cuts through may hide non-finite values: leave them out (masked_values.hpp).
           const bool guard = status == BlockMask::Partial && ws.masked.find(vb);
           if (guard) ws.masked.remember_hidden(s);
-          if (!stepped) rescale = c2f::detail::online_softmax_step(s, m, l, alpha);
+          if (!stepped) rescale = c2f::cpu::online_softmax_step(s, m, l, alpha);
           if (rescale) acc = alpha.asDiagonal() * acc;
           // Dropout zeroes probabilities after the running sum took them (scaled by 1 / (1 − p) at the end).
-          if (drop) c2f::detail::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
+          if (drop) impl::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
           if (guard && packed) {
             ws.masked.product_packed_add(acc, s, vb, j0);
           } else if (guard) {
             ws.masked.template product<true>(acc, s, vb);
           } else if (packed) {
-            c2f::detail::packed_gemm_range<Scalar>(s.data(), s.outerStride(), ni, packed_v[static_cast<std::size_t>(bh)], j0,
+            c2f::cpu::packed_gemm_range<Scalar>(s.data(), s.outerStride(), ni, packed_v[static_cast<std::size_t>(bh)], j0,
                                                    j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
           } else {
             acc.noalias() += s * vb;
@@ -540,8 +424,105 @@ void sdpa_streaming_impl(const char* kernel, const kernels::HeadsView<const Scal
     }
   });
 }
-}  // namespace detail
-namespace kernels {
+
+}  // namespace impl
+
+/// Reference kernel: out = softmax(q kᵀ · scale + mask) v (overwritten). `weights`, when not null,
+/// receives the softmax weights as a row-major [batch, heads, q.seq, k.seq] array. Tasks are
+/// (batch, head) pairs.
+template <class Scalar>
+void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options,
+                Scalar* weights = nullptr) {
+  impl::sdpa_naive_impl<Scalar>("sdpa_naive", q, k, v, out, mask, scale, options, weights, nullptr, nullptr);
+}
+
+/// sdpa_naive() in train mode, the twin of sdpa_train(): also writes each row's log-sum-exp lse
+/// [batch·heads, queries] (−inf for a row with no visible key), and applies `dropout` to the
+/// probabilities. Without dropout the output has sdpa_naive()'s bits.
+template <class Scalar>
+void sdpa_naive_train(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                      const HeadsView<Scalar>& out, RowMatrixRef<Scalar> lse, const MaskView<Scalar>& mask,
+                      const AttnDropout& dropout, Scalar scale, const KernelOptions& options) {
+  impl::check_lse("sdpa_naive_train", q, lse, &dropout);
+  impl::sdpa_naive_impl<Scalar>("sdpa_naive_train", q, k, v, out, mask, scale, options, nullptr, &lse, &dropout);
+}
+
+/// Bytes of scratch memory one worker of sdpa_streaming uses for lq queries over lk keys: at most
+/// query_block × key_block scores, whatever the lengths.
+/// Compute::BFloat16 adds the query block and a block of probabilities rounded (bf16 in whole 32-row,
+/// 32-column tiles on the tile engine, floats on the fallback).
+template <class Scalar>
+std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index qk_dim, Index v_dim, Index lq, Index lk) {
+  const auto [bq, bk] = impl::streaming_blocks(options, lq, lk);
+  std::size_t rounded = 0;
+  if (options.compute() == Compute::BFloat16) {
+    using detail::ceil_div;
+    using c2f::cpu::kTileK;
+    rounded = impl::streaming_bf16_tiles(bk, lk)
+                  ? 2 * static_cast<std::size_t>(ceil_div(bq, cpu::kTileK) * cpu::kTileK * (ceil_div(qk_dim, cpu::kTileK) + ceil_div(bk, cpu::kTileK)) * cpu::kTileK)
+                  : 4 * static_cast<std::size_t>(bq * (qk_dim + bk));
+  }
+  // A task's query blocks (streaming_query_group) each keep their queries, accumulator and row state.
+  const Index rows = impl::streaming_query_group<Scalar>(options, lq, lk, qk_dim, v_dim) * bq;
+  // The fused step's sum and max lanes: 16 + 16 per query of a block.
+  const Index lanes = impl::streaming_fused<Scalar>(options, lq, lk, qk_dim) ? 32 * bq : 0;
+  return rounded + sizeof(Scalar) * static_cast<std::size_t>(rows * qk_dim + bq * c2f::cpu::score_stride<Scalar>(bk) +
+                                                             rows * v_dim + 3 * rows + lanes);
+}
+
+/// Bytes sdpa_streaming holds once per call, shared by its workers, for `pairs` (batch, head) pairs: on
+/// the packed path every head's keys and values in the micro-kernel's panels (linear in lk); else 0.
+template <class Scalar>
+std::size_t sdpa_streaming_shared_bytes(const KernelOptions& options, Index pairs, Index qk_dim, Index v_dim, Index lq,
+                                        Index lk) {
+  if (options.compute() == Compute::BFloat16) {  // every head's keys and values packed for bf16_gemm
+    const bool tiles = impl::streaming_bf16_tiles(impl::streaming_blocks(options, lq, lk).second, lk);
+    return static_cast<std::size_t>(pairs) *
+           (c2f::cpu::Bf16PackedB::bytes(qk_dim, lk, tiles) + c2f::cpu::Bf16PackedB::bytes(lk, v_dim, tiles));
+  }
+  if (!impl::streaming_packed<Scalar>(options, lq, lk)) return 0;
+  return static_cast<std::size_t>(pairs) *
+         (c2f::cpu::PackedB<Scalar>::bytes(qk_dim, lk) + c2f::cpu::PackedB<Scalar>::bytes(lk, v_dim));
+}
+
+/// Streaming kernel: out = softmax(q kᵀ · scale + mask) v (overwritten). Tasks are (batch, head, query
+/// block — two blocks over long keys, impl::streaming_query_group); each walks the key blocks with an
+/// online softmax. Blocks the mask fully hides (causal, key
+/// lengths) are skipped without computing scores. Keys and values may be stored in another type `KV`
+/// (Eigen::half, Eigen::bfloat16: a KVCache's): each key block is then converted to Scalar first.
+template <class Scalar, class KV = Scalar>
+void sdpa_streaming(const HeadsView<const Scalar>& q, const detail::NoDeduce<HeadsView<const KV>>& k,
+                    const detail::NoDeduce<HeadsView<const KV>>& v,
+                    const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale,
+                    const KernelOptions& options) {
+  impl::sdpa_streaming_impl<Scalar, KV>("sdpa_streaming", q, k, v, out, nullptr, mask, scale, options);
+}
+
+/// sdpa_streaming() that also writes each row's log-sum-exp, lse [batch·heads, queries] (row b·heads + h):
+/// log Σ_j exp(scale · q_i·k_j + mask_ij), −inf for a row whose keys are all masked (its output is 0).
+/// Two outputs over disjoint key sets merge into the output over their union by the log-sum-exp rule
+/// (c2f/dist's ring attention): with M = max(lse_a, lse_b), w = exp(lse − M),
+/// out = (w_a·out_a + w_b·out_b) / (w_a + w_b) and lse = M + log(w_a + w_b).
+template <class Scalar>
+void sdpa_streaming_lse(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                        const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
+                        RowMatrixRef<Scalar> lse, const MaskView<Scalar>& mask, Scalar scale,
+                        const KernelOptions& options) {
+  impl::check_lse("sdpa_streaming_lse", q, lse);
+  impl::sdpa_streaming_impl<Scalar, Scalar>("sdpa_streaming_lse", q, k, v, out, &lse, mask, scale, options);
+}
+
+/// sdpa_streaming_lse() in train mode: `dropout` applied to the probabilities after the softmax (the
+/// log-sum-exp is of the scores before it, as the backward pass needs). Without dropout it is
+/// sdpa_streaming_lse(), bit for bit. Twin: sdpa_naive_train().
+template <class Scalar>
+void sdpa_train(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
+                const HeadsView<Scalar>& out, RowMatrixRef<Scalar> lse, const MaskView<Scalar>& mask,
+                const AttnDropout& dropout, Scalar scale, const KernelOptions& options) {
+  impl::check_lse("sdpa_train", q, lse, &dropout);
+  impl::sdpa_streaming_impl<Scalar, Scalar>("sdpa_train", q, k, v, out, &lse, mask, scale, options, &dropout);
+}
 
 /// Split-key kernel (flash decoding) with sdpa_streaming's contract, for few queries over many keys — a
 /// decode step. Tasks are (batch, part of options.key_part() keys); a task walks its part's key blocks
@@ -549,22 +530,22 @@ namespace kernels {
 /// keys and values are read from memory once and in order whatever the head count. Each (head, query)
 /// keeps a running max, sum and accumulator per part; the parts are merged by the log-sum-exp rule in
 /// part order. Scratch: batch · parts · heads · queries · (dv + 2) values.
-/// With at most detail::kSplitKeysByRowMaxQueries queries (a decode step), a block's scores and weighted
-/// values are computed row by row of the cache, every head on a row at once (detail::head_scores_by_row):
+/// With at most impl::kSplitKeysByRowMaxQueries queries (a decode step), a block's scores and weighted
+/// values are computed row by row of the cache, every head on a row at once (cpu::head_scores_by_row):
 /// the keys and values are then read front to back, not in one strided pass per head.
 template <class Scalar, class KV = Scalar>
-void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDeduce<HeadsView<const KV>>& k,
-                     const c2f::detail::NoDeduce<HeadsView<const KV>>& v, const HeadsView<Scalar>& out,
+void sdpa_split_keys(const HeadsView<const Scalar>& q, const detail::NoDeduce<HeadsView<const KV>>& k,
+                     const detail::NoDeduce<HeadsView<const KV>>& v, const HeadsView<Scalar>& out,
                      const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
-  c2f::detail::check_sdpa("sdpa_split_keys", q, k, v, out, mask, scale);
+  detail::check_sdpa("sdpa_split_keys", q, k, v, out, mask, scale);
   // Compute::BFloat16: the queries, the key and value blocks (copied, as a narrow cache's are) and the
   // probabilities rounded to bfloat16, the same products in fp32.
-  const bool bf16 = c2f::detail::check_compute<Scalar, KV>("sdpa_split_keys", options.compute(), true);
+  const bool bf16 = c2f::cpu::check_compute<Scalar, KV>("sdpa_split_keys", options.compute(), true);
   const Index bk = std::max<Index>(1, options.key_block()), part_keys = std::max<Index>(1, options.key_part());
   const Index n = q.seq, lk = k.seq, dk = q.dim, dv = v.dim, heads = q.heads;
-  const Index parts = std::max<Index>(1, c2f::detail::ceil_div(lk, part_keys));
+  const Index parts = std::max<Index>(1, detail::ceil_div(lk, part_keys));
   const Index rows = heads * n;  // (head, query) rows of one task
-  const bool by_row = n <= c2f::detail::kSplitKeysByRowMaxQueries;
+  const bool by_row = n <= impl::kSplitKeysByRowMaxQueries;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   // Per task: the accumulators [rows, dv] and each row's running max and sum.
   std::vector<Scalar> acc_all(static_cast<std::size_t>(q.batch * parts * rows * dv));
@@ -573,19 +554,19 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
   struct Workspace {
     RowMatrix<Scalar> q, s, kb, vb;  // kb, vb: converted key and value blocks of every head (KV ≠ Scalar)
     Vector<Scalar> alpha;
-    c2f::detail::MaskedValues<Scalar> masked;
+    c2f::cpu::MaskedValues<Scalar> masked;
     std::vector<unsigned char> guarded;  // by_row: the heads of a block whose values hold hidden non-finite rows
   };
   // Work: the products and exps, and every cached key and value element read once from memory.
-  const double work = c2f::detail::attention_work(q.batch * heads, n, lk, dk, dv) +
-                      c2f::detail::kElementWork * double(q.batch * heads * lk * (dk + dv));
-  c2f::detail::parallel_for_each_worker<Workspace>(q.batch * parts, options.num_threads(), work, [&](Index task,
+  const double work = detail::attention_work(q.batch * heads, n, lk, dk, dv) +
+                      detail::kElementWork * double(q.batch * heads * lk * (dk + dv));
+  detail::parallel_for_each_worker<Workspace>(q.batch * parts, options.num_threads(), work, [&](Index task,
                                                                                                     Workspace& ws) {
     const Index b = task / parts, part = task % parts;
     const Index first = part * part_keys, last = std::min(lk, first + part_keys);
     ws.q.resize(rows, dk);
     for (Index h = 0; h < heads; ++h) ws.q.middleRows(h * n, n) = q.block(b, h, 0, n) * scale;
-    if (bf16) ws.q = ws.q.unaryExpr(c2f::detail::RoundBf16<Scalar>());
+    if (bf16) ws.q = ws.q.unaryExpr(c2f::cpu::RoundBf16<Scalar>());
     ws.s.resize(by_row ? rows : n, std::min(bk, last - first));
     ws.alpha.resize(n);
     if (by_row) ws.guarded.assign(static_cast<std::size_t>(heads), 0);
@@ -605,11 +586,11 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
       const bool in_place = kWidenInPlace && by_row && status == BlockMask::Clear;
       const bool copies = !in_place && (bf16 || !std::is_same<KV, Scalar>::value);
       if (copies) {
-        c2f::detail::convert_block<Scalar>(k.rows(b, j0, nj), ws.kb);
-        c2f::detail::convert_block<Scalar>(v.rows(b, j0, nj), ws.vb);
+        detail::convert_block<Scalar>(k.rows(b, j0, nj), ws.kb);
+        detail::convert_block<Scalar>(v.rows(b, j0, nj), ws.vb);
         if (bf16 && !std::is_same<KV, Eigen::bfloat16>::value) {  // a half value is not a bfloat16 one
-          ws.kb = ws.kb.unaryExpr(c2f::detail::RoundBf16<Scalar>());
-          ws.vb = ws.vb.unaryExpr(c2f::detail::RoundBf16<Scalar>());
+          ws.kb = ws.kb.unaryExpr(c2f::cpu::RoundBf16<Scalar>());
+          ws.vb = ws.vb.unaryExpr(c2f::cpu::RoundBf16<Scalar>());
         }
       }
       // The block's key and value rows, every head side by side: the cache's, or the converted copies.
@@ -627,11 +608,11 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
       }
       if (by_row && in_place) {
         if constexpr (kWidenInPlace) {
-          c2f::detail::head_scores_by_row<Scalar, KV>(ws.q.data(), heads, n, dk, k.rows(b, j0, nj).data(), k.row_stride, nj,
+          c2f::cpu::head_scores_by_row<Scalar, KV>(ws.q.data(), heads, n, dk, k.rows(b, j0, nj).data(), k.row_stride, nj,
                                                       ws.s.data(), ws.s.outerStride());
         }
       } else if (by_row) {
-        c2f::detail::head_scores_by_row(ws.q.data(), heads, n, dk, key_rows, key_stride, nj, ws.s.data(), ws.s.outerStride());
+        c2f::cpu::head_scores_by_row(ws.q.data(), heads, n, dk, key_rows, key_stride, nj, ws.s.data(), ws.s.outerStride());
       }
       for (Index h = 0; h < heads; ++h) {
         Eigen::Block<RowMatrix<Scalar>> s = ws.s.block(by_row ? h * n : 0, 0, n, nj);
@@ -645,15 +626,15 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
         typename Eigen::Map<RowMatrix<Scalar>>::RowsBlockXpr ah = acc.middleRows(h * n, n);
         // Null when a bfloat16 cache's values are read in place (below, after the heads): then unused.
         const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> vblock(
-            c2f::detail::offset_or_null(value_rows, h * dv), nj, dv, Eigen::OuterStride<>(value_stride));
+            detail::offset_or_null(value_rows, h * dv), nj, dv, Eigen::OuterStride<>(value_stride));
         const bool guard = status == BlockMask::Partial && ws.masked.find(vblock);  // masked_values.hpp
         if (guard) ws.masked.remember_hidden(s);
-        if (c2f::detail::online_softmax_step(s, mh, lh, ws.alpha)) ah = ws.alpha.asDiagonal() * ah;
-        if (bf16) c2f::detail::round_bf16_rows(s.data(), n, nj, s.outerStride());
+        if (c2f::cpu::online_softmax_step(s, mh, lh, ws.alpha)) ah = ws.alpha.asDiagonal() * ah;
+        if (bf16) c2f::cpu::round_bf16_rows(s.data(), n, nj, s.outerStride());
         if (by_row) ws.guarded[static_cast<std::size_t>(h)] = guard;
         if (guard && by_row) {  // this head's row pass, on the block with the hidden non-finite rows zeroed
           ws.masked.product_add_with(ah, s, vblock, [&](const RowMatrix<Scalar>& clean) {
-            c2f::detail::head_values_by_row(s.data(), s.outerStride(), 1, n, clean.data(), clean.outerStride(), nj, dv,
+            c2f::cpu::head_values_by_row(s.data(), s.outerStride(), 1, n, clean.data(), clean.outerStride(), nj, dv,
                                             ah.data());
           });
         } else if (guard) {
@@ -664,17 +645,17 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const c2f::detail::NoDedu
       }
       if (by_row && in_place) {  // (no head is guarded: the block is not cut by the mask)
         if constexpr (kWidenInPlace) {
-          c2f::detail::head_values_by_row<Scalar, KV>(ws.s.data(), ws.s.outerStride(), heads, n, v.rows(b, j0, nj).data(),
+          c2f::cpu::head_values_by_row<Scalar, KV>(ws.s.data(), ws.s.outerStride(), heads, n, v.rows(b, j0, nj).data(),
                                                       v.row_stride, nj, dv, acc.data());
         }
       } else if (by_row) {  // every other head's weighted values, one pass over the value rows
-        c2f::detail::head_values_by_row(ws.s.data(), ws.s.outerStride(), heads, n, value_rows, value_stride, nj, dv,
+        c2f::cpu::head_values_by_row(ws.s.data(), ws.s.outerStride(), heads, n, value_rows, value_stride, nj, dv,
                                         acc.data(), ws.guarded.data());
       }
     }
   });
   // Merge the parts of every (batch, head, query) row: out = Σ e^(m_p − M) acc_p / Σ e^(m_p − M) l_p.
-  c2f::detail::parallel_for(q.batch * heads, options.num_threads(),
+  detail::parallel_for(q.batch * heads, options.num_threads(),
                             double(q.batch * heads * n * parts * (dv + 2)), [&](Index bh, int) {
     const Index b = bh / heads, h = bh % heads;
     typename HeadsView<Scalar>::Block dst = out.block(b, h, 0, n);

@@ -6,7 +6,7 @@
 //                        key block) P = exp(scale · q kᵀ + mask − lse) recomputed, dv += Pᵀ dout,
 //                        dS = P ∘ (dout vᵀ − D), dq += scale · dS k, dk += scale · dSᵀ q. Working memory
 //                        O(query_block · key_block) per worker — never a [queries, keys] buffer. Where
-//                        the build has the packed micro-kernel (detail/packed_gemm.hpp) and there is no
+//                        the build has the packed micro-kernel (cpu/packed_gemm.hpp) and there is no
 //                        dropout, the five products run on it: each task packs its head's kᵀ, vᵀ and k
 //                        once, each query block its dout and scale · q (the forward's packed path);
 //                        otherwise on Eigen's product;
@@ -19,10 +19,10 @@
 
 #include "c2f/core.hpp"
 #include "c2f/detail/checks.hpp"
-#include "c2f/detail/masked_values.hpp"
-#include "c2f/detail/packed_gemm.hpp"
+#include "c2f/cpu/masked_values.hpp"
+#include "c2f/cpu/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
-#include "c2f/detail/softmax.hpp"
+#include "c2f/cpu/softmax.hpp"
 #include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 #include "c2f/kernels/sdpa.hpp"
@@ -34,7 +34,8 @@
 #include <vector>
 
 namespace c2f {
-namespace detail {
+namespace kernels {
+namespace impl {
 
 /// sdpa_backward splits each (batch, head)'s query blocks into this many parts or fewer when there are
 /// fewer than kBackwardMinTasks (batch, head) pairs, so that a few heads still keep several threads busy.
@@ -46,34 +47,32 @@ constexpr Index kBackwardMinTasks = 8;
 /// query block.
 inline Index backward_query_parts(Index pairs, Index query_blocks) {
   if (pairs <= 0 || query_blocks <= 1) return 1;
-  return std::max<Index>(1, std::min(ceil_div(kBackwardMinTasks, pairs), query_blocks));
+  return std::max<Index>(1, std::min(detail::ceil_div(kBackwardMinTasks, pairs), query_blocks));
 }
 
-}  // namespace detail
-namespace kernels {
+}  // namespace impl
 
 /// Flash-style attention backward (FlashAttention-2, PyTorch's CPU flash attention): given the forward's
 /// q, k, v, output `out` and log-sum-exp `lse` [batch·heads, queries] (sdpa_train, with the same mask,
 /// dropout and scale) and the output's gradient dout, writes dq, dk, dv (overwritten). Tasks are (batch,
-/// head, query part) (detail::backward_query_parts); each walks its query blocks and, per key block the
+/// head, query part) (impl::backward_query_parts); each walks its query blocks and, per key block the
 /// mask does not skip, recomputes the probabilities from lse. The bits depend on the shapes and blocks
 /// only, not on the thread count.
 template <class Scalar>
 void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                   const HeadsView<const Scalar>& out, const Eigen::Ref<const RowMatrix<Scalar>>& lse,
+                   const HeadsView<const Scalar>& out, const ConstRowMatrixRef<Scalar>& lse,
                    const HeadsView<const Scalar>& dout, const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk,
                    const HeadsView<Scalar>& dv, const MaskView<Scalar>& mask, const AttnDropout& dropout, Scalar scale,
                    const KernelOptions& options) {
-  namespace d = c2f::detail;
-  d::check_sdpa_backward("sdpa_backward", q, k, v, out, dout, dq, dk, dv, mask, scale);
-  d::check_lse("sdpa_backward", q, lse, &dropout);
+  detail::check_sdpa_backward("sdpa_backward", q, k, v, out, dout, dq, dk, dv, mask, scale);
+  impl::check_lse("sdpa_backward", q, lse, &dropout);
   const Index lq = q.seq, lk = k.seq, dqk = q.dim, ddv = v.dim, pairs = q.batch * q.heads;
-  const std::pair<Index, Index> blocks = d::streaming_blocks(options, lq, lk);
+  const std::pair<Index, Index> blocks = impl::streaming_blocks(options, lq, lk);
   const Index bq = blocks.first, bk = blocks.second;
-  const Index query_blocks = d::ceil_div(lq, bq);
-  const Index parts = d::backward_query_parts(pairs, query_blocks);
+  const Index query_blocks = detail::ceil_div(lq, bq);
+  const Index parts = impl::backward_query_parts(pairs, query_blocks);
   const bool drop = dropout.active();
-  const Scalar kept_scale = drop ? d::dropout_scale<Scalar>(dropout) : Scalar(1);
+  const Scalar kept_scale = drop ? impl::dropout_scale<Scalar>(dropout) : Scalar(1);
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   using Target = typename HeadsView<Scalar>::Block;  // a head's dk or dv rows
 
@@ -81,17 +80,17 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
   std::vector<RowMatrix<Scalar>> partial(static_cast<std::size_t>(pairs * (parts - 1)));
   // The packed path (see the file comment): the micro-kernel's products need key blocks that start on
   // its panels (as sdpa_streaming's packed path).
-  const bool packed = d::kPackedGemm && !drop && lq >= d::kPackedAttentionMinQueries &&
-                      (bk % d::GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
+  const bool packed = cpu::kPackedGemm && !drop && lq >= impl::kPackedAttentionMinQueries &&
+                      (bk % cpu::GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
   struct Workspace {
     RowMatrix<Scalar> qs, s, t, dq;
     Vector<Scalar> rowdot;
     std::vector<std::uint8_t> keep;
-    d::MaskedValues<Scalar> hidden_k, hidden_v;
-    d::PackedB<Scalar> kt, vt, kp, gp, qp;  // kᵀ, vᵀ, k of the head; dout, scale · q of the query block
+    cpu::MaskedValues<Scalar> hidden_k, hidden_v;
+    cpu::PackedB<Scalar> kt, vt, kp, gp, qp;  // kᵀ, vᵀ, k of the head; dout, scale · q of the query block
   };
-  const double work = 2.5 * d::attention_work(pairs, lq, lk, dqk, ddv);
-  d::parallel_for_each_worker<Workspace>(pairs * parts, options.num_threads(), work, [&](Index task, Workspace& ws) {
+  const double work = 2.5 * detail::attention_work(pairs, lq, lk, dqk, ddv);
+  detail::parallel_for_each_worker<Workspace>(pairs * parts, options.num_threads(), work, [&](Index task, Workspace& ws) {
     const Index bh = task / parts, part = task % parts, b = bh / q.heads, h = bh % q.heads;
     if (ws.qs.size() == 0) {
       ws.qs.resize(bq, dqk);
@@ -135,7 +134,7 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
         const typename HeadsView<const Scalar>::Block kb = k.block(b, h, j0, nj), vb = v.block(b, h, j0, nj);
         Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj), t = ws.t.topLeftCorner(ni, nj);
         if (packed) {
-          d::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, ws.kt, 0, dqk, j0, nj, nullptr, false, s.data(),
+          cpu::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, ws.kt, 0, dqk, j0, nj, nullptr, false, s.data(),
                                        s.outerStride());
         } else {
           s.noalias() = qs * kb.transpose();
@@ -154,21 +153,21 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
           if (shift == kNegInf) {
             s.row(r).setZero();
           } else {
-            d::exp_shifted(s.row(r), shift);
+            cpu::exp_shifted(s.row(r), shift);
           }
         }
         if (drop) {
           t = s;
-          d::apply_dropout(dropout, bh, i0, j0, t, kept_scale, ws.keep.data());
+          impl::apply_dropout(dropout, bh, i0, j0, t, kept_scale, ws.keep.data());
           dv_sum.middleRows(j0, nj).noalias() += t.transpose() * g;
         } else if (packed) {  // dv += Pᵀ dout (Pᵀ read in place from P)
-          d::packed_gemm_range<Scalar, true>(s.data(), s.outerStride(), nj, ws.gp, 0, ni, 0, ddv, nullptr, true,
+          cpu::packed_gemm_range<Scalar, true>(s.data(), s.outerStride(), nj, ws.gp, 0, ni, 0, ddv, nullptr, true,
                                              &dv_sum.coeffRef(j0, 0), dv_sum.outerStride());
         } else {
           dv_sum.middleRows(j0, nj).noalias() += s.transpose() * g;
         }
         if (packed) {  // dP = dout vᵀ
-          d::packed_gemm_range<Scalar>(g.data(), g.outerStride(), ni, ws.vt, 0, ddv, j0, nj, nullptr, false, t.data(),
+          cpu::packed_gemm_range<Scalar>(g.data(), g.outerStride(), ni, ws.vt, 0, ddv, j0, nj, nullptr, false, t.data(),
                                        t.outerStride());
         } else {
           t.noalias() = g * vb.transpose();  // dP (of the dropped probabilities)
@@ -185,13 +184,13 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
         } else if (guard_k) {
           ws.hidden_k.template product<true>(dq_acc, t, kb);
         } else if (packed) {
-          d::packed_gemm_range<Scalar>(t.data(), t.outerStride(), ni, ws.kp, j0, j0 + nj, 0, dqk, nullptr, true,
+          cpu::packed_gemm_range<Scalar>(t.data(), t.outerStride(), ni, ws.kp, j0, j0 + nj, 0, dqk, nullptr, true,
                                        dq_acc.data(), dq_acc.outerStride());
         } else {
           dq_acc.noalias() += t * kb;
         }
         if (packed) {  // dk += dSᵀ (scale · q) (dSᵀ read in place from dS)
-          d::packed_gemm_range<Scalar, true>(t.data(), t.outerStride(), nj, ws.qp, 0, ni, 0, dqk, nullptr, true,
+          cpu::packed_gemm_range<Scalar, true>(t.data(), t.outerStride(), nj, ws.qp, 0, ni, 0, dqk, nullptr, true,
                                              &dk_sum.coeffRef(j0, 0), dk_sum.outerStride());
         } else {
           dk_sum.middleRows(j0, nj).noalias() += t.transpose() * qs;  // qs = scale · q
@@ -201,7 +200,7 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
     }
   });
   if (parts > 1) {
-    d::parallel_for(pairs, options.num_threads(), d::kElementWork * double(pairs * (parts - 1) * lk * (dqk + ddv)),
+    detail::parallel_for(pairs, options.num_threads(), detail::kElementWork * double(pairs * (parts - 1) * lk * (dqk + ddv)),
                     [&](Index bh, int) {
                       const Index b = bh / q.heads, h = bh % q.heads;
                       for (Index p = 1; p < parts; ++p) {
@@ -223,20 +222,19 @@ void sdpa_backward_naive(const HeadsView<const Scalar>& q, const HeadsView<const
                          const HeadsView<Scalar>& dq, const HeadsView<Scalar>& dk, const HeadsView<Scalar>& dv,
                          const MaskView<Scalar>& mask, const AttnDropout& dropout, Scalar scale,
                          const KernelOptions& options) {
-  namespace d = c2f::detail;
-  d::check_sdpa_backward("sdpa_backward_naive", q, k, v, dout, dout, dq, dk, dv, mask, scale);
-  d::check_dropout("sdpa_backward_naive", dropout.p);
+  detail::check_sdpa_backward("sdpa_backward_naive", q, k, v, dout, dout, dq, dk, dv, mask, scale);
+  impl::check_dropout("sdpa_backward_naive", dropout.p);
   const Index lq = q.seq, lk = k.seq;
-  const double work = 3.0 * d::attention_work(q.batch * q.heads, lq, lk, q.dim, v.dim);
-  d::parallel_for(q.batch * q.heads, options.num_threads(), work, [&](Index task, int) {
+  const double work = 3.0 * detail::attention_work(q.batch * q.heads, lq, lk, q.dim, v.dim);
+  detail::parallel_for(q.batch * q.heads, options.num_threads(), work, [&](Index task, int) {
     const Index b = task / q.heads, h = task % q.heads;
     RowMatrix<Scalar> p(lq, lk), dp(lq, lk), keep = RowMatrix<Scalar>::Ones(lq, lk);
     p.noalias() = (q.block(b, h, 0, lq) * scale) * k.block(b, h, 0, lk).transpose();
     for (Index i = 0; i < lq; ++i) {
-      for (Index j = 0; j < lk; ++j) p(i, j) = d::add_bias(p(i, j), mask.bias(b, h, i, j));
-      d::softmax_row(p.row(i));
+      for (Index j = 0; j < lk; ++j) p(i, j) = cpu::add_bias(p(i, j), mask.bias(b, h, i, j));
+      cpu::softmax_row(p.row(i));
     }
-    if (dropout.active()) d::apply_dropout(dropout, task, 0, 0, keep, d::dropout_scale<Scalar>(dropout));
+    if (dropout.active()) impl::apply_dropout(dropout, task, 0, 0, keep, impl::dropout_scale<Scalar>(dropout));
     const typename HeadsView<const Scalar>::Block g = dout.block(b, h, 0, lq);
     dv.block(b, h, 0, lk).noalias() = p.cwiseProduct(keep).transpose() * g;
     dp.noalias() = g * v.block(b, h, 0, lk).transpose();

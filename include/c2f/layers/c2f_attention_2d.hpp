@@ -36,7 +36,7 @@
 #pragma once
 
 #include "c2f/detail/huge_pages.hpp"
-#include "c2f/detail/layer_support.hpp"
+#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/block2d.hpp"
 #include "c2f/kernels/chunk.hpp"
@@ -133,25 +133,25 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   /// x [B, height·width, embed_dim], tokens of a height × width grid flattened row-major → [B, height·width,
   /// embed_dim] (validates x and the grid).
   std::array<Index, 3> output_shape(const ConstTensor3Ref<Scalar>& x, Index height, Index width) const {
-    detail::named(type_name, [&] { checked_grid(x, height, width); });
+    detail::with_layer_name(type_name, [&] { checked_grid(x, height, width); });
     return {x.batch(), x.seq(), embed_dim()};
   }
   /// forward_into on a fresh buffer, whose pages (where transparent huge pages are on) the system maps and
   /// zeroes as the fine stage writes them, band by band in address order (detail::FreshPages::OnFirstWrite).
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, Index height, Index width, const Masks<Scalar>& masks = {}) const {
-    return detail::named(type_name, [&] {
+    return detail::with_layer_name(type_name, [&] {
       const kernels::BlockGrid2D grid = checked_grid(x, height, width);
       detail::check_mask_fields(masks, type_name, mask_fields);
       return detail::fresh_output<Scalar>(
           type_name, {x.batch(), x.seq(), embed_dim()}, options_.num_threads(),
-          [&](Eigen::Ref<RowMatrix<Scalar>> out, bool first_write) { run(x, grid, out, 0, nullptr, first_write); },
+          [&](RowMatrixRef<Scalar> out, bool first_write) { run(x, grid, out, 0, nullptr, first_write); },
           detail::FreshPages::OnFirstWrite);
     });
   }
   /// Into caller memory: out [B·height·width, embed_dim] (overwritten; e.g. a buffer reused across calls).
-  void forward_into(ConstTensor3Ref<Scalar> x, Index height, Index width, Eigen::Ref<RowMatrix<Scalar>> out,
+  void forward_into(ConstTensor3Ref<Scalar> x, Index height, Index width, RowMatrixRef<Scalar> out,
                     const Masks<Scalar>& masks = {}) const {
-    detail::named(type_name, [&] {
+    detail::with_layer_name(type_name, [&] {
       const kernels::BlockGrid2D grid = checked_grid(x, height, width);
       detail::check_call(type_name, masks, mask_fields, {x.batch(), x.seq(), embed_dim()}, out);
       run(x, grid, out);
@@ -169,12 +169,12 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   /// forward() in train mode (no dropout: forward()'s bits) and what backward() needs.
   TrainOutput<Scalar, Saved> forward_train(ConstTensor3Ref<Scalar> x, Index height, Index width,
                                            const Masks<Scalar>& masks = {}, std::uint64_t step = 0) const {
-    return detail::named(type_name, [&] {
+    return detail::with_layer_name(type_name, [&] {
       detail::check_train_compute(type_name, options_.compute());
       const kernels::BlockGrid2D grid = checked_grid(x, height, width);
       detail::check_mask_fields(masks, type_name, mask_fields);
       return detail::train_output<Scalar, Saved>(*this, {x.batch(), x.seq(), embed_dim()},
-                                                 [&](Eigen::Ref<RowMatrix<Scalar>> out, Saved& saved) {
+                                                 [&](RowMatrixRef<Scalar> out, Saved& saved) {
                                                    run(x, grid, out, step, &saved);
                                                  });
     });
@@ -182,12 +182,12 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   /// The gradients of a loss given dy = dL/dy of forward_train()'s output: g.input = dL/dx, g.params under
   /// state_dict()'s names — `coarse_attn.relative_position_bias_table` included when the bias is on.
   Grads<Scalar> backward(const Saved& saved, ConstTensor3Ref<Scalar> dy) const {
-    return detail::named(type_name, [&] { return detail::run_backward<Scalar>(*this, saved, dy); });
+    return detail::with_layer_name(type_name, [&] { return detail::run_backward<Scalar>(*this, saved, dy); });
   }
 
   /// The coarse stage's input: the mean of each block's real tokens, [B, Mh·Mw, embed_dim].
   Tensor3<Scalar> coarse_input(ConstTensor3Ref<Scalar> x, Index height, Index width) const {
-    const kernels::BlockGrid2D grid = detail::named(type_name, [&] { return checked_grid(x, height, width); });
+    const kernels::BlockGrid2D grid = detail::with_layer_name(type_name, [&] { return checked_grid(x, height, width); });
     Tensor3<Scalar> summaries(x.batch(), grid.blocks_per_batch(), embed_dim());
     kernels::chunk_mean<Scalar>(x.rows(), grid, Eigen::Map<RowMatrix<Scalar>>(summaries.data(), grid.blocks(), embed_dim()),
                                 detail::kernel_options(options_));
@@ -229,8 +229,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
                    o.max_blocks_h(), " and ", o.max_blocks_w());
     }
     const char* what = "C2FAttention2D: the relative position bias table";
-    const Index entries = detail::checked_mul(detail::checked_mul(2, o.max_blocks_h(), what) - 1,
-                                              detail::checked_mul(2, o.max_blocks_w(), what) - 1, what);
+    const Index entries = detail::relative_table_entries(o.max_blocks_h(), o.max_blocks_w(), what);
     detail::check_buffer_of<Scalar>(what, {entries, heads});
     return entries;
   }
@@ -256,7 +255,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
 
   /// The forward pass into out; `saved`: nullptr, or training's state (the same arithmetic, each stage
   /// keeping its state).
-  void run(const ConstTensor3Ref<Scalar>& x, const kernels::BlockGrid2D& grid, Eigen::Ref<RowMatrix<Scalar>> out,
+  void run(const ConstTensor3Ref<Scalar>& x, const kernels::BlockGrid2D& grid, RowMatrixRef<Scalar> out,
            std::uint64_t step = 0, Saved* saved = nullptr, bool fresh_out = false) const {
     if (saved != nullptr) saved->grid = grid;
     if (grid.blocks() == 0) return;
@@ -271,7 +270,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
       return;
     }
     RowMatrix<Scalar> context(grid.blocks(), d);
-    detail::TrainAccess::train(coarse_, ConstTensor3Ref<Scalar>(summaries), Eigen::Ref<RowMatrix<Scalar>>(context), coarse_masks,
+    detail::TrainAccess::train(coarse_, ConstTensor3Ref<Scalar>(summaries), RowMatrixRef<Scalar>(context), coarse_masks,
                                step, saved->coarse);
     detail::TrainAccess::train(fine_, x.rows(), grid, context, out, saved->fine);
   }
@@ -280,7 +279,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   /// The folded fine stage's backward on the blocks (dL/dx through the fold, dL/dcontext), the coarse
   /// stage's on dL/dcontext (dL/dmeans and, from its saved attention, the bias table's gradient), and the
   /// block means'.
-  void compute_backward(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+  void compute_backward(const Saved& saved, const ConstRowMatrixRef<Scalar>& dy, Grads<Scalar>& g,
                         C2FAttention2D& grad) const {
     const kernels::BlockGrid2D& grid = saved.grid;
     const Index d = embed_dim(), h = num_heads(), blocks = grid.blocks(), m = grid.blocks_per_batch();

@@ -2,7 +2,7 @@
 // C3K2Projection.
 #pragma once
 
-#include "c2f/detail/layer_support.hpp"
+#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/conv1d.hpp"
 #include "c2f/mask.hpp"
@@ -80,8 +80,8 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
     return {x.batch(), out_length(x.seq()), shape_.out_channels};
   }
   /// The same on rows (forward_into(x, out, masks) is this on x's rows): x [B·L, in] → y [B·L_out, out] (y may be a column block of a wider matrix).
-  void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
-                    Eigen::Ref<RowMatrix<Scalar>> y) const {
+  void forward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length,
+                    RowMatrixRef<Scalar> y) const {
     if (out_length(length) == 0) return;  // nothing to write (an input shorter than the kernel)
     kernels::conv1d<Scalar>(x, batch, length, shape_, taps_, options_.bias() ? bias_.data() : nullptr, y,
                             detail::kernel_options(options_));
@@ -93,7 +93,7 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
 
   /// Training (forward_train, backward: detail::RowLayerBase): the saved input x.
   using Saved = detail::RowSaved<Scalar>;
-  void backward_rows(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx,
+  void backward_rows(const Saved& saved, const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
                      Conv1d& grad) const {
     backward_rows(saved.x, saved.batch, saved.seq, dy, dx, grad, /*add_dx=*/false);
   }
@@ -101,8 +101,8 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
   /// out] (a column block of a wider matrix too): dx (overwritten, or added to with add_dx), and grad's
   /// weight and bias, for `grad` a copy of this layer (backward() passes one with zero parameters). An input
   /// shorter than the kernel (L_out = 0) has zero gradients.
-  void backward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
-                     const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx, Conv1d& grad,
+  void backward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length,
+                     const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx, Conv1d& grad,
                      bool add_dx) const {
     if (out_length(length) == 0) {
       if (!add_dx) dx.setZero();
@@ -169,8 +169,8 @@ class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scala
   }
 
   /// x [B·L, E] → y [B·L, E] (forward_into(x, out, masks) is this on x's rows): conv3 into channels [0, E/2), conv2 into [E/2, E).
-  void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
-                    Eigen::Ref<RowMatrix<Scalar>> y) const {
+  void forward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length,
+                    RowMatrixRef<Scalar> y) const {
     const Index e = embed_dim();
     conv3_.forward_rows(x, batch, length, detail::cols_of(y, 0, e / 2));
     conv2_.forward_rows(x, batch, length, detail::cols_of(y, e / 2, e - e / 2));
@@ -184,15 +184,15 @@ class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scala
 
   /// Training (forward_train, backward: detail::RowLayerBase): the saved input x.
   using Saved = detail::RowSaved<Scalar>;
-  void backward_rows(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx,
+  void backward_rows(const Saved& saved, const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
                      C3K2Projection& grad) const {
     backward_rows(saved.x, saved.batch, saved.seq, dy, dx, grad, /*add_dx=*/false);
   }
   /// The gradients on rows of an input x [batch·length, E] for dy [batch·length, E]: conv3's (dy's channels
   /// [0, E/2)) then conv2's ([E/2, E)) input gradients summed into dx (overwritten, or added to with
   /// add_dx), their parameters' into grad's (Conv1d::backward_rows).
-  void backward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index batch, Index length,
-                     const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx,
+  void backward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length,
+                     const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
                      C3K2Projection& grad, bool add_dx) const {
     const Index e = embed_dim();
     conv3_.backward_rows(x, batch, length, detail::cols_of(dy, 0, e / 2), dx, grad.conv3_, add_dx);

@@ -23,8 +23,8 @@
 // State dict: q_proj.conv3.*, q_proj.conv2.*, k_proj.*, v_proj.*, out_proj.weight, out_proj.bias.
 #pragma once
 
-#include "c2f/detail/decoding.hpp"
-#include "c2f/detail/layer_support.hpp"
+#include "c2f/layers/support/decoding.hpp"
+#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/detail/scratch.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/heads_view.hpp"
@@ -159,8 +159,8 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   }
 
   /// The attention part alone on given projections q, k, v [B·L, E]: o += o1 + o2 + o3.
-  void attend(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-              const Eigen::Ref<const RowMatrix<Scalar>>& v, Index batch, Index length, Eigen::Ref<RowMatrix<Scalar>> o) const {
+  void attend(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
+              const ConstRowMatrixRef<Scalar>& v, Index batch, Index length, RowMatrixRef<Scalar> o) const {
     const kernels::ChunkGrid windows{batch, length, window_};
     const kernels::KernelOptions threads = detail::kernel_options(options_);
     const bool causal = options_.causal();
@@ -202,10 +202,10 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   /// that are on to dq, dk, dv [B·L, E] — level 1, then 2, then 3 (kernels::window_attention_backward_add;
   /// level 2 through the window means: causal window_summary_attention_backward_add, else sdpa_backward on
   /// the means with chunk_sum of dout; sparse_global_attention_backward_add).
-  void attend_backward(const Eigen::Ref<const RowMatrix<Scalar>>& q, const Eigen::Ref<const RowMatrix<Scalar>>& k,
-                       const Eigen::Ref<const RowMatrix<Scalar>>& v, const Eigen::Ref<const RowMatrix<Scalar>>& dout,
-                       Index batch, Index length, Eigen::Ref<RowMatrix<Scalar>> dq, Eigen::Ref<RowMatrix<Scalar>> dk,
-                       Eigen::Ref<RowMatrix<Scalar>> dv, const HMHALevels& levels) const {
+  void attend_backward(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
+                       const ConstRowMatrixRef<Scalar>& v, const ConstRowMatrixRef<Scalar>& dout,
+                       Index batch, Index length, RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk,
+                       RowMatrixRef<Scalar> dv, const HMHALevels& levels) const {
     const kernels::ChunkGrid windows{batch, length, window_};
     const kernels::KernelOptions threads = detail::kernel_options(options_);
     const bool causal = options_.causal();
@@ -247,15 +247,15 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
 
  private:
   friend class detail::LayerBase<HMHA, Scalar>;
-  void compute(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>&) const {
+  void compute(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out, const Masks<Scalar>&) const {
     const Index rows = x.batch() * x.seq(), e = shape_.embed_dim;
     // The projections live in reused scratch memory (detail/scratch.hpp): no fresh pages per call.
     detail::ScratchRowMatrix<Scalar> q(rows, e), k(rows, e), v(rows, e), o(rows, e);
     run(x, q, k, v, o, out);
   }
   /// The forward into q, k, v, o [B·L, E] (the projections and the summed levels) and out.
-  void run(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> q, Eigen::Ref<RowMatrix<Scalar>> k,
-           Eigen::Ref<RowMatrix<Scalar>> v, Eigen::Ref<RowMatrix<Scalar>> o, Eigen::Ref<RowMatrix<Scalar>> out) const {
+  void run(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> q, RowMatrixRef<Scalar> k,
+           RowMatrixRef<Scalar> v, RowMatrixRef<Scalar> o, RowMatrixRef<Scalar> out) const {
     const Index batch = x.batch(), length = x.seq();
     q_proj_.forward_rows(x.rows(), batch, length, q);
     k_proj_.forward_rows(x.rows(), batch, length, k);
@@ -267,7 +267,7 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
 
   friend struct detail::TrainAccess;
   /// The forward (run()) into the saved state's buffers.
-  void compute_train(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>&, std::uint64_t,
+  void compute_train(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out, const Masks<Scalar>&, std::uint64_t,
                      Saved& saved) const {
     const Index rows = x.batch() * x.seq(), e = shape_.embed_dim;
     saved.batch = x.batch();
@@ -279,7 +279,7 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   }
   /// out_proj's backward (kernels::linear_backward), the levels' (attend_backward), then the three
   /// projections' (C3K2Projection::backward_rows), summed into the input gradient.
-  void compute_backward(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g, HMHA& grad) const {
+  void compute_backward(const Saved& saved, const ConstRowMatrixRef<Scalar>& dy, Grads<Scalar>& g, HMHA& grad) const {
     const Index batch = saved.batch, length = saved.seq, rows = batch * length, e = shape_.embed_dim;
     // The temporaries in reused scratch memory (detail/scratch.hpp), as the forward's; each block goes
     // back to the cache once it is read.
@@ -333,7 +333,7 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
       v.middleRows(b * n, n) = vp.middleRows(b * span + 2, n);
       q.middleRows(b * outputs, outputs) = qp.middleRows(b * (outputs + 2) + 2, outputs);
     }
-    state.cache_.append(Eigen::Ref<const RowMatrix<Scalar>>(k), Eigen::Ref<const RowMatrix<Scalar>>(v), n);
+    state.cache_.append(ConstRowMatrixRef<Scalar>(k), ConstRowMatrixRef<Scalar>(v), n);
     state.windows_.update(state.cache_);
     const Index total = state.length();
     const kernels::ChunkGrid grid{1, total, window_};
@@ -342,9 +342,9 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
     const Scalar scale = kernels::default_scale<Scalar>(head_dim());
     RowMatrix<Scalar> o = RowMatrix<Scalar>::Zero(batch * outputs, e);
     for (Index b = 0; b < batch; ++b) {
-      const Eigen::Ref<const RowMatrix<Scalar>> qb = q.middleRows(b * outputs, outputs);
-      const Eigen::Ref<const RowMatrix<Cache>> kb = state.cache_.keys(b, 0, total), vb = state.cache_.values(b, 0, total);
-      Eigen::Ref<RowMatrix<Scalar>> ob = o.middleRows(b * outputs, outputs);
+      const ConstRowMatrixRef<Scalar> qb = q.middleRows(b * outputs, outputs);
+      const ConstRowMatrixRef<Cache> kb = state.cache_.keys(b, 0, total), vb = state.cache_.values(b, 0, total);
+      RowMatrixRef<Scalar> ob = o.middleRows(b * outputs, outputs);
       if (levels.local) kernels::window_attention_add<Scalar, Cache>(qb, kb, vb, grid, shape_.num_heads, ob, true, scale, threads);
       if (levels.cross) {
         kernels::window_summary_attention_add<Scalar>(qb, state.windows_.keys(b), state.windows_.values(b), grid,
@@ -355,7 +355,7 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
       }
     }
     return detail::fresh_output<Scalar>(type_name, {batch, outputs, e}, options_.num_threads(),
-                                        [&](Eigen::Ref<RowMatrix<Scalar>> out) { out_proj_.forward_rows(o, out); });
+                                        [&](RowMatrixRef<Scalar> out) { out_proj_.forward_rows(o, out); });
   }
 
   static typename C3K2Projection<Scalar>::Options projection_options(const Options& o, std::uint64_t seed_offset) {

@@ -1,7 +1,7 @@
 // c2f layers — Linear: y = x Wᵀ + b with torch.nn.Linear's state-dict names and layout.
 #pragma once
 
-#include "c2f/detail/layer_support.hpp"
+#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/mask.hpp"
@@ -49,11 +49,14 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
     return weight_;
   }
   /// A number that changes whenever the weight may have (non-const weight(), load, reset_parameters):
-  /// what the layer's packings of it (detail::WeightCache) are checked against.
+  /// what the layer's packings of it (kernels::WeightCache) are checked against.
   std::uint64_t weight_stamp() const { return weight_stamp_; }
   const Vector<Scalar>& bias() const { return bias_; }
   Vector<Scalar>& bias() { return bias_; }
   const Scalar* bias_data() const { return options_.bias() ? bias_.data() : nullptr; }
+  /// The weight, the bias and the packings the layer keeps of the weight, as the kernels read them
+  /// (kernels::linear_cached): for a layer that runs this one's product inside a kernel of its own.
+  kernels::CachedLinear<Scalar> cached() const { return {weight_, bias_data(), packed_, 0, weight_stamp_}; }
 
   /// torch.nn.Linear's init: weight and bias U(±1/sqrt(in_features)), drawn from `seed`.
   void reset_parameters(std::uint64_t seed) {
@@ -81,24 +84,23 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   }
   /// The product on rows: y [n, out] = x [n, in] Wᵀ + b (overwritten), on options().num_threads() threads.
   /// (forward_into(x, out, masks) is this on x's rows.)
-  void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Eigen::Ref<RowMatrix<Scalar>> y) const {
-    detail::linear_cached<Scalar>(x, weight_, bias_data(), y, detail::kernel_options(options_), packed_, 0, weight_stamp_);
+  void forward_rows(const ConstRowMatrixRef<Scalar>& x, RowMatrixRef<Scalar> y) const {
+    kernels::linear_cached<Scalar>(x, cached(), y, detail::kernel_options(options_));
   }
-  void forward_rows(const Eigen::Ref<const RowMatrix<Scalar>>& x, Index /*batch*/, Index /*length*/,
-                    Eigen::Ref<RowMatrix<Scalar>> y) const {
+  void forward_rows(const ConstRowMatrixRef<Scalar>& x, Index /*batch*/, Index /*length*/,
+                    RowMatrixRef<Scalar> y) const {
     forward_rows(x, y);
   }
   /// forward_rows() where each output row has the bits of that row's product alone, whatever other rows
   /// the call holds (KernelOptions::rows_independent): FineAttention's products, so that a shard of the
   /// rows (c2f/dist) computes exactly the bits of the whole.
-  void forward_rows_independent(const Eigen::Ref<const RowMatrix<Scalar>>& x, Eigen::Ref<RowMatrix<Scalar>> y) const {
-    detail::linear_cached<Scalar>(x, weight_, bias_data(), y, detail::kernel_options(options_).rows_independent(true), packed_, 0,
-                                  weight_stamp_);
+  void forward_rows_independent(const ConstRowMatrixRef<Scalar>& x, RowMatrixRef<Scalar> y) const {
+    kernels::linear_cached<Scalar>(x, cached(), y, detail::kernel_options(options_).rows_independent(true));
   }
   /// Bytes of temporary memory forward_rows() (or, with `rows_independent`, forward_rows_independent())
   /// on `rows` rows holds: the packed weight on the micro-kernel path
   /// (kernels::matmul_rows_workspace_bytes), else 0. The layer keeps the packed weight from its first
-  /// call on (detail::WeightCache; not counted here: as many bytes as the weight, half on the tile engine).
+  /// call on (kernels::WeightCache; not counted here: as many bytes as the weight, half on the tile engine).
   std::size_t rows_workspace_bytes(Index rows, bool rows_independent = false) const {
     return kernels::matmul_rows_workspace_bytes<Scalar>(rows, in_features(), out_features(), rows_independent,
                                                         options_.compute(), options_.num_threads(), true);
@@ -110,7 +112,7 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   using Saved = detail::RowSaved<Scalar>;
   /// The gradients on rows (kernels::linear_backward): dx = dy W (overwritten), and grad's weight = dyᵀ x
   /// and bias = Σ dy, for `grad` a copy of this layer (backward() passes one with zero parameters).
-  void backward_rows(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Eigen::Ref<RowMatrix<Scalar>> dx,
+  void backward_rows(const Saved& saved, const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
                      Linear& grad) const {
     kernels::linear_backward<Scalar>(saved.x, weight_, dy, dx, grad.weight_, options_.bias() ? grad.bias_.data() : nullptr,
                                      detail::kernel_options(options_));
@@ -128,7 +130,7 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   Vector<Scalar> bias_;
   Options options_;
   std::uint64_t weight_stamp_ = detail::fresh_parameters_id();
-  detail::WeightCache<Scalar> packed_;  ///< the weight's transpose, packed (a copy starts empty)
+  kernels::WeightCache<Scalar> packed_;  ///< the weight's transpose, packed (a copy starts empty)
 };
 
 }  // namespace c2f

@@ -2,7 +2,7 @@
 #pragma once
 
 #include "c2f/detail/huge_pages.hpp"
-#include "c2f/detail/layer_support.hpp"
+#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/detail/scratch.hpp"
 #include "c2f/kernels/heads_view.hpp"
@@ -78,7 +78,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
         options_(options),
         out_proj_(embed_dim, embed_dim, out_proj_options(options), detail::NoInit{}) {
     detail::check_scalar<Scalar>();
-    detail::check_dropout("MultiHeadAttention", options.dropout());
+    kernels::impl::check_dropout("MultiHeadAttention", options.dropout());
     reset_parameters(options.seed());
   }
 
@@ -178,16 +178,16 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   /// [Lq, Lk] or [n, Lq, Lk] (n = 1, B or B·H), key_padding_mask [B, Lk].
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key, ConstTensor3Ref<Scalar> value,
                           const Masks<Scalar>& masks = {}) const {
-    return detail::named(type_name, [&] {
+    return detail::with_layer_name(type_name, [&] {
       check_inputs(query, key, value);
       return detail::fresh_output<Scalar>(type_name, {query.batch(), query.seq(), embed_dim()}, options_.num_threads(),
-                                          [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(query, key, value, masks, out, nullptr); });
+                                          [&](RowMatrixRef<Scalar> out) { run(query, key, value, masks, out, nullptr); });
     });
   }
   /// forward(query, key, value, masks) into caller memory: out [B·Lq, E] (overwritten).
   void forward_into(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key, ConstTensor3Ref<Scalar> value,
-                    Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks = {}) const {
-    detail::named(type_name, [&] { run(query, key, value, masks, out, nullptr); });
+                    RowMatrixRef<Scalar> out, const Masks<Scalar>& masks = {}) const {
+    detail::with_layer_name(type_name, [&] { run(query, key, value, masks, out, nullptr); });
   }
 
   /// Training. What forward_train() keeps for backward(): the inputs, their projections, the heads' output
@@ -210,10 +210,10 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   TrainOutput<Scalar, Saved> forward_train(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key,
                                            ConstTensor3Ref<Scalar> value, const Masks<Scalar>& masks = {},
                                            std::uint64_t step = 0) const {
-    return detail::named(type_name, [&] {
+    return detail::with_layer_name(type_name, [&] {
       check_inputs(query, key, value);
       return detail::train_output<Scalar, Saved>(*this, {query.batch(), query.seq(), embed_dim()},
-                                                 [&](Eigen::Ref<RowMatrix<Scalar>> out, Saved& saved) {
+                                                 [&](RowMatrixRef<Scalar> out, Saved& saved) {
                                                    compute_train(query, key, value, out, masks, step, saved);
                                                  });
     });
@@ -224,14 +224,14 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   AttnOutput<Scalar> forward_with_weights(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key,
                                           ConstTensor3Ref<Scalar> value, const Masks<Scalar>& masks = {},
                                           AttnWeights mode = AttnWeights::Averaged) const {
-    return detail::named(type_name, [&] {
+    return detail::with_layer_name(type_name, [&] {
       check_inputs(query, key, value);
       detail::check_buffer_of<Scalar>("MultiHeadAttention: the attention weights",
                                       {query.batch(), num_heads(), query.seq(), key.seq()});
       AttnOutput<Scalar> result;
       WeightsRequest request{mode, &result.weights};
       result.output = detail::fresh_output<Scalar>(type_name, {query.batch(), query.seq(), embed_dim()}, options_.num_threads(),
-                                                   [&](Eigen::Ref<RowMatrix<Scalar>> out) { run(query, key, value, masks, out, &request); });
+                                                   [&](RowMatrixRef<Scalar> out) { run(query, key, value, masks, out, &request); });
       return result;
     });
   }
@@ -254,15 +254,15 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   /// project() into the caller's qp [B·Lq, E], kp and vp [B·Lk, E] (e.g. scratch memory; a wrong shape is
   /// refused).
   void project_into(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
-                    const ConstTensor3Ref<Scalar>& value, Eigen::Ref<RowMatrix<Scalar>> qp,
-                    Eigen::Ref<RowMatrix<Scalar>> kp, Eigen::Ref<RowMatrix<Scalar>> vp) const {
+                    const ConstTensor3Ref<Scalar>& value, RowMatrixRef<Scalar> qp,
+                    RowMatrixRef<Scalar> kp, RowMatrixRef<Scalar> vp) const {
     check_inputs(query, key, value);
     const Index e = embed_dim();
     const kernels::KernelOptions threads = kernel_options();
     const Scalar* bias = options_.bias() ? b_.data() : nullptr;
-    detail::linear_cached<Scalar>(query.rows(), w_[0], bias, qp, threads, packed_, 0, w_stamp_);
-    detail::linear_cached<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads, packed_, 1, w_stamp_);
-    detail::linear_cached<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads, packed_, 2, w_stamp_);
+    kernels::linear_cached<Scalar>(query.rows(), w_[0], bias, qp, threads, packed_, 0, w_stamp_);
+    kernels::linear_cached<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads, packed_, 1, w_stamp_);
+    kernels::linear_cached<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads, packed_, 2, w_stamp_);
   }
 
   /// Incremental decoding state of a causal layer (new_decode_state(), decode(), prefill(): see
@@ -291,10 +291,10 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     kp.resize(batch * n, e);
     vp.resize(batch * n, e);
     const kernels::KernelOptions threads = kernel_options();
-    detail::linear_cached<Scalar>(x.rows(), w_[1], bias ? bias + e : nullptr, kp, threads, packed_, 1, w_stamp_);
-    detail::linear_cached<Scalar>(x.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads, packed_, 2, w_stamp_);
+    kernels::linear_cached<Scalar>(x.rows(), w_[1], bias ? bias + e : nullptr, kp, threads, packed_, 1, w_stamp_);
+    kernels::linear_cached<Scalar>(x.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads, packed_, 2, w_stamp_);
     for (Index b = 0; b < batch; ++b) {
-      detail::linear_cached<Scalar>(x.rows().middleRows(b * n + n - outputs, outputs), w_[0], bias,
+      kernels::linear_cached<Scalar>(x.rows().middleRows(b * n + n - outputs, outputs), w_[0], bias,
                                     qp.middleRows(b * outputs, outputs), threads, packed_, 0, w_stamp_);
     }
   }
@@ -350,26 +350,26 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   int threads_for(Index tasks) const { return detail::resolve_threads(options_.num_threads(), tasks); }
 
   friend class detail::LayerBase<MultiHeadAttention, Scalar>;
-  void compute(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks) const {
+  void compute(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks) const {
     run(x, x, x, masks, out, nullptr);
   }
 
   friend struct detail::TrainAccess;
   /// SparseC2FAttention runs other attention on these weights: its backward writes their gradients.
   friend class SparseC2FAttention<Scalar>;
-  void compute_train(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks,
+  void compute_train(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks,
                      std::uint64_t step, Saved& saved) const {
     train(x, x, x, out, masks, step, saved, true);
   }
   void compute_train(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
-                     const ConstTensor3Ref<Scalar>& value, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks,
+                     const ConstTensor3Ref<Scalar>& value, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks,
                      std::uint64_t step, Saved& saved) const {
     train(query, key, value, out, masks, step, saved, false);
   }
   /// run() in train mode: the same arithmetic (sdpa_train is sdpa_streaming with the log-sum-exp, and
   /// dropout when it is on), into heap buffers the saved state keeps. Self-attention keeps its input once.
   void train(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key, const ConstTensor3Ref<Scalar>& value,
-             Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks, std::uint64_t step, Saved& saved,
+             RowMatrixRef<Scalar> out, const Masks<Scalar>& masks, std::uint64_t step, Saved& saved,
              bool self_attention) const {
     check_inputs(query, key, value);
     const Index batch = query.batch(), lq = query.seq(), lk = key.seq(), e = embed_dim(), h = num_heads();
@@ -407,7 +407,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   }
   /// The backward pass: out_proj, the attention (sdpa_backward, or its naive twin with the Naive kernel),
   /// the in-projection; parameter gradients into `grad`'s parameters.
-  void compute_backward(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+  void compute_backward(const Saved& saved, const ConstRowMatrixRef<Scalar>& dy, Grads<Scalar>& g,
                         MultiHeadAttention& grad) const {
     const Index batch = saved.batch, lq = saved.lq, lk = saved.lk, e = embed_dim(), h = num_heads();
     const kernels::KernelOptions opts = kernel_options();
@@ -458,7 +458,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     }
   }
   /// out = attn W_oᵀ + b_o, row-independent when the options ask (CoarseAttention's).
-  void out_projection(const Eigen::Ref<const RowMatrix<Scalar>>& attn, Eigen::Ref<RowMatrix<Scalar>> out) const {
+  void out_projection(const ConstRowMatrixRef<Scalar>& attn, RowMatrixRef<Scalar> out) const {
     if (options_.rows_independent()) {
       out_proj_.forward_rows_independent(attn, out);
     } else {
@@ -490,7 +490,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     const Index batch = x.batch(), n = x.seq(), e = embed_dim(), h = num_heads();
     RowMatrix<Scalar> q, k, v;
     project_last(x, outputs, q, k, v);
-    state.cache_.append(Eigen::Ref<const RowMatrix<Scalar>>(k), Eigen::Ref<const RowMatrix<Scalar>>(v), n);
+    state.cache_.append(ConstRowMatrixRef<Scalar>(k), ConstRowMatrixRef<Scalar>(v), n);
     const Index total = state.length();
     // Query i sits at position total − outputs + i and sees keys j ≤ that position.
     const AttnMask<Scalar> causal = AttnMask<Scalar>::causal(total - outputs);
@@ -503,7 +503,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     attend(kernels::heads_view(std::as_const(q), batch, outputs, h), state.cache_.key_heads(h),
            state.cache_.value_heads(h), kernels::heads_view(attn, batch, outputs, h), mask, kernels::default_scale<Scalar>(head_dim()), kernel_options());
     return detail::fresh_output<Scalar>(type_name, {batch, outputs, e}, options_.num_threads(),
-                                        [&](Eigen::Ref<RowMatrix<Scalar>> out) { out_proj_.forward_rows(attn, out); });
+                                        [&](RowMatrixRef<Scalar> out) { out_proj_.forward_rows(attn, out); });
   }
 
   void check_inputs(const ConstTensor3Ref<Scalar>& q, const ConstTensor3Ref<Scalar>& k,
@@ -526,7 +526,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   /// The forward pass into `out` [B·Lq, E]; with a weights request, on the naive kernel, also the
   /// attention weights.
   void run(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
-           const ConstTensor3Ref<Scalar>& value, const Masks<Scalar>& masks, Eigen::Ref<RowMatrix<Scalar>> out,
+           const ConstTensor3Ref<Scalar>& value, const Masks<Scalar>& masks, RowMatrixRef<Scalar> out,
            const WeightsRequest* request) const {
     check_inputs(query, key, value);
     const Index batch = query.batch(), lq = query.seq(), lk = key.seq(), e = embed_dim(), h = num_heads();
@@ -566,7 +566,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   Vector<Scalar> b_;        ///< [b_q; b_k; b_v], empty without bias
   Linear<Scalar> out_proj_;
   std::uint64_t w_stamp_ = detail::fresh_parameters_id();  ///< new whenever w_ may change (reset_parameters, load)
-  detail::WeightCache<Scalar> packed_;                     ///< W_q, W_k, W_v transposed, packed
+  kernels::WeightCache<Scalar> packed_;                     ///< W_q, W_k, W_v transposed, packed
 };
 
 }  // namespace c2f

@@ -28,8 +28,8 @@
 // values (kernels::sparse_attention_backward), and none through the gating's chunk means and scores.
 #pragma once
 
-#include "c2f/detail/decoding.hpp"
-#include "c2f/detail/layer_support.hpp"
+#include "c2f/layers/support/decoding.hpp"
+#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/detail/scratch.hpp"
 #include "c2f/kernels/chunk_sparse.hpp"
 #include "c2f/kernels/linear.hpp"
@@ -146,11 +146,11 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   /// forward(), and also the selected key chunks of every (batch, head, query chunk) — of every (batch,
   /// head, token) with per-token gating.
   SparseAttnOutput<Scalar> forward_with_selection(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    return detail::named(type_name, [&] {
+    return detail::with_layer_name(type_name, [&] {
       const std::array<Index, 3> dims = this->output_shape(x);
       detail::check_mask_fields(masks, type_name, mask_fields);
       SparseAttnOutput<Scalar> result;
-      result.output = detail::fresh_output<Scalar>(type_name, dims, options_.num_threads(), [&](Eigen::Ref<RowMatrix<Scalar>> out) {
+      result.output = detail::fresh_output<Scalar>(type_name, dims, options_.num_threads(), [&](RowMatrixRef<Scalar> out) {
         result.selection = run(x, out, masks);
       });
       return result;
@@ -160,8 +160,8 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   /// Bytes of temporary memory one forward_into() holds at its peak: the projected q, k, v and the
   /// heads' output ([B·L, E] each), the selection (Index per (batch, head, query row) × top_k), and the
   /// scratch of the gating (chunk means, score blocks) and of the fine stage (per chunk: the keys and
-  /// values in panels, or gathered per task — detail::chunk_sparse_workspace_bytes; per token: the
-  /// accumulators and a key chunk — detail::token_sparse_workspace_bytes) — every worker's.
+  /// values in panels, or gathered per task — kernels::impl::chunk_sparse_workspace_bytes; per token: the
+  /// accumulators and a key chunk — kernels::impl::token_sparse_workspace_bytes) — every worker's.
   std::size_t workspace_bytes(Index batch, Index seq) const {
     const kernels::ChunkGrid grid{batch, seq, chunk_};
     const std::size_t s = sizeof(Scalar), ix = sizeof(Index), e = static_cast<std::size_t>(embed_dim());
@@ -175,11 +175,11 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
     if (gating_ == Gating::PerToken) {
       selection = ix * tokens * h * top_k;
       gating = s * (chunks * e + workers * k * m) + top_picks;
-      fine = detail::token_sparse_workspace_bytes<Scalar>(grid, num_heads(), head_dim(), top_k_, detail::kernel_options(options_));
+      fine = kernels::impl::token_sparse_workspace_bytes<Scalar>(grid, num_heads(), head_dim(), top_k_, detail::kernel_options(options_));
     } else {
       selection = ix * chunks * h * top_k;
       gating = s * (2 * chunks * e + workers * m * m) + top_picks;
-      fine = detail::chunk_sparse_workspace_bytes<Scalar>(grid, num_heads(), head_dim(), top_k_, detail::kernel_options(options_));
+      fine = kernels::impl::chunk_sparse_workspace_bytes<Scalar>(grid, num_heads(), head_dim(), top_k_, detail::kernel_options(options_));
     }
     // + a packed [E, E] projection weight (micro-kernel builds; the in- and out-projections').
     const std::size_t packed =
@@ -190,12 +190,12 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
 
  private:
   friend class detail::LayerBase<SparseC2FAttention, Scalar>;
-  void compute(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks) const {
+  void compute(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks) const {
     run(x, out, masks);
   }
 
   friend struct detail::TrainAccess;
-  void compute_train(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out, const Masks<Scalar>& masks,
+  void compute_train(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks,
                      std::uint64_t, Saved& saved) const {
     saved.x = x.rows();
     saved.masks = masks;
@@ -205,7 +205,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   }
   /// out_proj's backward, the fine stage's (the selection constant) and the in-projection's (x feeds the
   /// query, key and value paths: dL/dx is their sum).
-  void compute_backward(const Saved& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+  void compute_backward(const Saved& saved, const ConstRowMatrixRef<Scalar>& dy, Grads<Scalar>& g,
                         SparseC2FAttention& grad) const {
     const Index batch = saved.batch, length = saved.length, e = embed_dim(), heads = num_heads(), rows = batch * length;
     const kernels::KernelOptions threads = detail::kernel_options(options_);
@@ -239,7 +239,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
 
   /// The forward pass into out, after the checks; returns the selection. `saved`: nullptr, or training's
   /// state, which then holds q, k, v and the heads' output (moved there at the end: the same arithmetic).
-  kernels::ChunkSelection run(const ConstTensor3Ref<Scalar>& x, Eigen::Ref<RowMatrix<Scalar>> out,
+  kernels::ChunkSelection run(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out,
                               const Masks<Scalar>& masks, Saved* saved = nullptr) const {
     const Index batch = x.batch(), length = x.seq(), e = embed_dim(), heads = num_heads();
     // The large temporaries live in reused scratch memory (detail/scratch.hpp): no fresh pages per call.
@@ -254,7 +254,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
     // The chunk summaries leave out the tokens key padding hides: a padded token is no token, so its
     // values cannot change which chunks a real token selects (a chunk with none ranks last).
     const KeyPaddingMask<Scalar>& padding = masks.key_padding_mask();
-    const auto means = [&](const Eigen::Ref<const RowMatrix<Scalar>>& rows, RowMatrix<Scalar>& out_means) {
+    const auto means = [&](const ConstRowMatrixRef<Scalar>& rows, RowMatrix<Scalar>& out_means) {
       out_means.resize(grid.chunks(), e);
       if (padding.is_none()) {
         kernels::chunk_mean<Scalar>(rows, grid, out_means, threads);
@@ -302,14 +302,14 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
     const kernels::KernelOptions threads = detail::kernel_options(options_);
     RowMatrix<Scalar> q, k, v;
     mha_.project_last(x, outputs, q, k, v);
-    state.cache_.append(Eigen::Ref<const RowMatrix<Scalar>>(k), Eigen::Ref<const RowMatrix<Scalar>>(v), n);
+    state.cache_.append(ConstRowMatrixRef<Scalar>(k), ConstRowMatrixRef<Scalar>(v), n);
     state.means_.update(state.cache_);
     const Index total = state.length();
     const kernels::ChunkGrid grid{1, total, chunk_};
     const Scalar scale = kernels::default_scale<Scalar>(head_dim());
     RowMatrix<Scalar> attn(batch * outputs, e);
     for (Index b = 0; b < batch; ++b) {
-      const Eigen::Ref<const RowMatrix<Scalar>> qb = q.middleRows(b * outputs, outputs);
+      const ConstRowMatrixRef<Scalar> qb = q.middleRows(b * outputs, outputs);
       const kernels::ChunkSelection selection = kernels::select_chunks_per_token<Scalar>(
           qb, state.means_.keys(b), grid, heads, top_k_, /*causal=*/true, threads);
       kernels::token_sparse_attention<Scalar, Cache>(qb, state.cache_.keys(b, 0, total), state.cache_.values(b, 0, total),
@@ -317,7 +317,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
                                                      /*causal=*/true, MaskView<Scalar>(), scale, threads);
     }
     return detail::fresh_output<Scalar>(type_name, {batch, outputs, e}, options_.num_threads(),
-                                        [&](Eigen::Ref<RowMatrix<Scalar>> out) { mha_.out_proj().forward_rows(attn, out); });
+                                        [&](RowMatrixRef<Scalar> out) { mha_.out_proj().forward_rows(attn, out); });
   }
 
   detail::HeadShape shape_;  // first: checked before the wrapped layer is built

@@ -9,7 +9,7 @@
 #include <type_traits>
 
 namespace c2f {
-namespace detail {
+namespace cpu {
 
 /// What Eigen's vectorised exp returns for −inf. Eigen 3.4 clamps the argument of its packet exp, so
 /// exp(−inf) is ~3e-39 (float, SSE) or ~6e-309 (double) instead of 0; with AVX it may be 0.
@@ -82,37 +82,29 @@ inline __m512 exp_avx512(__m512 x) {
   return _mm512_scalef_ps(C2F_EXP2_POLY(_mm512_fmadd_ps, _mm512_set1_ps, f, 1.0f), t);
 }
 
+/// The vector operations of exp_shifted_sum_rows_simd on AVX-512: 16 floats, tails by a lane mask.
+struct ExpVec {
+  using V = __m512;
+  using Mask = __mmask16;
+  static constexpr Index kLanes = 16;
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V exp(V x) { return exp_avx512(x); }
+  /// The lanes below n (0 < n < kLanes).
+  static Mask tail(Index n) { return static_cast<__mmask16>((1u << n) - 1u); }
+  static V load(Mask k, const float* p) { return _mm512_maskz_loadu_ps(k, p); }
+  static void store(Mask k, float* p, V v) { _mm512_mask_storeu_ps(p, k, v); }
+  /// v on the lanes of k, 0 elsewhere.
+  static V keep(Mask k, V v) { return _mm512_maskz_mov_ps(k, v); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+
 /// Rows that online_softmax_step passes through the exp kernel together.
 constexpr int kExpRows = 4;
-
-/// For the R rows p + r·ld (r < R): p[r·ld + j] ← exp(p[r·ld + j] − shift[r]) for j < n, and sum[r] ←
-/// their sum (one accumulator per row, lanes added at the end). Each row gets the same operations in the
-/// same order as alone (R = 1); the R rows' independent chains overlap the exp's latency.
-template <int R>
-inline void exp_shifted_sum_rows_simd(float* p, Index ld, Index n, const float* shift, float* sum) {
-  __m512 s[R], acc[R];
-  for (int r = 0; r < R; ++r) {
-    s[r] = _mm512_set1_ps(shift[r]);
-    acc[r] = _mm512_setzero_ps();
-  }
-  Index j = 0;
-  for (; j + 16 <= n; j += 16) {
-    for (int r = 0; r < R; ++r) {
-      const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(p + r * ld + j), s[r]));
-      _mm512_storeu_ps(p + r * ld + j, e);
-      acc[r] = _mm512_add_ps(acc[r], e);
-    }
-  }
-  if (j < n) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1u);
-    for (int r = 0; r < R; ++r) {
-      const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + r * ld + j), s[r]));
-      _mm512_mask_storeu_ps(p + r * ld + j, k, e);
-      acc[r] = _mm512_add_ps(acc[r], _mm512_maskz_mov_ps(k, e));
-    }
-  }
-  for (int r = 0; r < R; ++r) sum[r] = _mm512_reduce_add_ps(acc[r]);
-}
 
 #elif C2F_EXP_SIMD == 8
 
@@ -135,45 +127,72 @@ inline __m256 exp_avx2(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
+/// The vector operations of exp_shifted_sum_rows_simd on AVX2: 8 floats, tails by a lane mask of all
+/// bits set (vmaskmovps).
+struct ExpVec {
+  using V = __m256;
+  using Mask = __m256i;
+  static constexpr Index kLanes = 8;
+  static V set1(float v) { return _mm256_set1_ps(v); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V exp(V x) { return exp_avx2(x); }
+  /// The lanes below n (0 < n < kLanes): all bits set.
+  static Mask tail(Index n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static V load(Mask k, const float* p) { return _mm256_maskload_ps(p, k); }
+  static void store(Mask k, float* p, V v) { _mm256_maskstore_ps(p, k, v); }
+  /// v on the lanes of k, 0 elsewhere.
+  static V keep(Mask k, V v) { return _mm256_and_ps(v, _mm256_castsi256_ps(k)); }
+  static float sum(V v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+  }
+};
+
 /// Rows that online_softmax_step passes through the exp kernel together (16 vector registers).
 constexpr int kExpRows = 2;
 
-/// As the AVX-512 kernel: R rows p + r·ld, p[r·ld + j] ← exp(p[r·ld + j] − shift[r]) for j < n, sum[r]
-/// ← their sum; each row the same operations in the same order as alone (R = 1).
-template <int R>
-inline void exp_shifted_sum_rows_simd(float* p, Index ld, Index n, const float* shift, float* sum) {
-  __m256 s[R], acc[R];
-  for (int r = 0; r < R; ++r) {
-    s[r] = _mm256_set1_ps(shift[r]);
-    acc[r] = _mm256_setzero_ps();
-  }
-  Index j = 0;
-  for (; j + 8 <= n; j += 8) {
-    for (int r = 0; r < R; ++r) {
-      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + r * ld + j), s[r]));
-      _mm256_storeu_ps(p + r * ld + j, e);
-      acc[r] = _mm256_add_ps(acc[r], e);
-    }
-  }
-  if (j < n) {  // lanes below n − j: all bits set
-    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)),
-                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (int r = 0; r < R; ++r) {
-      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(p + r * ld + j, k), s[r]));
-      _mm256_maskstore_ps(p + r * ld + j, k, e);
-      acc[r] = _mm256_add_ps(acc[r], _mm256_and_ps(e, _mm256_castsi256_ps(k)));
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    sum[r] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-  }
-}
 #endif
 #undef C2F_EXP2_POLY
 
 #if C2F_EXP_SIMD
+/// For the R rows p + r·ld (r < R): p[r·ld + j] ← exp(p[r·ld + j] − shift[r]) for j < n, and sum[r] ←
+/// their sum (one accumulator per row, lanes added at the end), on the build's ExpVec. Each row gets the
+/// same operations in the same order as alone (R = 1); the R rows' independent chains overlap the exp's
+/// latency.
+template <int R>
+inline void exp_shifted_sum_rows_simd(float* p, Index ld, Index n, const float* shift, float* sum) {
+  using V = ExpVec::V;
+  V s[R], acc[R];
+  for (int r = 0; r < R; ++r) {
+    s[r] = ExpVec::set1(shift[r]);
+    acc[r] = ExpVec::zero();
+  }
+  Index j = 0;
+  for (; j + ExpVec::kLanes <= n; j += ExpVec::kLanes) {
+    for (int r = 0; r < R; ++r) {
+      const V e = ExpVec::exp(ExpVec::sub(ExpVec::load(p + r * ld + j), s[r]));
+      ExpVec::store(p + r * ld + j, e);
+      acc[r] = ExpVec::add(acc[r], e);
+    }
+  }
+  if (j < n) {
+    const ExpVec::Mask k = ExpVec::tail(n - j);
+    for (int r = 0; r < R; ++r) {
+      const V e = ExpVec::exp(ExpVec::sub(ExpVec::load(k, p + r * ld + j), s[r]));
+      ExpVec::store(k, p + r * ld + j, e);
+      acc[r] = ExpVec::add(acc[r], ExpVec::keep(k, e));
+    }
+  }
+  for (int r = 0; r < R; ++r) sum[r] = ExpVec::sum(acc[r]);
+}
+
 /// p[j] ← exp(p[j] − shift) for j < n; returns their sum (one accumulator, lanes added at the end).
 inline float exp_shifted_sum_simd(float* p, Index n, float shift) {
   float sum = 0.0f;
@@ -331,5 +350,5 @@ Index score_stride(Index bk) {
   return (bk + kAlign - 1) / kAlign * kAlign;
 }
 
-}  // namespace detail
+}  // namespace cpu
 }  // namespace c2f

@@ -25,7 +25,7 @@
 #include <vector>
 
 namespace c2f {
-namespace detail {
+namespace cpu {
 
 /// The blocking of packed_gemm for Scalar on this build's SIMD.
 template <class Scalar>
@@ -91,7 +91,7 @@ class PackedB {
     data_.reserve(size);  // not zeroed: every element is written below; panels start on cache lines
     const Index kblocks = (k_ + B::kKC - 1) / B::kKC;
     const Eigen::internal::evaluator<Rhs> ev(rhs);
-    parallel_for(kblocks * panels_, threads, work >= 0 ? work : 2.0 * static_cast<double>(size), [&](Index task, int) {
+    detail::parallel_for(kblocks * panels_, threads, work >= 0 ? work : 2.0 * static_cast<double>(size), [&](Index task, int) {
       const Index k0 = (task / panels_) * B::kKC, p = task % panels_;
       const Index kc = std::min(B::kKC, k_ - k0), j0 = p * B::kNR, nr = std::min<Index>(B::kNR, n_ - j0);
       Scalar* dst = data_.data() + k0 * panels_ * B::kNR + p * kc * B::kNR;
@@ -169,7 +169,7 @@ class PackedB {
   }
 
   Index k_ = 0, n_ = 0, panels_ = 0;
-  ScratchArray<Scalar> data_;  ///< reused between calls (detail/scratch.hpp)
+  detail::ScratchArray<Scalar> data_;  ///< reused between calls (detail/scratch.hpp)
 };
 
 /// Keeps a loaded packet in a vector register. Without it GCC may fold the load into every multiply-add
@@ -193,7 +193,7 @@ inline void keep_in_register(Packet& packet) {
 /// at a[kk·lda + i] when TransA (A stored transposed, as the [k, rows] row-major matrix Aᵀ). MR = kMR
 /// for the full tiles, fewer for the last rows of a product: the same multiply-adds per element in the
 /// same order, whatever MR or TransA. Inlined into each kernel that ends a tile its own way (gemm_tile;
-/// detail/score_tile.hpp), so the accumulators stay in registers.
+/// cpu/score_tile.hpp), so the accumulators stay in registers.
 template <class Scalar, int MR, bool TransA = false>
 EIGEN_ALWAYS_INLINE void gemm_tile_sums(Index kc, const Scalar* a, Index lda, const Scalar* b,
                                         typename GemmBlocking<Scalar>::Packet (&acc)[MR][GemmBlocking<Scalar>::kNP]) {
@@ -261,7 +261,7 @@ void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c,
 }
 
 /// fn(std::integral_constant<int, rows>()) for 1 ≤ rows ≤ MR: the choice of a tile kernel of exactly
-/// `rows` rows, for the last rows of a product (gemm_tile_rows; detail/score_tile.hpp).
+/// `rows` rows, for the last rows of a product (gemm_tile_rows; cpu/score_tile.hpp).
 template <int MR, class Fn>
 EIGEN_ALWAYS_INLINE void with_tile_rows(Index rows, Fn&& fn) {
   if constexpr (MR >= 1) {
@@ -332,5 +332,5 @@ void packed_gemm(const Scalar* a, Index lda, Index rows, const PackedB<Scalar>& 
   packed_gemm_range<Scalar>(a, lda, rows, b, 0, b.rows(), c0, cols, bias, false, c, ldc);
 }
 
-}  // namespace detail
+}  // namespace cpu
 }  // namespace c2f

@@ -17,8 +17,8 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/packed_gemm.hpp"
-#include "c2f/detail/softmax.hpp"
+#include "c2f/cpu/packed_gemm.hpp"
+#include "c2f/cpu/softmax.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -26,7 +26,7 @@
 #include <utility>
 
 namespace c2f {
-namespace detail {
+namespace cpu {
 
 /// Whether this build has the fused step: AVX-512's exp kernel and 32-column panels of packed_gemm.
 #if C2F_EXP_SIMD == 16
@@ -178,5 +178,5 @@ bool fused_online_softmax_step(const float* q, Index ldq, Index rows, const Pack
 }
 #endif
 
-}  // namespace detail
+}  // namespace cpu
 }  // namespace c2f

@@ -22,13 +22,13 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/packed_gemm.hpp"
+#include "c2f/cpu/packed_gemm.hpp"
 
 #include <algorithm>
 #include <type_traits>
 
 namespace c2f {
-namespace detail {
+namespace cpu {
 
 /// A packet of Scalar from kP values of X at p: Scalar itself, or (Scalar float) bfloat16 widened — exact,
 /// the 16 bits are the float's top half — so a bfloat16 cache is read in place, at half the bytes.
@@ -268,7 +268,7 @@ Index with_fold_rows(Index rows, Fn&& fn) {
 /// The number of tiles with_fold_rows walks over `rows` rows.
 inline Index fold_tiles(Index rows) {
   const Index eights = kFoldRows == 8 ? rows / 8 : 0;
-  return eights + ceil_div(rows - 8 * eights, 4);
+  return eights + detail::ceil_div(rows - 8 * eights, 4);
 }
 
 /// s [rows, n] (row stride lds) = q [rows, d] (contiguous rows) · xᵀ, x [n, d] with row stride ldx.
@@ -356,5 +356,5 @@ void head_values_by_row(const Scalar* p, Index ldp, Index heads, Index n, const 
   }
 }
 
-}  // namespace detail
+}  // namespace cpu
 }  // namespace c2f

@@ -2,7 +2,7 @@
 // load(loader, name) / save(state_dict, name).
 #pragma once
 
-#include "c2f/detail/state_loader.hpp"
+#include "c2f/layers/support/state_loader.hpp"
 
 #include <atomic>
 #include <cstdint>
@@ -60,7 +60,7 @@ class Module {
   /// every key, shape and dtype checked out — a failed load leaves the layer as it was (at the cost of
   /// its weights held twice during the load). "name" and "name." are the same prefix.
   void load_state_dict(const StateDict& sd, std::string_view prefix = "") {
-    named(Derived::type_name, [&] {
+    with_layer_name(Derived::type_name, [&] {
       Derived staged = static_cast<const Derived&>(*this);
       StrictLoader loader(sd, prefix);
       staged.load(loader, "");

@@ -1,13 +1,13 @@
 // c2f — a layer's packed weights, kept between calls (docs/layers.md, "Packed weights kept by the layer").
 //
-// The micro-kernel GEMM (detail::packed_gemm) and the bfloat16 engines (detail::bf16_gemm) read B packed
+// The micro-kernel GEMM (cpu::packed_gemm) and the bfloat16 engines (cpu::bf16_gemm) read B packed
 // into panels. For a weight that is the same in every call, packing it per call costs about as long as
 // its product with 128 rows; a layer keeps the packings instead, as ONNX Runtime prepacks its weights.
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/bf16_gemm.hpp"
-#include "c2f/detail/packed_gemm.hpp"
+#include "c2f/cpu/bf16_gemm.hpp"
+#include "c2f/cpu/packed_gemm.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -16,7 +16,7 @@
 #include <vector>
 
 namespace c2f {
-namespace detail {
+namespace kernels {
 
 /// A layer's packings of its weights, kept between calls: slot i holds the packings of one weight operand
 /// — for fp32 compute the micro-kernel's (PackedB<Scalar>), for Compute::BFloat16 the engine's
@@ -39,13 +39,13 @@ class WeightCache {
   /// Slot `slot`'s micro-kernel packing for `stamp`; `make(PackedB<Scalar>&)` packs it when the slot is
   /// empty or stale. The packing stays alive while the returned pointer does.
   template <class Make>
-  std::shared_ptr<const PackedB<Scalar>> packed(std::size_t slot, std::uint64_t stamp, Make&& make) const {
+  std::shared_ptr<const cpu::PackedB<Scalar>> packed(std::size_t slot, std::uint64_t stamp, Make&& make) const {
     return get(packed_, slot, stamp, false, make);
   }
   /// Slot `slot`'s bfloat16 packing for `stamp` on the current engine, as packed().
   template <class Make>
-  std::shared_ptr<const Bf16PackedB> bf16(std::size_t slot, std::uint64_t stamp, Make&& make) const {
-    return get(bf16_, slot, stamp, bf16_tiles(), make);
+  std::shared_ptr<const cpu::Bf16PackedB> bf16(std::size_t slot, std::uint64_t stamp, Make&& make) const {
+    return get(bf16_, slot, stamp, cpu::bf16_tiles(), make);
   }
   /// Drops every packing.
   void clear() noexcept {
@@ -77,9 +77,9 @@ class WeightCache {
     return s.packed;
   }
   mutable std::mutex mutex_;
-  mutable std::vector<Slot<PackedB<Scalar>>> packed_;
-  mutable std::vector<Slot<Bf16PackedB>> bf16_;
+  mutable std::vector<Slot<cpu::PackedB<Scalar>>> packed_;
+  mutable std::vector<Slot<cpu::Bf16PackedB>> bf16_;
 };
 
-}  // namespace detail
+}  // namespace kernels
 }  // namespace c2f

@@ -17,7 +17,7 @@
 #include "c2f/core.hpp"
 #include "c2f/options.hpp"
 #include "c2f/detail/convert.hpp"
-#include "c2f/detail/packed_gemm.hpp"
+#include "c2f/cpu/packed_gemm.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/scratch.hpp"
 #include "c2f/runtime.hpp"
@@ -41,7 +41,7 @@
 #endif
 
 namespace c2f {
-namespace detail {
+namespace cpu {
 
 /// The bfloat16 nearest to x (ties to even), as its 16 bits; a NaN stays a (quiet) NaN, ±Inf stays.
 inline std::uint16_t bf16_bits(float x) {
@@ -74,7 +74,7 @@ template <class Scalar, class KV = Scalar>
 bool check_compute(const char* kernel, Compute compute, bool narrow_kv = false) {
   if (compute != Compute::BFloat16) return false;
   if (!std::is_same<Scalar, float>::value || !(std::is_same<KV, float>::value || (narrow_kv && !std::is_same<KV, double>::value))) {
-    fail(kernel, ": compute BFloat16 needs float queries, keys and values, got ",
+    detail::fail(kernel, ": compute BFloat16 needs float queries, keys and values, got ",
          std::is_same<Scalar, double>::value ? "double" : "float", " queries and ",
          std::is_same<KV, float>::value ? "float" : (std::is_same<KV, double>::value ? "double" : "16-bit"), " keys");
   }
@@ -100,7 +100,7 @@ inline bool cpu_has_amx_bf16() {
 
 /// Whether the bf16 products of a call run on the tile unit: the CPU has it and c2f::set_bf16_tiles()
 /// has not turned it off.
-inline bool bf16_tiles() { return bf16_tiles_allowed().load(std::memory_order_relaxed) && cpu_has_amx_bf16(); }
+inline bool bf16_tiles() { return detail::bf16_tiles_allowed().load(std::memory_order_relaxed) && cpu_has_amx_bf16(); }
 
 /// The tile engine's blocking: a tile holds 16 rows of 64 bytes (32 bfloat16 or 16 floats); a block of
 /// C is 2 × 2 tiles.
@@ -228,11 +228,11 @@ class Bf16PackedB {
       fallback_.pack(rhs.unaryExpr([](float x) { return round_bf16(x); }), threads, work);
       return;
     }
-    ksteps_ = ceil_div(k_, kTileK);
-    panels_ = ceil_div(n_, kTileMN);
+    ksteps_ = detail::ceil_div(k_, kTileK);
+    panels_ = detail::ceil_div(n_, kTileMN);
     vnni_.reserve(static_cast<std::size_t>(std::max<Index>(1, panels_ * ksteps_ * kBlock)));
     const Eigen::internal::evaluator<Rhs> ev(rhs);
-    parallel_for(panels_, threads, work >= 0 ? work : 2.0 * static_cast<double>(panels_ * ksteps_ * kBlock), [&](Index p, int) {
+    detail::parallel_for(panels_, threads, work >= 0 ? work : 2.0 * static_cast<double>(panels_ * ksteps_ * kBlock), [&](Index p, int) {
       std::uint16_t* dst = vnni_.data() + p * ksteps_ * kBlock;
       for (Index t = 0; t < ksteps_; ++t) {
         for (Index half = 0; half < 2; ++half) {
@@ -282,7 +282,7 @@ class Bf16PackedB {
 
   /// Bytes pack() holds for a [k, n] operand on the engine `tiles`.
   static std::size_t bytes(Index k, Index n, bool tiles) {
-    return tiles ? sizeof(std::uint16_t) * static_cast<std::size_t>(ceil_div(k, kTileK) * ceil_div(n, kTileMN) * kBlock)
+    return tiles ? sizeof(std::uint16_t) * static_cast<std::size_t>(detail::ceil_div(k, kTileK) * detail::ceil_div(n, kTileMN) * kBlock)
                  : PackedB<float>::bytes(k, n);
   }
 
@@ -290,7 +290,7 @@ class Bf16PackedB {
   static constexpr Index kBlock = kTileK * kTileMN;  ///< bf16 of one (k-step, panel) block
   Index k_ = 0, n_ = 0, ksteps_ = 0, panels_ = 0;
   bool tiles_ = false;
-  ScratchArray<std::uint16_t> vnni_;
+  detail::ScratchArray<std::uint16_t> vnni_;
   PackedB<float> fallback_;
 };
 
@@ -371,8 +371,8 @@ class Bf16A {
       return;
     }
 #if C2F_AMX_POSSIBLE
-    ld_ = ceil_div(depth, kTileK) * kTileK;
-    const Index padded = ceil_div(rows, kTileMN) * kTileMN;
+    ld_ = detail::ceil_div(depth, kTileK) * kTileK;
+    const Index padded = detail::ceil_div(rows, kTileMN) * kTileMN;
     a16_.reserve(static_cast<std::size_t>(std::max<Index>(1, padded * ld_)));
     for (Index i = 0; i < rows; ++i) {
       std::uint16_t* dst = a16_.data() + i * ld_;
@@ -389,7 +389,7 @@ class Bf16A {
   static std::size_t bytes(Index rows, Index depth, bool tiles) {
     if (!tiles) return sizeof(float) * static_cast<std::size_t>(std::max<Index>(1, rows * depth));
     return sizeof(std::uint16_t) *
-           static_cast<std::size_t>(std::max<Index>(1, ceil_div(rows, kTileMN) * kTileMN * ceil_div(depth, kTileK) * kTileK));
+           static_cast<std::size_t>(std::max<Index>(1, detail::ceil_div(rows, kTileMN) * kTileMN * detail::ceil_div(depth, kTileK) * kTileK));
   }
   const std::uint16_t* bf16() const { return a16_.data(); }
   Index bf16_stride() const { return ld_; }
@@ -398,8 +398,8 @@ class Bf16A {
  private:
   Index rows_ = 0, depth_ = 0, ld_ = 0;
   bool tiles_ = false;
-  ScratchArray<std::uint16_t> a16_;  ///< from the scratch cache (detail/scratch.hpp), as the packed operands
-  ScratchArray<float> a32_;
+  detail::ScratchArray<std::uint16_t> a16_;  ///< from the scratch cache (detail/scratch.hpp), as the packed operands
+  detail::ScratchArray<float> a32_;
 };
 
 /// packed_gemm_range in bfloat16 (the same contract, A and B rounded, sums in fp32), A prepared: for
@@ -412,7 +412,7 @@ class Bf16A {
 inline void bf16_gemm(const Bf16A& a, const Bf16PackedB& b, Index k_begin, Index k_end, Index c0, Index cols,
                       const float* bias, bool accumulate, float* c, Index ldc) {
   if (a.depth() != k_end - k_begin || a.tiles() != b.tiles()) {
-    fail("bf16_gemm: A of depth ", a.depth(), " on the ", a.tiles() ? "tile" : "fallback", " engine for rows [", k_begin,
+    detail::fail("bf16_gemm: A of depth ", a.depth(), " on the ", a.tiles() ? "tile" : "fallback", " engine for rows [", k_begin,
          ", ", k_end, ") of B on the ", b.tiles() ? "tile" : "fallback", " engine");
   }
   const Index rows = a.rows();
@@ -422,12 +422,12 @@ inline void bf16_gemm(const Bf16A& a, const Bf16PackedB& b, Index k_begin, Index
   }
 #if C2F_AMX_POSSIBLE
   if (k_begin % kTileK != 0 || (k_end % kTileK != 0 && k_end != b.rows()) || c0 % kTileMN != 0) {
-    fail("bf16_gemm: the tile engine needs k_begin and c0 multiples of 32 and k_end one or B's rows, got ", k_begin,
+    detail::fail("bf16_gemm: the tile engine needs k_begin and c0 multiples of 32 and k_end one or B's rows, got ", k_begin,
          ", ", c0, ", ", k_end);
   }
-  const Index t0 = k_begin / kTileK, t1 = ceil_div(k_end, kTileK);
-  const Index lda = a.bf16_stride(), row_blocks = ceil_div(rows, kTileMN);
-  const Index p0 = c0 / kTileMN, p1 = ceil_div(c0 + cols, kTileMN);
+  const Index t0 = k_begin / kTileK, t1 = detail::ceil_div(k_end, kTileK);
+  const Index lda = a.bf16_stride(), row_blocks = detail::ceil_div(rows, kTileMN);
+  const Index p0 = c0 / kTileMN, p1 = detail::ceil_div(c0 + cols, kTileMN);
   alignas(64) float tmp[kTileMN * kTileMN];
   alignas(64) float bias_row[kTileMN];
   for (Index rb = 0; rb < row_blocks; ++rb) {
@@ -461,7 +461,7 @@ inline void bf16_gemm(const Bf16A& a, const Bf16PackedB& b, Index k_begin, Index
     }
   }
 #else
-  fail("bf16_gemm: no tile engine in this build");
+  detail::fail("bf16_gemm: no tile engine in this build");
 #endif
 }
 
@@ -538,7 +538,7 @@ void round_bf16_matrix(RowMatrix<Scalar>& m) {
 /// out = `block` (float, Eigen::half or Eigen::bfloat16 values) converted to Scalar and rounded to bfloat16.
 template <class Scalar, class Block>
 void round_bf16_copy(const Block& block, RowMatrix<Scalar>& out) {
-  convert_block<Scalar>(block, out);
+  detail::convert_block<Scalar>(block, out);
   round_bf16_matrix(out);
 }
 
@@ -550,7 +550,7 @@ void as_scalar_rounded(const Block& block, RowMatrix<Scalar>& scratch, bool bf16
     round_bf16_copy(block, scratch);
     fn(static_cast<const RowMatrix<Scalar>&>(scratch));
   } else {
-    as_scalar(block, scratch, fn);
+    detail::as_scalar(block, scratch, fn);
   }
 }
 
@@ -611,5 +611,5 @@ class Bf16Tiles {
   bool on_;
 };
 
-}  // namespace detail
+}  // namespace cpu
 }  // namespace c2f

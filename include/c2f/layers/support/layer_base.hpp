@@ -19,9 +19,9 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/decoding.hpp"
-#include "c2f/detail/huge_pages.hpp"
-#include "c2f/detail/module.hpp"
+#include "c2f/layers/support/decoding.hpp"
+#include "c2f/detail/fresh_pages.hpp"
+#include "c2f/layers/support/module.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 #include "c2f/mask.hpp"
@@ -122,14 +122,10 @@ To inner_options(const From& from, std::uint64_t seed_offset = 0) {
   static constexpr const char* type_name = name; \
   static constexpr ::c2f::MaskFields mask_fields = fields
 
-/// Rows of the caller's output: [batch·seq, features], row-major.
-template <class Scalar>
-using OutRows = Eigen::Ref<RowMatrix<Scalar>>;
-
 /// "<layer>: out must be [batch·seq, features] = [rows, cols] for an output [B, L, F], got [r, c]" unless
 /// out holds the rows of an output of shape `dims`.
 template <class Scalar>
-void check_out(const char* layer, const OutRows<Scalar>& out, const std::array<Index, 3>& dims) {
+void check_out(const char* layer, const RowMatrixRef<Scalar>& out, const std::array<Index, 3>& dims) {
   if (out.rows() != dims[0] * dims[1] || out.cols() != dims[2]) {
     fail(layer, ": out must be [batch·seq, features] = ", shape_string({dims[0] * dims[1], dims[2]}),
          " for an output ", shape_string({dims[0], dims[1], dims[2]}), ", got ", shape_string({out.rows(), out.cols()}));
@@ -140,83 +136,10 @@ void check_out(const char* layer, const OutRows<Scalar>& out, const std::array<I
 /// shape (`dims`, from output_shape(x), which validated x) and out's. Returns dims.
 template <class Scalar>
 std::array<Index, 3> check_call(const char* layer, const Masks<Scalar>& masks, MaskFields fields,
-                                const std::array<Index, 3>& dims, const OutRows<Scalar>& out) {
+                                const std::array<Index, 3>& dims, const RowMatrixRef<Scalar>& out) {
   check_mask_fields(masks, layer, fields);
   check_out(layer, out, dims);
   return dims;
-}
-
-/// Maps the pages that hold [data, data + bytes) writable, on the calling thread: one
-/// madvise(MADV_POPULATE_WRITE) where the kernel has it (Linux 5.14 on), which writes nothing (a page
-/// shared with memory around the range is only mapped); elsewhere, or when the call fails, one byte per
-/// 4 KiB page is written (the range holds no values yet).
-inline void populate_pages(unsigned char* data, std::size_t bytes) {
-  if (data == nullptr || bytes == 0) return;
-  constexpr std::size_t kPage = 4096;
-#if defined(__linux__) && defined(MADV_POPULATE_WRITE)
-  const std::uintptr_t from = reinterpret_cast<std::uintptr_t>(data) & ~std::uintptr_t(kPage - 1);
-  const std::uintptr_t to = (reinterpret_cast<std::uintptr_t>(data + bytes) + kPage - 1) & ~std::uintptr_t(kPage - 1);
-  if (::madvise(reinterpret_cast<void*>(from), to - from, MADV_POPULATE_WRITE) == 0) return;
-#endif
-  for (std::size_t at = 0; at < bytes; at += kPage) *static_cast<volatile unsigned char*>(data + at) = 0;
-}
-
-/// Faults in the pages of a fresh buffer of kHugePageMinBytes or more before a layer computes into it.
-/// Each of `threads` threads (KernelOptions::num_threads convention; resolve_threads) takes one
-/// contiguous run of whole 2 MiB pages in address order, so that no two threads fault the same huge page
-/// and none hops between pages in the order of the layer's tasks (measured: docs/benchmarks.md, "Fresh
-/// outputs faulted in before the layer computes"). A run is populated by one
-/// madvise(MADV_POPULATE_WRITE) where the kernel has it (Linux 5.14 on), which maps its pages writable
-/// and writes nothing: no page fault per 4 KiB page of the buffer's ends, outside its whole 2 MiB pages
-/// (measured: docs/benchmarks.md, "Fresh pages populated in one call"). Elsewhere, or when the call
-/// fails, one byte per 4 KiB page is written (the buffer holds no values yet: the layer then writes
-/// every element). Smaller buffers are left alone.
-inline void fault_in_pages(void* data, std::size_t bytes, int threads) {
-  if (data == nullptr || bytes < kHugePageMinBytes) return;
-  unsigned char* const begin = static_cast<unsigned char*>(data);
-  const std::size_t pages = (bytes + kHugePageBytes - 1) / kHugePageBytes;
-  const Index workers = resolve_threads(threads, static_cast<Index>(pages));
-  const std::size_t per_worker = (pages + static_cast<std::size_t>(workers) - 1) / static_cast<std::size_t>(workers) * kHugePageBytes;
-  parallel_for(workers, threads, kUnknownWork, [&](Index worker, int) {
-    const std::size_t first = std::min(bytes, static_cast<std::size_t>(worker) * per_worker);
-    populate_pages(begin + first, std::min(bytes, first + per_worker) - first);
-  });
-}
-
-/// How a fresh output's pages are readied before a layer fills it.
-enum class FreshPages {
-  /// All faulted in first (fault_in_pages).
-  FaultIn,
-  /// Left to the fill's first writes, but for the 4 KiB pages at the buffer's two ends that no whole
-  /// 2 MiB page covers: for a fill that writes every element once with ordinary stores in address order
-  /// (KernelOptions::fresh_output), so that the system zeroes each huge page just before the fill
-  /// overwrites it in cache, instead of in a pass of its own over memory (measured: docs/benchmarks.md,
-  /// "Fresh 2-D outputs written on first touch"). Taken only where transparent huge pages are on
-  /// (huge_pages_enabled()): a first write per 4 KiB page would fault 512 times as often. Elsewhere
-  /// prepare_fresh falls back to FaultIn.
-  OnFirstWrite,
-};
-
-/// Readies a freshly allocated Eigen matrix or tensor for a layer to compute into: huge pages advised
-/// (prefer_huge_pages), then its pages faulted in on `threads` threads (fault_in_pages) or, with
-/// FreshPages::OnFirstWrite where huge pages are on, only the ends outside its whole huge pages; all only
-/// when it is large. Returns whether the pages were left to the fill's first writes (OnFirstWrite taken):
-/// the fill then writes with ordinary stores in address order (KernelOptions::fresh_output).
-template <class Buffer>
-bool prepare_fresh(Buffer& buffer, int threads, FreshPages pages = FreshPages::FaultIn) {
-  prefer_huge_pages(buffer);
-  const std::size_t bytes = sizeof(*buffer.data()) * static_cast<std::size_t>(buffer.size());
-  if (pages == FreshPages::FaultIn || !huge_pages_enabled()) {
-    fault_in_pages(buffer.data(), bytes, threads);
-    return false;
-  }
-  if (bytes >= kHugePageMinBytes) {
-    unsigned char* const data = reinterpret_cast<unsigned char*>(buffer.data());
-    const WholeHugePages whole = whole_huge_pages(data, bytes);
-    populate_pages(data, whole.begin);
-    populate_pages(data + whole.end, bytes - whole.end);
-  }
-  return true;
 }
 
 /// A fresh [dims] output (prepare_fresh on `threads` threads, `pages` as asked) filled by fill(rows of
@@ -229,8 +152,8 @@ Tensor3<Scalar> fresh_output(const char* layer, const std::array<Index, 3>& dims
                           {dims[0], dims[1], dims[2]});
   Tensor3<Scalar> y(dims[0], dims[1], dims[2]);
   const bool first_write = prepare_fresh(y, threads, pages);
-  OutRows<Scalar> out(Eigen::Map<RowMatrix<Scalar>>(y.data(), dims[0] * dims[1], dims[2]));
-  if constexpr (std::is_invocable_v<Fill&, OutRows<Scalar>, bool>) {
+  RowMatrixRef<Scalar> out(Eigen::Map<RowMatrix<Scalar>>(y.data(), dims[0] * dims[1], dims[2]));
+  if constexpr (std::is_invocable_v<Fill&, RowMatrixRef<Scalar>, bool>) {
     fill(out, first_write);
   } else {
     fill(out);
@@ -271,8 +194,8 @@ struct SavedBase {
 /// The door to a layer's private training members for the contract's bases and for a layer that runs a
 /// wrapped one's (CoarseAttention runs MultiHeadAttention's): a layer declares `friend struct
 /// detail::TrainAccess;` and provides
-///   void compute_train(inputs…, OutRows<Scalar> out, const Masks<Scalar>&, std::uint64_t step, Saved&) const
-///   void compute_backward(const Saved&, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+///   void compute_train(inputs…, RowMatrixRef<Scalar> out, const Masks<Scalar>&, std::uint64_t step, Saved&) const
+///   void compute_backward(const Saved&, const ConstRowMatrixRef<Scalar>& dy, Grads<Scalar>& g,
 ///                         Layer& grad) const
 /// compute_backward writes the input gradients into g and the parameter gradients into the parameters of
 /// `grad`, a copy of the layer whose parameters are zero (zeroed_copy): g.params is then grad.state_dict().
@@ -304,7 +227,7 @@ Layer zeroed_copy(const Layer& layer) {
 template <class Scalar, class Saved, class Layer, class Fill>
 TrainOutput<Scalar, Saved> train_output(const Layer& layer, const std::array<Index, 3>& dims, Fill&& fill) {
   TrainOutput<Scalar, Saved> result;
-  result.output = fresh_output<Scalar>(Layer::type_name, dims, layer.options().num_threads(), [&](OutRows<Scalar> out) { fill(out, result.saved); });
+  result.output = fresh_output<Scalar>(Layer::type_name, dims, layer.options().num_threads(), [&](RowMatrixRef<Scalar> out) { fill(out, result.saved); });
   result.saved.made_by = layer.parameters_id();
   result.saved.output_dims = dims;
   return result;
@@ -347,7 +270,7 @@ struct RowSaved : SavedBase {
 /// Derived::compute(x, out, masks), with every error in the layer's name. For a layer that maps [B, L,
 /// embed_dim] to [B, L, embed_dim] also output_shape(x). Derived provides
 ///   C2F_LAYER_TRAITS(name, fields);
-///   void compute(const ConstTensor3Ref<Scalar>&, OutRows<Scalar>, const Masks<Scalar>&) const  (private;
+///   void compute(const ConstTensor3Ref<Scalar>&, RowMatrixRef<Scalar>, const Masks<Scalar>&) const  (private;
 ///        friend LayerBase: the checks have run)
 /// and embed_dim(), or its own output_shape(x) (which validates x). A layer with more forward overloads
 /// brings these in with `using LayerBase<…>::forward;`.
@@ -356,15 +279,15 @@ class LayerBase : public Module<Derived> {
  public:
   /// x [batch, seq, features] → a fresh output of output_shape(x) (the same bits as forward_into).
   Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
-    return named(Derived::type_name, [&] {
+    return with_layer_name(Derived::type_name, [&] {
       const std::array<Index, 3> dims = derived().output_shape(x);
       check_mask_fields(masks, Derived::type_name, Derived::mask_fields);
-      return fresh_output<Scalar>(Derived::type_name, dims, derived().options().num_threads(), [&](OutRows<Scalar> out) { derived().compute(x, out, masks); });
+      return fresh_output<Scalar>(Derived::type_name, dims, derived().options().num_threads(), [&](RowMatrixRef<Scalar> out) { derived().compute(x, out, masks); });
     });
   }
   /// Into the caller's out [batch·seq, features] (overwritten; nothing outside it is written).
-  void forward_into(ConstTensor3Ref<Scalar> x, OutRows<Scalar> out, const Masks<Scalar>& masks = {}) const {
-    named(Derived::type_name, [&] {
+  void forward_into(ConstTensor3Ref<Scalar> x, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks = {}) const {
+    with_layer_name(Derived::type_name, [&] {
       check_call(Derived::type_name, masks, Derived::mask_fields, derived().output_shape(x), out);
       derived().compute(x, out, masks);
     });
@@ -380,14 +303,14 @@ class LayerBase : public Module<Derived> {
   template <class D = Derived>
   TrainOutput<Scalar, typename D::Saved> forward_train(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {},
                                                        std::uint64_t step = 0) const {
-    return named(Derived::type_name, [&] {
+    return with_layer_name(Derived::type_name, [&] {
       const std::array<Index, 3> dims = derived().output_shape(x);
       check_mask_fields(masks, Derived::type_name, Derived::mask_fields);
       using Options = std::decay_t<decltype(derived().options())>;
       if constexpr (std::is_base_of<ComputeOption<Options>, Options>::value) {
         check_train_compute(Derived::type_name, derived().options().compute());
       }
-      return train_output<Scalar, typename D::Saved>(derived(), dims, [&](OutRows<Scalar> out, typename D::Saved& saved) {
+      return train_output<Scalar, typename D::Saved>(derived(), dims, [&](RowMatrixRef<Scalar> out, typename D::Saved& saved) {
         TrainAccess::train(derived(), x, out, masks, step, saved);
       });
     });
@@ -398,7 +321,7 @@ class LayerBase : public Module<Derived> {
   /// optimizer step, is refused).
   template <class Saved>
   Grads<Scalar> backward(const Saved& saved, ConstTensor3Ref<Scalar> dy) const {
-    return named(Derived::type_name, [&] { return run_backward<Scalar>(derived(), saved, dy); });
+    return with_layer_name(Derived::type_name, [&] { return run_backward<Scalar>(derived(), saved, dy); });
   }
 
  protected:
@@ -412,7 +335,7 @@ class LayerBase : public Module<Derived> {
 /// Derived::forward_rows(x rows, batch, seq, out), straight into out — no activation-sized temporary
 /// (each defines workspace_bytes: its packed weights on the micro-kernel path).
 /// Training: a RowLayerBase layer declares `using Saved = detail::RowSaved<Scalar>;` and provides
-///   void backward_rows(const RowSaved<Scalar>& saved, dy rows, Eigen::Ref<RowMatrix<Scalar>> dx, Derived& grad) const
+///   void backward_rows(const RowSaved<Scalar>& saved, dy rows, RowMatrixRef<Scalar> dx, Derived& grad) const
 /// (dx [batch·seq, in] of saved.x, overwritten; grad as TrainAccess says): forward_train saves x.
 template <class Derived, class Scalar>
 class RowLayerBase : public LayerBase<Derived, Scalar> {
@@ -423,17 +346,17 @@ class RowLayerBase : public LayerBase<Derived, Scalar> {
   friend class LayerBase<Derived, Scalar>;
   friend struct TrainAccess;
   const Derived& derived() const { return static_cast<const Derived&>(*this); }
-  void compute(const ConstTensor3Ref<Scalar>& x, OutRows<Scalar> out, const Masks<Scalar>&) const {
+  void compute(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out, const Masks<Scalar>&) const {
     derived().forward_rows(x.rows(), x.batch(), x.seq(), out);
   }
-  void compute_train(const ConstTensor3Ref<Scalar>& x, OutRows<Scalar> out, const Masks<Scalar>& masks, std::uint64_t,
+  void compute_train(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks, std::uint64_t,
                      RowSaved<Scalar>& saved) const {
     saved.x = x.rows();
     saved.batch = x.batch();
     saved.seq = x.seq();
     compute(x, out, masks);
   }
-  void compute_backward(const RowSaved<Scalar>& saved, const Eigen::Ref<const RowMatrix<Scalar>>& dy, Grads<Scalar>& g,
+  void compute_backward(const RowSaved<Scalar>& saved, const ConstRowMatrixRef<Scalar>& dy, Grads<Scalar>& g,
                         Derived& grad) const {
     g.input = Tensor3<Scalar>(saved.batch, saved.seq, saved.x.cols());
     derived().backward_rows(saved, dy, Eigen::Map<RowMatrix<Scalar>>(g.input.data(), saved.x.rows(), saved.x.cols()), grad);

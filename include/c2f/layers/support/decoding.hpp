@@ -105,7 +105,7 @@ class Decoder {
   /// Scalar). One state per batch of sequences; the layer itself is shared.
   template <class Cache = Scalar, class L = Layer>  // L: Layer, looked up when the function is used
   typename L::template DecodeStateOf<Cache> new_decode_state(Index batch, Index reserve = 0) const {
-    return named(L::type_name, [&] {
+    return with_layer_name(L::type_name, [&] {
       if (batch < 0 || reserve < 0) fail("new_decode_state: batch and reserve must be >= 0, got ", batch, " and ", reserve);
       check_buffer_of<Cache>("new_decode_state: the keys (and as many values) of [batch, reserve, embed_dim]",
                              {batch, reserve, layer().embed_dim()});
@@ -135,7 +135,7 @@ class Decoder {
   const Layer& layer() const { return static_cast<const Layer&>(*this); }
   template <class State>
   Tensor3<Scalar> run(const ConstTensor3Ref<Scalar>& x, State& state, Index outputs) const {
-    return named(Layer::type_name, [&] {
+    return with_layer_name(Layer::type_name, [&] {
       const auto use = state.begin_use(Layer::type_name, layer().decode_config());
       return layer().run_decode(x, state, outputs);
     });

@@ -19,7 +19,7 @@
 #endif
 
 namespace c2f {
-namespace detail {
+namespace cpu {
 
 /// Outputs of at least this many bytes are written with streaming stores: well above the per-core
 /// caches, so the written lines would be evicted before anyone reads them.
@@ -77,5 +77,5 @@ inline void stream_fence() noexcept {
 #endif
 }
 
-}  // namespace detail
+}  // namespace cpu
 }  // namespace c2f

@@ -11,14 +11,14 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/packed_gemm.hpp"
+#include "c2f/cpu/packed_gemm.hpp"
 
 #include <algorithm>
 #include <limits>
 #include <vector>
 
 namespace c2f {
-namespace detail {
+namespace cpu {
 
 template <class Scalar>
 class MaskedValues {
@@ -130,5 +130,5 @@ Scalar add_bias(Scalar score, Scalar bias) {
   return bias == -std::numeric_limits<Scalar>::infinity() ? bias : score + bias;
 }
 
-}  // namespace detail
+}  // namespace cpu
 }  // namespace c2f

@@ -1,0 +1,3 @@
+// A micro-kernel that includes the mask vocabulary, a level above it: refused.
+#pragma once
+#include "c2f/mask.hpp"

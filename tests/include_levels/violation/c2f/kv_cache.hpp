@@ -1,0 +1,2 @@
+// The cache the violating plumbing header includes.
+#pragma once

@@ -1,0 +1,2 @@
+// The mask vocabulary the violating micro-kernel includes.
+#pragma once
