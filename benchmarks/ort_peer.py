@@ -37,7 +37,7 @@ exported module with its c2f layer (the entry torch_peer.py gives it: c2f/L/32, 
 sparse/L/64/8/0).
 
 Per (graph, L): bench_attention's peer mode (--c2f_peer_*) computes c2f's output (once per layer and L);
-run.mjs creates the session with ORT's profiler on, runs the graph once (the check and the warm-up) and
+run.mjs creates the InferenceSession with ORT's profiler on, runs the graph once (the check and the warm-up) and
 writes its output; this script compares it with c2f's — |ORT − c2f| ≤ ATOL + RTOL·|c2f| element-wise,
 else it stops with exit code 1 — and only then times, in ROUNDS alternating rounds (default 3): run.mjs
 runs the graph ceil(REPS / ROUNDS) times, each the wall clock measured inside Node (process.hrtime)
@@ -252,7 +252,7 @@ def export_module(torch, layer, module, L, path):
 # Running a graph (benchmarks/ort/run.mjs) and reading its profile.
 
 class Runner:
-    """One run.mjs process for one (graph, L): the session, the check run, then (on `time`) the runs."""
+    """One run.mjs process for one (graph, L): the InferenceSession, the check run, then (on `time`) the runs."""
 
     def __init__(self, model, x_bin, L, threads, y_bin, profile_prefix, optimized, then_time):
         cmd = [shutil.which("node"), str(RUNNER), "--model", str(model), "--input", str(x_bin),
@@ -272,7 +272,7 @@ class Runner:
         return self._line("the check run")
 
     def time(self, reps):
-        """One round of timed runs: {runs_ms, cpu_per_wall}. The session stays for the next round."""
+        """One round of timed runs: {runs_ms, cpu_per_wall}. The InferenceSession stays for the next round."""
         self.proc.stdin.write(f"time {reps}\n")
         self.proc.stdin.flush()
         return self._line("the timed runs")
