@@ -127,6 +127,7 @@ cmake --preset "$preset" > "$out/cmake-configure.log"
 grep -E '^-- c2f:' "$out/cmake-configure.log" || true
 if [ "$full" = 1 ] && [ ${#only[@]} -eq 0 ]; then
   cmake --build --preset "$preset"
+  built="every target"
 else
   # Only the targets this configuration defines (bench_libtorch needs libtorch-dev, bench_dist MPI, …).
   known=$(cmake --build "$build" --target help | sed -n 's/^\([A-Za-z0-9_]*\): .*/\1/p; s/^\.\.\. \([A-Za-z0-9_]*\).*/\1/p')
@@ -135,8 +136,9 @@ else
     if grep -qx "$t" <<< "$known"; then wanted+=("$t"); else echo "run: target $t is not defined here: skipped"; fi
   done
   [ ${#wanted[@]} -eq 0 ] || cmake --build --preset "$preset" --target "${wanted[@]}"
+  built="${wanted[*]}"
 fi
-step "build (${#targets[@]} targets)"
+step "build: $built"
 
 # ---- the parts
 if has examples; then
@@ -148,16 +150,19 @@ if has examples; then
 fi
 
 sweep_parts=()
-for p in machine attention runtime c2f2d decode; do has "$p" && sweep_parts+=(--only "$p"); done
+sweep_names=""
+for p in machine attention runtime c2f2d decode; do
+  if has "$p"; then sweep_parts+=(--only "$p"); sweep_names+=" $p"; fi
+done
 if [ ${#sweep_parts[@]} -gt 0 ]; then
-  echo "== benchmark sweep (benchmarks/sweep.py):${sweep_parts[*]//--only/}"
+  echo "== benchmark sweep (benchmarks/sweep.py):$sweep_names"
   if [ "$full" = 1 ]; then
     /usr/bin/python3 benchmarks/sweep.py --build "$build" --out "$out" --long "${sweep_parts[@]}"
   else
     /usr/bin/python3 benchmarks/sweep.py --build "$build" --out "$out" --headline "${sweep_parts[@]}" \
       --runtime-repetitions 1 --c2f2d-sweep quick --decode-sweep quick
   fi
-  step "sweep:${sweep_parts[*]//--only/}"
+  step "sweep:$sweep_names"
 fi
 
 if has train; then
@@ -239,4 +244,4 @@ if [ "$full" = 0 ]; then
   echo "                                         c2f2d decode sweep train python dist"
   echo "  benchmarks/README.md                   each binary and script alone"
 fi
-echo "run: results in $out/ (headline.md, summary.md, run_times.md, the JSON of every binary)"
+echo "run: results in $out/ (headline.md, run_times.md, and each part's tables and JSON)"
