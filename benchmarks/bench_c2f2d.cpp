@@ -1,4 +1,4 @@
-// Two-dimensional coarse-to-fine attention (issue 14) against the machine's two rooflines, all in one run.
+// Two-dimensional coarse-to-fine attention (C2FAttention2D) against the machine's two rooflines, all in one run.
 //
 //   bench_c2f2d [--c2f2d_sweep=full|quick] [Google Benchmark flags]
 //

@@ -1,4 +1,4 @@
-// Token-by-token decoding (issue 15): the latency of one decode step (n = 1 new token per sequence) at a
+// Token-by-token decoding: the latency of one decode step (n = 1 new token per sequence) at a
 // growing context, for the three layers that decode, next to the machine's memory rooflines of the run.
 //
 //   bench_decode [--decode_sweep=full|quick] [Google Benchmark flags]
@@ -8,7 +8,7 @@
 // (default 2), causal layers.
 //
 // Entries (name/batch/context):
-//   copy             STREAM copy over 2 × 256 MiB (bytes = 2 × size) — the roofline the issue names
+//   copy             STREAM copy over 2 × 256 MiB (bytes = 2 × size) — the roofline of the decode targets
 //   read             the sum of one 512 MiB buffer (bytes = size) — the roofline of a read-only scan
 //   mha              MultiHeadAttention::decode, the cache holds the projected K and V
 //   mha_bf16         the same with an Eigen::bfloat16 cache (batch 1)

@@ -1,4 +1,4 @@
-// c2f's thread runtime, measured: the OpenMP, latency and concurrency sweeps of issue 11, the cost of
+// c2f's thread runtime, measured: the OpenMP, latency and concurrency sweeps of the runtime targets, the cost of
 // one parallel loop (which sets the small-work threshold) and the SIMD entries.
 //
 //   bench_runtime [--c2f_set=all|openmp|latency|concurrency|overhead|simd] [Google Benchmark flags]

@@ -1,4 +1,4 @@
-// Training step benchmarks (issue 25, docs/training.md#benchmark): forward_train + backward of c2f's
+// Training step benchmarks (docs/training.md#benchmark): forward_train + backward of c2f's
 // layers, batch 1, d = E = 512, 8 heads (bench_attention's layers), float, C2F_BENCH_THREADS threads
 // (default 2).
 //

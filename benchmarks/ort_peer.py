@@ -37,7 +37,7 @@ exported module with its c2f layer (the entry torch_peer.py gives it: c2f/L/32, 
 sparse/L/64/8/0).
 
 Per (graph, L): bench_attention's peer mode (--c2f_peer_*) computes c2f's output (once per layer and L);
-run.mjs creates the session with ORT's profiler on, runs the graph once (the check and the warm-up) and
+run.mjs creates the InferenceSession with ORT's profiler on, runs the graph once (the check and the warm-up) and
 writes its output; this script compares it with c2f's — |ORT − c2f| ≤ ATOL + RTOL·|c2f| element-wise,
 else it stops with exit code 1 — and only then times, in ROUNDS alternating rounds (default 3): run.mjs
 runs the graph ceil(REPS / ROUNDS) times, each the wall clock measured inside Node (process.hrtime)
@@ -51,7 +51,7 @@ check run (profiler ended before the timed runs) names the kernels that ran: ope
 execution provider of every node of the optimised graph.
 
 Lengths: MHA at L ∈ {1024, 2048, 4096, 8192}, the exported C2F and SparseC2F at L ∈ {4096, 16384}, the
-exported HMHA at L ∈ {1024, 4096}; a (graph, L) is
+exported HMHA at L ∈ {1024, 4096} (an empty list, e.g. `--hmha-lengths ''`, leaves a graph out); a (graph, L) is
 skipped when its predicted time (the last measured L scaled by (L / L_prev)^p, p from the last two
 lengths clamped to [1, 2], 2 after the first) exceeds --budget seconds for the check plus the runs, or its
 predicted memory exceeds --max-gib (or 60 % of the memory available when the script starts).
@@ -74,6 +74,7 @@ import time
 from pathlib import Path
 
 import torch_peer  # the PyTorch peer: its modules, seeds, safetensors writer and c2f's peer mode
+from report import blas
 from torch_peer import EMBED, HEADS, SKIP, available_bytes, c2f_output, run_c2f_peer, save_tensors
 
 REPO = Path(__file__).resolve().parent.parent
@@ -128,6 +129,9 @@ def probe(threads):
         "timing": "wall clock inside Node (process.hrtime) around await session.run(feeds); median; rounds "
                   "alternating with c2f's forwards (bench_attention --c2f_peer_time)",
         "cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
+        # ORT runs its own kernels (MLAS), not OpenBLAS; torch (the exports, not timed) loads OpenBLAS, and
+        # sweep.py starts this script with the variables that force its kernel family unset, as the others.
+        "openblas_env": blas.env_state(),
     }, None
 
 
@@ -248,7 +252,7 @@ def export_module(torch, layer, module, L, path):
 # Running a graph (benchmarks/ort/run.mjs) and reading its profile.
 
 class Runner:
-    """One run.mjs process for one (graph, L): the session, the check run, then (on `time`) the runs."""
+    """One run.mjs process for one (graph, L): the InferenceSession, the check run, then (on `time`) the runs."""
 
     def __init__(self, model, x_bin, L, threads, y_bin, profile_prefix, optimized, then_time):
         cmd = [shutil.which("node"), str(RUNNER), "--model", str(model), "--input", str(x_bin),
@@ -268,7 +272,7 @@ class Runner:
         return self._line("the check run")
 
     def time(self, reps):
-        """One round of timed runs: {runs_ms, cpu_per_wall}. The session stays for the next round."""
+        """One round of timed runs: {runs_ms, cpu_per_wall}. The InferenceSession stays for the next round."""
         self.proc.stdin.write(f"time {reps}\n")
         self.proc.stdin.flush()
         return self._line("the timed runs")
@@ -373,8 +377,8 @@ def run(args):
           f"executionMode 'sequential'; graphs by onnx {setup['onnx_version']} (opset {OPSET}) and torch "
           f"{setup['torch_version']}; c2f threads {threads}", flush=True)
 
-    mha_lengths = CHECK_LENGTHS if args.check_only else [int(v) for v in args.lengths.split(",")]
-    module_lengths = {key: CHECK_LENGTHS if args.check_only else [int(v) for v in text.split(",")]
+    mha_lengths = CHECK_LENGTHS if args.check_only else [int(v) for v in args.lengths.split(",") if v]
+    module_lengths = {key: CHECK_LENGTHS if args.check_only else [int(v) for v in text.split(",") if v]
                       for key, text in ((f"c2f{C2F_CHUNK}", args.c2f_lengths), ("hmha", args.hmha_lengths),
                                         ("sparse", args.sparse_lengths))}
     dense = lambda L: 3 * HEADS * L * L * 4.0  # [8, L, L] float tensors alive at once (scores, softmax, …)

@@ -1,7 +1,8 @@
 #!/usr/bin/python3
-"""c2f from Python against PyTorch, and what the binding costs (issue 24): one run, same weights, same threads.
+"""c2f from Python against PyTorch, and what the binding costs: one run, same weights, same threads.
 
-    /usr/bin/python3 benchmarks/python_bench.py --build build/release-native [--out results/latest] [--quick]
+    /usr/bin/python3 benchmarks/python_bench.py --build build/release-native [--out results/latest]
+                                                [--quick | --headline]
 
 1. Speed-ups from Python: torch.nn.MultiheadAttention(512, 8, batch_first=True) against c2f.MultiHeadAttention
    (L = 1024 … 8192), and the coarse-to-fine article's C2FAttention (tests/reference/c2f_reference.py) against
@@ -16,11 +17,15 @@
    batch 1, a context of 1024 tokens: bench_decode's entry mha/1/1024) called from Python, against the same
    step repeated in C++ inside the same process (layer._decode_loop: no Python between steps), on states
    prefilled alike, alternating; the Python step takes a numpy array, and a torch tensor; and bench_decode's
-   own time for that entry. The same for a tiny layer (embed_dim 8, context 16), where the step itself costs
-   almost nothing. Target: ≤ 15 µs per call.
+   own time for that entry (when bench_decode is built). The same for a tiny layer (embed_dim 8, context
+   16), where the step itself costs almost nothing. Target: ≤ 15 µs per call.
+
+--quick: MHA at L = 1024 and 2048, C2F at 4096. --headline (scripts/run.sh's default): MHA at L = 2048 only.
 
 Threads: C2F_BENCH_THREADS (default 2) for c2f, torch.set_num_threads and OpenBLAS alike (torch_peer.py's
-setup). The module comes from <build>/python (C2F_PYTHON, built by the same preset). Writes python_bench.json
+setup; the OpenBLAS kernel torch ran is reported — scripts/run.sh starts this script with OPENBLAS_CORETYPE
+and OPENBLAS_L2_SIZE unset, report/blas.py). The module comes from <build>/python (C2F_PYTHON, built by the
+same preset). Writes python_bench.json
 and python_bench.md to --out and prints the tables. Exit code 1 when an output differs from torch's.
 """
 
@@ -77,12 +82,12 @@ def check(name, L, ours, theirs):
         sys.exit(f"python_bench: c2f's {name} differs from PyTorch's at L = {L}")
 
 
-def speedups(torch, c2f, threads, build, reps, quick):
+def speedups(torch, c2f, threads, build, reps, quick, headline=False):
     import torch.nn as nn
     from c2f_reference import C2FAttention
     torch.manual_seed(0)
-    mha_lengths = MHA_LENGTHS[:2] if quick else MHA_LENGTHS
-    c2f_lengths = C2F_LENGTHS[:1] if quick else C2F_LENGTHS
+    mha_lengths = [2048] if headline else MHA_LENGTHS[:2] if quick else MHA_LENGTHS
+    c2f_lengths = [] if headline else C2F_LENGTHS[:1] if quick else C2F_LENGTHS
     mha = nn.MultiheadAttention(EMBED, HEADS, batch_first=True).eval()
     article = C2FAttention(EMBED, HEADS, CHUNK).eval()
     layers = {
@@ -148,16 +153,21 @@ def overhead(torch, c2f, threads, build, reps):
                              overhead_us=statistics.median(p - c for p, c in zip(python_us, cpp_us)),
                              overhead_torch_in_us=statistics.median(p - c for p, c in zip(torch_us, cpp_us)),
                              python_runs_us=python_us, torch_in_runs_us=torch_us, cpp_runs_us=cpp_us)
-    bench = google_benchmark(build / "benchmarks" / "bench_decode", f"^mha/1/{DECODE_CONTEXT}/",
-                             ["--decode_sweep=quick"])
-    results["bench_decode"] = {k: 1e3 * v for k, v in bench.items()}  # µs
+    decode_bin = build / "benchmarks" / "bench_decode"
+    if decode_bin.exists():
+        bench = google_benchmark(decode_bin, f"^mha/1/{DECODE_CONTEXT}/", ["--decode_sweep=quick"])
+        results["bench_decode"] = {k: 1e3 * v for k, v in bench.items()}  # µs
+    else:
+        print(f"python_bench: {decode_bin} is not built: no bench_decode figure", flush=True)
+        results["bench_decode"] = {}
     return results
 
 
 def markdown(setup, rows, over):
     lines = ["### c2f from Python against PyTorch (benchmarks/python_bench.py)", "",
              f"Batch 1, d = {EMBED}, {HEADS} heads, float32, {setup['c2f_threads']} threads for c2f and torch "
-             f"({setup['torch_version']}, its sgemm from {setup['blas_library']}); median wall-clock times. "
+             f"({setup['torch_version']}, its sgemm from {setup['blas_library']}: {setup['blas_kernel']}); median "
+             "wall-clock times. "
              "Speed-up = torch time / c2f time; \"Python / C++\" = the Python speed-up over the C++ one "
              "(target ≥ 0.90). Load average (1 min) before and after the run: "
              f"{setup['load_average_before_after'][0]:.2f}, {setup['load_average_before_after'][1]:.2f}.", "",
@@ -189,19 +199,23 @@ def main(argv=None):
     p.add_argument("--out", default=str(REPO / "results" / "latest"), help="output folder")
     p.add_argument("--reps", type=int, default=7, help="timed runs per entry (median)")
     p.add_argument("--quick", action="store_true", help="two MHA lengths and one C2F length")
+    p.add_argument("--headline", action="store_true", help="MHA at L = 2048 only (scripts/run.sh's default)")
     p.add_argument("--long", action="store_true", help="accepted for scripts/run.sh; changes nothing")
     args = p.parse_args(argv)
     build = Path(args.build).resolve()
     sys.path.insert(0, str(build / "python"))
-    from torch_peer import bench_threads, setup_torch
+    from torch_peer import bench_threads, blas, setup_torch
     threads = bench_threads()
     torch, setup = setup_torch(threads)
     import c2f
     if not Path(c2f.__file__).is_relative_to(build):
         sys.exit(f"python_bench: imported c2f from {c2f.__file__}, not from {build}/python (build it with C2F_PYTHON)")
-    print(f"python_bench: c2f {c2f.__file__}, torch {torch.__version__}, {threads} threads", flush=True)
+    print(f"python_bench: c2f {c2f.__file__}, torch {torch.__version__} ({setup['blas_kernel']}), {threads} threads",
+          flush=True)
+    if blas.forced_note(setup["openblas_env"]):
+        print(f"python_bench: {blas.forced_note(setup['openblas_env'])}", flush=True)
     load_before = os.getloadavg()
-    rows = speedups(torch, c2f, threads, build, args.reps, args.quick)
+    rows = speedups(torch, c2f, threads, build, args.reps, args.quick, args.headline)
     over = overhead(torch, c2f, threads, build, args.reps)
     # Other processes on the cores blur every comparison: the load average before and after says if they did.
     setup["load_average_before_after"] = [load_before[0], os.getloadavg()[0]]

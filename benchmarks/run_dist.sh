@@ -15,5 +15,5 @@ fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 for np in 1 2; do
   echo "== mpirun -np $np"
-  mpirun -np "$np" --oversubscribe --bind-to none "$bench" --benchmark_counters_tabular=true "$@"
+  mpirun -np "$np" --oversubscribe --bind-to none "$bench" --benchmark_counters_tabular=true --benchmark_color=false "$@"
 done

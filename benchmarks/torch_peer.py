@@ -8,7 +8,12 @@ who cares about speed would run them, on the same weights and inputs as c2f (out
 Setup (printed, and stored in the JSON): Debian's python3-torch, float32, batch 1, d = 512, 8 heads,
 torch.inference_mode(), torch.set_num_threads(n) and OpenBLAS's own threads = n, where n is c2f's thread
 count (C2F_BENCH_THREADS, default 2). The BLAS reported is the library whose sgemm_ libtorch calls, found
-after a first matmul (the BLAS-like libraries mapped into the process are listed too).
+after a first matmul (the BLAS-like libraries mapped into the process are listed too), and the kernel it
+runs: OpenBLAS's version and the kernel family it chose for this CPU (openblas_get_config,
+openblas_get_corename), e.g. "OpenBLAS 0.3.21 Cooperlake kernels, 2 threads". OPENBLAS_CORETYPE in the
+environment forces an older family: sweep.py and scripts/run.sh start this script with OPENBLAS_CORETYPE and
+OPENBLAS_L2_SIZE unset (`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE /usr/bin/python3 ...` by hand); the
+script prints a note, and the table says so, when they are set (report/blas.py).
 
 Modules (PyTorch's default initialisation, seeded; the same tensors are loaded into c2f):
     mha      torch.nn.MultiheadAttention(512, 8, batch_first=True), called (x, x, x, need_weights=False)
@@ -35,7 +40,8 @@ times are not measured here: the peer table takes them from bench_attention.json
 Lengths: L ∈ {1024, 2048, 4096, 8192, 16384}, skipping an (module, L) when its predicted time (the last
 measured L scaled by (L / L_prev)², conservative) exceeds --budget seconds for the check plus the runs, or
 its predicted memory (the dense modules hold several [8, L, L] float tensors) exceeds --max-gib (or 60 %
-of the memory available when the script starts); each skip is reported with its reason.
+of the memory available when the script starts); each skip is reported with its reason. --lengths and
+--layers (module keys: mha, c2f8 … c2f256, hmha, sparse, mha_bf16, c2f32_bf16) pick fewer.
 
 Output in --out: torch_peer.json, and torch_peer.md (the peer table) when bench_attention.json (and
 bench_libtorch.json) of the same sweep are there. Exit codes: 0 done, 1 a mismatch or error, 77 torch is
@@ -58,6 +64,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "reference"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from report import blas  # noqa: E402  (the BLAS kernel the peer runs on, and the variables that force one)
 
 EMBED, HEADS = 512, 8
 LENGTHS = [1024, 2048, 4096, 8192, 16384]
@@ -125,6 +133,7 @@ def setup_torch(threads):
         except (AttributeError, OSError) as e:
             sgemm_from = f"unknown ({e})"
     openblas_threads, openblas_config = "n/a (no OpenBLAS mapped)", "n/a (no OpenBLAS mapped)"
+    openblas_corename = None
     engine = next((p for p in mapped if os.path.basename(p).startswith("libopenblas")), None)
     if engine:
         lib = ctypes.CDLL(engine)
@@ -132,12 +141,17 @@ def setup_torch(threads):
         openblas_threads = str(lib.openblas_get_num_threads())
         lib.openblas_get_config.restype = ctypes.c_char_p
         openblas_config = lib.openblas_get_config().decode()
+        lib.openblas_get_corename.restype = ctypes.c_char_p  # the kernel family OpenBLAS runs on this CPU
+        openblas_corename = lib.openblas_get_corename().decode()
     found = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
     blas_info = f"built with BLAS_INFO={found.group(1) if found else '?'}"
     setup = {
         "python": sys.executable, "torch_version": torch.__version__, "torch_path": os.path.dirname(torch.__file__),
         "torch_build_blas": blas_info, "blas_library": sgemm_from, "mapped_blas": mapped,
         "openblas_threads": openblas_threads, "openblas_config": openblas_config,
+        "openblas_corename": openblas_corename, "openblas_env": blas.env_state(),
+        "blas_kernel": (blas.kernel_text(openblas_config, openblas_threads, openblas_corename, blas.env_state())
+                        if engine else f"not OpenBLAS: sgemm_ from {sgemm_from}"),
         "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
         "c2f_threads": threads, "cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
     }
@@ -300,6 +314,9 @@ def run(args):
           f"{setup['openblas_threads']}, c2f threads {threads}", flush=True)
     print(f"peer: mapped BLAS libraries: {', '.join(setup['mapped_blas']) or 'none'}; OpenBLAS config: "
           f"{setup['openblas_config']}", flush=True)
+    print(f"peer: BLAS kernel: {setup['blas_kernel']}", flush=True)
+    if blas.forced_note(setup["openblas_env"]):
+        print(f"peer: {blas.forced_note(setup['openblas_env'])}", flush=True)
 
     lengths = CHECK_LENGTHS if args.check_only else [int(v) for v in args.lengths.split(",")]
     budget, cap = args.budget, args.max_gib * 2**30
@@ -326,7 +343,9 @@ def run(args):
             return lengths
 
         for index, layer in enumerate(layers(torch, lengths_of)):
-            torch.manual_seed(1000 + index)
+            if args.layers and layer.key not in args.layers.split(","):
+                continue
+            torch.manual_seed(1000 + index)  # the index in the whole list: ort_peer.py builds the same weights
             module = layer.build().eval()
             weights = tmp / f"{layer.key}.safetensors"
             state = {name: t.detach().clone() for name, t in module.state_dict().items()}
@@ -429,13 +448,18 @@ def peer_table(peers, attn, libtorch=None):
     s = peers["setup"]
     torch_mha = {r["L"]: r for r in peers["results"] if r["layer"] == "mha"}
     lines = ["### c2f against its peers (same weights and inputs, outputs checked equal; same sweep)", ""]
+    kernel = s.get("blas_kernel") or blas.kernel_text(s.get("openblas_config"), s.get("openblas_threads"))
     lines.append(f"- PyTorch {s['torch_version']} (Debian python3-torch, {s['python']}; {s['torch_build_blas']}): "
-                 f"BLAS (sgemm_ from) `{s['blas_library']}`, torch threads {s['torch_threads']}, OpenBLAS threads "
-                 f"{s['openblas_threads']} (`{s['openblas_config']}`); torch.inference_mode(), float32, median of "
-                 f"{peers['reps']} wall-clock runs after a warm-up.")
+                 f"**{kernel}**; BLAS (sgemm_ from) `{s['blas_library']}`, torch threads {s['torch_threads']}, "
+                 f"OpenBLAS threads {s['openblas_threads']} (`{s['openblas_config']}`); torch.inference_mode(), "
+                 f"float32, median of {peers['reps']} wall-clock runs after a warm-up.")
+    if blas.forced_note(s.get("openblas_env")):
+        lines.append(f"- **{blas.forced_note(s['openblas_env'])}**: not PyTorch at its best.")
     if libtorch:
         c = libtorch["context"]
+        env = libtorch.get("openblas_env")  # set by sweep.py, which starts bench_libtorch
         lines.append(f"- libtorch {c.get('torch_version', '?')} (bench_libtorch, torch::nn::MultiheadAttention): "
+                     f"**{blas.kernel_text(c.get('openblas_config'), c.get('openblas_threads'), env=env)}**; "
                      f"BLAS (sgemm_ from) `{c.get('blas_library', '?')}`, torch threads {c.get('torch_threads', '?')}, "
                      f"OpenBLAS threads {c.get('openblas_threads', '?')}.")
     lines.append(f"- c2f: bench_attention, {attn['context'].get('c2f_threads')} threads, Eigen SIMD "
@@ -526,7 +550,11 @@ def peer_main(parser, argv, run_peer):
 
 
 def main(argv=None):
-    return peer_main(peer_arguments(__doc__, LENGTHS, "module", "c2f against PyTorch"), argv, run)
+    p = peer_arguments(__doc__, LENGTHS, "module", "c2f against PyTorch")
+    p.add_argument("--layers", default="",
+                   help="comma-separated modules to run (default: all): mha, c2f8 … c2f256, hmha, sparse, mha_bf16, "
+                        "c2f32_bf16")
+    return peer_main(p, argv, run)
 
 
 if __name__ == "__main__":

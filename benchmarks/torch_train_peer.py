@@ -5,7 +5,8 @@ same weights, x and dy, gradients checked against c2f's before timing.
     /usr/bin/python3 benchmarks/torch_train_peer.py --build build/release-native --out results/latest
 
 Setup: torch_peer.py's (Debian's python3-torch, float32, batch 1, d = 512, 8 heads, torch and OpenBLAS on
-n threads, n = C2F_BENCH_THREADS, default 2), in training mode with autograd:
+n threads, n = C2F_BENCH_THREADS, default 2; the OpenBLAS kernel that ran is reported — scripts/run.sh starts
+this script with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset, report/blas.py), in training mode with autograd:
     mha    torch.nn.MultiheadAttention(512, 8, batch_first=True), (x, x, x, need_weights=False),
            L = 1024 … 8192 — against bench_train's train_mha/L
     c2f    the article's C2FAttention (tests/reference/c2f_reference.py), chunk 32, dropout 0 (c2f's default;
@@ -53,7 +54,7 @@ EMBED, HEADS, CHUNK, WINDOW = 512, 8, 32, 64
 TOL, ATOL = 1e-4, 1e-5
 SKIP = 77
 CASES = [("mha", L) for L in (1024, 2048, 4096, 8192)] + [("c2f", L) for L in (4096, 8192, 16384)] + [("hmha", 4096)]
-TARGETS = {"mha": 2.0, "c2f": 8.0}  # the speed-up targets (step time, torch / c2f)
+TARGETS = {"mha": 2.0, "c2f": 8.0}  # the training targets: speed-up of the step time, torch / c2f
 
 
 def build(torch, layer):
@@ -158,6 +159,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3, help="timed steps per (layer, L) after the check")
     p.add_argument("--only", action="append", choices=["mha", "c2f", "hmha"], help="run only these layers")
     p.add_argument("--max-length", type=int, default=0, help="skip the lengths above this (0: none)")
+    p.add_argument("--lengths", default="", help="comma-separated lengths to run (default: every case's)")
     p.add_argument("--no-interleave", action="store_true",
                    help="do not rerun bench_train's entry around torch's steps (use bench_train.json's figures)")
     args = p.parse_args(argv)
@@ -172,11 +174,16 @@ def main(argv=None):
         sys.exit(f"torch_train_peer: {binary} does not exist (build the bench_train target)")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"train peer: PyTorch {setup['torch_version']}, BLAS {setup['blas_library']}, torch threads "
-          f"{setup['torch_threads']}, OpenBLAS threads {setup['openblas_threads']}, c2f threads {threads}", flush=True)
+    print(f"train peer: PyTorch {setup['torch_version']}, BLAS {setup['blas_library']} ({setup['blas_kernel']}), "
+          f"torch threads {setup['torch_threads']}, OpenBLAS threads {setup['openblas_threads']}, c2f threads {threads}",
+          flush=True)
+    if torch_peer.blas.forced_note(setup["openblas_env"]):
+        print(f"train peer: {torch_peer.blas.forced_note(setup['openblas_env'])}", flush=True)
     rows = []
     for index, (layer, L) in enumerate(CASES):
         if (args.only and layer not in args.only) or (args.max_length and L > args.max_length):
+            continue
+        if args.lengths and L not in [int(v) for v in args.lengths.split(",") if v]:
             continue
         torch.manual_seed(2000 + index)
         module, call, meta = build(torch, layer)
@@ -245,7 +252,9 @@ def main(argv=None):
     (out_dir / "torch_train_peer.json").write_text(json.dumps(doc, indent=1))
     bench_file = out_dir / "bench_train.json"
     if bench_file.exists():
-        md = table(rows, json.loads(bench_file.read_text()))
+        md = (f"torch.autograd: PyTorch {setup['torch_version']}, {setup['blas_kernel']}; c2f: bench_train, "
+              f"{threads} threads; load average {', '.join(f'{v:.2f}' for v in doc['load_average'])} at the end.\n\n"
+              + table(rows, json.loads(bench_file.read_text())))
         (out_dir / "torch_train_peer.md").write_text(md)
         print(md)
         memory_plot(json.loads(bench_file.read_text()), out_dir / "train_memory_per_token.png")

@@ -6,11 +6,11 @@
 //   node run.mjs --probe 1        prints {ort_version, node_version}
 //
 // X.bin holds the float32 input (little-endian, row-major, of shape --dims) of the graph's one input.
-// The session: CPU execution provider, intraOpNumThreads = N, interOpNumThreads = 1,
+// The InferenceSession: CPU execution provider, intraOpNumThreads = N, interOpNumThreads = 1,
 // graphOptimizationLevel 'all', executionMode 'sequential'; --profile turns ORT's profiler on
 // (profileFilePrefix = PREFIX) and --optimized writes the optimised graph ORT runs.
 //
-// 1. The check run: one run, its output written to Y.bin, the profiler ended (it covers the session's
+// 1. The check run: one run, its output written to Y.bin, the profiler ended (it covers the InferenceSession's
 //    creation and this run only); prints one JSON line
 //      {ort_version, node_version, inputs, outputs, output_dims, session_ms, first_run_ms, profile_file}.
 // 2. With --then-time 1 it then reads commands from stdin, one a line: "time R" runs the graph R times,

@@ -1,4 +1,4 @@
-"""The c2f2d part's tables and targets (bench_c2f2d, issue 14): C2FAttention2D over grids and blocks against
+"""The c2f2d part's tables and targets (bench_c2f2d): C2FAttention2D over grids and blocks against
 the in-run copy bandwidth and GEMM rooflines and full MHA, and the coarse-to-fine attention article's claim
 for a 1024 × 1024 image."""
 
@@ -44,10 +44,10 @@ class Run:
 
 
 def c2f2d_section(result):
-    """Issue 14's table: C2FAttention2D over grids and blocks next to the in-run copy bandwidth and GEMM
+    """The C2FAttention2D table: C2FAttention2D over grids and blocks next to the in-run copy bandwidth and GEMM
     rooflines, full MHA where it runs (to 128²) and its fitted slope beyond; and the targets."""
     run = Run(result)
-    out = ["### C2FAttention2D (issue 14): 2-D blocks, relative position bias, against the rooflines (same run)", ""]
+    out = ["### C2FAttention2D: 2-D blocks, relative position bias, against the rooflines (same run)", ""]
     out.append(setup_line(run))
     out.append("")
     out += grid_table(run)
@@ -57,7 +57,7 @@ def c2f2d_section(result):
         lines, checks = article_claim(run, target)
         out += lines
     out.append("")
-    out.append("### Targets (issue 14)")
+    out.append("### Targets (C2FAttention2D)")
     out.append("")
     out.append(targets_table(checks))
     return "\n".join(out)

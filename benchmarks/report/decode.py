@@ -1,4 +1,4 @@
-"""The decode part's tables and targets (bench_decode, issue 15): per-token decode latency against the
+"""The decode part's tables and targets (bench_decode): per-token decode latency against the
 context for each layer and batch, the decoding states' memory, MHA's key/value bandwidth against the in-run
 copy bandwidth. The latency plot is plots.decode_plots()."""
 
@@ -19,7 +19,7 @@ def contexts_and_batches(e):
 
 
 def decode_section(result):
-    """Issue 15's tables: per-token decode latency (n = 1) against the context for each layer and batch,
+    """The decode tables: per-token decode latency (n = 1) against the context for each layer and batch,
     the states' memory, MHA's achieved key/value bandwidth against the in-run copy bandwidth; the targets."""
     e = entries(result)
     ctx = result["context"]
@@ -27,7 +27,7 @@ def decode_section(result):
     read = next((b for k, b in e.items() if k[0] == "read"), None)
     bw = copy["GB/s"]
     contexts, batches = contexts_and_batches(e)
-    out = ["### Decoding (issue 15): one token per step against the context, same run", ""]
+    out = ["### Decoding: one token per step against the context, same run", ""]
     out.append(f"{ctx.get('num_cpus')} CPUs, {ctx.get('c2f_threads')} threads, Eigen SIMD: {ctx.get('c2f_isa')}, "
                f"sweep `{ctx.get('decode_sweep')}`, {ctx.get('date')}; d = 512, 8 heads, float weights, causal "
                f"layers; SparseC2F chunk 64, top_k 8 (per-token gating); HMHA window 64. A step = decode() of one "
@@ -37,7 +37,7 @@ def decode_section(result):
     for B in batches:
         out += batch_table(e, B, contexts, bw)
     out.append("")
-    out.append("### Targets (issue 15)")
+    out.append("### Targets (decoding)")
     out.append("")
     out.append(targets_table(decode_checks(e, batches, contexts, bw)))
     return "\n".join(out)
@@ -78,7 +78,7 @@ def decode_checks(e, batches, contexts, bw):
                        f"lowest {100 * worst[0]:.0f} % (B = {worst[1]}, {worst[2] // 1024}k)", worst[0] >= 0.5))
     if ("mha", 1, 32768) in e and ("mha_bf16_compute", 1, 32768) in e:
         r = per_token(e[("mha_bf16_compute", 1, 32768)]) / per_token(e[("mha", 1, 32768)])
-        checks.append(("MHA decode with bf16 compute and cache ≤ 0.6× the fp32 step at 32k (B = 1; issue 22)",
+        checks.append(("MHA decode with bf16 compute and cache ≤ 0.6× the fp32 step at 32k (B = 1; the bf16 target)",
                        f"{r:.2f}×", r <= 0.6))
     top = contexts[-1] if contexts else None
     if top == 131072:

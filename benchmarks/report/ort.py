@@ -109,7 +109,7 @@ def ort_table(ort, attn=None):
                      (f"{r['cpu_per_wall']:.1f}" if r.get("cpu_per_wall") is not None else "—")])
     lines.append(table(["graph", "L", "ORT ms", "c2f ms (bench_attention)", "c2f vs ORT", "c2f ms, same rounds",
                         "c2f vs ORT, paired (rounds)", "max \\|diff\\|",
-                        "ORT session / check run ms", "cores c2f / ORT"], rows))
+                        "ORT InferenceSession creation / check run ms", "cores c2f / ORT"], rows))
     lines += ["", "Kernels that ran (ORT's profiler on the check run; per operator: nodes, and the share of the "
                   "run's kernel time when ≥ 10 %):", ""]
     for graph, label in ort["graphs"].items():
