@@ -297,7 +297,7 @@ inline double run_on_threads(const std::string& kind, std::int64_t iterations, s
 /// GFLOPS is the rate of the fastest timed call (GFLOPS_mean: of all of them): a register-only loop does
 /// the same work every call, so a slower call is time the VM gave to others (steal), which would lower the
 /// limit every entry is divided by. bench_machine gives each peak 2 s of calls, to outlast a VM's short
-/// slow phases (measured on an Intel Xeon VM: docs/benchmarks.md, "Peaks from the fastest call").
+/// slow phases (docs/benchmarks.md#rooflines).
 inline void BM_Peak(benchmark::State& state, const std::string& kind) {
   const int threads = static_cast<int>(state.range(0));
   const bool runs = kind == "bf16"       ? peak::has_bf16_dot()
@@ -327,8 +327,7 @@ inline void BM_Peak(benchmark::State& state, const std::string& kind) {
 
 /// The fp32 FMA peaks measured next to each timed call of an entry, on a machine whose speed moves between
 /// (and within) entries: a VM whose host gives it more or less of its cores from one second to the next,
-/// or whose cores' other hyperthreads run someone else's loads (docs/benchmarks.md, "Paired peaks, and
-/// where MHA's time goes").
+/// or whose cores' other hyperthreads run someone else's loads (docs/benchmarks.md#layer-entries-and-paired-peaks).
 /// measure() runs, on `threads` std::threads at once, the register-only loop ("fp32") and then c2f's
 /// micro-kernel on L1-resident operands ("fp32_tile"), each for about `seconds`, and returns both in
 /// GFLOP/s. An entry divides each call's rate by the readings taken just before it: a phase in which the

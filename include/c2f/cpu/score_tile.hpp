@@ -9,8 +9,8 @@
 // lanes. A row whose block max exceeds its shift by more than kStaleMaxSlack (ln 256: no exponential above
 // 256) keeps none of it: its scores are computed again (the same bits: gemm_tile_sums) and it takes the
 // plain step, as does a row without a finite shift. A kept row's max, sum and accumulator are then
-// relative to the shift instead of the block's max: the same softmax, rounded differently (measured:
-// docs/benchmarks.md, "The online softmax in the QKᵀ tile").
+// relative to the shift instead of the block's max: the same softmax, rounded differently (docs/benchmarks.md#where-multiheadattentions-time-goes;
+// the A/B: "The online softmax in the QKᵀ tile" in git show 9944106:docs/benchmarks.md).
 //
 // AVX-512 builds only (kFusedScores); the plain step stays every build's path and the fused step's twin
 // (tests/test_kernels.cpp, FusedScores).

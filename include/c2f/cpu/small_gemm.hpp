@@ -11,7 +11,8 @@
 // so the same code is SSE, AVX, AVX-512 or NEON as the build selects. The summation order differs from
 // Eigen's GEMM; kernels::fine_attention_folded's tests compare with a naive twin. The tile loops are
 // unrolled (#pragma GCC unroll) so that the accumulator arrays live in registers: without it GCC kept
-// them on the stack on AVX-512 (docs/benchmarks.md, "C2F's folded pass with its accumulators in registers").
+// them on the stack on AVX-512 (the A/B: "C2F's folded pass with its accumulators in
+// registers" in git show 9944106:docs/benchmarks.md).
 // dot_tile's set-up and final sums are unrolled only for two or more key rows: decoding's one-row tiles
 // were 6-10 % slower with them unrolled.
 //

@@ -58,7 +58,8 @@ constexpr int kExpSimdLanes = C2F_EXP_SIMD;
 /// to |x|·2^−24 relative, as much as the rounding of the subtraction x = score − shift that made x: the
 /// relative error is within 2^−22 + |x|·2^−23, and 2 ulp where |x| ≤ 1 (ExpSimd). Against the kernels
 /// before them (Cephes' exp(r) of degree 7 after ln 2 in two parts, ~1 ulp everywhere) they cut the
-/// online softmax step by a third (docs/benchmarks.md, "A cheaper exp in the online softmax").
+/// online softmax step by a third (the A/B: "A cheaper exp in the online softmax" in
+/// git show 9944106:docs/benchmarks.md).
 
 /// 2^f for f ∈ [0, 1), the kernels' polynomial (1 at f = 0 exactly); `Scale` multiplies every
 /// coefficient (AVX2 computes 2·2^f: the same bits times 2).
@@ -280,7 +281,8 @@ bool online_softmax_step(Scores& s, Max&& m, Sum&& l, Alpha&& alpha) {
   Index r = 0;
 #if C2F_EXP_SIMD
   // Float blocks of contiguous rows: kExpRows rows at a time through the exp kernel, whose independent
-  // chains hide its latency (docs/benchmarks.md, "The online softmax four rows at a time").
+  // chains hide its latency (the A/B: "The online softmax four rows at a
+  // time" in git show 9944106:docs/benchmarks.md).
   constexpr bool kRowsInPlace = std::is_same<Scalar, float>::value &&
                                 (Eigen::internal::traits<S>::Flags & Eigen::DirectAccessBit) != 0 &&
                                 (Eigen::internal::traits<S>::Flags & Eigen::RowMajorBit) != 0;

@@ -4,7 +4,8 @@
 // ownership), so writing a B-byte output that does not fit in cache moves 2·B bytes. A non-temporal
 // store (x86 `movntps`/`movntpd`) writes whole lines through write-combining buffers without reading
 // them: B bytes. kernels::broadcast_chunks writes C2F's and C2FAttention2D's output this way when it is
-// large (measurements: docs/benchmarks.md, "Streaming stores and register-held tiles"). Bits are the
+// large (the A/B: "Streaming stores and register-held tiles" in
+// git show 9944106:docs/benchmarks.md). Bits are the
 // same as an ordinary copy's. Builds for other architectures copy with ordinary stores.
 #pragma once
 

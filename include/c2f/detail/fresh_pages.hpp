@@ -36,11 +36,12 @@ inline void populate_pages(unsigned char* data, std::size_t bytes) {
 /// Faults in the pages of a fresh buffer of kHugePageMinBytes or more before a layer computes into it.
 /// Each of `threads` threads (KernelOptions::num_threads convention; resolve_threads) takes one
 /// contiguous run of whole 2 MiB pages in address order, so that no two threads fault the same huge page
-/// and none hops between pages in the order of the layer's tasks (measured: docs/benchmarks.md, "Fresh
-/// outputs faulted in before the layer computes"). A run is populated by one
+/// and none hops between pages in the order of the layer's tasks (docs/benchmarks.md#the-fresh-page-cost-of-forward;
+/// the A/B: "Fresh outputs faulted in before the layer computes" in git show 9944106:docs/benchmarks.md). A run is populated by one
 /// madvise(MADV_POPULATE_WRITE) where the kernel has it (Linux 5.14 on), which maps its pages writable
 /// and writes nothing: no page fault per 4 KiB page of the buffer's ends, outside its whole 2 MiB pages
-/// (measured: docs/benchmarks.md, "Fresh pages populated in one call"). Elsewhere, or when the call
+/// (the A/B: "Fresh pages populated in one call" in
+/// git show 9944106:docs/benchmarks.md). Elsewhere, or when the call
 /// fails, one byte per 4 KiB page is written (the buffer holds no values yet: the layer then writes
 /// every element). Smaller buffers are left alone.
 inline void fault_in_pages(void* data, std::size_t bytes, int threads) {
@@ -62,8 +63,8 @@ enum class FreshPages {
   /// Left to the fill's first writes, but for the 4 KiB pages at the buffer's two ends that no whole
   /// 2 MiB page covers: for a fill that writes every element once with ordinary stores in address order
   /// (KernelOptions::fresh_output), so that the system zeroes each huge page just before the fill
-  /// overwrites it in cache, instead of in a pass of its own over memory (measured: docs/benchmarks.md,
-  /// "Fresh 2-D outputs written on first touch"). Taken only where transparent huge pages are on
+  /// overwrites it in cache, instead of in a pass of its own over memory (the A/B: "Fresh 2-D
+  /// outputs written on first touch" in git show 9944106:docs/benchmarks.md). Taken only where transparent huge pages are on
   /// (huge_pages_enabled()): a first write per 4 KiB page would fault 512 times as often. Elsewhere
   /// prepare_fresh falls back to FaultIn.
   OnFirstWrite,

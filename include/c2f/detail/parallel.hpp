@@ -268,7 +268,8 @@ void parallel_for_each_worker(Index tasks, int threads, double work, Fn&& fn) {
 /// (blocks 1, 2, …); prepare(g, fn) runs fn(g) once per group, in whichever task comes first, and a
 /// second task of the group waits for it. Without, tasks go group by group from block 0 and prepare() does
 /// nothing. A task's arithmetic depends on its (group, block) alone: the bits stay the same for any
-/// thread count. Measured: docs/benchmarks.md, "Packing each head in its first task".
+/// thread count. The A/B: "Packing each head in its first task" in
+/// git show 9944106:docs/benchmarks.md.
 class GroupBlockTasks {
  public:
   GroupBlockTasks(Index groups, Index blocks, bool prepared)

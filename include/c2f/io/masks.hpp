@@ -1,6 +1,10 @@
 // c2f io — masks from state-dict tensors, such as a mask PyTorch saved with safetensors, beside the
 // loaders: the mask types themselves (c2f/mask.hpp) know nothing of tensors. Core target (c2f::c2f).
 //
+// compile: fragment
+//   #include <c2f/io/masks.hpp>
+//   #include <c2f/io/safetensors.hpp>  // load_safetensors (target c2f::safetensors)
+//
 //   const c2f::StateDict sd = c2f::load_safetensors("masks.safetensors");
 //   const auto attn = c2f::attn_mask_from_tensor<float>(c2f::MaskKind::Ignore, sd.at("attn_mask"));
 #pragma once

@@ -122,7 +122,8 @@ void chunk_mean_of(const char* kernel, const ConstRowMatrixRef<Scalar>& x, const
       const Scalar* const run = x.data() + r0 * ldx;
       // Every column adds the run's kept rows in token order (the bits of adding row after row), a strip
       // of kStrip packets of columns at a time in registers: the sums are not reloaded and stored for
-      // every row (measured: docs/benchmarks.md, "Block means in register strips"). Then the whole
+      // every row (the A/B: "Block means in register strips" in
+      // git show 9944106:docs/benchmarks.md). Then the whole
       // packets left, then the columns left.
       const auto kept_row = [&](Index t) { return keep(c, j + t); };
       Index k0 = 0;

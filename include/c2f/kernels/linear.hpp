@@ -36,7 +36,8 @@ constexpr Index kPackedTaskRows = 120;
 /// evening out): each task then takes whole rows, reading its rows of A once while all of B stays in L2.
 /// [1024, 512] × [512, 512] ran 3.6–4.5 % faster whole than in 128-column tasks on 2 threads; a B of
 /// 2 MiB no faster, of 3 MiB 2 % slower; with one row task per thread (MHA at L ≤ 128), a thread that
-/// woke late left its task to the other, up to 1.6× slower (docs/benchmarks.md).
+/// woke late left its task to the other, up to 1.6× slower ("Whole columns for short
+/// products, and the tile in registers" in git show 9944106:docs/benchmarks.md).
 /// Every element is the same sum whatever task computes it (cpu/packed_gemm.hpp), so the split
 /// changes no bit.
 constexpr Index kPackedMinRowTasks = 16;
@@ -84,7 +85,8 @@ void row_col_tasks(Index n, Index out_cols, Index task_rows, Index min_row_tasks
 /// Column tasks as wide as fit an L2-sized slice of packed B (kBf16SliceBytes: each 32-row block of A
 /// streams its slice), split evenly in multiples of 32; row tasks of kBf16TaskRows rows, halved (down
 /// to 32) until there are two tasks per worker. Narrow column tasks measured slower: each one rounds its
-/// rows of A again and streams a short run of B (docs/benchmarks.md). Every element is one sum over the
+/// rows of A again and streams a short run of B (the bfloat16 C2FAttention section of
+/// git show 9944106:docs/benchmarks.md). Every element is one sum over the
 /// whole depth whatever task computes it, so the split, which depends on `workers`, changes no bit.
 struct Bf16Split {
   Index task_rows, task_cols, row_tasks, col_tasks;

@@ -192,8 +192,8 @@ inline std::pair<Index, Index> streaming_blocks(const kernels::KernelOptions& op
 }
 
 /// sdpa_split_keys computes row by row of the cache (every head on a row at once) up to this many
-/// queries; with more, head by head on Eigen's products, whose register tiles then pay (measured:
-/// docs/benchmarks.md, "The row-by-row decode kernel").
+/// queries; with more, head by head on Eigen's products, whose register tiles then pay (docs/benchmarks.md#decoding-reads-the-whole-cache;
+/// the A/B: "The row-by-row decode kernel" in git show 9944106:docs/benchmarks.md).
 constexpr Index kSplitKeysByRowMaxQueries = 4;
 
 /// From this many queries on, sdpa_streaming packs each head's keys and values once (where the build has
@@ -220,7 +220,8 @@ inline bool streaming_bf16_tiles(Index bk, Index lk) { return cpu::bf16_tiles() 
 constexpr std::size_t kStreamingGroupBytes = std::size_t(1) << 20;
 /// Query blocks per task of sdpa_streaming: 2 on the fp32 packed path when a head's keys and values take
 /// kStreamingGroupBytes or more — the task then walks the keys once for both blocks, reading the panels
-/// from beyond L2 half as often (docs/benchmarks.md, "Two query blocks per task over long keys") — else
+/// from beyond L2 half as often (the A/B: "Two query blocks per task over long keys" in
+/// git show 9944106:docs/benchmarks.md) — else
 /// 1. A row's arithmetic is the same either way.
 template <class Scalar, class KV = Scalar>
 Index streaming_query_group(const kernels::KernelOptions& options, Index lq, Index lk, Index dk, Index dv) {
