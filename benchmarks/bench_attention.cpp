@@ -49,7 +49,8 @@
 // time is the number of cores the entry really got — about C2F_BENCH_THREADS on a quiet machine, less
 // when other processes share the cores.
 //   tokens/s   L / wall time
-//   peak_bytes heap memory held at once during one forward (from an empty scratch cache), beyond what existed before it (input and
+//   peak_bytes heap memory held at once during one forward (from an empty scratch cache), beyond what existed before it
+//   (input and
 //              weights), measured by counting every malloc (tools/malloc_counter.hpp); includes the output
 //   first_call_ms  wall time of the entry's first call, which is not timed: it allocates the scratch the
 //              timed calls reuse (every entry times the calls after it)
@@ -65,14 +66,14 @@
 //              (inputs with local structure)
 #include <benchmark/benchmark.h>
 
+#include "benchmarks/csv_reporter.hpp"
+#include "benchmarks/rooflines.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/layers/c2f_attention.hpp"
 #include "c2f/layers/hmha.hpp"
 #include "c2f/layers/multihead_attention.hpp"
 #include "c2f/layers/sparse_c2f_attention.hpp"
-#include "benchmarks/csv_reporter.hpp"
-#include "benchmarks/rooflines.hpp"
 #include "tools/malloc_counter.hpp"
 #if C2F_BENCH_PEER
 #include "c2f/io/safetensors.hpp"
@@ -119,9 +120,7 @@ constexpr double kC2FWeights = 8.0 * kE * kE + 8.0 * kE;
 constexpr double kHmhaWeights = 7.0 * kE * kE + 4.0 * kE;
 
 // Bytes a forward must move: x and y ([L, E] floats each) and the weights.
-double must_move_bytes(Index length, double weight_floats) {
-  return 4.0 * (2.0 * double(length) * kE + weight_floats);
-}
+double must_move_bytes(Index length, double weight_floats) { return 4.0 * (2.0 * double(length) * kE + weight_floats); }
 
 template <class Forward>
 void run(benchmark::State& state, double flops, double bytes, Index length, Forward&& forward) {
@@ -289,8 +288,8 @@ void BM_Mha(benchmark::State& state, c2f::AttnKernel kernel, c2f::Compute comput
 // output pages to fault in and zero); its products in fp32 or (c2f_bf16, c2f_bf16_into) bfloat16.
 void BM_C2F(benchmark::State& state, bool into, c2f::Compute compute) {
   const Index length = state.range(0), chunk = state.range(1);
-  const c2f::C2FAttention<float> attn(kEmbed, kHeads, chunk,
-                                      c2f::C2FAttention<float>::Options().num_threads(bench_threads()).compute(compute));
+  const c2f::C2FAttention<float> attn(
+      kEmbed, kHeads, chunk, c2f::C2FAttention<float>::Options().num_threads(bench_threads()).compute(compute));
   const c2f::Tensor3<float> x = random_input(length);
   c2f::Tensor3<float> out(1, into ? length : 0, kEmbed);
   out.setZero();
@@ -408,12 +407,17 @@ void register_sweep(bool long_sweep) {
   };
   for (Index L : lengths) {
     timed(benchmark::RegisterBenchmark("gemm", BM_Gemm)->Arg(L));
-    median_of_3(benchmark::RegisterBenchmark("mha_streaming", BM_Mha, c2f::AttnKernel::Streaming, c2f::Compute::Float32)->Arg(L), L);
-    median_of_3(benchmark::RegisterBenchmark("mha_bf16", BM_Mha, c2f::AttnKernel::Streaming, c2f::Compute::BFloat16)->Arg(L), L);
+    median_of_3(benchmark::RegisterBenchmark("mha_streaming", BM_Mha, c2f::AttnKernel::Streaming, c2f::Compute::Float32)
+                    ->Arg(L),
+                L);
+    median_of_3(
+        benchmark::RegisterBenchmark("mha_bf16", BM_Mha, c2f::AttnKernel::Streaming, c2f::Compute::BFloat16)->Arg(L),
+        L);
     if (L <= naive_max) {
       timed(benchmark::RegisterBenchmark("mha_naive", BM_Mha, c2f::AttnKernel::Naive, c2f::Compute::Float32)->Arg(L));
     }
-    for (Index chunk : chunks) timed(benchmark::RegisterBenchmark("c2f", BM_C2F, false, c2f::Compute::Float32)->Args({L, chunk}));
+    for (Index chunk : chunks)
+      timed(benchmark::RegisterBenchmark("c2f", BM_C2F, false, c2f::Compute::Float32)->Args({L, chunk}));
     if (L >= 4096) {
       timed(benchmark::RegisterBenchmark("c2f_into", BM_C2F, true, c2f::Compute::Float32)->Args({L, Index(32)}));
       timed(benchmark::RegisterBenchmark("c2f_bf16", BM_C2F, false, c2f::Compute::BFloat16)->Args({L, Index(32)}));
@@ -459,9 +463,12 @@ class PeerRun {
                                      ? c2f::Compute::BFloat16
                                      : c2f::Compute::Float32;
     if (layer == "mha") {
-      return loaded(c2f::MultiHeadAttention<float>(
-          E, H, c2f::MultiHeadAttention<float>::Options().num_threads(threads).kernel(c2f::AttnKernel::Streaming).compute(compute)),
-          timed, runs_ms);
+      return loaded(c2f::MultiHeadAttention<float>(E, H,
+                                                   c2f::MultiHeadAttention<float>::Options()
+                                                       .num_threads(threads)
+                                                       .kernel(c2f::AttnKernel::Streaming)
+                                                       .compute(compute)),
+                    timed, runs_ms);
     }
     if (layer == "c2f") {
       return loaded(c2f::C2FAttention<float>(E, H, meta_index("chunk_size"),
@@ -478,14 +485,14 @@ class PeerRun {
         throw std::invalid_argument(weights_path_ + ": __metadata__ gating must be chunk or token, got '" + gating +
                                     "'");
       }
-      return loaded(c2f::SparseC2FAttention<float>(
-          E, H, meta_index("chunk_size"), meta_index("top_k"),
-          c2f::SparseC2FAttention<float>::Options().num_threads(threads).gating(
-              gating == "chunk" ? c2f::Gating::PerChunk : c2f::Gating::PerToken)),
+      return loaded(
+          c2f::SparseC2FAttention<float>(E, H, meta_index("chunk_size"), meta_index("top_k"),
+                                         c2f::SparseC2FAttention<float>::Options().num_threads(threads).gating(
+                                             gating == "chunk" ? c2f::Gating::PerChunk : c2f::Gating::PerToken)),
           timed, runs_ms);
     }
-    throw std::invalid_argument(weights_path_ + ": __metadata__ layer must be mha, c2f, hmha or sparse, got '" +
-                                layer + "'");
+    throw std::invalid_argument(weights_path_ + ": __metadata__ layer must be mha, c2f, hmha or sparse, got '" + layer +
+                                "'");
   }
 
   std::string describe() const {
@@ -590,13 +597,16 @@ int main(int argc, char** argv) {
         }
         timed = static_cast<int>(r);
       } else if ((key != "weights" && key != "input" && key != "output") || value.empty()) {
-        std::fprintf(stderr, "bench_attention: unknown or empty --c2f_peer_%s; the peer mode takes "
-                     "--c2f_peer_weights=W --c2f_peer_input=X --c2f_peer_output=Y [--c2f_peer_time=R]\n", key.c_str());
+        std::fprintf(stderr,
+                     "bench_attention: unknown or empty --c2f_peer_%s; the peer mode takes "
+                     "--c2f_peer_weights=W --c2f_peer_input=X --c2f_peer_output=Y [--c2f_peer_time=R]\n",
+                     key.c_str());
         return 1;
       }
     }
     if (peer.size() != 3u + (timed > 0 ? 1u : 0u)) {
-      std::fprintf(stderr, "bench_attention: the peer mode needs all of --c2f_peer_weights, --c2f_peer_input and "
+      std::fprintf(stderr,
+                   "bench_attention: the peer mode needs all of --c2f_peer_weights, --c2f_peer_input and "
                    "--c2f_peer_output\n");
       return 1;
     }

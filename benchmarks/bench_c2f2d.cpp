@@ -36,11 +36,11 @@
 //               weights), measured by counting every malloc (tools/malloc_counter.hpp); includes the output
 #include <benchmark/benchmark.h>
 
+#include "benchmarks/csv_reporter.hpp"
+#include "benchmarks/rooflines.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/layers/c2f_attention_2d.hpp"
 #include "c2f/layers/multihead_attention.hpp"
-#include "benchmarks/csv_reporter.hpp"
-#include "benchmarks/rooflines.hpp"
 #include "tools/malloc_counter.hpp"
 
 #include <cstdint>
@@ -53,11 +53,11 @@
 
 namespace {
 
-using Eigen::Index;
 using c2f_bench::bench_threads;
 using c2f_bench::BM_Copy;
 using c2f_bench::fill;
 using c2f_bench::set_counters;
+using Eigen::Index;
 
 constexpr Index kEmbed = 512;
 constexpr Index kHeads = 8;
@@ -125,7 +125,7 @@ void BM_C2F2DInto(benchmark::State& state) {
   const c2f::Tensor3<float>& x = input(side);
   c2f::RowMatrix<float> out(tokens, kEmbed);
   attn.forward_into(x, side, side, out);  // touches the output's pages
-  c2f::release_scratch_cache();  // the first call allocates every temporary
+  c2f::release_scratch_cache();           // the first call allocates every temporary
   c2f_memory::reset();
   for (auto _ : state) {
     attn.forward_into(x, side, side, out);
@@ -212,7 +212,8 @@ void register_sweep(bool quick) {
     }
     if (side <= 128) {
       const double L = double(side * side), E = double(kEmbed);
-      configure(benchmark::RegisterBenchmark("mha", BM_Mha)->Arg(side), estimated_seconds(8 * L * E * E + 4 * L * L * E, 0));
+      configure(benchmark::RegisterBenchmark("mha", BM_Mha)->Arg(side),
+                estimated_seconds(8 * L * E * E + 4 * L * L * E, 0));
     }
   }
 }

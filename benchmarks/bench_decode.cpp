@@ -61,11 +61,16 @@ enum class Kind { Mha, MhaBf16, MhaBf16Compute, Sparse, Hmha };
 
 const char* name_of(Kind kind) {
   switch (kind) {
-    case Kind::Mha: return "mha";
-    case Kind::MhaBf16: return "mha_bf16";
-    case Kind::MhaBf16Compute: return "mha_bf16_compute";
-    case Kind::Sparse: return "sparse";
-    case Kind::Hmha: return "hmha";
+    case Kind::Mha:
+      return "mha";
+    case Kind::MhaBf16:
+      return "mha_bf16";
+    case Kind::MhaBf16Compute:
+      return "mha_bf16_compute";
+    case Kind::Sparse:
+      return "sparse";
+    case Kind::Hmha:
+      return "hmha";
   }
   return "?";
 }
@@ -87,7 +92,7 @@ struct Decoding {
   virtual void reserve(Index tokens) = 0;
   virtual void prefill(const c2f::Tensor3<float>& x) = 0;
   virtual float step(const c2f::Tensor3<float>& x) = 0;  // returns one output value (kept alive)
-  int finished_repetitions = 0;  // of the group's last entry
+  int finished_repetitions = 0;                          // of the group's last entry
 };
 
 template <class Layer, class Cache>
@@ -109,9 +114,10 @@ std::unique_ptr<Decoding> make(Kind kind, Index batch) {
     case Kind::MhaBf16:
     case Kind::MhaBf16Compute: {
       const c2f::Compute compute = kind == Kind::MhaBf16Compute ? c2f::Compute::BFloat16 : c2f::Compute::Float32;
-      c2f::MultiHeadAttention<float> mha(kEmbed, kHeads,
-                                         c2f::MultiHeadAttention<float>::Options().causal(true).num_threads(t).compute(compute));
-      if (kind == Kind::Mha) return std::make_unique<DecodingOf<c2f::MultiHeadAttention<float>, float>>(std::move(mha), batch);
+      c2f::MultiHeadAttention<float> mha(
+          kEmbed, kHeads, c2f::MultiHeadAttention<float>::Options().causal(true).num_threads(t).compute(compute));
+      if (kind == Kind::Mha)
+        return std::make_unique<DecodingOf<c2f::MultiHeadAttention<float>, float>>(std::move(mha), batch);
       return std::make_unique<DecodingOf<c2f::MultiHeadAttention<float>, Eigen::bfloat16>>(std::move(mha), batch);
     }
     case Kind::Sparse:
@@ -186,11 +192,19 @@ void BM_Decode(benchmark::State& state, Kind kind, bool last) {
 void register_sweep(bool quick) {
   const Index max_context = quick ? (Index(1) << 14) : (Index(1) << 17);
   benchmark::RegisterBenchmark("copy", c2f_bench::BM_Copy)
-      ->Arg(Index(256) << 20)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.2)
-      ->Repetitions(5)->ReportAggregatesOnly(true);
+      ->Arg(Index(256) << 20)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime()
+      ->MinTime(0.2)
+      ->Repetitions(5)
+      ->ReportAggregatesOnly(true);
   benchmark::RegisterBenchmark("read", c2f_bench::BM_Read)
-      ->Arg(Index(512) << 20)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.2)
-      ->Repetitions(5)->ReportAggregatesOnly(true);
+      ->Arg(Index(512) << 20)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime()
+      ->MinTime(0.2)
+      ->Repetitions(5)
+      ->ReportAggregatesOnly(true);
   for (Kind kind : {Kind::Mha, Kind::Sparse, Kind::Hmha, Kind::MhaBf16, Kind::MhaBf16Compute}) {
     for (Index batch : {Index(1), Index(8)}) {
       if ((kind == Kind::MhaBf16 || kind == Kind::MhaBf16Compute) && batch != 1) continue;

@@ -69,8 +69,8 @@ int MPI_Allgatherv(const void* sendbuf, int sendcount, MPI_Datatype sendtype, vo
   }
   return PMPI_Allgatherv(sendbuf, sendcount, sendtype, recvbuf, recvcounts, displs, recvtype, comm);
 }
-int MPI_Alltoallv(const void* sendbuf, const int sendcounts[], const int sdispls[], MPI_Datatype sendtype, void* recvbuf,
-                  const int recvcounts[], const int rdispls[], MPI_Datatype recvtype, MPI_Comm comm) {
+int MPI_Alltoallv(const void* sendbuf, const int sendcounts[], const int sdispls[], MPI_Datatype sendtype,
+                  void* recvbuf, const int recvcounts[], const int rdispls[], MPI_Datatype recvtype, MPI_Comm comm) {
   int rank = 0, size = 1;
   PMPI_Comm_rank(comm, &rank);
   PMPI_Comm_size(comm, &size);
@@ -134,7 +134,8 @@ void timed(benchmark::State& state, const c2f::dist::Comm& comm, Index length, d
   state.counters["control_bytes"] = static_cast<double>(most[1]);
   state.counters["ranks"] = comm.size();
   state.counters["threads"] = threads_per_rank(comm.size());
-  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(length), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(length), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 /// A single-process entry (P = 1 only): make() builds the layer and the input and returns the call that
@@ -155,12 +156,14 @@ void BM_c2f(benchmark::State& state) {
   const Index length = state.range(0);
   const c2f::dist::Shard shard = c2f::dist::even_shard(length, kChunk, comm.rank(), comm.size());
   const c2f::dist::C2FAttention<float> layer(
-      comm, kDim, kHeads, kChunk, c2f::C2FAttention<float>::Options().seed(1).num_threads(threads_per_rank(comm.size())));
+      comm, kDim, kHeads, kChunk,
+      c2f::C2FAttention<float>::Options().seed(1).num_threads(threads_per_rank(comm.size())));
   const c2f::Tensor3<float> x = random_rows(shard.length, 7 + static_cast<std::uint64_t>(comm.rank()));
   c2f::RowMatrix<float> out(shard.length, kDim);
   double model = 0;
   for (int r = 0; r < comm.size(); ++r) {
-    if (r != comm.rank()) model += 4.0 * 2 * kDim * static_cast<double>(c2f::dist::even_shard(length, kChunk, r, comm.size()).chunks);
+    if (r != comm.rank())
+      model += 4.0 * 2 * kDim * static_cast<double>(c2f::dist::even_shard(length, kChunk, r, comm.size()).chunks);
   }
   timed(state, comm, length, model, [&] { layer.forward_into(x, out); });
 }
@@ -168,9 +171,10 @@ void BM_c2f(benchmark::State& state) {
 void BM_c2f_local(benchmark::State& state) {
   const Index length = state.range(0);
   local_entry(state, length, [&] {
-    return [layer = c2f::C2FAttention<float>(kDim, kHeads, kChunk,
-                                             c2f::C2FAttention<float>::Options().seed(1).num_threads(threads_per_rank(1))),
-            x = random_rows(length, 7), out = c2f::RowMatrix<float>(length, kDim)]() mutable { layer.forward_into(x, out); };
+    return [layer = c2f::C2FAttention<float>(
+                kDim, kHeads, kChunk, c2f::C2FAttention<float>::Options().seed(1).num_threads(threads_per_rank(1))),
+            x = random_rows(length, 7),
+            out = c2f::RowMatrix<float>(length, kDim)]() mutable { layer.forward_into(x, out); };
   });
 }
 
@@ -178,9 +182,10 @@ void ring(benchmark::State& state, bool causal) {
   const c2f::dist::Comm comm;
   const Index length = state.range(0);
   using Dist = c2f::dist::MultiHeadAttention<float>;
-  const Dist layer(comm, kDim, kHeads,
-                   c2f::MultiHeadAttention<float>::Options().seed(1).causal(causal).num_threads(threads_per_rank(comm.size())),
-                   Dist::Options().layout(causal ? c2f::dist::Layout::ZigZag : c2f::dist::Layout::Contiguous));
+  const Dist layer(
+      comm, kDim, kHeads,
+      c2f::MultiHeadAttention<float>::Options().seed(1).causal(causal).num_threads(threads_per_rank(comm.size())),
+      Dist::Options().layout(causal ? c2f::dist::Layout::ZigZag : c2f::dist::Layout::Contiguous));
   const auto rows_of = [&](int r) {
     if (causal) {
       const std::array<c2f::dist::Segment, 2> s = c2f::dist::zigzag_segments(length, r, comm.size());
@@ -204,9 +209,8 @@ void BM_mha_local(benchmark::State& state) {
   local_entry(state, length, [&] {
     return [layer = c2f::MultiHeadAttention<float>(
                 kDim, kHeads, c2f::MultiHeadAttention<float>::Options().seed(1).num_threads(threads_per_rank(1))),
-            x = random_rows(length, 7), out = c2f::RowMatrix<float>(length, kDim)]() mutable {
-      layer.forward_into(x, out, c2f::Masks<float>());
-    };
+            x = random_rows(length, 7),
+            out = c2f::RowMatrix<float>(length, kDim)]() mutable { layer.forward_into(x, out, c2f::Masks<float>()); };
   });
 }
 
@@ -226,7 +230,9 @@ void BM_c2f2d(benchmark::State& state) {
   c2f::RowMatrix<float> out(rows.length * side, kDim);
   double model = 0;
   for (int r = 0; r < comm.size(); ++r) {
-    if (r != comm.rank()) model += 4.0 * 2 * kDim * blocks_w * static_cast<double>(c2f::dist::even_shard(side, kBlock, r, comm.size()).chunks);
+    if (r != comm.rank())
+      model +=
+          4.0 * 2 * kDim * blocks_w * static_cast<double>(c2f::dist::even_shard(side, kBlock, r, comm.size()).chunks);
   }
   timed(state, comm, side * side, model, [&] { layer.forward_into(x, rows.length, side, out); });
 }
@@ -240,7 +246,8 @@ void BM_c2f2d_local(benchmark::State& state) {
 }
 
 c2f::HMHA<float> layer_hmha(int ranks) {
-  return c2f::HMHA<float>(kDim, kHeads, kWindow, c2f::HMHA<float>::Options().seed(1).num_threads(threads_per_rank(ranks)));
+  return c2f::HMHA<float>(kDim, kHeads, kWindow,
+                          c2f::HMHA<float>::Options().seed(1).num_threads(threads_per_rank(ranks)));
 }
 
 /// Rows of [lo, hi) ∩ [0, length) outside [s, e).
@@ -272,7 +279,8 @@ void BM_hmha(benchmark::State& state) {
   }
   double model = 4.0 * kDim * rows + 4.0 * 2 * kDim * kv_rows;
   for (int r = 0; r < comm.size(); ++r) {
-    if (r != comm.rank()) model += 4.0 * 2 * kDim * static_cast<double>(c2f::dist::even_shard(length, kWindow, r, comm.size()).chunks);
+    if (r != comm.rank())
+      model += 4.0 * 2 * kDim * static_cast<double>(c2f::dist::even_shard(length, kWindow, r, comm.size()).chunks);
   }
   timed(state, comm, length, model, [&] { layer.forward_into(x, out); });
 }
@@ -286,15 +294,51 @@ void BM_hmha_local(benchmark::State& state) {
   });
 }
 
-BENCHMARK(BM_c2f)->Name("c2f")->Arg(1 << 16)->Arg(1 << 18)->Arg(1 << 20)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_c2f_local)->Name("c2f_local")->Arg(1 << 16)->Arg(1 << 18)->Arg(1 << 20)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_ring)->Name("ring")->Arg(8192)->Arg(16384)->Arg(32768)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_ring_causal)->Name("ring_causal")->Arg(8192)->Arg(16384)->Arg(32768)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_mha_local)->Name("mha_local")->Arg(8192)->Arg(16384)->Arg(32768)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_c2f)->Name("c2f")->Arg(1 << 16)->Arg(1 << 18)->Arg(1 << 20)->Iterations(3)->UseManualTime()->Unit(
+    benchmark::kMillisecond);
+BENCHMARK(BM_c2f_local)
+    ->Name("c2f_local")
+    ->Arg(1 << 16)
+    ->Arg(1 << 18)
+    ->Arg(1 << 20)
+    ->Iterations(3)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ring)->Name("ring")->Arg(8192)->Arg(16384)->Arg(32768)->Iterations(1)->UseManualTime()->Unit(
+    benchmark::kMillisecond);
+BENCHMARK(BM_ring_causal)
+    ->Name("ring_causal")
+    ->Arg(8192)
+    ->Arg(16384)
+    ->Arg(32768)
+    ->Iterations(1)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_mha_local)
+    ->Name("mha_local")
+    ->Arg(8192)
+    ->Arg(16384)
+    ->Arg(32768)
+    ->Iterations(1)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_c2f2d)->Name("c2f2d")->Arg(256)->Arg(512)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_c2f2d_local)->Name("c2f2d_local")->Arg(256)->Arg(512)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_hmha)->Name("hmha")->Arg(1 << 14)->Arg(1 << 16)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_hmha_local)->Name("hmha_local")->Arg(1 << 14)->Arg(1 << 16)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_c2f2d_local)
+    ->Name("c2f2d_local")
+    ->Arg(256)
+    ->Arg(512)
+    ->Iterations(3)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_hmha)->Name("hmha")->Arg(1 << 14)->Arg(1 << 16)->Iterations(3)->UseManualTime()->Unit(
+    benchmark::kMillisecond);
+BENCHMARK(BM_hmha_local)
+    ->Name("hmha_local")
+    ->Arg(1 << 14)
+    ->Arg(1 << 16)
+    ->Iterations(3)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 /// Prints nothing: the reporter of every rank but 0.
 class Silent : public benchmark::BenchmarkReporter {

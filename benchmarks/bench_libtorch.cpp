@@ -21,8 +21,8 @@
 //   torch_threads     at::get_num_threads();  c2f_threads  the c2f modules' num_threads
 #include <benchmark/benchmark.h>
 
-#include "csv_reporter.hpp"
 #include <torch/torch.h>
+#include "csv_reporter.hpp"
 
 #include "c2f/layers/multihead_attention.hpp"
 
@@ -144,7 +144,8 @@ struct Peer {
     const c2f::Tensor3<float> ours = run_c2f();
     const float* r = ref.data_ptr<float>();
     max_abs_diff = 0.0;
-    for (Index i = 0; i < ours.size(); ++i) max_abs_diff = std::max(max_abs_diff, double(std::abs(ours.data()[i] - r[i])));
+    for (Index i = 0; i < ours.size(); ++i)
+      max_abs_diff = std::max(max_abs_diff, double(std::abs(ours.data()[i] - r[i])));
     const bool ok = ours.size() == ref.numel() && max_abs_diff <= 1e-4;
     std::printf("check L=%ld: max |c2f - libtorch| = %.3g %s\n", static_cast<long>(length), max_abs_diff,
                 ok ? "OK" : "MISMATCH");
@@ -208,14 +209,24 @@ int main(int argc, char** argv) {
   if (check_only) return 0;
 
   for (const std::shared_ptr<Peer>& peer : peers) {
-    benchmark::RegisterBenchmark("libtorch_mha", [peer](benchmark::State& state) {
-      for (auto _ : state) benchmark::DoNotOptimize(peer->run_torch().data_ptr());
-      set_counters(state, peer->length, peer->max_abs_diff);
-    })->Arg(peer->length)->Unit(benchmark::kMillisecond)->MeasureProcessCPUTime()->UseRealTime();
-    benchmark::RegisterBenchmark("c2f_mha", [peer](benchmark::State& state) {
-      for (auto _ : state) benchmark::DoNotOptimize(peer->run_c2f().data());
-      set_counters(state, peer->length, peer->max_abs_diff);
-    })->Arg(peer->length)->Unit(benchmark::kMillisecond)->MeasureProcessCPUTime()->UseRealTime();
+    benchmark::RegisterBenchmark("libtorch_mha",
+                                 [peer](benchmark::State& state) {
+                                   for (auto _ : state) benchmark::DoNotOptimize(peer->run_torch().data_ptr());
+                                   set_counters(state, peer->length, peer->max_abs_diff);
+                                 })
+        ->Arg(peer->length)
+        ->Unit(benchmark::kMillisecond)
+        ->MeasureProcessCPUTime()
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("c2f_mha",
+                                 [peer](benchmark::State& state) {
+                                   for (auto _ : state) benchmark::DoNotOptimize(peer->run_c2f().data());
+                                   set_counters(state, peer->length, peer->max_abs_diff);
+                                 })
+        ->Arg(peer->length)
+        ->Unit(benchmark::kMillisecond)
+        ->MeasureProcessCPUTime()
+        ->UseRealTime();
   }
   int n = static_cast<int>(args.size());
   c2f_bench::Runner runner(&n, args.data());  // before Initialize: it takes out the CSV flags

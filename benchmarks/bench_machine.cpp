@@ -29,8 +29,8 @@
 #include "c2f/layers/linear.hpp"
 
 #if C2F_BENCH_ONEDNN
-#include <dnnl.hpp>
 #include <omp.h>
+#include <dnnl.hpp>
 #endif
 
 #include <cmath>
@@ -115,8 +115,8 @@ void BM_GemmEigen(benchmark::State& state) {
     });
   };
   if (!timed_gemm(state, d, length, threads, once)) return;
-  state.SetLabel("Eigen " EIGEN_MAKESTRING(EIGEN_WORLD_VERSION) "." EIGEN_MAKESTRING(EIGEN_MAJOR_VERSION) "." EIGEN_MAKESTRING(
-      EIGEN_MINOR_VERSION));
+  state.SetLabel("Eigen " EIGEN_MAKESTRING(EIGEN_WORLD_VERSION) "." EIGEN_MAKESTRING(
+      EIGEN_MAJOR_VERSION) "." EIGEN_MAKESTRING(EIGEN_MINOR_VERSION));
 }
 
 void BM_GemmC2F(benchmark::State& state) {

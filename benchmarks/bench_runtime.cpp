@@ -42,8 +42,8 @@
 
 namespace {
 
-using Eigen::Index;
 using c2f::RowMatrix;
+using Eigen::Index;
 
 constexpr Index kEmbed = 512;
 constexpr Index kHeads = 8;
@@ -73,8 +73,8 @@ void BM_Gemm(benchmark::State& state) {
     c2f::kernels::linear<float>(x, w, nullptr, y, c2f::kernels::with_threads(0));
     benchmark::DoNotOptimize(y.data());
   }
-  state.counters["GFLOPS"] = benchmark::Counter(2.0 * double(length) * kEmbed * kEmbed * 1e-9,
-                                                benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOPS"] =
+      benchmark::Counter(2.0 * double(length) * kEmbed * kEmbed * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_Mha(benchmark::State& state) {
@@ -114,8 +114,8 @@ void BM_LatencyMha(benchmark::State& state) {
 void BM_LatencyC2F(benchmark::State& state) {
   const Index batch = state.range(0), length = state.range(1);
   const Threshold threshold(state.range(3) != 0);
-  const c2f::C2FAttention<float> attn(kEmbed, kHeads, kChunk,
-                                      c2f::C2FAttention<float>::Options().num_threads(static_cast<int>(state.range(2))));
+  const c2f::C2FAttention<float> attn(
+      kEmbed, kHeads, kChunk, c2f::C2FAttention<float>::Options().num_threads(static_cast<int>(state.range(2))));
   const c2f::Tensor3<float> x = random_input(batch, length);
   for (auto _ : state) {
     c2f::Tensor3<float> y = attn.forward(x);
@@ -131,7 +131,8 @@ void BM_LatencyGemmMha(benchmark::State& state) {
   const Eigen::VectorXf bias = Eigen::VectorXf::Random(kEmbed);
   RowMatrix<float> y(rows, kEmbed);
   for (auto _ : state) {
-    for (const RowMatrix<float>& wi : w) c2f::kernels::linear<float>(x, wi, bias.data(), y, c2f::kernels::with_threads(1));
+    for (const RowMatrix<float>& wi : w)
+      c2f::kernels::linear<float>(x, wi, bias.data(), y, c2f::kernels::with_threads(1));
     benchmark::DoNotOptimize(y.data());
   }
 }
@@ -148,7 +149,8 @@ void BM_LatencyGemmC2F(benchmark::State& state) {
   RowMatrix<float> y(rows, kEmbed), qk(rows, kHeads * kEmbed), o(rows, kEmbed);
   const RowMatrix<float> pooled = RowMatrix<float>::Random(rows, kHeads * kEmbed);
   for (auto _ : state) {
-    for (const RowMatrix<float>& wi : w) c2f::kernels::linear<float>(x, wi, bias.data(), y, c2f::kernels::with_threads(1));
+    for (const RowMatrix<float>& wi : w)
+      c2f::kernels::linear<float>(x, wi, bias.data(), y, c2f::kernels::with_threads(1));
     for (Index h = 0; h < kHeads; ++h) {
       c2f::kernels::matmul_rows<float>(x.middleCols(h * dk, dk), wkv.topRows(kEmbed).middleRows(h * dk, dk) * 0.125f,
                                        nullptr, qk.middleCols(h * kEmbed, kEmbed), c2f::kernels::with_threads(1));
@@ -175,13 +177,13 @@ void BM_Concurrency(benchmark::State& state) {
   for (auto _ : state) {
     std::vector<std::thread> others;
     for (int k = 1; k < callers; ++k) {
-      others.emplace_back([&, k] { benchmark::DoNotOptimize(mha.forward(inputs[static_cast<std::size_t>(k)]).data()); });
+      others.emplace_back(
+          [&, k] { benchmark::DoNotOptimize(mha.forward(inputs[static_cast<std::size_t>(k)]).data()); });
     }
     benchmark::DoNotOptimize(mha.forward(inputs[0]).data());
     for (std::thread& t : others) t.join();
   }
-  state.counters["forwards_per_s"] =
-      benchmark::Counter(double(callers), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["forwards_per_s"] = benchmark::Counter(double(callers), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // ---- the cost of one parallel loop ----------------------------------------------------------------
@@ -222,24 +224,39 @@ void register_entries(const std::string& set) {
       for (Index L : {1, 8, 64, 256}) {
         for (int threads : {1, 2}) {
           for (int threshold : threads == 1 ? std::vector<int>{1} : std::vector<int>{1, 0}) {
-            benchmark::RegisterBenchmark("lat_mha", BM_LatencyMha)->Args({B, L, threads, threshold})
-                ->Unit(benchmark::kMicrosecond)->UseRealTime()->MinTime(0.2);
-            benchmark::RegisterBenchmark("lat_c2f", BM_LatencyC2F)->Args({B, L, threads, threshold})
-                ->Unit(benchmark::kMicrosecond)->UseRealTime()->MinTime(0.2);
+            benchmark::RegisterBenchmark("lat_mha", BM_LatencyMha)
+                ->Args({B, L, threads, threshold})
+                ->Unit(benchmark::kMicrosecond)
+                ->UseRealTime()
+                ->MinTime(0.2);
+            benchmark::RegisterBenchmark("lat_c2f", BM_LatencyC2F)
+                ->Args({B, L, threads, threshold})
+                ->Unit(benchmark::kMicrosecond)
+                ->UseRealTime()
+                ->MinTime(0.2);
           }
         }
       }
-      benchmark::RegisterBenchmark("lat_gemm_mha", BM_LatencyGemmMha)->Arg(B)->Unit(benchmark::kMicrosecond)
-          ->UseRealTime()->MinTime(0.2);
-      benchmark::RegisterBenchmark("lat_gemm_c2f", BM_LatencyGemmC2F)->Arg(B)->Unit(benchmark::kMicrosecond)
-          ->UseRealTime()->MinTime(0.2);
+      benchmark::RegisterBenchmark("lat_gemm_mha", BM_LatencyGemmMha)
+          ->Arg(B)
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime()
+          ->MinTime(0.2);
+      benchmark::RegisterBenchmark("lat_gemm_c2f", BM_LatencyGemmC2F)
+          ->Arg(B)
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime()
+          ->MinTime(0.2);
     }
   }
   if (all || set == "concurrency") {
     for (int callers : {1, 2, 4}) {
       for (int threads : {1, 2}) {
-        benchmark::RegisterBenchmark("conc_mha", BM_Concurrency)->Args({callers, threads})
-            ->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0);
+        benchmark::RegisterBenchmark("conc_mha", BM_Concurrency)
+            ->Args({callers, threads})
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime()
+            ->MinTime(1.0);
       }
     }
   }
@@ -247,10 +264,15 @@ void register_entries(const std::string& set) {
     for (int cold : {0, 1}) {
       for (Index rows : {1, 4, 16, 32, 64, 128, 256, 512}) {
         for (int threads : {1, 2}) {
-          benchmark::internal::Benchmark* b = benchmark::RegisterBenchmark("loop", BM_Loop)->Args({rows, threads, cold})
-                                        ->Unit(benchmark::kMicrosecond)->UseManualTime();
+          benchmark::internal::Benchmark* b = benchmark::RegisterBenchmark("loop", BM_Loop)
+                                                  ->Args({rows, threads, cold})
+                                                  ->Unit(benchmark::kMicrosecond)
+                                                  ->UseManualTime();
           // Cold entries sleep 2 ms per iteration outside the timed part: a fixed count keeps them short.
-          if (cold) b->Iterations(200); else b->MinTime(0.2);
+          if (cold)
+            b->Iterations(200);
+          else
+            b->MinTime(0.2);
         }
       }
     }

@@ -115,7 +115,8 @@ c2f::MultiHeadAttention<float> make_mha() {
       c2f::MultiHeadAttention<float>::Options().num_threads(bench_threads()).kernel(c2f::AttnKernel::Streaming));
 }
 c2f::C2FAttention<float> make_c2f(Index chunk) {
-  return c2f::C2FAttention<float>(kEmbed, kHeads, chunk, c2f::C2FAttention<float>::Options().num_threads(bench_threads()));
+  return c2f::C2FAttention<float>(kEmbed, kHeads, chunk,
+                                  c2f::C2FAttention<float>::Options().num_threads(bench_threads()));
 }
 c2f::HMHA<float> make_hmha(Index window) {
   return c2f::HMHA<float>(kEmbed, kHeads, window, c2f::HMHA<float>::Options().num_threads(bench_threads()));
@@ -177,7 +178,8 @@ int run_check(const std::string& dir) {
     } else if (layer == "hmha") {
       check(make_hmha(std::stoll(meta(weights, "window"))), weights, input, out);
     } else {
-      throw std::invalid_argument("weights.safetensors: __metadata__ layer must be mha, c2f or hmha, got '" + layer + "'");
+      throw std::invalid_argument("weights.safetensors: __metadata__ layer must be mha, c2f or hmha, got '" + layer +
+                                  "'");
     }
     return 0;
   } catch (const std::exception& e) {

@@ -164,8 +164,8 @@ __attribute__((target("avx2,fma"))) inline float fma_avx2(std::int64_t iteration
 inline double gemm_tile_l1(std::int64_t iterations, float* sink) {
   using B = c2f::cpu::GemmBlocking<float>;
   constexpr c2f::Index kDepth = 256;
-  std::vector<float> a(static_cast<std::size_t>(B::kMR * kDepth), 1e-3f), b(static_cast<std::size_t>(kDepth * B::kNR), 1e-3f),
-      c(static_cast<std::size_t>(B::kMR * B::kNR), 0.0f);
+  std::vector<float> a(static_cast<std::size_t>(B::kMR * kDepth), 1e-3f),
+      b(static_cast<std::size_t>(kDepth * B::kNR), 1e-3f), c(static_cast<std::size_t>(B::kMR * B::kNR), 0.0f);
   for (std::int64_t it = 0; it < iterations; it += kDepth) {
     c2f::cpu::gemm_tile<float, B::kMR>(kDepth, a.data(), kDepth, b.data(), c.data(), B::kNR, B::kNR, it == 0, nullptr);
   }
@@ -301,8 +301,8 @@ inline double run_on_threads(const std::string& kind, std::int64_t iterations, s
 inline void BM_Peak(benchmark::State& state, const std::string& kind) {
   const int threads = static_cast<int>(state.range(0));
   const bool runs = kind == "bf16"       ? peak::has_bf16_dot()
-                   : kind == "amx_bf16" ? peak::has_amx_bf16()
-                                        : !peak::fp32_isa().empty();
+                    : kind == "amx_bf16" ? peak::has_amx_bf16()
+                                         : !peak::fp32_isa().empty();
   if (!runs) {
     state.SkipWithError(kind == "bf16"       ? "this CPU has no AVX512_BF16 (vdpbf16ps)"
                         : kind == "amx_bf16" ? "this CPU or kernel has no AMX-BF16 (tdpbf16ps)"

@@ -1,7 +1,7 @@
-// The c2f multi-head attention article's C2FMultiHeadAttention is full multi-head attention whose packed projection is called
-// `qkv_proj` (a Linear d → 3d, chunked q, k, v) next to `out_proj`: the same parameters and math as
-// torch.nn.MultiheadAttention (and as the coarse-to-fine article's CoarseAttention). c2f::MultiHeadAttention loads those
-// names directly.
+// The c2f multi-head attention article's C2FMultiHeadAttention is full multi-head attention whose packed projection is
+// called `qkv_proj` (a Linear d → 3d, chunked q, k, v) next to `out_proj`: the same parameters and math as
+// torch.nn.MultiheadAttention (and as the coarse-to-fine article's CoarseAttention). c2f::MultiHeadAttention loads
+// those names directly.
 //
 //   c2f_multihead_article [file.safetensors [prefix]]
 //
@@ -29,9 +29,10 @@ int main(int argc, char** argv) {
 
     const c2f::Tensor3<float> x = example::tensor3(sd, "x");
     const c2f::Tensor3<float> y = mha.forward(x);
-    std::printf("MultiHeadAttention(%ld, %ld) with the multi-head article's names: y[0, 0, :4] = %+.6f %+.6f %+.6f %+.6f\n",
-                static_cast<long>(mha.embed_dim()), static_cast<long>(mha.num_heads()), y(0, 0, 0), y(0, 0, 1),
-                y(0, 0, 2), y(0, 0, 3));
+    std::printf(
+        "MultiHeadAttention(%ld, %ld) with the multi-head article's names: y[0, 0, :4] = %+.6f %+.6f %+.6f %+.6f\n",
+        static_cast<long>(mha.embed_dim()), static_cast<long>(mha.num_heads()), y(0, 0, 0), y(0, 0, 1), y(0, 0, 2),
+        y(0, 0, 3));
     return example::compare_with_pytorch(sd, y);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -69,11 +69,12 @@ double run(const char* name, const Layer& layer, const Tensor3<float>& prompt, I
       for (Index f = 0; f < d; ++f) diff = std::max(diff, double(std::abs(decoded(b, t, f) - full(b, p + t, f))));
     }
   }
-  std::printf("%-34s prefill %6ld tokens: %8.1f ms (%9.0f tokens/s) | decode %4ld steps: %8.0f tokens/s "
-              "(%6.3f ms/step) | state %7.1f MiB | max |decode - forward| %.2g\n",
-              name, static_cast<long>(p), prefill_s * 1e3, double(batch * p) / prefill_s, static_cast<long>(steps),
-              double(batch * steps) / decode_s, decode_s * 1e3 / double(steps),
-              double(state.memory_bytes()) / (1024.0 * 1024.0), diff);
+  std::printf(
+      "%-34s prefill %6ld tokens: %8.1f ms (%9.0f tokens/s) | decode %4ld steps: %8.0f tokens/s "
+      "(%6.3f ms/step) | state %7.1f MiB | max |decode - forward| %.2g\n",
+      name, static_cast<long>(p), prefill_s * 1e3, double(batch * p) / prefill_s, static_cast<long>(steps),
+      double(batch * steps) / decode_s, decode_s * 1e3 / double(steps),
+      double(state.memory_bytes()) / (1024.0 * 1024.0), diff);
   return diff;
 }
 

@@ -23,7 +23,8 @@ constexpr c2f::Index kDim = 512, kHeads = 8, kChunk = 32;
 
 /// Token t's features: a hash of (t, feature), in [-1, 1).
 float value(c2f::Index t, c2f::Index f) {
-  std::uint64_t s = static_cast<std::uint64_t>(t) * 0x9E3779B97F4A7C15ull ^ static_cast<std::uint64_t>(f) * 0xC2B2AE3D27D4EB4Full;
+  std::uint64_t s =
+      static_cast<std::uint64_t>(t) * 0x9E3779B97F4A7C15ull ^ static_cast<std::uint64_t>(f) * 0xC2B2AE3D27D4EB4Full;
   s ^= s >> 29;
   s *= 0xBF58476D1CE4E5B9ull;
   s ^= s >> 32;
@@ -67,13 +68,15 @@ int main(int argc, char** argv) {
       std::printf("dist_c2f: %lld tokens, d = %lld, %lld heads, chunk %lld, %d ranks x %d threads\n",
                   static_cast<long long>(length), static_cast<long long>(kDim), static_cast<long long>(kHeads),
                   static_cast<long long>(kChunk), comm.size(), threads);
-      std::printf("dist_c2f: %.3f s, %.3g tokens/s, at most %.3g MB received per rank (the other ranks' chunks' coarse keys and values)\n",
-                  slowest, static_cast<double>(length) / slowest, most / 1e6);
+      std::printf(
+          "dist_c2f: %.3f s, %.3g tokens/s, at most %.3g MB received per rank (the other ranks' chunks' coarse keys "
+          "and values)\n",
+          slowest, static_cast<double>(length) / slowest, most / 1e6);
       // The single-process layer on the whole sequence: rank 0's rows must be the same bits.
       const c2f::Tensor3<float> whole = layer.module().forward(tokens(0, length));
       const bool same = std::memcmp(whole.data(), y.data(), sizeof(float) * static_cast<std::size_t>(y.size())) == 0;
-      std::printf("dist_c2f: rank 0's %lld rows %s the single-process forward's\n", static_cast<long long>(shard.length),
-                  same ? "are bit-identical to" : "DIFFER from");
+      std::printf("dist_c2f: rank 0's %lld rows %s the single-process forward's\n",
+                  static_cast<long long>(shard.length), same ? "are bit-identical to" : "DIFFER from");
       status = same ? 0 : 1;
     }
   }

@@ -30,7 +30,9 @@ using c2f::Tensor3;
 
 /// The hyperparameter `key` of the file's metadata.
 double meta(const StateDict& sd, const std::string& key) { return std::stod(sd.metadata().at(key)); }
-Index meta_index(const StateDict& sd, const std::string& key) { return static_cast<Index>(std::stoll(sd.metadata().at(key))); }
+Index meta_index(const StateDict& sd, const std::string& key) {
+  return static_cast<Index>(std::stoll(sd.metadata().at(key)));
+}
 
 /// The classes of an I64 tensor.
 std::vector<std::int64_t> classes(const c2f::TensorData& t) {
@@ -68,7 +70,9 @@ struct Model {
   }
 
   /// The logits [B, 1, classes] of x (eval mode).
-  Tensor3<Scalar> logits(const Tensor3<Scalar>& x) const { return head.forward(mean_tokens(attn.forward(embed.forward(x)))); }
+  Tensor3<Scalar> logits(const Tensor3<Scalar>& x) const {
+    return head.forward(mean_tokens(attn.forward(embed.forward(x))));
+  }
 
   /// The share of the sequences whose largest logit is their class.
   double accuracy(const Tensor3<Scalar>& x, const std::vector<std::int64_t>& y) const {
@@ -102,7 +106,8 @@ double train_step(Model<Scalar>& m, const Tensor3<Scalar>& x, const std::vector<
     const std::int64_t label = y[static_cast<std::size_t>(b)];
     loss += top + std::log(sum) - double(z(b, 0, label));
     for (Index c = 0; c < z.dimension(2); ++c) {
-      dz(b, 0, c) = static_cast<Scalar>((std::exp(double(z(b, 0, c)) - top) / sum - (c == label ? 1.0 : 0.0)) / double(batch));
+      dz(b, 0, c) =
+          static_cast<Scalar>((std::exp(double(z(b, 0, c)) - top) / sum - (c == label ? 1.0 : 0.0)) / double(batch));
     }
   }
   const c2f::Grads<Scalar> g_head = m.head.backward(saved_head, dz);
@@ -163,14 +168,15 @@ int main(int argc, char** argv) {
   const StateDict torch = c2f::load_safetensors(dir + "/train_c2f_torch.safetensors");
   const Index steps = meta_index(file, "steps");
   const Run f64 = train<double>(file, steps), f32 = train<float>(file, steps);
-  const std::vector<double> t64 = torch.at("loss_f64").to_vector<double>(), t32 = torch.at("loss_f32").to_vector<double>();
+  const std::vector<double> t64 = torch.at("loss_f64").to_vector<double>(),
+                            t32 = torch.at("loss_f32").to_vector<double>();
   if (static_cast<Index>(t64.size()) != steps || static_cast<Index>(t32.size()) != steps) {
     std::printf("PyTorch's curves have %zu and %zu steps, not %ld\n", t64.size(), t32.size(), static_cast<long>(steps));
     return 1;
   }
 
-  std::printf("%5s  %-14s %-14s %-9s  %-12s %-12s %-9s\n", "step", "torch f64", "c2f f64", "rel diff", "torch f32", "c2f f32",
-              "rel diff");
+  std::printf("%5s  %-14s %-14s %-9s  %-12s %-12s %-9s\n", "step", "torch f64", "c2f f64", "rel diff", "torch f32",
+              "c2f f32", "rel diff");
   double worst64 = 0;
   for (Index s = 0; s < steps; ++s) {
     const std::size_t i = static_cast<std::size_t>(s);
@@ -181,13 +187,16 @@ int main(int argc, char** argv) {
     }
   }
   const double last32 = relative(f32.losses.back(), t32.back());
-  const std::vector<double> acc64 = torch.at("accuracy_f64").to_vector<double>(), acc32 = torch.at("accuracy_f32").to_vector<double>();
-  std::printf("accuracy after %ld steps (train / test): c2f f64 %.3f / %.3f, torch f64 %.3f / %.3f; c2f f32 %.3f / %.3f, "
-              "torch f32 %.3f / %.3f\n",
-              static_cast<long>(steps), f64.train_accuracy, f64.test_accuracy, acc64[0], acc64[1], f32.train_accuracy,
-              f32.test_accuracy, acc32[0], acc32[1]);
-  std::printf("float64: every step within %.2e of PyTorch (required 1e-8); float32: step %ld within %.2e (required 1e-3)\n",
-              worst64, static_cast<long>(steps), last32);
+  const std::vector<double> acc64 = torch.at("accuracy_f64").to_vector<double>(),
+                            acc32 = torch.at("accuracy_f32").to_vector<double>();
+  std::printf(
+      "accuracy after %ld steps (train / test): c2f f64 %.3f / %.3f, torch f64 %.3f / %.3f; c2f f32 %.3f / %.3f, "
+      "torch f32 %.3f / %.3f\n",
+      static_cast<long>(steps), f64.train_accuracy, f64.test_accuracy, acc64[0], acc64[1], f32.train_accuracy,
+      f32.test_accuracy, acc32[0], acc32[1]);
+  std::printf(
+      "float64: every step within %.2e of PyTorch (required 1e-8); float32: step %ld within %.2e (required 1e-3)\n",
+      worst64, static_cast<long>(steps), last32);
 
   StateDict curves;
   curves.set("loss_f64", c2f::TensorData::from_values(f64.losses.data(), {steps}));

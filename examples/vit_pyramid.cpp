@@ -1,7 +1,7 @@
-// A ViT feature pyramid of two-dimensional coarse-to-fine attention (the coarse-to-fine article's closing idea): stages of
-// C2FAttention2D on a shrinking token grid — 2 × 2 mean-pool patch merging between stages — with larger
-// blocks in deeper stages. Loads the weights PyTorch wrote (examples/export_vit_pyramid.py, module
-// ViTPyramid of tests/reference/c2f2d_reference.py), runs the pyramid and compares with PyTorch's output.
+// A ViT feature pyramid of two-dimensional coarse-to-fine attention (the coarse-to-fine article's closing idea): stages
+// of C2FAttention2D on a shrinking token grid — 2 × 2 mean-pool patch merging between stages — with larger blocks in
+// deeper stages. Loads the weights PyTorch wrote (examples/export_vit_pyramid.py, module ViTPyramid of
+// tests/reference/c2f2d_reference.py), runs the pyramid and compares with PyTorch's output.
 //
 //   vit_pyramid [file.safetensors]
 //
@@ -53,7 +53,8 @@ c2f::Tensor3<float> patch_merge(const c2f::Tensor3<float>& x, Index height, Inde
   const c2f::kernels::BlockGrid2D grid{x.dimension(0), height, width, 2, 2};
   c2f::Tensor3<float> merged(x.dimension(0), grid.blocks_per_batch(), x.dimension(2));
   c2f::kernels::chunk_mean<float>(c2f::ConstTensor3Ref<float>(x).rows(), grid,
-                                  Eigen::Map<c2f::RowMatrix<float>>(merged.data(), grid.blocks(), x.dimension(2)), c2f::kernels::with_threads(0));
+                                  Eigen::Map<c2f::RowMatrix<float>>(merged.data(), grid.blocks(), x.dimension(2)),
+                                  c2f::kernels::with_threads(0));
   return merged;
 }
 
@@ -78,8 +79,9 @@ int main(int argc, char** argv) {
       const std::string prefix = "pyramid.stages." + std::to_string(stages.size() - 1) + ".";
       stages.back().attention.load_state_dict(sd, prefix);
     }
-    std::printf("ViT pyramid of %zu C2FAttention2D stages (embed_dim %ld, %ld heads, relative position bias %s) from %s\n",
-                stages.size(), static_cast<long>(d), static_cast<long>(heads), bias ? "on" : "off", path.c_str());
+    std::printf(
+        "ViT pyramid of %zu C2FAttention2D stages (embed_dim %ld, %ld heads, relative position bias %s) from %s\n",
+        stages.size(), static_cast<long>(d), static_cast<long>(heads), bias ? "on" : "off", path.c_str());
 
     c2f::Tensor3<float> x = example::tensor3(sd, "x");
     Index height = meta("height"), width = meta("width");

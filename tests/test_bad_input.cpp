@@ -30,8 +30,8 @@
 namespace {
 
 using c2f::Index;
-using c2f::Masks;
 using c2f::MaskFields;
+using c2f::Masks;
 using c2f::RowMatrix;
 using c2f::StateDict;
 using c2f::Tensor3;
@@ -78,7 +78,9 @@ TYPED_TEST(BadInput, InputSizesThatOverflowOrCannotBeAllocatedAreRefused) {
     TypeParam::forward(layer, c2f::ConstTensor3Ref<S>(one, {Index(1) << 32, Index(1) << 32, kWidth}), {});
   });
   EXPECT_NE(wraps.find("overflows"), std::string::npos) << TypeParam::name << ": " << wraps;
-  const std::string huge = error_of([&] { TypeParam::forward(layer, c2f::ConstTensor3Ref<S>(one, {1, kHuge, kWidth}), {}); });
+  const std::string huge = error_of([&] {
+    TypeParam::forward(layer, c2f::ConstTensor3Ref<S>(one, {1, kHuge, kWidth}), {});
+  });
   // The output's size (1 TiB and more) — or, for the 2-D layer, its bias table's grid — is refused.
   EXPECT_NE(huge.find("more than"), std::string::npos) << TypeParam::name << ": " << huge;
   EXPECT_NE(huge.find(TypeParam::Layer::type_name), std::string::npos) << TypeParam::name << ": " << huge;
@@ -146,9 +148,10 @@ TYPED_TEST(BadInput, FailedLoadLeavesTheLayerAsItWas) {
   const c2f::TensorData& t = other.at(last);
   std::vector<std::int64_t> shape = t.shape();
   shape.push_back(1);
-  bad[0].set(last, c2f::TensorData(t.dtype(), shape, t.bytes()));                           // …with one wrong shape,
-  bad[1].set("zzz.unexpected", t);                                                           // an unexpected key,
-  bad[2].set(last, c2f::TensorData(c2f::DType::I32, t.shape(), std::vector<std::uint8_t>(4 * t.numel())));  // an integer
+  bad[0].set(last, c2f::TensorData(t.dtype(), shape, t.bytes()));  // …with one wrong shape,
+  bad[1].set("zzz.unexpected", t);                                 // an unexpected key,
+  bad[2].set(last,
+             c2f::TensorData(c2f::DType::I32, t.shape(), std::vector<std::uint8_t>(4 * t.numel())));  // an integer
   for (const StateDict& sd : bad) {
     EXPECT_THROW(layer.load_state_dict(sd), std::invalid_argument) << TypeParam::name;
     const StateDict after = layer.state_dict();
@@ -167,7 +170,8 @@ TYPED_TEST(BadInput, FailedLoadLeavesTheLayerAsItWas) {
 TYPED_TEST(BadInput, PaddedKeysNeverReachAnOutput) {
   using S = typename TestFixture::ScalarType;
   using Layer = typename TestFixture::LayerType;
-  if (!c2f::takes(Layer::mask_fields, MaskFields::KeyPaddingMask)) GTEST_SKIP() << TypeParam::name << " takes no key padding";
+  if (!c2f::takes(Layer::mask_fields, MaskFields::KeyPaddingMask))
+    GTEST_SKIP() << TypeParam::name << " takes no key padding";
   TestRng rng(6);
   const Layer layer = TestFixture::random_layer(6);
   const Tensor3<S> x = rng.tensor<S>(kBatch, kLength, kWidth);
@@ -224,7 +228,8 @@ TYPED_TEST(CausalBadInput, NanStaysCausal) {
     const std::size_t before = sizeof(S) * static_cast<std::size_t>(t * y.dimension(2));
     EXPECT_EQ(std::memcmp(&y(1, 0, 0), &clean(1, 0, 0), before), 0)
         << TypeParam::name << ": a NaN at token " << t << " changed an earlier row";
-    EXPECT_EQ(std::memcmp(&y(0, 0, 0), &clean(0, 0, 0), sizeof(S) * static_cast<std::size_t>(kLength * y.dimension(2))), 0)
+    EXPECT_EQ(std::memcmp(&y(0, 0, 0), &clean(0, 0, 0), sizeof(S) * static_cast<std::size_t>(kLength * y.dimension(2))),
+              0)
         << TypeParam::name << ": a NaN in batch item 1 changed batch item 0";
     EXPECT_TRUE(std::isnan(y(1, t, 0)) || nan_rows(y)[static_cast<std::size_t>(kLength + t)])
         << TypeParam::name << ": row " << t << " reads the NaN and must be NaN";
@@ -237,7 +242,8 @@ TYPED_TEST(CausalBadInput, NanStaysCausal) {
         const Tensor3<S> step = layer.decode(Tensor3<S>(poisoned.slice(at, size)), state);
         decoded.slice(at, Eigen::array<Index, 3>{kBatch, n, y.dimension(2)}) = step;
       }
-      EXPECT_EQ(nan_rows(decoded), nan_rows(y)) << TypeParam::name << ": decode and forward disagree on NaN rows (t = " << t << ")";
+      EXPECT_EQ(nan_rows(decoded), nan_rows(y))
+          << TypeParam::name << ": decode and forward disagree on NaN rows (t = " << t << ")";
     }
   }
 }
@@ -257,8 +263,11 @@ TEST(BadSizes, ConstructorsRefuseWhatCannotBeAllocatedNamingTheLayer) {
   refused([] { c2f::Conv1d<float>(8, 8, kHuge); }, "Conv1d");
   refused([] { c2f::HMHA<float>(kHuge, 2, 4); }, "HMHA");
   refused([] { c2f::C2FAttention<float>(kHuge, 2, 4); }, "C2FAttention");
-  refused([] { c2f::C2FAttention2D<float>(8, 2, 2, 2, c2f::C2FAttention2D<float>::Options().max_blocks_h(Index(1) << 32)); },
-          "C2FAttention2D");
+  refused(
+      [] {
+        c2f::C2FAttention2D<float>(8, 2, 2, 2, c2f::C2FAttention2D<float>::Options().max_blocks_h(Index(1) << 32));
+      },
+      "C2FAttention2D");
 }
 
 TEST(BadSizes, HugeStructuralSizesAreValidAndMeanTheWholeSequence) {
@@ -278,10 +287,11 @@ TEST(BadSizes, HugeStructuralSizesAreValidAndMeanTheWholeSequence) {
   // top_k beyond the chunks selects every chunk: MultiHeadAttention.
   c2f::SparseC2FAttention<float> sparse(8, 2, 2, max);
   c2f_test::randomize(sparse, rng);
-  c2f_test::expect_close(sparse.forward(x).data(), sparse.as_multihead_attention().forward(x).data(), x.size(), 1e-6, 1e-6,
-                         "top_k = INT64_MAX");
+  c2f_test::expect_close(sparse.forward(x).data(), sparse.as_multihead_attention().forward(x).data(), x.size(), 1e-6,
+                         1e-6, "top_k = INT64_MAX");
   // Blocks longer than the sequence are the sequence: no workspace sized by the option.
-  c2f::MultiHeadAttention<float> mha(8, 2, c2f::MultiHeadAttention<float>::Options().query_block(max).key_block(Index(1) << 20));
+  c2f::MultiHeadAttention<float> mha(
+      8, 2, c2f::MultiHeadAttention<float>::Options().query_block(max).key_block(Index(1) << 20));
   c2f::MultiHeadAttention<float> plain(8, 2);
   c2f_test::randomize(mha, rng);
   plain.load_state_dict(mha.state_dict());
@@ -299,8 +309,9 @@ TEST(BadSizes, GridsStatesAndMaskTensorsThatOverflowAreRefused) {
   c2f::C2FAttention2D<float> vit(8, 2, 2, 2, c2f::C2FAttention2D<float>::Options().relative_position_bias(false));
   const float one[1] = {1.0f};
   // 2^32 x 2^32 wraps to 0 = the sequence length of x [1, 0, 8].
-  EXPECT_NE(error_of([&] { vit.forward(c2f::ConstTensor3Ref<float>(one, {1, 0, 8}), Index(1) << 32, Index(1) << 32); })
-                .find("overflows"),
+  EXPECT_NE(error_of([&] {
+              vit.forward(c2f::ConstTensor3Ref<float>(one, {1, 0, 8}), Index(1) << 32, Index(1) << 32);
+            }).find("overflows"),
             std::string::npos);
   c2f::MultiHeadAttention<float> mha(8, 2, c2f::MultiHeadAttention<float>::Options().causal(true));
   const std::string state = error_of([&] { mha.new_decode_state(Index(1) << 30, Index(1) << 40); });
@@ -325,7 +336,8 @@ TEST(BadMasks, RelativePositionMaximaThatOverflowAreRefused) {
     EXPECT_NE(msg.find("overflows"), std::string::npos) << msg;
   }
   // The largest maxima that fit: refused for the table's size, naming both.
-  const std::string wrong = error_of([&] { c2f::AttnMask<float>::relative_position(one_row, 1, 1, 1, Index(1) << 30); });
+  const std::string wrong =
+      error_of([&] { c2f::AttnMask<float>::relative_position(one_row, 1, 1, 1, Index(1) << 30); });
   EXPECT_NE(wrong.find("[(2*max_h - 1)*(2*max_w - 1), heads] = [2147483647, heads]"), std::string::npos) << wrong;
   // relative_position_bias_backward on one query and key (grid 1 x 1) with maxima of 2^62.
   const float v[2] = {1.0f, 1.0f};
@@ -334,7 +346,8 @@ TEST(BadMasks, RelativePositionMaximaThatOverflowAreRefused) {
   Eigen::Map<RowMatrix<float>> lse_rows(lse, 1, 1), dtable(o, 1, 1);
   const std::string kernel = error_of([&] {
     c2f::kernels::relative_position_bias_backward<float>(h1, h1, h1, h1, lse_rows, h1, c2f::MaskView<float>(), 1, 1,
-                                                         Index(1) << 62, Index(1) << 62, 1.0f, dtable, c2f::kernels::with_threads(1));
+                                                         Index(1) << 62, Index(1) << 62, 1.0f, dtable,
+                                                         c2f::kernels::with_threads(1));
   });
   EXPECT_NE(kernel.find("relative_position_bias_backward"), std::string::npos) << kernel;
   EXPECT_NE(kernel.find("overflows"), std::string::npos) << kernel;
@@ -429,7 +442,8 @@ TEST(BadInputMessages, ErrorsNameTheLayerTheUserCalled) {
   // C2F's fine mask is over B·m chunks: the message says so.
   const std::string fine = error_of([&] {
     c2f::C2FAttention<float>(8, 2, 2).forward(
-        rng.tensor<float>(2, 6, 8), Masks<float>().fine_attn_mask(c2f::AttnMask<float>::keep(all_true(c2f::BoolTensor3(5, 2, 2)))));
+        rng.tensor<float>(2, 6, 8),
+        Masks<float>().fine_attn_mask(c2f::AttnMask<float>::keep(all_true(c2f::BoolTensor3(5, 2, 2)))));
   });
   EXPECT_NE(fine.find("B·m"), std::string::npos) << fine;
 }

@@ -1,5 +1,5 @@
-// Coarse-to-fine attention (the coarse-to-fine attention article): PyTorch fixtures, folded fast path against the general path,
-// hand-derivable cases, masks, initialisation and state-dict names.
+// Coarse-to-fine attention (the coarse-to-fine attention article): PyTorch fixtures, folded fast path against the
+// general path, hand-derivable cases, masks, initialisation and state-dict names.
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/c2f.hpp"
@@ -22,12 +22,12 @@ using c2f::FinePath;
 using c2f::Index;
 using c2f::StateDict;
 using c2f::Tensor3;
-using c2f_test::meta_index;
 using c2f_test::expect_close;
+using c2f_test::meta_index;
 using c2f_test::randomize;
 using c2f_test::same_bits;
-using c2f_test::Tolerance;
 using c2f_test::TestRng;
+using c2f_test::Tolerance;
 
 // Masks of a C2FAttention call with only the fine stage's mask.
 template <class Scalar>
@@ -36,7 +36,8 @@ c2f::Masks<Scalar> fine_only(const c2f::AttnMask<Scalar>& mask) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// PyTorch fixtures (tests/reference/c2f_reference.py: the coarse-to-fine article's modules, the two bugs fixed, padding)
+// PyTorch fixtures (tests/reference/c2f_reference.py: the coarse-to-fine article's modules, the two bugs fixed,
+// padding)
 
 template <class Scalar>
 c2f::AttnMask<Scalar> keep_mask(const StateDict& sd, const std::string& meta_key, const std::string& tensor) {
@@ -68,7 +69,8 @@ void check_fixture(const nlohmann::json& c) {
                    what + " coarse_input");
       const std::vector<Scalar> want_ctx = c2f_test::values<Scalar>(sd, "coarse_output");
       const Tensor3<Scalar> ctx = m.coarse_attn().forward(summaries, c2f::Masks<Scalar>().attn_mask(masks.attn_mask()));
-      expect_close(ctx.data(), want_ctx.data(), ctx.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, what + " coarse_output");
+      expect_close(ctx.data(), want_ctx.data(), ctx.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
+                   what + " coarse_output");
 
       std::vector<FinePath> paths = {FinePath::Auto, FinePath::General};
       if (sd.metadata().at("fine_mask") == "none" || sd.metadata().at("fine_mask_rows_equal") == "true") {
@@ -84,7 +86,8 @@ void check_fixture(const nlohmann::json& c) {
     } else if (module == "coarse") {
       c2f::CoarseAttention<Scalar> m(d, heads, typename c2f::CoarseAttention<Scalar>::Options().num_threads(threads));
       m.load_state_dict(sd, "coarse.");
-      const Tensor3<Scalar> y = m.forward(c2f_test::tensor3<Scalar>(sd, "x"), c2f::Masks<Scalar>().attn_mask(keep_mask<Scalar>(sd, "mask", "mask")));
+      const Tensor3<Scalar> y = m.forward(c2f_test::tensor3<Scalar>(sd, "x"),
+                                          c2f::Masks<Scalar>().attn_mask(keep_mask<Scalar>(sd, "mask", "mask")));
       ASSERT_EQ(static_cast<std::size_t>(y.size()), want.size()) << what;
       expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, what);
     } else {
@@ -96,9 +99,8 @@ void check_fixture(const nlohmann::json& c) {
       xt.copy_to(x.data());
       for (FinePath path : {FinePath::Auto, FinePath::General}) {
         m.set_fine_path(path);
-        const c2f::Tensor4<Scalar> y =
-            m.forward(x, c2f_test::tensor3<Scalar>(sd, "coarse_context"),
-                      c2f::Masks<Scalar>().attn_mask(keep_mask<Scalar>(sd, "mask", "mask")));
+        const c2f::Tensor4<Scalar> y = m.forward(x, c2f_test::tensor3<Scalar>(sd, "coarse_context"),
+                                                 c2f::Masks<Scalar>().attn_mask(keep_mask<Scalar>(sd, "mask", "mask")));
         ASSERT_EQ(y.dimensions(), x.dimensions()) << what;
         expect_close(y.data(), want.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, what);
       }
@@ -354,7 +356,8 @@ TEST(C2FMasks, WrongMaskShapesNameTheShapes) {
     m.forward_into(x, out);
     ADD_FAILURE() << "expected std::invalid_argument";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("= [20, 8] for an output [2, 10, 8], got [19, 8]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("= [20, 8] for an output [2, 10, 8], got [19, 8]"), std::string::npos)
+        << e.what();
   }
   EXPECT_THROW(C2FAttention<float>(10, 3, 4), std::invalid_argument);
   EXPECT_THROW(C2FAttention<float>(8, 2, 0), std::invalid_argument);
@@ -401,11 +404,11 @@ TEST(C2FStateDict, NamesAreThePyTorchModulesNames) {
   C2FAttention<float> m(16, 4, 8);
   std::vector<std::string> keys;
   for (const auto& kv : m.state_dict("c2f")) keys.push_back(kv.first);
-  EXPECT_EQ(keys, (std::vector<std::string>{
-                      "c2f.coarse_attn.out_proj.bias", "c2f.coarse_attn.out_proj.weight",
-                      "c2f.coarse_attn.qkv_proj.bias", "c2f.coarse_attn.qkv_proj.weight",
-                      "c2f.fine_attn.kv_proj.bias", "c2f.fine_attn.kv_proj.weight", "c2f.fine_attn.out_proj.bias",
-                      "c2f.fine_attn.out_proj.weight", "c2f.fine_attn.q_proj.bias", "c2f.fine_attn.q_proj.weight"}));
+  EXPECT_EQ(keys, (std::vector<std::string>{"c2f.coarse_attn.out_proj.bias", "c2f.coarse_attn.out_proj.weight",
+                                            "c2f.coarse_attn.qkv_proj.bias", "c2f.coarse_attn.qkv_proj.weight",
+                                            "c2f.fine_attn.kv_proj.bias", "c2f.fine_attn.kv_proj.weight",
+                                            "c2f.fine_attn.out_proj.bias", "c2f.fine_attn.out_proj.weight",
+                                            "c2f.fine_attn.q_proj.bias", "c2f.fine_attn.q_proj.weight"}));
   StateDict sd = m.state_dict("c2f");
   C2FAttention<float> other(16, 4, 8, C2FAttention<float>::Options().num_threads(1).seed(9));
   other.load_state_dict(sd, "c2f");
@@ -418,9 +421,9 @@ TEST(C2FStateDict, NamesAreThePyTorchModulesNames) {
   }
 }
 
-// The c2f multi-head attention article's C2FMultiHeadAttention is full MHA with qkv_proj/out_proj names: MultiHeadAttention loads
-// it, and CoarseAttention is the same module (whose products are row-independent: the same bits as an MHA
-// built so).
+// The c2f multi-head attention article's C2FMultiHeadAttention is full MHA with qkv_proj/out_proj names:
+// MultiHeadAttention loads it, and CoarseAttention is the same module (whose products are row-independent: the same
+// bits as an MHA built so).
 TEST(C2FMultiHeadArticle, CoarseAttentionIsMultiHeadAttentionWithQkvProjNames) {
   TestRng rng(38);
   c2f::CoarseAttention<double> coarse(8, 2);
@@ -432,7 +435,6 @@ TEST(C2FMultiHeadArticle, CoarseAttentionIsMultiHeadAttentionWithQkvProjNames) {
   EXPECT_TRUE(same_bits(coarse.forward(x), mha.forward(x)));
 }
 
-
 // --- Compute::BFloat16 (docs/bf16.md) -------------------------------------------------------------------
 
 // The article's C2FAttention in fp32 and under torch.autocast("cpu", bfloat16) (tests/data/bf16): c2f's
@@ -441,20 +443,22 @@ TEST(C2FMultiHeadArticle, CoarseAttentionIsMultiHeadAttentionWithQkvProjNames) {
 TEST(C2fBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
   const StateDict sd = c2f::load_safetensors(c2f_test::data_path("bf16/c2f_chunk8_l64_f32.safetensors"));
   const Tensor3<float> x = c2f_test::tensor3<float>(sd, "x");
-  const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
+  const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"),
+                           autocast = c2f_test::values<float>(sd, "output_autocast");
   for (FinePath path : {FinePath::Folded, FinePath::General}) {
     for (bool tiles : {true, false}) {
       const auto engine_setting = c2f_test::scoped_bf16_tiles(tiles);
       const char* engine = tiles && c2f::cpu::cpu_has_amx_bf16() ? "tiles" : "fallback";
-      C2FAttention<float> m(meta_index(sd, "d_model"), meta_index(sd, "num_heads"), meta_index(sd, "chunk_size"),
-                            C2FAttention<float>::Options().fine_path(path).compute(c2f::Compute::BFloat16).num_threads(2));
+      C2FAttention<float> m(
+          meta_index(sd, "d_model"), meta_index(sd, "num_heads"), meta_index(sd, "chunk_size"),
+          C2FAttention<float>::Options().fine_path(path).compute(c2f::Compute::BFloat16).num_threads(2));
       m.load_state_dict(sd, "c2f.");
       const Tensor3<float> y = m.forward(x);
       m.set_num_threads(1);
       EXPECT_TRUE(same_bits(m.forward(x), y)) << engine;
-      c2f_test::expect_bf16_accuracy(std::string("c2f_chunk8_l64 (") + (path == FinePath::Folded ? "folded" : "general") +
-                                         " path), " + engine,
-                                     y.data(), fp32, autocast);
+      c2f_test::expect_bf16_accuracy(
+          std::string("c2f_chunk8_l64 (") + (path == FinePath::Folded ? "folded" : "general") + " path), " + engine,
+          y.data(), fp32, autocast);
     }
   }
   TestRng rng(0xbf21);

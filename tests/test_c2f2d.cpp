@@ -1,6 +1,6 @@
-// Two-dimensional coarse-to-fine attention (the coarse-to-fine article's ViT extension): PyTorch fixtures, the block-grid
-// kernels against their naive twins, the relative position bias mask, H = 1 equivalence with the 1-D
-// layer, metamorphic cases, errors, initialisation, threads and working memory.
+// Two-dimensional coarse-to-fine attention (the coarse-to-fine article's ViT extension): PyTorch fixtures, the
+// block-grid kernels against their naive twins, the relative position bias mask, H = 1 equivalence with the 1-D layer,
+// metamorphic cases, errors, initialisation, threads and working memory.
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/c2f.hpp"
@@ -46,7 +46,8 @@ double loose_tol() {
 }
 
 template <class Scalar>
-typename C2FAttention2D<Scalar>::Options options_of(bool bias, Index gh, Index gw, int threads, std::uint64_t seed = 0) {
+typename C2FAttention2D<Scalar>::Options options_of(bool bias, Index gh, Index gw, int threads,
+                                                    std::uint64_t seed = 0) {
   typename C2FAttention2D<Scalar>::Options o;
   o.relative_position_bias(bias);
   o.max_blocks_h(gh);
@@ -57,7 +58,8 @@ typename C2FAttention2D<Scalar>::Options options_of(bool bias, Index gh, Index g
 }
 
 // ------------------------------------------------------------------------------------------------
-// PyTorch fixtures (tests/reference/c2f2d_reference.py: the coarse-to-fine article's modules on 2-D blocks + Swin's bias)
+// PyTorch fixtures (tests/reference/c2f2d_reference.py: the coarse-to-fine article's modules on 2-D blocks + Swin's
+// bias)
 
 template <class Scalar>
 void check_fixture(const nlohmann::json& c) {
@@ -68,10 +70,10 @@ void check_fixture(const nlohmann::json& c) {
   const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x");
   for (int threads : {1, 2}) {
     const std::string what = name + " (" + Tolerance<Scalar>::file_key + ", " + std::to_string(threads) + " threads)";
-    C2FAttention2D<Scalar> m(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"), meta_index(sd, "block_h"),
-                             meta_index(sd, "block_w"),
-                             options_of<Scalar>(sd.metadata().at("relative_position_bias") == "true",
-                                                meta_index(sd, "max_blocks_h"), meta_index(sd, "max_blocks_w"), threads));
+    C2FAttention2D<Scalar> m(
+        meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"), meta_index(sd, "block_h"), meta_index(sd, "block_w"),
+        options_of<Scalar>(sd.metadata().at("relative_position_bias") == "true", meta_index(sd, "max_blocks_h"),
+                           meta_index(sd, "max_blocks_w"), threads));
     m.load_state_dict(sd, "c2f2d.");
     const auto close = [&](const Tensor3<Scalar>& got, const std::string& tensor) {
       const std::vector<Scalar> want = c2f_test::values<Scalar>(sd, tensor);
@@ -81,8 +83,8 @@ void check_fixture(const nlohmann::json& c) {
     };
     const Tensor3<Scalar> summaries = m.coarse_input(x, H, W);
     close(summaries, "coarse_input");
-    close(m.coarse_attn().forward(
-              summaries, c2f::Masks<Scalar>().attn_mask(m.coarse_mask(meta_index(sd, "blocks_h"), meta_index(sd, "blocks_w")))),
+    close(m.coarse_attn().forward(summaries, c2f::Masks<Scalar>().attn_mask(m.coarse_mask(meta_index(sd, "blocks_h"),
+                                                                                          meta_index(sd, "blocks_w")))),
           "coarse_output");
     const Tensor3<Scalar> y = m.forward(x, H, W);
     ASSERT_EQ(y.dimensions(), x.dimensions()) << what;
@@ -124,7 +126,8 @@ TEST(C2F2DFixtureCoverage, CoversTheRequiredGrids) {
     EXPECT_EQ(c.at("batch"), "2");
     const auto num = [&](const char* key) { return static_cast<Index>(std::stol(c.at(key).get<std::string>())); };
     for (Want& w : want) {
-      if (num("height") == w.H && num("width") == w.W && (w.bh == 0 || (num("block_h") == w.bh && num("block_w") == w.bw))) {
+      if (num("height") == w.H && num("width") == w.W &&
+          (w.bh == 0 || (num("block_h") == w.bh && num("block_w") == w.bw))) {
         (c.at("relative_position_bias") == "true" ? w.with_bias : w.without_bias) = true;
       }
     }
@@ -195,19 +198,23 @@ TYPED_TEST(BlockKernelTest, MeanBroadcastAndFoldedAttentionMatchTheNaiveTwins) {
         }
       }
     }
-    const auto bias_fn = [&](Index c, Index h, Index j) { return bias[static_cast<std::size_t>((c * heads + h) * max_count + j)]; };
+    const auto bias_fn = [&](Index c, Index h, Index j) {
+      return bias[static_cast<std::size_t>((c * heads + h) * max_count + j)];
+    };
 
     RowMatrix<Scalar> mean_fast(g.blocks(), d), mean_naive(g.blocks(), d);
     c2f::kernels::chunk_mean<Scalar>(x, g, mean_fast, c2f::kernels::with_threads(2));
     c2f::kernels::block_mean_naive<Scalar>(x, g, mean_naive);
-    expect_close(mean_fast.data(), mean_naive.data(), mean_fast.size(), loose_tol<Scalar>(), loose_tol<Scalar>(), "mean");
+    expect_close(mean_fast.data(), mean_naive.data(), mean_fast.size(), loose_tol<Scalar>(), loose_tol<Scalar>(),
+                 "mean");
 
     RowMatrix<Scalar> y = RowMatrix<Scalar>::Constant(x.rows(), d, Scalar(7));
     c2f::kernels::broadcast_chunks<Scalar>(mean_fast, g, y, c2f::kernels::with_threads(2));
     for (Index b = 0; b < g.batch; ++b) {
       for (Index yy = 0; yy < g.height; ++yy) {
         for (Index xx = 0; xx < g.width; ++xx) {
-          ASSERT_TRUE(y.row(c2f::kernels::token_row(g, b, yy, xx)) == mean_fast.row(c2f::kernels::token_block(g, b, yy, xx)));
+          ASSERT_TRUE(y.row(c2f::kernels::token_row(g, b, yy, xx)) ==
+                      mean_fast.row(c2f::kernels::token_block(g, b, yy, xx)));
         }
       }
     }
@@ -216,7 +223,8 @@ TYPED_TEST(BlockKernelTest, MeanBroadcastAndFoldedAttentionMatchTheNaiveTwins) {
     for (int threads : {1, 2}) {
       pooled[threads - 1].resize(g.blocks(), heads * d);
       mass[threads - 1].resize(g.blocks(), heads);
-      c2f::kernels::fine_attention_folded<Scalar>(x, g, qk, heads, pooled[threads - 1], mass[threads - 1], bias_fn, c2f::kernels::with_threads(threads));
+      c2f::kernels::fine_attention_folded<Scalar>(x, g, qk, heads, pooled[threads - 1], mass[threads - 1], bias_fn,
+                                                  c2f::kernels::with_threads(threads));
     }
     c2f::kernels::fine_attention_folded_naive<Scalar>(x, g, qk, heads, pooled_naive, mass_naive, bias_fn);
     EXPECT_TRUE(pooled[0] == pooled[1] && mass[0] == mass[1]) << "bits differ between 1 and 2 threads";
@@ -234,7 +242,9 @@ TYPED_TEST(BlockKernelTest, MeanBroadcastAndFoldedAttentionMatchTheNaiveTwins) {
 TEST(FoldedBf16, MatchesTheNaiveTwinOnRoundedOperands) {
   TestRng rng(157);
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
-  const auto rounded = [](const RowMatrix<float>& m) { return RowMatrix<float>(m.unaryExpr(c2f::cpu::RoundBf16<float>())); };
+  const auto rounded = [](const RowMatrix<float>& m) {
+    return RowMatrix<float>(m.unaryExpr(c2f::cpu::RoundBf16<float>()));
+  };
   for (int rep = 0; rep < 30; ++rep) {
     const Index bh = rng.uniform_int(1, 5), bw = rng.pick(std::vector<Index>{1, 15, 16, 17, 31, 32, 33});
     const BlockGrid2D g{rng.uniform_int(1, 2), rng.uniform_int(1, 2 * bh + 1), rng.uniform_int(1, 2 * bw + 1), bh, bw};
@@ -264,7 +274,8 @@ TEST(FoldedBf16, MatchesTheNaiveTwinOnRoundedOperands) {
       for (Index yy = 0; yy < g.height; ++yy) {
         for (Index xx = 0; xx < g.width; ++xx) {
           const Index c = c2f::kernels::token_block(g, b, yy, xx);
-          const bool last = (yy == std::min(g.height, (yy / bh + 1) * bh) - 1) && (xx == std::min(g.width, (xx / bw + 1) * bw) - 1);
+          const bool last =
+              (yy == std::min(g.height, (yy / bh + 1) * bh) - 1) && (xx == std::min(g.width, (xx / bw + 1) * bw) - 1);
           if (last) {
             ASSERT_TRUE(pooled[0].row(c).head(d) == xr.row(c2f::kernels::token_row(g, b, yy, xx))) << "block " << c;
           }
@@ -288,7 +299,8 @@ TYPED_TEST(BlockKernelTest, LargeBroadcastWritesTheSameBitsWithStreamingStores) 
       c2f::cpu::stream_fence();
       for (Index k = 0; k < offset + n + 1; ++k) {
         const Scalar want = k >= offset && k < offset + n ? src(0, k - offset) : Scalar(7);
-        ASSERT_TRUE(same_bits(&dst[static_cast<std::size_t>(k)], &want, 1)) << "offset " << offset << ", n " << n << ", k " << k;
+        ASSERT_TRUE(same_bits(&dst[static_cast<std::size_t>(k)], &want, 1))
+            << "offset " << offset << ", n " << n << ", k " << k;
       }
     }
   }
@@ -306,7 +318,8 @@ TYPED_TEST(BlockKernelTest, LargeBroadcastWritesTheSameBitsWithStreamingStores) 
     for (Index yy = 0; yy < g.height; ++yy) {
       for (Index xx = 0; xx < g.width; ++xx) {
         const Index t = c2f::kernels::token_row(g, 0, yy, xx);
-        ASSERT_TRUE(y.row(t) == rows.row(c2f::kernels::token_block(g, 0, yy, xx))) << "token " << t << ", fresh " << fresh;
+        ASSERT_TRUE(y.row(t) == rows.row(c2f::kernels::token_block(g, 0, yy, xx)))
+            << "token " << t << ", fresh " << fresh;
         ASSERT_EQ(buffer[static_cast<std::size_t>(1 + t * ld + d)], Scalar(-3)) << "padding after token " << t;
         ASSERT_EQ(buffer[static_cast<std::size_t>(1 + t * ld + d + 1)], Scalar(-3)) << "padding after token " << t;
       }
@@ -412,14 +425,18 @@ TEST(RelativePositionMask, EqualsTheMaterialisedAdditiveMask) {
   const Tensor3<double> want = mha.forward(x, c2f::Masks<double>().attn_mask(c2f::AttnMask<double>::additive(dense)));
   for (c2f::AttnKernel kernel : {c2f::AttnKernel::Streaming, c2f::AttnKernel::Naive}) {
     mha.set_kernel(kernel);
-    const Tensor3<double> got = mha.forward(x, c2f::Masks<double>().attn_mask(c2f::AttnMask<double>::relative_position(table, mh, mw, gh, gw)));
-    expect_close(got.data(), want.data(), got.size(), 1e-13, 1e-13, "kernel " + std::to_string(static_cast<int>(kernel)));
+    const Tensor3<double> got =
+        mha.forward(x, c2f::Masks<double>().attn_mask(c2f::AttnMask<double>::relative_position(table, mh, mw, gh, gw)));
+    expect_close(got.data(), want.data(), got.size(), 1e-13, 1e-13,
+                 "kernel " + std::to_string(static_cast<int>(kernel)));
   }
 }
 
 TEST(RelativePositionMask, WrongSizesNameExpectedAndGiven) {
   const RowMatrix<float> table = RowMatrix<float>::Zero(3 * 5, 2);  // max 2 x 3
-  EXPECT_NE(error_of([&] { c2f::AttnMask<float>::relative_position(table, 3, 3, 2, 3); }).find("got grid 3 x 3 for max 2 x 3"),
+  EXPECT_NE(error_of([&] {
+              c2f::AttnMask<float>::relative_position(table, 3, 3, 2, 3);
+            }).find("got grid 3 x 3 for max 2 x 3"),
             std::string::npos);
   const std::string wrong_table = error_of([&] { c2f::AttnMask<float>::relative_position(table, 2, 2, 3, 3); });
   EXPECT_NE(wrong_table.find("[25, heads]"), std::string::npos) << wrong_table;
@@ -427,7 +444,8 @@ TEST(RelativePositionMask, WrongSizesNameExpectedAndGiven) {
   c2f::MultiHeadAttention<float> mha(8, 4);
   TestRng rng(144);
   const std::string heads = error_of([&] {
-    mha.forward(rng.tensor<float>(1, 4, 8), c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::relative_position(table, 2, 2, 2, 3)));
+    mha.forward(rng.tensor<float>(1, 4, 8),
+                c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::relative_position(table, 2, 2, 2, 3)));
   });
   EXPECT_NE(heads.find("needs 4 heads"), std::string::npos) << heads;
   EXPECT_NE(heads.find("for 2 heads"), std::string::npos) << heads;
@@ -442,7 +460,8 @@ TEST(C2F2DEquivalence, OneRowIsTheOneDimensionalLayerBitForBit) {
   for (int rep = 0; rep < 30; ++rep) {
     const Index heads = rng.pick(std::vector<Index>{1, 2, 4}), d = heads * rng.pick(std::vector<Index>{1, 3, 4});
     const Index bw = rng.pick(std::vector<Index>{1, 2, 3, 8, 16}), bh = rng.uniform_int(1, 5);
-    const Index W = std::max<Index>(1, rng.pick(std::vector<Index>{1, bw - 1, bw, bw + 1, 37, 61, rng.uniform_int(2, 90)}));
+    const Index W =
+        std::max<Index>(1, rng.pick(std::vector<Index>{1, bw - 1, bw, bw + 1, 37, 61, rng.uniform_int(2, 90)}));
     const Index batch = rng.uniform_int(1, 3);
     const int threads = static_cast<int>(rng.uniform_int(1, 2));
     const bool zero_table = rep % 2 == 1;
@@ -523,7 +542,8 @@ TEST(C2F2DEquivalence, OneColumnIsTheOneDimensionalLayerMergedRunByRun) {
     one.load_state_dict(two.state_dict());
     const Tensor3<double> x = rng.tensor<double>(2, H, d);
     const Tensor3<double> a = two.forward(x, H, 1), b = one.forward(x);
-    expect_close(a.data(), b.data(), a.size(), 1e-12, 1e-12, "H " + std::to_string(H) + ", block_h " + std::to_string(bh));
+    expect_close(a.data(), b.data(), a.size(), 1e-12, 1e-12,
+                 "H " + std::to_string(H) + ", block_h " + std::to_string(bh));
   }
 }
 
@@ -532,7 +552,8 @@ TEST(C2F2DEquivalence, TransposedImageGivesTransposedOutput) {
   TestRng rng(147);
   const Index d = 12, heads = 3;
   for (int rep = 0; rep < 8; ++rep) {
-    const Index H = rng.uniform_int(1, 17), W = rng.uniform_int(1, 17), bh = rng.uniform_int(1, 5), bw = rng.uniform_int(1, 5);
+    const Index H = rng.uniform_int(1, 17), W = rng.uniform_int(1, 17), bh = rng.uniform_int(1, 5),
+                bw = rng.uniform_int(1, 5);
     const Index gh = (H + bh - 1) / bh + rng.uniform_int(0, 2), gw = (W + bw - 1) / bw + rng.uniform_int(0, 2);
     C2FAttention2D<double> m(d, heads, bh, bw, options_of<double>(true, gh, gw, 2));
     randomize(m, rng);
@@ -543,7 +564,8 @@ TEST(C2F2DEquivalence, TransposedImageGivesTransposedOutput) {
     for (Index dr = 0; dr < 2 * gh - 1; ++dr) {
       for (Index dc = 0; dc < 2 * gw - 1; ++dc) {
         for (Index h = 0; h < heads; ++h) {
-          tt[static_cast<std::size_t>((dc * (2 * gh - 1) + dr) * heads + h)] = t[static_cast<std::size_t>((dr * (2 * gw - 1) + dc) * heads + h)];
+          tt[static_cast<std::size_t>((dc * (2 * gh - 1) + dr) * heads + h)] =
+              t[static_cast<std::size_t>((dr * (2 * gw - 1) + dc) * heads + h)];
         }
       }
     }
@@ -631,20 +653,23 @@ TEST(C2F2DErrors, WrongSizesNameExpectedAndGiven) {
   EXPECT_NE(into.find("[5, 8]"), std::string::npos) << into;
   EXPECT_NE(error_of([] { C2FAttention2D<float>(8, 2, 0, 4); }).find("block_h must be >= 1, got 0"), std::string::npos);
   EXPECT_THROW(C2FAttention2D<float>(10, 3, 4, 4), std::invalid_argument);
-  EXPECT_NE(error_of([] { C2FAttention2D<float>(8, 2, 4, 4, options_of<float>(true, 0, 2, 1)); }).find("max_blocks_h >= 1"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([] { C2FAttention2D<float>(8, 2, 4, 4, options_of<float>(true, 0, 2, 1)); }).find("max_blocks_h >= 1"),
+      std::string::npos);
 }
 
 TEST(C2F2DStateDict, NamesAndStrictLoadingOfTheTable) {
   C2FAttention2D<float> m(16, 4, 4, 4, options_of<float>(true, 3, 5, 1));
   std::vector<std::string> keys;
   for (const auto& kv : m.state_dict("attn")) keys.push_back(kv.first);
-  EXPECT_EQ(keys, (std::vector<std::string>{
-                      "attn.coarse_attn.out_proj.bias", "attn.coarse_attn.out_proj.weight", "attn.coarse_attn.qkv_proj.bias",
-                      "attn.coarse_attn.qkv_proj.weight", "attn.coarse_attn.relative_position_bias_table",
-                      "attn.fine_attn.kv_proj.bias", "attn.fine_attn.kv_proj.weight", "attn.fine_attn.out_proj.bias",
-                      "attn.fine_attn.out_proj.weight", "attn.fine_attn.q_proj.bias", "attn.fine_attn.q_proj.weight"}));
-  EXPECT_EQ(m.state_dict().at("coarse_attn.relative_position_bias_table").shape(), (std::vector<std::int64_t>{5 * 9, 4}));
+  EXPECT_EQ(keys,
+            (std::vector<std::string>{
+                "attn.coarse_attn.out_proj.bias", "attn.coarse_attn.out_proj.weight", "attn.coarse_attn.qkv_proj.bias",
+                "attn.coarse_attn.qkv_proj.weight", "attn.coarse_attn.relative_position_bias_table",
+                "attn.fine_attn.kv_proj.bias", "attn.fine_attn.kv_proj.weight", "attn.fine_attn.out_proj.bias",
+                "attn.fine_attn.out_proj.weight", "attn.fine_attn.q_proj.bias", "attn.fine_attn.q_proj.weight"}));
+  EXPECT_EQ(m.state_dict().at("coarse_attn.relative_position_bias_table").shape(),
+            (std::vector<std::int64_t>{5 * 9, 4}));
 
   const StateDict good = m.state_dict();
   StateDict missing, wrong_shape = good;
@@ -653,7 +678,8 @@ TEST(C2F2DStateDict, NamesAndStrictLoadingOfTheTable) {
   }
   C2FAttention2D<float> other(16, 4, 4, 4, options_of<float>(true, 3, 5, 1, 7));
   const std::string miss = error_of([&] { other.load_state_dict(missing); });
-  EXPECT_NE(miss.find("missing key 'coarse_attn.relative_position_bias_table' (expected shape [45, 4])"), std::string::npos)
+  EXPECT_NE(miss.find("missing key 'coarse_attn.relative_position_bias_table' (expected shape [45, 4])"),
+            std::string::npos)
       << miss;
   wrong_shape.set("coarse_attn.relative_position_bias_table",
                   c2f::TensorData::from_values(std::vector<float>(35 * 4).data(), {35, 4}));
@@ -662,7 +688,8 @@ TEST(C2F2DStateDict, NamesAndStrictLoadingOfTheTable) {
   // Without the bias the table is an unexpected key, and its absence is fine.
   C2FAttention2D<float> no_bias(16, 4, 4, 4, options_of<float>(false, 3, 5, 1));
   const std::string unexpected = error_of([&] { no_bias.load_state_dict(good); });
-  EXPECT_NE(unexpected.find("unexpected key 'coarse_attn.relative_position_bias_table'"), std::string::npos) << unexpected;
+  EXPECT_NE(unexpected.find("unexpected key 'coarse_attn.relative_position_bias_table'"), std::string::npos)
+      << unexpected;
   no_bias.load_state_dict(missing);
   other.load_state_dict(good);
   EXPECT_TRUE(other.relative_position_bias_table() == m.relative_position_bias_table());
@@ -671,7 +698,8 @@ TEST(C2F2DStateDict, NamesAndStrictLoadingOfTheTable) {
 TEST(C2F2DInit, TableIsSwinsTruncatedNormalAndDeterministic) {
   const Index gh = 16, gw = 16, heads = 8;
   C2FAttention2D<double> a(64, heads, 8, 8, options_of<double>(true, gh, gw, 1, 5)),
-      b(64, heads, 8, 8, options_of<double>(true, gh, gw, 1, 5)), c(64, heads, 8, 8, options_of<double>(true, gh, gw, 1, 6));
+      b(64, heads, 8, 8, options_of<double>(true, gh, gw, 1, 5)),
+      c(64, heads, 8, 8, options_of<double>(true, gh, gw, 1, 6));
   const RowMatrix<double>& t = a.relative_position_bias_table();
   ASSERT_EQ(t.rows(), 31 * 31);
   ASSERT_EQ(t.cols(), heads);
@@ -718,7 +746,8 @@ TEST(C2F2DMemory, ForwardHoldsTheOutputAndPerBlockRowsOnly) {
 TEST(C2f2dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
   const StateDict sd = c2f::load_safetensors(c2f_test::data_path("bf16/c2f2d_9x13_b4x4_bf16_f32.safetensors"));
   const Tensor3<float> x = c2f_test::tensor3<float>(sd, "x");
-  const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
+  const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"),
+                           autocast = c2f_test::values<float>(sd, "output_autocast");
   const Index height = meta_index(sd, "height"), width = meta_index(sd, "width");
   for (bool tiles : {true, false}) {
     const auto engine_setting = c2f_test::scoped_bf16_tiles(tiles);

@@ -75,8 +75,7 @@ std::vector<Index> cut_points(Index length, Index period) {
 
 std::string describe(const Leak& leak) {
   std::ostringstream os;
-  os << "perturbing tokens >= " << leak.t << " changed token " << leak.first_changed << " by up to "
-     << leak.max_change;
+  os << "perturbing tokens >= " << leak.t << " changed token " << leak.first_changed << " by up to " << leak.max_change;
   return os.str();
 }
 
@@ -101,7 +100,8 @@ template <class Scalar>
 void expect_not_causal(const Forward<Scalar>& forward, const Tensor3<Scalar>& x, Index period, TestRng& rng,
                        const std::string& what) {
   bool seen = false;
-  for (Index t : cut_points(x.dimension(1), period)) seen = seen || perturb_future(forward, x, t, rng).first_changed >= 0;
+  for (Index t : cut_points(x.dimension(1), period))
+    seen = seen || perturb_future(forward, x, t, rng).first_changed >= 0;
   EXPECT_TRUE(seen) << what << ": no perturbation of later tokens changed an earlier output";
 }
 
@@ -142,7 +142,8 @@ TYPED_TEST(CausalTyped, MultiHeadAttentionCausalOption) {
   const Tensor3<Scalar> x = rng.tensor<Scalar>(2, 37, 16);
   EXPECT_TRUE(c2f_test::same_bits(causal.forward(x),
                                   plain.forward(x, c2f::Masks<Scalar>().attn_mask(c2f::AttnMask<Scalar>::causal()))));
-  expect_causal<Scalar>([&](const Tensor3<Scalar>& in) { return causal.forward(in); }, x, 8, rng, "MHA Options::causal");
+  expect_causal<Scalar>([&](const Tensor3<Scalar>& in) { return causal.forward(in); }, x, 8, rng,
+                        "MHA Options::causal");
   // Combined with a key padding mask, both rules hold.
   const c2f::Masks<Scalar> pad = c2f::Masks<Scalar>().key_padding_mask(c2f::KeyPaddingMask<Scalar>::lengths({30, 37}));
   expect_causal<Scalar>([&](const Tensor3<Scalar>& in) { return causal.forward(in, pad); }, x, 8, rng,

@@ -12,8 +12,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 namespace {
@@ -58,7 +58,8 @@ std::vector<Index> random_split(Index length, const std::vector<Index>& sizes, T
 
 /// Decodes x call by call (the split) into one [B, L, E] tensor of outputs.
 template <class Scalar, class Layer, class State>
-Tensor3<Scalar> decode_all(const Layer& layer, State& state, const Tensor3<Scalar>& x, const std::vector<Index>& split) {
+Tensor3<Scalar> decode_all(const Layer& layer, State& state, const Tensor3<Scalar>& x,
+                           const std::vector<Index>& split) {
   Tensor3<Scalar> y(x.dimension(0), x.dimension(1), x.dimension(2));
   Index t0 = 0;
   for (Index n : split) {
@@ -93,7 +94,9 @@ TYPED_TEST(DecodeTyped, MultiHeadAttentionDecodeEqualsCausalForward) {
   for (int rep = 0; rep < 12; ++rep) {
     const Index batch = rep % 2 == 0 ? 1 : 3, length = rng.uniform_int(1, 140);
     typename c2f::MultiHeadAttention<Scalar>::Options o;
-    o.causal(true).query_block(rng.pick(std::vector<Index>{1, 7, 64})).key_block(rng.pick(std::vector<Index>{5, 32, 256}));
+    o.causal(true)
+        .query_block(rng.pick(std::vector<Index>{1, 7, 64}))
+        .key_block(rng.pick(std::vector<Index>{5, 32, 256}));
     c2f::MultiHeadAttention<Scalar> mha(16, 4, o);
     randomize(mha, rng);
     const Tensor3<Scalar> x = rng.tensor<Scalar>(batch, length, 16);
@@ -143,8 +146,10 @@ double selection_margin(const c2f::SparseC2FAttention<Scalar>& sparse, const Ten
         if (picks < 1 || picks >= c) continue;  // no choice: everything or nothing fits
         std::vector<double> scores;
         for (Index j = 0; j < c; ++j) {
-          scores.push_back(q.block(b * length + t, h * dh, 1, dh).template cast<double>().row(0).dot(
-              means.block(b * m + j, h * dh, 1, dh).template cast<double>().row(0)));
+          scores.push_back(q.block(b * length + t, h * dh, 1, dh)
+                               .template cast<double>()
+                               .row(0)
+                               .dot(means.block(b * m + j, h * dh, 1, dh).template cast<double>().row(0)));
         }
         std::sort(scores.rbegin(), scores.rend());
         const double a = scores[static_cast<std::size_t>(picks - 1)], z = scores[static_cast<std::size_t>(picks)];
@@ -162,7 +167,8 @@ TYPED_TEST(DecodeTyped, SparseC2FDecodeEqualsCausalForward) {
     const Index batch = rep % 2 == 0 ? 1 : 3, chunk = rng.pick(std::vector<Index>{1, 4, 8}),
                 top_k = rng.uniform_int(1, 4);
     const Index length = rng.uniform_int(1, 120);
-    c2f::SparseC2FAttention<Scalar> sparse(16, 2, chunk, top_k, typename c2f::SparseC2FAttention<Scalar>::Options().causal(true));
+    c2f::SparseC2FAttention<Scalar> sparse(16, 2, chunk, top_k,
+                                           typename c2f::SparseC2FAttention<Scalar>::Options().causal(true));
     Tensor3<Scalar> x;
     for (int attempt = 0;; ++attempt) {  // inputs whose selection is not decided by rounding
       ASSERT_LT(attempt, 50) << "no input with a selection margin >= " << kMargin;
@@ -219,7 +225,8 @@ TEST(Decode, NonCausalLayersRefuseAndShapesAreChecked) {
   const c2f::MultiHeadAttention<float> plain(16, 4);
   c2f::MultiHeadAttention<float>::DecodeState s = plain.new_decode_state(1);
   TestRng rng(402);
-  EXPECT_NE(c2f_test::error_of([&] { plain.decode(rng.tensor<float>(1, 3, 16), s); }).find("causal"), std::string::npos);
+  EXPECT_NE(c2f_test::error_of([&] { plain.decode(rng.tensor<float>(1, 3, 16), s); }).find("causal"),
+            std::string::npos);
   const c2f::MultiHeadAttention<float> causal(16, 4, c2f::MultiHeadAttention<float>::Options().causal(true));
   c2f::MultiHeadAttention<float>::DecodeState two = causal.new_decode_state(2);
   EXPECT_THROW(causal.decode(rng.tensor<float>(1, 3, 16), two), std::invalid_argument);  // batch 1 for a state of 2
@@ -228,10 +235,12 @@ TEST(Decode, NonCausalLayersRefuseAndShapesAreChecked) {
   EXPECT_EQ(two.length(), 0);
   const c2f::SparseC2FAttention<float> sparse(16, 4, 4, 2);
   c2f::SparseC2FAttention<float>::DecodeState ss = sparse.new_decode_state(1);
-  EXPECT_NE(c2f_test::error_of([&] { sparse.decode(rng.tensor<float>(1, 3, 16), ss); }).find("causal"), std::string::npos);
+  EXPECT_NE(c2f_test::error_of([&] { sparse.decode(rng.tensor<float>(1, 3, 16), ss); }).find("causal"),
+            std::string::npos);
   const c2f::HMHA<float> hmha(16, 4, 4);
   c2f::HMHA<float>::DecodeState hs = hmha.new_decode_state(1);
-  EXPECT_NE(c2f_test::error_of([&] { hmha.decode(rng.tensor<float>(1, 3, 16), hs); }).find("causal"), std::string::npos);
+  EXPECT_NE(c2f_test::error_of([&] { hmha.decode(rng.tensor<float>(1, 3, 16), hs); }).find("causal"),
+            std::string::npos);
 }
 
 // Half and bfloat16 caches: the same outputs within the stated tolerance of the float cache, and half the
@@ -242,7 +251,8 @@ void check_narrow_caches(const Layer& layer, const std::string& name, TestRng& r
   const Tensor3<float> x = rng.tensor<float>(2, 300, 32);
   typename Layer::DecodeState full = layer.new_decode_state(2, 300);
   typename Layer::template DecodeStateOf<Eigen::half> half = layer.template new_decode_state<Eigen::half>(2, 300);
-  typename Layer::template DecodeStateOf<Eigen::bfloat16> bf16 = layer.template new_decode_state<Eigen::bfloat16>(2, 300);
+  typename Layer::template DecodeStateOf<Eigen::bfloat16> bf16 =
+      layer.template new_decode_state<Eigen::bfloat16>(2, 300);
   const std::vector<Index> split = random_split(300, {1, 5, 64}, rng);
   const Tensor3<float> a = decode_all(layer, full, x, split);
   const Tensor3<float> b = decode_all(layer, half, x, split);
@@ -267,7 +277,8 @@ TEST(Decode, HalfAndBfloat16CachesAgainstTheFloatCache) {
   c2f::MultiHeadAttention<float> mha(32, 4, c2f::MultiHeadAttention<float>::Options().causal(true));
   randomize(mha, rng);
   check_narrow_caches(mha, "MHA", rng);
-  c2f::SparseC2FAttention<float> sparse(32, 4, 16, 300 / 16 + 1, c2f::SparseC2FAttention<float>::Options().causal(true));
+  c2f::SparseC2FAttention<float> sparse(32, 4, 16, 300 / 16 + 1,
+                                        c2f::SparseC2FAttention<float>::Options().causal(true));
   randomize(sparse, rng);
   check_narrow_caches(sparse, "SparseC2F (top_k covering every chunk)", rng);
   c2f::HMHA<float> hmha(32, 4, 16, c2f::HMHA<float>::Options().causal(true));
@@ -314,10 +325,12 @@ void expect_decode_causal(const Layer& layer, const Tensor3<Scalar>& x, TestRng&
         for (Index f = 0; f < x.dimension(2); ++f) xp(b, i, f) = static_cast<Scalar>(3.0 * rng.normal());
       }
     }
-    typename Layer::DecodeState s1 = layer.new_decode_state(x.dimension(0)), s2 = layer.new_decode_state(x.dimension(0));
+    typename Layer::DecodeState s1 = layer.new_decode_state(x.dimension(0)),
+                                s2 = layer.new_decode_state(x.dimension(0));
     const Tensor3<Scalar> y = decode_all(layer, s1, x, split), yp = decode_all(layer, s2, xp, split);
     for (Index b = 0; b < x.dimension(0); ++b) {
-      EXPECT_EQ(0, std::memcmp(&y(b, 0, 0), &yp(b, 0, 0), sizeof(Scalar) * static_cast<std::size_t>(t * x.dimension(2))))
+      EXPECT_EQ(0,
+                std::memcmp(&y(b, 0, 0), &yp(b, 0, 0), sizeof(Scalar) * static_cast<std::size_t>(t * x.dimension(2))))
           << name << ": perturbing tokens >= " << t << " changed earlier decoded outputs";
     }
   }

@@ -64,12 +64,13 @@ TEST(EdgeShapes, LengthOneIsOutProjOfValueProjection) {
   const Tensor3<double> x = rng.tensor<double>(3, 1, 8);
   const Tensor3<double> y = mha.forward(x);
   const StateDict sd = mha.state_dict();
-  const std::vector<double> w = sd.at("in_proj_weight").to_vector<double>(), b = sd.at("in_proj_bias").to_vector<double>();
+  const std::vector<double> w = sd.at("in_proj_weight").to_vector<double>(),
+                            b = sd.at("in_proj_bias").to_vector<double>();
   const Eigen::Map<const RowMatrix<double>> W(w.data(), 24, 8), X(x.data(), 3, 8);
-  const RowMatrix<double> v = (X * W.bottomRows(8).transpose()).rowwise() +
-                              Eigen::Map<const Eigen::RowVectorXd>(b.data() + 16, 8);
-  const RowMatrix<double> want = (v * mha.out_proj().weight().transpose()).rowwise() +
-                                 mha.out_proj().bias().transpose();
+  const RowMatrix<double> v =
+      (X * W.bottomRows(8).transpose()).rowwise() + Eigen::Map<const Eigen::RowVectorXd>(b.data() + 16, 8);
+  const RowMatrix<double> want =
+      (v * mha.out_proj().weight().transpose()).rowwise() + mha.out_proj().bias().transpose();
   expect_close(y.data(), want.data(), y.size(), 1e-12, 1e-12, "MHA L = 1");
 
   // HMHA at L = 1: every level sees only token 0, so o = v (level 1) + v (level 2) + v (level 3);
@@ -84,7 +85,8 @@ TEST(EdgeShapes, LengthOneIsOutProjOfValueProjection) {
     RowMatrix<double> expect_y(3, 8);
     hmha.out_proj().forward_rows(expect_o, expect_y);
     const Tensor3<double> y_hmha = hmha.forward(x);
-    expect_close(y_hmha.data(), expect_y.data(), y_hmha.size(), 1e-12, 1e-12, causal ? "HMHA L = 1 causal" : "HMHA L = 1");
+    expect_close(y_hmha.data(), expect_y.data(), y_hmha.size(), 1e-12, 1e-12,
+                 causal ? "HMHA L = 1 causal" : "HMHA L = 1");
   }
 }
 
@@ -135,9 +137,8 @@ TEST(EdgeShapes, HeadsMustDivideTheWidthAtConstruction) {
 TEST(EdgeShapes, MismatchedBatchesNameBothShapes) {
   TestRng rng(57);
   c2f::MultiHeadAttention<float> mha(8, 2);
-  std::string msg = error_of([&] {
-    mha.forward(rng.tensor<float>(2, 5, 8), rng.tensor<float>(3, 4, 8), rng.tensor<float>(3, 4, 8));
-  });
+  std::string msg = error_of(
+      [&] { mha.forward(rng.tensor<float>(2, 5, 8), rng.tensor<float>(3, 4, 8), rng.tensor<float>(3, 4, 8)); });
   EXPECT_NE(msg.find("[2, 5, 8]"), std::string::npos) << msg;
   EXPECT_NE(msg.find("[3, 4, 8]"), std::string::npos) << msg;
   c2f::FineAttention<float> fine(8, 2);
@@ -176,8 +177,8 @@ TEST(EdgeMasks, FullyMaskedRowsAndFullyMaskedKeyBlocks) {
   c2f::BoolTensor2 coarse(3, 3);
   coarse.setConstant(true);
   for (Index j = 0; j < 3; ++j) coarse(1, j) = false;
-  const Tensor3<float> y = c2f_attn.forward(rng.tensor<float>(1, 12, 8),
-                                             c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::keep(coarse)));
+  const Tensor3<float> y =
+      c2f_attn.forward(rng.tensor<float>(1, 12, 8), c2f::Masks<float>().attn_mask(c2f::AttnMask<float>::keep(coarse)));
   EXPECT_TRUE(all_finite(y));
 }
 
@@ -217,8 +218,8 @@ TEST(EdgeMasks, MinusInfinityAndLowestMasksAgree) {
   }
   // The same for a double module reading float's lowest from a file-like tensor.
   const std::vector<float> lowest_row = {0.f, std::numeric_limits<float>::lowest()};
-  const c2f::AttnMask<double> m =
-      c2f::attn_mask_from_tensor<double>(c2f::MaskKind::Additive, c2f::TensorData::from_values(lowest_row.data(), {1, 2}));
+  const c2f::AttnMask<double> m = c2f::attn_mask_from_tensor<double>(
+      c2f::MaskKind::Additive, c2f::TensorData::from_values(lowest_row.data(), {1, 2}));
   EXPECT_EQ(m.additive_values()[1], -std::numeric_limits<double>::infinity());
 }
 
@@ -262,9 +263,12 @@ TEST(EdgeMetamorphic, ConstantQueriesAndKeysAverageTheValues) {
   const RowMatrix<double> v = rng.matrix<double>(B * L, H * dh);
   for (c2f::AttnKernel kernel : {c2f::AttnKernel::Streaming, c2f::AttnKernel::Naive}) {
     RowMatrix<double> out(B * L, H * dh);
-    const c2f::kernels::HeadsView<const double> qv = c2f::kernels::heads_view<const double>(q.data(), B, L, H * dh, 0, H, dh),
-                                                kv = c2f::kernels::heads_view<const double>(k.data(), B, L, H * dh, 0, H, dh),
-                                                vv = c2f::kernels::heads_view<const double>(v.data(), B, L, H * dh, 0, H, dh);
+    const c2f::kernels::HeadsView<const double> qv = c2f::kernels::heads_view<const double>(q.data(), B, L, H * dh, 0,
+                                                                                            H, dh),
+                                                kv = c2f::kernels::heads_view<const double>(k.data(), B, L, H * dh, 0,
+                                                                                            H, dh),
+                                                vv = c2f::kernels::heads_view<const double>(v.data(), B, L, H * dh, 0,
+                                                                                            H, dh);
     const c2f::kernels::HeadsView<double> ov = c2f::kernels::heads_view<double>(out.data(), B, L, H * dh, 0, H, dh);
     if (kernel == c2f::AttnKernel::Streaming) {
       c2f::kernels::sdpa_streaming<double>(qv, kv, vv, ov, {}, 0.5, {});
@@ -289,10 +293,10 @@ TEST(EdgeMetamorphic, ConstantQueriesAndKeysAverageTheValues) {
   const Tensor3<double> y = mha.forward(x);
   const std::vector<double> bias = sd.at("in_proj_bias").to_vector<double>();
   const Eigen::Map<const RowMatrix<double>> W(w.data(), 24, 8), X(x.data(), 20, 8);
-  const Eigen::RowVectorXd vmean = ((X * W.bottomRows(8).transpose()).rowwise() +
-                                    Eigen::Map<const Eigen::RowVectorXd>(bias.data() + 16, 8))
-                                       .colwise()
-                                       .mean();
+  const Eigen::RowVectorXd vmean =
+      ((X * W.bottomRows(8).transpose()).rowwise() + Eigen::Map<const Eigen::RowVectorXd>(bias.data() + 16, 8))
+          .colwise()
+          .mean();
   const Eigen::RowVectorXd want = vmean * mha.out_proj().weight().transpose() + mha.out_proj().bias().transpose();
   for (Index i = 0; i < 20; ++i) {
     for (Index j = 0; j < 8; ++j) EXPECT_NEAR(y(0, i, j), want[j], 1e-12);

@@ -24,11 +24,11 @@ using c2f::Index;
 using c2f::RowMatrix;
 using c2f::StateDict;
 using c2f::Tensor3;
-using c2f_test::meta_index;
 using c2f_test::expect_close;
+using c2f_test::meta_index;
 using c2f_test::randomize;
-using c2f_test::Tolerance;
 using c2f_test::TestRng;
+using c2f_test::Tolerance;
 
 template <class T>
 class HmhaTyped : public ::testing::Test {};
@@ -73,11 +73,10 @@ void check_conv_case(const nlohmann::json& c) {
 
 template <class Scalar>
 void check_hmha_case(const nlohmann::json& c) {
-  const std::vector<std::pair<std::string, c2f::HMHALevels>> configs = {
-      {"output_l1", {true, false, false}},
-      {"output_l2", {false, true, false}},
-      {"output_l3", {false, false, true}},
-      {"output_all", {true, true, true}}};
+  const std::vector<std::pair<std::string, c2f::HMHALevels>> configs = {{"output_l1", {true, false, false}},
+                                                                        {"output_l2", {false, true, false}},
+                                                                        {"output_l3", {false, false, true}},
+                                                                        {"output_all", {true, true, true}}};
   const std::string name = c.at("name");
   const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(Tolerance<Scalar>::file_key)));
   typename HMHA<Scalar>::Options o;
@@ -111,11 +110,13 @@ TEST(HmhaFixtureCoverage, CoversTheRequiredGrid) {
   ASSERT_GE(c2f_test::manifest_cases("hmha").size(), 30u);
   std::set<std::tuple<std::string, std::string, std::string>> seen;
   for (const nlohmann::json& c : c2f_test::manifest_cases("hmha")) {
-    seen.insert({c.at("seq_len").get<std::string>(), c.at("window").get<std::string>(), c.at("causal").get<std::string>()});
+    seen.insert(
+        {c.at("seq_len").get<std::string>(), c.at("window").get<std::string>(), c.at("causal").get<std::string>()});
   }
   for (const char* L : {"1", "5", "64", "150", "257"}) {
     for (const char* W : {"4", "16", "64"}) {
-      for (const char* causal : {"false", "true"}) EXPECT_TRUE(seen.count({L, W, causal})) << L << " " << W << " " << causal;
+      for (const char* causal : {"false", "true"})
+        EXPECT_TRUE(seen.count({L, W, causal})) << L << " " << W << " " << causal;
     }
   }
 }
@@ -142,11 +143,12 @@ TYPED_TEST(HmhaTyped, Conv1dMatchesNaiveOnRandomShapes) {
     const RowMatrix<Scalar> taps = c2f::kernels::conv1d_taps(w.data(), shape);
     const Index out_len = shape.out_length(length);
     RowMatrix<Scalar> fast(batch * out_len, out), naive(batch * out_len, out);
-    c2f::kernels::conv1d<Scalar>(x, batch, length, shape, taps, bias.data(), fast, c2f::kernels::with_threads(static_cast<int>(rng.uniform_int(1, 2))));
+    c2f::kernels::conv1d<Scalar>(x, batch, length, shape, taps, bias.data(), fast,
+                                 c2f::kernels::with_threads(static_cast<int>(rng.uniform_int(1, 2))));
     c2f::kernels::conv1d_naive<Scalar>(x, batch, length, shape, w.data(), bias.data(), naive);
     std::ostringstream what;
-    what << "rep " << rep << ": batch=" << batch << " L=" << length << " in=" << in << " out=" << out
-         << " k=" << kernel << " padding=" << padding << " groups=" << groups << " causal=" << causal;
+    what << "rep " << rep << ": batch=" << batch << " L=" << length << " in=" << in << " out=" << out << " k=" << kernel
+         << " padding=" << padding << " groups=" << groups << " causal=" << causal;
     const double tol = std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
     expect_close(fast.data(), naive.data(), fast.size(), tol, tol, what.str());
     EXPECT_EQ(c2f::kernels::conv1d_torch_weight(taps, shape), std::vector<Scalar>(w.data(), w.data() + w.size()));
@@ -168,7 +170,8 @@ TYPED_TEST(HmhaTyped, WindowedKernelsMatchDenseTwinOnRandomShapes) {
     o.levels({rng.coin(0.7), rng.coin(0.7), rng.coin(0.7)});
     o.num_threads(static_cast<int>(rng.uniform_int(1, 2)));
     const HMHA<Scalar> hmha(dim, heads, window, o);
-    const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, dim, 1.5), k = rng.matrix<Scalar>(batch * length, dim, 1.5),
+    const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, dim, 1.5),
+                            k = rng.matrix<Scalar>(batch * length, dim, 1.5),
                             v = rng.matrix<Scalar>(batch * length, dim);
     RowMatrix<Scalar> fast = RowMatrix<Scalar>::Zero(batch * length, dim);
     hmha.attend(q, k, v, batch, length, fast);
@@ -193,16 +196,20 @@ TEST(HmhaBf16, Conv1dMatchesTheNaiveTwinOnRoundedOperands) {
   c2f_test::on_each_bf16_engine([&](const char* engine) {
     for (int rep = 0; rep < 30; ++rep) {
       const Index groups = rng.pick(std::vector<Index>{1, 2});
-      const Index in = groups * rng.pick(std::vector<Index>{1, 5, 16, 33}), out = groups * rng.pick(std::vector<Index>{1, 7, 32, 40});
+      const Index in = groups * rng.pick(std::vector<Index>{1, 5, 16, 33}),
+                  out = groups * rng.pick(std::vector<Index>{1, 7, 32, 40});
       const Index kernel = rng.pick(std::vector<Index>{1, 3}), padding = kernel / 2, batch = rng.uniform_int(1, 2);
       const Index length = rng.pick(std::vector<Index>{1, 31, 32, 33, 129, 200});
       const c2f::kernels::Conv1dShape shape{in, out, kernel, padding, groups, false};
-      const RowMatrix<float> x = rng.matrix<float>(batch * length, in), w = rng.matrix<float>(out, in / groups * kernel);
+      const RowMatrix<float> x = rng.matrix<float>(batch * length, in),
+                             w = rng.matrix<float>(out, in / groups * kernel);
       const RowMatrix<float> bias = rng.matrix<float>(1, out);
-      const RowMatrix<float> xr = x.unaryExpr(c2f::cpu::RoundBf16<float>()), wr = w.unaryExpr(c2f::cpu::RoundBf16<float>());
+      const RowMatrix<float> xr = x.unaryExpr(c2f::cpu::RoundBf16<float>()),
+                             wr = w.unaryExpr(c2f::cpu::RoundBf16<float>());
       const RowMatrix<float> xa = xr.cwiseAbs(), wa = wr.cwiseAbs(), ba = bias.cwiseAbs();
       const Index out_len = shape.out_length(length);
-      RowMatrix<float> fast(batch * out_len, out), one(batch * out_len, out), naive(batch * out_len, out), size(batch * out_len, out);
+      RowMatrix<float> fast(batch * out_len, out), one(batch * out_len, out), naive(batch * out_len, out),
+          size(batch * out_len, out);
       c2f::kernels::KernelOptions o;
       o.compute(c2f::Compute::BFloat16).num_threads(2);
       const RowMatrix<float> taps = c2f::kernels::conv1d_taps(w.data(), shape);
@@ -248,7 +255,8 @@ TEST(Conv1dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
   for (const char* name : {"conv1d_k3_p1_g2_l50_bf16", "c3k2_d64_l50_bf16"}) {
     const StateDict sd = c2f::load_safetensors(c2f_test::data_path(std::string("bf16/") + name + "_f32.safetensors"));
     const Tensor3<float> x = c2f_test::tensor3<float>(sd, "x");
-    const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
+    const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"),
+                             autocast = c2f_test::values<float>(sd, "output_autocast");
     c2f_test::on_each_bf16_engine([&](const char* engine) {
       Tensor3<float> y, y1;
       const auto run = [&](auto& layer) {  // on 2 threads, then on 1
@@ -257,7 +265,8 @@ TEST(Conv1dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
         y1 = layer.forward(x);
       };
       if (sd.metadata().at("module") == "conv1d") {
-        c2f::Conv1d<float> conv(meta_index(sd, "in_channels"), meta_index(sd, "out_channels"), meta_index(sd, "kernel_size"),
+        c2f::Conv1d<float> conv(meta_index(sd, "in_channels"), meta_index(sd, "out_channels"),
+                                meta_index(sd, "kernel_size"),
                                 c2f::Conv1d<float>::Options()
                                     .padding(meta_index(sd, "padding"))
                                     .groups(meta_index(sd, "groups"))
@@ -266,8 +275,9 @@ TEST(Conv1dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
         conv.load_state_dict(sd, "conv");
         run(conv);
       } else {
-        c2f::C3K2Projection<float> proj(meta_index(sd, "dim"), meta_index(sd, "heads"),
-                                        c2f::C3K2Projection<float>::Options().num_threads(2).compute(c2f::Compute::BFloat16));
+        c2f::C3K2Projection<float> proj(
+            meta_index(sd, "dim"), meta_index(sd, "heads"),
+            c2f::C3K2Projection<float>::Options().num_threads(2).compute(c2f::Compute::BFloat16));
         proj.load_state_dict(sd, "c3k2");
         run(proj);
       }
@@ -284,7 +294,8 @@ TEST(HmhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
   for (const char* name : {"hmha_l100_w16_bf16", "hmha_l100_w16_causal_bf16"}) {
     const StateDict sd = c2f::load_safetensors(c2f_test::data_path(std::string("bf16/") + name + "_f32.safetensors"));
     const Tensor3<float> x = c2f_test::tensor3<float>(sd, "x");
-    const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
+    const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"),
+                             autocast = c2f_test::values<float>(sd, "output_autocast");
     const bool causal = sd.metadata().at("causal") == "true";
     c2f_test::on_each_bf16_engine([&](const char* engine) {
       HMHA<float> m(meta_index(sd, "dim"), meta_index(sd, "heads"), meta_index(sd, "window"),
@@ -305,10 +316,12 @@ TEST(HmhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
       if (std::string(layer) == "C3K2Projection") {
         c2f::C3K2Projection<double>(8, 2, c2f::C3K2Projection<double>::Options().compute(c2f::Compute::BFloat16));
       }
-      if (std::string(layer) == "Conv1d") c2f::Conv1d<double>(8, 8, 3, c2f::Conv1d<double>::Options().compute(c2f::Compute::BFloat16));
+      if (std::string(layer) == "Conv1d")
+        c2f::Conv1d<double>(8, 8, 3, c2f::Conv1d<double>::Options().compute(c2f::Compute::BFloat16));
       ADD_FAILURE() << layer << ": no exception";
     } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find(std::string(layer) + ": compute BFloat16 needs float, got double"), std::string::npos)
+      EXPECT_NE(std::string(e.what()).find(std::string(layer) + ": compute BFloat16 needs float, got double"),
+                std::string::npos)
           << e.what();
     }
   }
@@ -342,7 +355,8 @@ TEST(HmhaMetamorphic, WindowCoveringTheSequenceIsFullAttention) {
   }
 }
 
-// The C3K2/HMHA article claims C3K2 has about 40 % fewer parameters than a linear projection; it has about twice as many.
+// The C3K2/HMHA article claims C3K2 has about 40 % fewer parameters than a linear projection; it has about twice as
+// many.
 TEST(C3K2, ParameterCountAgainstLinear) {
   const c2f::C3K2Projection<float> c3k2(512, 8);
   const c2f::Linear<float> linear(512, 512);
@@ -369,7 +383,8 @@ TEST(HmhaStateDict, NamesAndShapesAndConstructorChecks) {
   EXPECT_THROW(HMHA<float>(16, 4, 0), std::invalid_argument);
   TestRng rng(45);
   EXPECT_THROW(c2f::Conv1d<float>(4, 6, 3, c2f::Conv1d<float>::Options().groups(4)), std::invalid_argument);  // 6 % 4
-  EXPECT_THROW(c2f::Conv1d<float>(4, 4, 3, c2f::Conv1d<float>::Options().padding(1).causal(true)), std::invalid_argument);
+  EXPECT_THROW(c2f::Conv1d<float>(4, 4, 3, c2f::Conv1d<float>::Options().padding(1).causal(true)),
+               std::invalid_argument);
   // An input shorter than the kernel has no output position: an empty output, as for length 0.
   c2f::Conv1d<float> conv(4, 4, 5);
   EXPECT_EQ(conv.forward(rng.tensor<float>(1, 3, 4)).dimension(1), 0);

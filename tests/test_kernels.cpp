@@ -7,8 +7,8 @@
 #include "c2f/cpu/softmax.hpp"
 #include "c2f/kernels/block2d.hpp"
 #include "c2f/kernels/chunk.hpp"
-#include "c2f/kernels/fine_folded.hpp"
 #include "c2f/kernels/conv1d.hpp"
+#include "c2f/kernels/fine_folded.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/kernels/sdpa.hpp"
 #include "support/attention_problems.hpp"
@@ -30,12 +30,12 @@ namespace {
 
 using c2f::Index;
 using c2f::RowMatrix;
-using c2f_test::TestRng;
 using c2f_test::bitwise_equal;
 using c2f_test::expect_close;
 using c2f_test::kAwkward;
 using c2f_test::Problem;
 using c2f_test::random_problem;
+using c2f_test::TestRng;
 using c2f_test::tolerance;
 
 template <class T>
@@ -99,7 +99,7 @@ TYPED_TEST(KernelTest, PackedGemmMatchesNaiveOnAwkwardShapes) {
       for (const auto& [c0, nc] : {std::pair<Index, Index>{0, c}, std::pair<Index, Index>{c, out - c}}) {
         if (nc > 0) {
           c2f::cpu::packed_gemm<Scalar>(x.data() + r0 * k, k, nr, packed, c0, nc, with_bias ? bias + c0 : nullptr,
-                                           split.data() + r0 * out + c0, out);
+                                        split.data() + r0 * out + c0, out);
         }
       }
     }
@@ -114,9 +114,10 @@ TYPED_TEST(KernelTest, PackedGemmMatchesNaiveOnAwkwardShapes) {
     RowMatrix<Scalar> range_naive(n, out), range(n, out);
     const RowMatrix<Scalar> xs = x.middleCols(k_begin, k_end - k_begin), ws = w.middleCols(k_begin, k_end - k_begin);
     c2f::kernels::linear_naive<Scalar>(xs, ws, bias, range_naive);
-    c2f::cpu::packed_gemm_range<Scalar>(x.data(), k, n, packed, 0, 0, 0, out, bias, false, range.data(), out);  // bias only
+    c2f::cpu::packed_gemm_range<Scalar>(x.data(), k, n, packed, 0, 0, 0, out, bias, false, range.data(),
+                                        out);  // bias only
     c2f::cpu::packed_gemm_range<Scalar>(x.data() + k_begin, k, n, packed, k_begin, k_end, 0, out, nullptr, true,
-                                           range.data(), out);
+                                        range.data(), out);
     expect_close(range, range_naive, tolerance<Scalar>() * std::sqrt(double(k)), tolerance<Scalar>(),
                  what.str() + " rows [" + std::to_string(k_begin) + ", " + std::to_string(k_end) + ")");
     // TransA (sdpa_backward's Pᵀ and dSᵀ): A read in place from its transpose, stored with a row stride
@@ -125,8 +126,8 @@ TYPED_TEST(KernelTest, PackedGemmMatchesNaiveOnAwkwardShapes) {
     RowMatrix<Scalar> xt = RowMatrix<Scalar>::Constant(k, n + pad, Scalar(7)), range_t(n, out);
     xt.leftCols(n) = x.transpose();
     c2f::cpu::packed_gemm_range<Scalar>(x.data(), k, n, packed, 0, 0, 0, out, bias, false, range_t.data(), out);
-    c2f::cpu::packed_gemm_range<Scalar, true>(xt.data() + k_begin * (n + pad), n + pad, n, packed, k_begin, k_end, 0, out,
-                                                 nullptr, true, range_t.data(), out);
+    c2f::cpu::packed_gemm_range<Scalar, true>(xt.data() + k_begin * (n + pad), n + pad, n, packed, k_begin, k_end, 0,
+                                              out, nullptr, true, range_t.data(), out);
     EXPECT_TRUE(bitwise_equal(range_t, range)) << what.str() << ": TransA gave other bits";
   }
 }
@@ -236,7 +237,8 @@ TYPED_TEST(KernelTest, StreamingLseIsTheLogSumExpOfTheScores) {
           long double sum = 0;
           for (long double v : s) sum += std::exp(v - m);
           const long double want = m + std::log(sum);
-          EXPECT_NEAR(got, static_cast<double>(want), 1e3 * std::numeric_limits<Scalar>::epsilon() * (1 + std::abs(static_cast<double>(want))))
+          EXPECT_NEAR(got, static_cast<double>(want),
+                      1e3 * std::numeric_limits<Scalar>::epsilon() * (1 + std::abs(static_cast<double>(want))))
               << "b=" << b << " h=" << h << " i=" << i;
         }
       }
@@ -245,9 +247,10 @@ TYPED_TEST(KernelTest, StreamingLseIsTheLogSumExpOfTheScores) {
   RowMatrix<Scalar> wrong(1, 1);
   const Problem<Scalar> p = random_problem<Scalar>(rng, 0);
   RowMatrix<Scalar> out(p.batch * p.lq, p.heads * p.dv);
-  EXPECT_THROW(c2f::kernels::sdpa_streaming_lse<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(out), wrong,
-                                                        c2f::MaskView<Scalar>(), p.scale(), c2f::kernels::KernelOptions()),
-               std::invalid_argument);
+  EXPECT_THROW(
+      c2f::kernels::sdpa_streaming_lse<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(out), wrong, c2f::MaskView<Scalar>(),
+                                               p.scale(), c2f::kernels::KernelOptions()),
+      std::invalid_argument);
 }
 
 TYPED_TEST(KernelTest, StreamingAndSplitKeysMatchNaiveOnRandomShapes) {
@@ -319,10 +322,11 @@ TYPED_TEST(KernelTest, StreamingTasksOfTwoQueryBlocksGiveEachRowItsBitsAlone) {
         want.middleRows(b * count, count) = whole.middleRows(b * p.lq + first, count);
       }
       c2f::kernels::sdpa_streaming<Scalar>(
-          c2f::kernels::heads_view<const Scalar>(q.data(), p.batch, count, p.heads * p.dk, 0, p.heads, p.dk), p.kv(), p.vv(),
-          c2f::kernels::heads_view<Scalar>(alone.data(), p.batch, count, p.heads * p.dv, 0, p.heads, p.dv),
+          c2f::kernels::heads_view<const Scalar>(q.data(), p.batch, count, p.heads * p.dk, 0, p.heads, p.dk), p.kv(),
+          p.vv(), c2f::kernels::heads_view<Scalar>(alone.data(), p.batch, count, p.heads * p.dv, 0, p.heads, p.dv),
           plan.rows(first, count), p.scale(), opt);
-      EXPECT_TRUE((alone.array() == want.array()).all()) << what << ": queries [" << first << ", " << first + count << ")";
+      EXPECT_TRUE((alone.array() == want.array()).all())
+          << what << ": queries [" << first << ", " << first + count << ")";
     }
   }
 }
@@ -364,7 +368,8 @@ TEST(SmallProducts, ManyLaneSumsHaveTheBitsOfOneAtATime) {
       c2f::cpu::predux_many(packets, count, sums);
       for (int i = 0; i < count; ++i) {
         const float want = Eigen::internal::predux(packets[i]);
-        EXPECT_EQ(std::memcmp(&sums[i], &want, sizeof(float)), 0) << "packet " << i << " of " << count << ": " << sums[i] << " vs " << want;
+        EXPECT_EQ(std::memcmp(&sums[i], &want, sizeof(float)), 0)
+            << "packet " << i << " of " << count << ": " << sums[i] << " vs " << want;
       }
     }
   }
@@ -380,13 +385,15 @@ TYPED_TEST(KernelTest, BlockMeansAddRowsInTokenOrder) {
   for (int rep = 0; rep < 24; ++rep) {
     const Index d = rng.pick(std::vector<Index>{1, 7, 16, 17, 63, 64, 65, 127, 128, 129, 130, 300});
     const bool two_d = rng.coin(0.5);
-    const c2f::kernels::BlockGrid2D g2{rng.uniform_int(1, 2), rng.uniform_int(1, 9), rng.uniform_int(1, 9), rng.uniform_int(1, 4),
-                                       rng.uniform_int(1, 4)};
-    const c2f::kernels::ChunkGrid g1{rng.uniform_int(1, 2), rng.uniform_int(1, 40), rng.pick(std::vector<Index>{1, 3, 8, 33})};
+    const c2f::kernels::BlockGrid2D g2{rng.uniform_int(1, 2), rng.uniform_int(1, 9), rng.uniform_int(1, 9),
+                                       rng.uniform_int(1, 4), rng.uniform_int(1, 4)};
+    const c2f::kernels::ChunkGrid g1{rng.uniform_int(1, 2), rng.uniform_int(1, 40),
+                                     rng.pick(std::vector<Index>{1, 3, 8, 33})};
     const Index tokens = two_d ? g2.tokens() : g1.tokens(), blocks = two_d ? g2.blocks() : g1.chunks();
     const Index ldx = d + rng.uniform_int(0, 3);
     const RowMatrix<Scalar> xs = rng.matrix<Scalar>(tokens, ldx);
-    const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> x(xs.data(), tokens, d, Eigen::OuterStride<>(ldx));
+    const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> x(xs.data(), tokens, d,
+                                                                         Eigen::OuterStride<>(ldx));
     std::vector<char> keep(static_cast<std::size_t>(tokens * 4));
     for (char& k : keep) k = rng.coin(0.7);
     const auto kept = [&](Index c, Index j) { return keep[static_cast<std::size_t>(c * 16 + j) % keep.size()] != 0; };
@@ -405,7 +412,8 @@ TYPED_TEST(KernelTest, BlockMeansAddRowsInTokenOrder) {
             ++n_kept;
           }
         }
-        const std::string what = "rep " + std::to_string(rep) + ", block " + std::to_string(c) + ", d " + std::to_string(d);
+        const std::string what =
+            "rep " + std::to_string(rep) + ", block " + std::to_string(c) + ", d " + std::to_string(d);
         const RowMatrix<Scalar> want = sum / static_cast<Scalar>(grid.count(c)), got = mean.row(c);
         EXPECT_TRUE(bitwise_equal(got, want)) << what;
         if (n_kept > 0) {
@@ -437,13 +445,16 @@ TYPED_TEST(KernelTest, FoldedAttentionWithManyHeadsAndBlocksMatchesItsTwin) {
     const Index d = rng.pick(std::vector<Index>{1, 15, 16, 17, 64});
     const c2f::kernels::BlockGrid2D g{rng.uniform_int(1, 2), 1, rng.uniform_int(1, 300), 1, chunk};
     std::ostringstream what;
-    what << "rep " << rep << ": batch " << g.batch << ", length " << g.width << ", chunk " << chunk << ", heads " << heads
-         << ", d " << d << " (" << g.blocks() << " blocks)";
+    what << "rep " << rep << ": batch " << g.batch << ", length " << g.width << ", chunk " << chunk << ", heads "
+         << heads << ", d " << d << " (" << g.blocks() << " blocks)";
     SCOPED_TRACE(what.str());
-    const RowMatrix<Scalar> x = rng.matrix<Scalar>(g.batch * g.width, d), qk = rng.matrix<Scalar>(g.blocks(), heads * d);
+    const RowMatrix<Scalar> x = rng.matrix<Scalar>(g.batch * g.width, d),
+                            qk = rng.matrix<Scalar>(g.blocks(), heads * d);
     std::vector<Scalar> bias(static_cast<std::size_t>(g.blocks() * heads * chunk));
     for (Scalar& b : bias) b = rng.coin(0.1) ? kMasked : Scalar(rng.normal());
-    const auto bias_fn = [&](Index c, Index h, Index j) { return bias[static_cast<std::size_t>((c * heads + h) * chunk + j)]; };
+    const auto bias_fn = [&](Index c, Index h, Index j) {
+      return bias[static_cast<std::size_t>((c * heads + h) * chunk + j)];
+    };
     RowMatrix<Scalar> pooled[3], mass[3], pooled_naive(g.blocks(), heads * d), mass_naive(g.blocks(), heads);
     for (int threads : {1, 2, 3}) {
       pooled[threads - 1].resize(g.blocks(), heads * d);
@@ -479,7 +490,7 @@ TYPED_TEST(KernelTest, MaskViewRowsAreTheRowsOfTheWholeProblem) {
     }
     const auto view = [&](auto& m, Index dim) {
       return c2f::kernels::heads_view<std::remove_reference_t<decltype(*m.data())>>(m.data(), p.batch, count,
-                                                                                     p.heads * dim, 0, p.heads, dim);
+                                                                                    p.heads * dim, 0, p.heads, dim);
     };
     c2f::kernels::sdpa_naive<Scalar>(view(std::as_const(q), p.dk), p.kv(), p.vv(), view(part, p.dv),
                                      plan.rows(first, count), p.scale(), opt);
@@ -498,7 +509,8 @@ TYPED_TEST(KernelTest, MaskViewRowsAreTheRowsOfTheWholeProblem) {
   const RowMatrix<Scalar> table = rng.matrix<Scalar>(11 * 13, p.heads, 3.0);
   const c2f::AttnMask<Scalar> bias = c2f::AttnMask<Scalar>::relative_position(table, 5, 7, 6, 7);
   for (int rep = 0; rep < 8; ++rep) {
-    check(p, c2f::MaskView<Scalar>(bias, c2f::KeyPaddingMask<Scalar>(), p.batch, p.heads, p.lq, p.lk), "relative position");
+    check(p, c2f::MaskView<Scalar>(bias, c2f::KeyPaddingMask<Scalar>(), p.batch, p.heads, p.lq, p.lk),
+          "relative position");
   }
   const c2f::MaskView<Scalar> plan(bias, c2f::KeyPaddingMask<Scalar>(), p.batch, p.heads, p.lq, p.lk);
   EXPECT_THROW(plan.rows(30, 6), std::invalid_argument);
@@ -516,14 +528,16 @@ TYPED_TEST(KernelTest, SplitKeysReadsNarrowKeysAndValuesExactly) {
     opt.key_block(rng.pick(std::vector<Index>{1, 5, 32, 300}));
     opt.key_part(rng.pick(std::vector<Index>{3, 16, 1024}));
     const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
-    const RowMatrix<Eigen::bfloat16> kn = p.k.template cast<Eigen::bfloat16>(), vn = p.v.template cast<Eigen::bfloat16>();
+    const RowMatrix<Eigen::bfloat16> kn = p.k.template cast<Eigen::bfloat16>(),
+                                     vn = p.v.template cast<Eigen::bfloat16>();
     Problem<Scalar> wide = p;
     wide.k = kn.template cast<Scalar>();
     wide.v = vn.template cast<Scalar>();
     RowMatrix<Scalar> want(p.batch * p.lq, p.heads * p.dv), got = want;
     c2f::kernels::sdpa_split_keys<Scalar>(wide.qv(), wide.kv(), wide.vv(), wide.out_view(want), plan, p.scale(), opt);
     c2f::kernels::sdpa_split_keys<Scalar, Eigen::bfloat16>(
-        p.qv(), c2f::kernels::heads_view<const Eigen::bfloat16>(kn.data(), p.batch, p.lk, p.heads * p.dk, 0, p.heads, p.dk),
+        p.qv(),
+        c2f::kernels::heads_view<const Eigen::bfloat16>(kn.data(), p.batch, p.lk, p.heads * p.dk, 0, p.heads, p.dk),
         c2f::kernels::heads_view<const Eigen::bfloat16>(vn.data(), p.batch, p.lk, p.heads * p.dv, 0, p.heads, p.dv),
         p.out_view(got), plan, p.scale(), opt);
     expect_close(got, want, tolerance<Scalar>(), tolerance<Scalar>(), p.description);
@@ -544,9 +558,11 @@ TYPED_TEST(KernelTest, OutputBitsDoNotDependOnThreadCount) {
     for (int threads = 1; threads <= 2; ++threads) {
       opt.num_threads(threads);
       for (RowMatrix<Scalar>& o : outs[threads - 1]) o.resize(p.batch * p.lq, p.heads * p.dv);
-      c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][0]), plan, p.scale(), opt);
+      c2f::kernels::sdpa_streaming<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][0]), plan, p.scale(),
+                                           opt);
       c2f::kernels::sdpa_naive<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][1]), plan, p.scale(), opt);
-      c2f::kernels::sdpa_split_keys<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][2]), plan, p.scale(), opt);
+      c2f::kernels::sdpa_split_keys<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(outs[threads - 1][2]), plan, p.scale(),
+                                            opt);
     }
     EXPECT_TRUE(bitwise_equal(outs[0][0], outs[1][0])) << p.description << ": streaming kernel";
     EXPECT_TRUE(bitwise_equal(outs[0][1], outs[1][1])) << p.description << ": naive kernel";
@@ -700,8 +716,8 @@ TYPED_TEST(KernelTest, NonFiniteKeysBehindTheMaskChangeNoBitOnEitherPath) {
   for (Index b = 0; b < p.batch; ++b) {
     for (Index j = b == 0 ? 550 : 130; j < p.lk; j += 3) {
       poisoned.k.row(b * p.lk + j).setConstant(std::numeric_limits<Scalar>::infinity());
-      poisoned.v.row(b * p.lk + j).setConstant(j % 2 ? std::numeric_limits<Scalar>::quiet_NaN()
-                                                     : -std::numeric_limits<Scalar>::infinity());
+      poisoned.v.row(b * p.lk + j)
+          .setConstant(j % 2 ? std::numeric_limits<Scalar>::quiet_NaN() : -std::numeric_limits<Scalar>::infinity());
     }
   }
   for (const bool independent : {false, true}) {
@@ -798,11 +814,10 @@ TYPED_TEST(KernelTest, MaskShapeErrorsNameBothShapes) {
     EXPECT_NE(std::string(e.what()).find("[5, 7]"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("[5, 6]"), std::string::npos) << e.what();
   }
-  EXPECT_THROW((c2f::MaskView<Scalar>(c2f::AttnMask<Scalar>(), c2f::KeyPaddingMask<Scalar>::lengths({3, 8}),
-                                              2, 1, 5, 7)),
-               std::invalid_argument);  // length 8 > 7 keys
-  EXPECT_THROW((c2f::MaskView<Scalar>(c2f::AttnMask<Scalar>(), c2f::KeyPaddingMask<Scalar>::lengths({3}),
-                                              2, 1, 5, 7)),
+  EXPECT_THROW(
+      (c2f::MaskView<Scalar>(c2f::AttnMask<Scalar>(), c2f::KeyPaddingMask<Scalar>::lengths({3, 8}), 2, 1, 5, 7)),
+      std::invalid_argument);  // length 8 > 7 keys
+  EXPECT_THROW((c2f::MaskView<Scalar>(c2f::AttnMask<Scalar>(), c2f::KeyPaddingMask<Scalar>::lengths({3}), 2, 1, 5, 7)),
                std::invalid_argument);  // one length for two batches
 }
 
@@ -905,8 +920,8 @@ TEST(RowMax, MatchesMaxCoeffOnEveryTailLength) {
     RowMatrix<float> rows = rng.matrix<float>(4, n + 5, 8.0);
     for (Index j = 0; j < n; j += 3) rows(1, j) = -kInf;
     rows.row(2).head(n).setConstant(-kInf);
-    if (n > 2) rows(3, n - 1) = 50.0f;       // the max in the last (tail) lane
-    rows.rightCols(5).setConstant(1e9f);     // past the row's end: never read
+    if (n > 2) rows(3, n - 1) = 50.0f;    // the max in the last (tail) lane
+    rows.rightCols(5).setConstant(1e9f);  // past the row's end: never read
     const std::string where = "n=" + std::to_string(n);
     for (Index r = 0; r < 4 && n > 0; ++r) {  // (maxCoeff has no empty case: online_softmax_step never asks)
       EXPECT_EQ(c2f::cpu::row_max(rows.row(r).head(n)), rows.row(r).head(n).maxCoeff()) << where << " row " << r;
@@ -992,7 +1007,7 @@ TEST(FusedScores, StepKeepsRowsNearTheirMaxAndGivesTheOthersThePlainStep) {
           packed.pack(k.transpose());
           RowMatrix<float> scores(rows, lds);
           c2f::cpu::packed_gemm_range<float>(q.data(), ldq, rows, packed, 0, depth, j0, nj, nullptr, false,
-                                                scores.data(), lds);
+                                             scores.data(), lds);
           // Each row's running max: none yet, just below its block max (kept), above it (kept), or 10 below
           // (plain); or none on every row (opening).
           Eigen::VectorXf m0(rows), l0(rows);
@@ -1007,7 +1022,7 @@ TEST(FusedScores, StepKeepsRowsNearTheirMaxAndGivesTheOthersThePlainStep) {
           const bool opens = (m0.array() == -kInf).all();  // (one row of none yet opens too)
           Eigen::VectorXf lanes(32 * rows);
           const bool rescale = c2f::cpu::fused_online_softmax_step(q.data(), ldq, rows, packed, depth, j0, nj,
-                                                                      fused.data(), lds, m, l, alpha, lanes.data());
+                                                                   fused.data(), lds, m, l, alpha, lanes.data());
           Eigen::VectorXf pm = m0, pl = l0, palpha = Eigen::VectorXf::Zero(rows);
           Eigen::Block<RowMatrix<float>> block = want.block(0, 0, rows, nj);
           c2f::cpu::online_softmax_step(block, pm, pl, palpha);
@@ -1160,7 +1175,8 @@ TEST(Bf16Gemm, MatchesTheRoundedProductOnAwkwardShapes) {
       // are split finer than on 1 (down to 32 rows a task): the bits must not change.
       if (rep < 3) {
         n = std::vector<Index>{65, 129, 257}[static_cast<std::size_t>(rep)], out = 641, k = 3073;
-        EXPECT_TRUE(c2f::kernels::impl::bf16_split(n, k, out, 2).rows_shared()) << "n=" << n << ": the shared rows are not covered";
+        EXPECT_TRUE(c2f::kernels::impl::bf16_split(n, k, out, 2).rows_shared())
+            << "n=" << n << ": the shared rows are not covered";
       }
       const RowMatrix<float> x = rng.matrix<float>(n, k), w = rng.matrix<float>(out, k);
       const Eigen::VectorXf bias = rng.matrix<float>(out, 1);
@@ -1244,7 +1260,8 @@ TEST(Bf16Sdpa, StreamingMatchesNaiveAndTheEnginesAgree) {
       c2f_test::on_each_bf16_engine([&](const char* engine) {
         RowMatrix<float>& out = engines[e++];
         out.resize(naive.rows(), naive.cols());
-        c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(out), mask, p.scale(), o.key_block(key_block));
+        c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(out), mask, p.scale(),
+                                            o.key_block(key_block));
         const RowMatrix<float> bound = magnitude.array() * 0x1p-8f + 1e-5f;
         const RowMatrix<float> err = (out - naive).cwiseAbs();
         EXPECT_TRUE((err.array() <= bound.array()).all())
@@ -1277,7 +1294,8 @@ TEST(Bf16Sdpa, RoundsTheOperands) {
   RowMatrix<float> fp32(64, 16), bf16(64, 16);
   c2f::kernels::KernelOptions o;
   c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(fp32), mask, p.scale(), o);
-  c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(bf16), mask, p.scale(), o.compute(c2f::Compute::BFloat16));
+  c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(bf16), mask, p.scale(),
+                                      o.compute(c2f::Compute::BFloat16));
   EXPECT_GT((fp32 - bf16).cwiseAbs().maxCoeff(), 1e-4f);
   EXPECT_LT((fp32 - bf16).cwiseAbs().maxCoeff(), 5e-2f);
 }
@@ -1293,7 +1311,8 @@ TEST(Bf16Sdpa, DoubleIsRefusedWithTheTypes) {
     c2f::kernels::sdpa_streaming<double>(p.qv(), p.kv(), p.vv(), p.out_view(out), mask, p.scale(), o);
     ADD_FAILURE() << "no exception";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("compute BFloat16 needs float queries, keys and values, got double"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("compute BFloat16 needs float queries, keys and values, got double"),
+              std::string::npos)
         << e.what();
   }
 }

@@ -50,10 +50,10 @@ using c2f_test::error_of;
 using c2f_test::same_bits;
 using c2f_test::TestRng;
 
-using c2f_test::LayerCalls;
 using c2f_test::every_mask;
 using c2f_test::HasDecode;
 using c2f_test::kWidth;
+using c2f_test::LayerCalls;
 using c2f_test::ScalarOf;
 using namespace c2f_test;  // NOLINT: the entries of support/layer_entries.hpp
 
@@ -73,8 +73,8 @@ class LayerContract : public ::testing::Test {
 
   void SetUp() override {
     saved_work_ = c2f::get_min_parallel_work();
-    c2f::set_num_threads(4);          // so that a layer's cap of 3 threads really gives 3
-    c2f::set_min_parallel_work(0);    // every loop with several tasks runs on several threads
+    c2f::set_num_threads(4);        // so that a layer's cap of 3 threads really gives 3
+    c2f::set_min_parallel_work(0);  // every loop with several tasks runs on several threads
   }
   void TearDown() override {
     c2f::set_num_threads(0);
@@ -88,11 +88,14 @@ class LayerContract : public ::testing::Test {
     c2f_test::randomize(layer, rng);
     return layer;
   }
-  static Tensor3<ScalarType> input(TestRng& rng, Index batch, Index seq) { return rng.tensor<ScalarType>(batch, seq, kWidth); }
+  static Tensor3<ScalarType> input(TestRng& rng, Index batch, Index seq) {
+    return rng.tensor<ScalarType>(batch, seq, kWidth);
+  }
   /// No masks, and every mask the layer takes.
   static std::vector<Masks<ScalarType>> mask_sets(Index batch, Index seq) {
     std::vector<Masks<ScalarType>> sets{Masks<ScalarType>()};
-    if (LayerType::mask_fields != MaskFields::None) sets.push_back(every_mask<ScalarType>(batch, seq, LayerType::mask_fields));
+    if (LayerType::mask_fields != MaskFields::None)
+      sets.push_back(every_mask<ScalarType>(batch, seq, LayerType::mask_fields));
     return sets;
   }
   static std::string what(const char* property, std::size_t mask_set) {
@@ -191,7 +194,8 @@ TYPED_TEST_P(LayerContract, ForwardIntoWritesExactlyTheForwardOutput) {
   for (std::size_t m = 0; m < sets.size(); ++m) {
     const Tensor3<S> want = TypeParam::forward(layer, x, sets[m]);
     const std::array<Index, 3> dims = TypeParam::output_shape(layer, x);
-    ASSERT_EQ(want.dimensions(), (Eigen::array<Index, 3>{dims[0], dims[1], dims[2]})) << TestFixture::what("output_shape", m);
+    ASSERT_EQ(want.dimensions(), (Eigen::array<Index, 3>{dims[0], dims[1], dims[2]}))
+        << TestFixture::what("output_shape", m);
     // The caller's rows are a block of a wider buffer (outer stride ≠ width); the rest stays NaN.
     RowMatrix<S> wide = RowMatrix<S>::Constant(dims[0] * dims[1], dims[2] + 3, std::numeric_limits<S>::quiet_NaN());
     TypeParam::forward_into(layer, x, wide.leftCols(dims[2]), sets[m]);
@@ -220,14 +224,16 @@ TYPED_TEST_P(LayerContract, WorkspaceBytesBoundTheMeasuredPeak) {
       layer.set_num_threads(threads);
       const long long bound = static_cast<long long>(TypeParam::workspace_bytes(layer, batch, seq));
       TypeParam::forward_into(layer, x, out, {});  // the pool's threads and queues are created on first use
-      c2f::release_scratch_cache();  // measured from an empty scratch cache: every temporary is allocated
+      c2f::release_scratch_cache();                // measured from an empty scratch cache: every temporary is allocated
       c2f_memory::reset();
       TypeParam::forward_into(layer, x, out, {});
       c2f_memory::stop();
       const long long peak = c2f_memory::peak_bytes();
       // Slack for what no formula counts: the pool's per-loop state and malloc's rounding.
-      EXPECT_LE(peak, bound + 16 * 1024) << TypeParam::name << ": B=" << batch << " L=" << seq << " threads=" << threads;
-      EXPECT_LE(bound, 2 * peak + 16 * 1024) << TypeParam::name << ": B=" << batch << " L=" << seq << " threads=" << threads;
+      EXPECT_LE(peak, bound + 16 * 1024) << TypeParam::name << ": B=" << batch << " L=" << seq
+                                         << " threads=" << threads;
+      EXPECT_LE(bound, 2 * peak + 16 * 1024)
+          << TypeParam::name << ": B=" << batch << " L=" << seq << " threads=" << threads;
     }
   }
 }
@@ -291,7 +297,8 @@ TYPED_TEST_P(LayerContract, StrictLoadingNamesTheKey) {
   StateDict extra = good;
   extra.set("unexpected.weight", t);
   const std::string e_extra = load(extra);
-  EXPECT_NE(e_extra.find("unexpected key 'unexpected.weight'"), std::string::npos) << TypeParam::name << ": " << e_extra;
+  EXPECT_NE(e_extra.find("unexpected key 'unexpected.weight'"), std::string::npos)
+      << TypeParam::name << ": " << e_extra;
 
   StateDict misshapen = good;
   std::vector<std::int64_t> shape = t.shape();
@@ -347,7 +354,8 @@ TYPED_TEST_P(LayerContract, NanInAnInputReachesTheOutput) {
   Tensor3<S> x = TestFixture::input(rng, kBatch, kLength);
   x(1, 6, 3) = std::numeric_limits<S>::quiet_NaN();
   const Tensor3<S> y = TypeParam::forward(layer, x, {});
-  EXPECT_TRUE((Eigen::Map<const Eigen::Array<S, Eigen::Dynamic, 1>>(y.data(), y.size()).isNaN().any())) << TypeParam::name;
+  EXPECT_TRUE((Eigen::Map<const Eigen::Array<S, Eigen::Dynamic, 1>>(y.data(), y.size()).isNaN().any()))
+      << TypeParam::name;
 }
 
 TYPED_TEST_P(LayerContract, RefusesMaskFieldsItDoesNotTake) {
@@ -388,7 +396,8 @@ TYPED_TEST_P(LayerContract, DecodeEqualsTheCausalForward) {
     const Tensor3<S> x = TestFixture::input(rng, kBatch, kLength);
     auto state = layer.new_decode_state(kBatch);
     if (!layer.causal()) {
-      EXPECT_NE(error_of([&] { layer.decode(x, state); }).find("needs a causal layer"), std::string::npos) << TypeParam::name;
+      EXPECT_NE(error_of([&] { layer.decode(x, state); }).find("needs a causal layer"), std::string::npos)
+          << TypeParam::name;
       return;
     }
     const Tensor3<S> want = TypeParam::forward(layer, x, {});
@@ -398,13 +407,16 @@ TYPED_TEST_P(LayerContract, DecodeEqualsTheCausalForward) {
       const Eigen::array<Index, 3> at{0, done, 0}, size{kBatch, piece, kWidth};
       const Tensor3<S> part = x.slice(at, size), want_part = want.slice(at, size);
       const Tensor3<S> got = layer.decode(part, state);
-      c2f_test::expect_close(got.data(), want_part.data(), got.size(), tol, tol, std::string(TypeParam::name) + " decode");
+      c2f_test::expect_close(got.data(), want_part.data(), got.size(), tol, tol,
+                             std::string(TypeParam::name) + " decode");
       done += piece;
     }
     auto fresh = layer.new_decode_state(kBatch);
     const Tensor3<S> last = layer.prefill(x, fresh);
-    const Tensor3<S> want_last = want.slice(Eigen::array<Index, 3>{0, kLength - 1, 0}, Eigen::array<Index, 3>{kBatch, 1, kWidth});
-    c2f_test::expect_close(last.data(), want_last.data(), last.size(), tol, tol, std::string(TypeParam::name) + " prefill");
+    const Tensor3<S> want_last =
+        want.slice(Eigen::array<Index, 3>{0, kLength - 1, 0}, Eigen::array<Index, 3>{kBatch, 1, kWidth});
+    c2f_test::expect_close(last.data(), want_last.data(), last.size(), tol, tol,
+                           std::string(TypeParam::name) + " prefill");
   }
 }
 
@@ -455,14 +467,17 @@ TYPED_TEST_P(LayerContract, GradientsHaveTheStateDictNamesAndTheInputShape) {
     TestRng rng(1013);
     const typename TestFixture::LayerType layer = TestFixture::random_layer(23);
     const StateDict sd = layer.state_dict();
-    for (const auto& [batch, seq] : std::vector<std::pair<Index, Index>>{{kBatch, kLength}, {3, 1}, {0, kLength}, {kBatch, 0}}) {
-      const std::string where = std::string(TypeParam::name) + " B=" + std::to_string(batch) + " L=" + std::to_string(seq);
+    for (const auto& [batch, seq] :
+         std::vector<std::pair<Index, Index>>{{kBatch, kLength}, {3, 1}, {0, kLength}, {kBatch, 0}}) {
+      const std::string where =
+          std::string(TypeParam::name) + " B=" + std::to_string(batch) + " L=" + std::to_string(seq);
       const Tensor3<S> x = TestFixture::input(rng, batch, seq);
       const auto [y, saved] = TypeParam::forward_train(layer, x, {});
       const Tensor3<S> dy = rng.tensor<S>(y.dimension(0), y.dimension(1), y.dimension(2));
       const c2f::Grads<S> g = TypeParam::backward(layer, saved, dy);
       EXPECT_EQ(g.input.dimensions(), x.dimensions()) << where;
-      EXPECT_TRUE((Eigen::Map<const Eigen::Array<S, Eigen::Dynamic, 1>>(g.input.data(), g.input.size()).allFinite())) << where;
+      EXPECT_TRUE((Eigen::Map<const Eigen::Array<S, Eigen::Dynamic, 1>>(g.input.data(), g.input.size()).allFinite()))
+          << where;
       ASSERT_EQ(g.params.keys(), sd.keys()) << where;
       for (const auto& [key, t] : sd) {
         EXPECT_EQ(g.params.at(key).shape(), t.shape()) << where << " " << key;
@@ -522,20 +537,27 @@ TYPED_TEST_P(LayerContract, BackwardRefusesAWrongDyOrAnotherSavedState) {
     const Tensor3<S> dy = rng.tensor<S>(y.dimension(0), y.dimension(1), y.dimension(2));
     const Tensor3<S> wrong = rng.tensor<S>(y.dimension(0), y.dimension(1) + 1, y.dimension(2));
     const std::string e_shape = error_of([&] { TypeParam::backward(layer, result.saved, wrong); });
-    EXPECT_NE(e_shape.find(std::string(TypeParam::Layer::type_name) + ": backward: dy must be"), std::string::npos) << e_shape;
-    EXPECT_NE(e_shape.find(c2f::detail::shape_string({y.dimension(0), y.dimension(1), y.dimension(2)})), std::string::npos) << e_shape;
+    EXPECT_NE(e_shape.find(std::string(TypeParam::Layer::type_name) + ": backward: dy must be"), std::string::npos)
+        << e_shape;
+    EXPECT_NE(e_shape.find(c2f::detail::shape_string({y.dimension(0), y.dimension(1), y.dimension(2)})),
+              std::string::npos)
+        << e_shape;
     EXPECT_NE(e_shape.find(c2f::detail::shape_string({wrong.dimension(0), wrong.dimension(1), wrong.dimension(2)})),
-              std::string::npos) << e_shape;
+              std::string::npos)
+        << e_shape;
     const typename TestFixture::LayerType copy = layer;
-    EXPECT_NE(error_of([&] { TypeParam::backward(copy, result.saved, dy); }).find("another layer object"), std::string::npos)
+    EXPECT_NE(error_of([&] { TypeParam::backward(copy, result.saved, dy); }).find("another layer object"),
+              std::string::npos)
         << TypeParam::name;
     EXPECT_NO_THROW(TypeParam::backward(layer, result.saved, dy)) << TypeParam::name;
     layer.load_state_dict(layer.state_dict());
-    EXPECT_NE(error_of([&] { TypeParam::backward(layer, result.saved, dy); }).find("parameters changed"), std::string::npos)
+    EXPECT_NE(error_of([&] { TypeParam::backward(layer, result.saved, dy); }).find("parameters changed"),
+              std::string::npos)
         << TypeParam::name;
     auto fresh = TypeParam::forward_train(layer, x, {});
     const auto moved = std::move(fresh.saved);
-    EXPECT_NE(error_of([&] { TypeParam::backward(layer, fresh.saved, dy); }).find("empty"), std::string::npos)  // NOLINT(bugprone-use-after-move)
+    EXPECT_NE(error_of([&] { TypeParam::backward(layer, fresh.saved, dy); }).find("empty"),
+              std::string::npos)  // NOLINT(bugprone-use-after-move)
         << TypeParam::name;
     EXPECT_NO_THROW(TypeParam::backward(layer, moved, dy)) << TypeParam::name;
   }
@@ -547,8 +569,8 @@ TYPED_TEST_P(LayerContract, BackwardRefusesAWrongDyOrAnotherSavedState) {
 REGISTER_TYPED_TEST_SUITE_P(LayerContract, ConcurrentCallersShareOneModule);
 #else
 REGISTER_TYPED_TEST_SUITE_P(LayerContract, OutputBitsDoNotDependOnThreadCount, ForwardIntoWritesExactlyTheForwardOutput,
-                            WorkspaceBytesBoundTheMeasuredPeak, StateDictRoundTrip, ParametersChangedAfterAForwardAreUsed,
-                            StrictLoadingNamesTheKey,
+                            WorkspaceBytesBoundTheMeasuredPeak, StateDictRoundTrip,
+                            ParametersChangedAfterAForwardAreUsed, StrictLoadingNamesTheKey,
                             EmptyBatchEmptySequenceAndLengthOne, WrongFeaturesNameBothShapes,
                             NanInAnInputReachesTheOutput, RefusesMaskFieldsItDoesNotTake,
                             ConcurrentCallersShareOneModule, DecodeEqualsTheCausalForward,
@@ -577,7 +599,9 @@ TEST(WeightCache, LinearSeesAChangedWeightAndAnotherEngine) {
       other.forward_rows_independent(x, want);
       return want;
     };
-    const auto equal = [](const RowMatrix<float>& a, const RowMatrix<float>& b) { return same_bits(a.data(), b.data(), a.size()); };
+    const auto equal = [](const RowMatrix<float>& a, const RowMatrix<float>& b) {
+      return same_bits(a.data(), b.data(), a.size());
+    };
     lin.forward_rows_independent(x, y);
     const RowMatrix<float> first = y;
     lin.weight()(3, 5) += 4.0f;  // row 3 of the weight is output column 3
@@ -657,7 +681,8 @@ struct ThreadDependentLayer : Mha {
     out.array() += 1e-6f * static_cast<float>(c2f::detail::resolve_threads(options().num_threads(), 1 << 20));
   }
   Tensor3<float> forward(c2f::ConstTensor3Ref<float> x, const Masks<float>& m = {}) const {
-    return c2f::detail::fresh_output<float>("ThreadDependentLayer", output_shape(x), options().num_threads(), [&](Out out) { forward_into(x, out, m); });
+    return c2f::detail::fresh_output<float>("ThreadDependentLayer", output_shape(x), options().num_threads(),
+                                            [&](Out out) { forward_into(x, out, m); });
   }
 };
 
@@ -688,7 +713,9 @@ struct IgnoresMasksLayer : Mha {
   using Mha::Mha;
   static constexpr MaskFields mask_fields = MaskFields::None;
   Tensor3<float> forward(c2f::ConstTensor3Ref<float> x, const Masks<float>& = {}) const { return Mha::forward(x); }
-  void forward_into(c2f::ConstTensor3Ref<float> x, Out out, const Masks<float>& = {}) const { Mha::forward_into(x, out); }
+  void forward_into(c2f::ConstTensor3Ref<float> x, Out out, const Masks<float>& = {}) const {
+    Mha::forward_into(x, out);
+  }
 };
 
 /// Keeps its output in a member buffer between the computation and the copy out: concurrent callers
@@ -739,8 +766,12 @@ struct ThreadDependentGradsLayer : Mha {
 /// made again when the parameters change (load_state_dict, reset_parameters).
 struct StaleParametersLayer : Mha {
   using Mha::Mha;
-  Tensor3<float> forward(c2f::ConstTensor3Ref<float> x, const Masks<float>& m = {}) const { return first().forward(x, m); }
-  void forward_into(c2f::ConstTensor3Ref<float> x, Out out, const Masks<float>& m = {}) const { first().forward_into(x, out, m); }
+  Tensor3<float> forward(c2f::ConstTensor3Ref<float> x, const Masks<float>& m = {}) const {
+    return first().forward(x, m);
+  }
+  void forward_into(c2f::ConstTensor3Ref<float> x, Out out, const Masks<float>& m = {}) const {
+    first().forward_into(x, out, m);
+  }
   const Mha& first() const {
     if (first_ == nullptr) first_ = std::make_shared<const Mha>(static_cast<const Mha&>(*this));
     return *first_;
@@ -759,8 +790,8 @@ C2F_LAYER(ThreadDependentGrads, ThreadDependentGradsLayer, kWidth, 2, o);
 C2F_LAYER(StaleParameters, StaleParametersLayer, kWidth, 2, o.compute(c2f::Compute::BFloat16));
 // clang-format on
 
-using Broken = ::testing::Types<ThreadDependent, IntoSkipsARow, LossyStateDict, IgnoresMasks, SharedScratch, DriftingDecode,
-                                ThreadDependentGrads, StaleParameters>;
+using Broken = ::testing::Types<ThreadDependent, IntoSkipsARow, LossyStateDict, IgnoresMasks, SharedScratch,
+                                DriftingDecode, ThreadDependentGrads, StaleParameters>;
 INSTANTIATE_TYPED_TEST_SUITE_P(Broken, LayerContract, Broken, EntryNames);
 
 }  // namespace

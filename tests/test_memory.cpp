@@ -96,7 +96,8 @@ TEST_F(MemoryTest, StreamingForwardAllocatesNoQueryKeyBuffer) {
       mha.set_num_threads(threads);
       for (int i = 0; i < 2; ++i) {
         const Index L = c.lengths[i];
-        const std::string what = "E=" + std::to_string(E) + " L=" + std::to_string(L) + " threads=" + std::to_string(threads);
+        const std::string what =
+            "E=" + std::to_string(E) + " L=" + std::to_string(L) + " threads=" + std::to_string(threads);
         const c2f::Tensor3<float> x = rng.tensor<float>(1, L, E);
         at[i] = measure_forward(mha, x, /*weights=*/false);
         // The largest block is one [L, E] activation (E ≪ L), never an [L, L] score matrix...
@@ -184,7 +185,9 @@ TEST_F(MemoryTest, TrainingPeakIsLinearInLength) { expect_training_memory_linear
 // The same check on the Naive kernel, whose forward_train and backward materialise each head's [L, L]
 // probabilities (the reference twins): the check must fail on it. Disabled: the ctest
 // memory.catches_lxl_training runs it and passes only when it fails.
-TEST_F(MemoryTest, DISABLED_TrainingPeakCheckCatchesAnLxLBuffer) { expect_training_memory_linear(c2f::AttnKernel::Naive, 256); }
+TEST_F(MemoryTest, DISABLED_TrainingPeakCheckCatchesAnLxLBuffer) {
+  expect_training_memory_linear(c2f::AttnKernel::Naive, 256);
+}
 
 // C2FAttention's folded path never forms the [L, 2d] key/value tensor of the article's formula: its
 // largest block is the [L, d] output, and its working memory grows linearly in L.
@@ -210,8 +213,8 @@ TEST_F(MemoryTest, C2FFoldedPathHasNoTokenLevelKeyValueTensor) {
       } else {
         expect_one_block(c2f_memory::largest_allocation(), L * d * sizeof(float), "L=" + std::to_string(L));
         // Output + (summaries, context, q, out per chunk) + per-chunk folded queries and pooled tokens.
-        const long long predicted = static_cast<long long>(L * d * sizeof(float) +
-                                                           m.fine_attn().workspace_bytes(1, L, chunk));
+        const long long predicted =
+            static_cast<long long>(L * d * sizeof(float) + m.fine_attn().workspace_bytes(1, L, chunk));
         EXPECT_LE(c2f_memory::peak_bytes(), predicted + predicted / 4) << "L=" << L;
         peak[i] = c2f_memory::peak_bytes();
       }
@@ -328,7 +331,8 @@ TEST(FreshOutput, FaultInPagesMapsEveryPageOfTheBuffer) {
       if (large) {
         EXPECT_EQ(missing, 0u) << "bytes " << bytes << ", threads " << threads;
       } else {
-        EXPECT_EQ(missing, last - first + 1) << "bytes " << bytes << ", threads " << threads << ": a small buffer is left alone";
+        EXPECT_EQ(missing, last - first + 1)
+            << "bytes " << bytes << ", threads " << threads << ": a small buffer is left alone";
       }
       std::size_t nonzero = 0;
       for (std::size_t at = 0; at < bytes; at += 997) nonzero += data[at] != 0 ? 1 : 0;
@@ -357,7 +361,8 @@ TEST(FreshOutput, OnFirstWriteMapsOnlyTheEndsOutsideWholeHugePages) {
   // Without transparent huge pages it falls back to faulting everything in, and says so.
   EXPECT_EQ(left, c2f::detail::huge_pages_enabled());
   const std::uintptr_t first = reinterpret_cast<std::uintptr_t>(data), last = first + bytes;
-  const std::uintptr_t begin = (first + kHuge - 1) & ~std::uintptr_t(kHuge - 1), end = last & ~std::uintptr_t(kHuge - 1);
+  const std::uintptr_t begin = (first + kHuge - 1) & ~std::uintptr_t(kHuge - 1),
+                       end = last & ~std::uintptr_t(kHuge - 1);
   ASSERT_LT(begin, end);
   const std::uintptr_t from = first & ~std::uintptr_t(kPage - 1), to = (last + kPage - 1) & ~std::uintptr_t(kPage - 1);
   std::vector<unsigned char> resident((to - from) / kPage);

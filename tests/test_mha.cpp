@@ -23,11 +23,11 @@ using c2f::MultiHeadAttention;
 using c2f::StateDict;
 using c2f::Tensor3;
 using c2f_test::error_of;
-using c2f_test::relative_error;
-using c2f_test::meta_index;
-using c2f_test::Tolerance;
 using c2f_test::mask_variants;
+using c2f_test::meta_index;
 using c2f_test::options_from;
+using c2f_test::relative_error;
+using c2f_test::Tolerance;
 
 // Compares c2f's values with torch's. Where torch has NaN (a fully masked query row: torch's
 // documented NaN, c2f's documented zeros) `on_torch_nan` decides what c2f must hold instead.
@@ -66,7 +66,8 @@ void check_case(const nlohmann::json& c) {
   mha.load_state_dict(sd, "mha.");
   // Where torch has NaN (fully masked query row), c2f's attention is 0, so the output is out_proj.bias.
   const auto out_is_bias = [&](std::size_t i, Scalar got) {
-    const Scalar bias = mha.options().bias() ? mha.out_proj().bias()[static_cast<Index>(i % std::size_t(embed_dim))] : 0;
+    const Scalar bias =
+        mha.options().bias() ? mha.out_proj().bias()[static_cast<Index>(i % std::size_t(embed_dim))] : 0;
     return got == bias;
   };
 
@@ -130,14 +131,18 @@ StateDict fixture(const std::string& name, const std::string& dtype = "f32") {
   return c2f::load_safetensors(c2f_test::data_path("mha/" + name + "_" + dtype + ".safetensors"));
 }
 
-// The c2f multi-head attention article's C2FMultiHeadAttention calls the packed projection `qkv_proj` (a Linear): same layout.
+// The c2f multi-head attention article's C2FMultiHeadAttention calls the packed projection `qkv_proj` (a Linear): same
+// layout.
 TEST(MhaLoading, AcceptsMultiHeadArticleNames) {
   const StateDict sd = fixture("self_l7");
   StateDict renamed;
   for (const auto& [key, t] : sd) {
-    if (key == "mha.in_proj_weight") renamed.set("qkv_proj.weight", t);
-    else if (key == "mha.in_proj_bias") renamed.set("qkv_proj.bias", t);
-    else if (key.rfind("mha.out_proj.", 0) == 0) renamed.set(key.substr(4), t);
+    if (key == "mha.in_proj_weight")
+      renamed.set("qkv_proj.weight", t);
+    else if (key == "mha.in_proj_bias")
+      renamed.set("qkv_proj.bias", t);
+    else if (key.rfind("mha.out_proj.", 0) == 0)
+      renamed.set(key.substr(4), t);
   }
   MultiHeadAttention<float> torch_names(16, 4), seed_names(16, 4);
   torch_names.load_state_dict(sd, "mha");
@@ -145,9 +150,8 @@ TEST(MhaLoading, AcceptsMultiHeadArticleNames) {
   const Tensor3<float> x = c2f_test::tensor3<float>(sd, "query");
   const Tensor3<float> a = torch_names.forward(x), b = seed_names.forward(x);
   EXPECT_EQ(0, std::memcmp(a.data(), b.data(), sizeof(float) * static_cast<std::size_t>(a.size())));
-  expect_matches_torch(b.data(), c2f_test::values<float>(sd, "output"), "seed-000 names", [](std::size_t, float) {
-    return false;
-  });
+  expect_matches_torch(b.data(), c2f_test::values<float>(sd, "output"), "seed-000 names",
+                       [](std::size_t, float) { return false; });
 }
 
 TEST(MhaLoading, StateDictRoundTripUsesTorchNames) {
@@ -253,7 +257,6 @@ TEST(MhaInputs, AcceptsTensorMapsOverCallerMemory) {
   EXPECT_EQ(0, std::memcmp(a.data(), c.data(), sizeof(float) * static_cast<std::size_t>(a.size())));
 }
 
-
 // --- Compute::BFloat16 (docs/bf16.md) -------------------------------------------------------------------
 
 // The bf16 fixtures: torch.nn.MultiheadAttention in fp32 and under torch.autocast("cpu", bfloat16) on the
@@ -264,9 +267,11 @@ TEST(MhaInputs, AcceptsTensorMapsOverCallerMemory) {
 // the kernels' own tests bound the engines' difference to the fp32 sums' order).
 TEST(MhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
   for (const char* name : {"mha_self_l128", "mha_causal_l128"}) {
-    const c2f::StateDict sd = c2f::load_safetensors(c2f_test::data_path(std::string("bf16/") + name + "_f32.safetensors"));
+    const c2f::StateDict sd =
+        c2f::load_safetensors(c2f_test::data_path(std::string("bf16/") + name + "_f32.safetensors"));
     const Tensor3<float> x = c2f_test::tensor3<float>(sd, "query");
-    const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
+    const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"),
+                             autocast = c2f_test::values<float>(sd, "output_autocast");
     const bool causal = sd.metadata().at("causal") == "true";
     MultiHeadAttention<float> mha(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"),
                                   MultiHeadAttention<float>::Options().causal(causal).compute(c2f::Compute::BFloat16));
@@ -279,7 +284,8 @@ TEST(MhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
       const Tensor3<float> y = mha.forward(x);
       mha.set_num_threads(1);
       const Tensor3<float> y1 = mha.forward(x);
-      EXPECT_EQ(0, std::memcmp(y.data(), y1.data(), sizeof(float) * static_cast<std::size_t>(y.size()))) << name << " " << engine;
+      EXPECT_EQ(0, std::memcmp(y.data(), y1.data(), sizeof(float) * static_cast<std::size_t>(y.size())))
+          << name << " " << engine;
       c2f_test::expect_bf16_accuracy(std::string(name) + ", " + engine, y.data(), fp32, autocast);
       outputs.push_back(y);
     }
@@ -293,7 +299,8 @@ TEST(MhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
 TEST(MhaBf16, DecodesWithinTheBoundAndDoubleIsRefused) {
   c2f_test::TestRng rng(0xbf20);
   const Tensor3<float> x = rng.tensor<float>(2, 40, 32);
-  const MultiHeadAttention<float> mha(32, 4, MultiHeadAttention<float>::Options().causal(true).compute(c2f::Compute::BFloat16).seed(7));
+  const MultiHeadAttention<float> mha(
+      32, 4, MultiHeadAttention<float>::Options().causal(true).compute(c2f::Compute::BFloat16).seed(7));
   const Tensor3<float> whole = mha.forward(x);
   MultiHeadAttention<float>::DecodeState state = mha.new_decode_state(2);
   std::vector<float> stepped(static_cast<std::size_t>(whole.size()));

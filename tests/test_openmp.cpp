@@ -106,7 +106,8 @@ TEST_F(OpenMP, ForwardStartsNoOpenMPTeam) {
 
 TEST_F(OpenMP, ResultsEqualThePlainBuildBitForBit) {
   const char* path = std::getenv("C2F_OPENMP_PLAIN_OUTPUTS");
-  if (path == nullptr) GTEST_SKIP() << "set C2F_OPENMP_PLAIN_OUTPUTS to the file openmp_plain_outputs wrote (ctest does)";
+  if (path == nullptr)
+    GTEST_SKIP() << "set C2F_OPENMP_PLAIN_OUTPUTS to the file openmp_plain_outputs wrote (ctest does)";
   const c2f_openmp::Outputs plain = c2f_openmp::read(path);
   const c2f_openmp::Outputs mine = c2f_openmp::compute();
   ASSERT_EQ(plain.size(), mine.size());

@@ -100,7 +100,8 @@ TEST(Runtime, LargeLoopsUseAPoolThread) {
   const RuntimeSettings settings(2, 0);
   // 200 tasks of 0.5 ms: the caller cannot take them all before the pool worker wakes up, even with
   // other test processes on the cores.
-  const std::set<std::thread::id> ids = run_and_check(200, 0, c2f::detail::kUnknownWork, std::chrono::microseconds(500));
+  const std::set<std::thread::id> ids =
+      run_and_check(200, 0, c2f::detail::kUnknownWork, std::chrono::microseconds(500));
   EXPECT_EQ(ids.size(), 2u);
   EXPECT_EQ(ids.count(std::this_thread::get_id()), 1u);
 }
@@ -135,7 +136,8 @@ TEST(Runtime, ChangingTheThreadCountReplacesThePool) {
   run_and_check(8, 0, c2f::detail::kUnknownWork, {});
   const long long before = c2f::detail::Runtime::get().workers_created();
   c2f::set_num_threads(2);
-  const std::set<std::thread::id> ids = run_and_check(200, 0, c2f::detail::kUnknownWork, std::chrono::microseconds(300));
+  const std::set<std::thread::id> ids =
+      run_and_check(200, 0, c2f::detail::kUnknownWork, std::chrono::microseconds(300));
   EXPECT_EQ(c2f::detail::Runtime::get().workers_created(), before + 1);
   EXPECT_EQ(ids.size(), 2u);
   c2f::set_num_threads(2);  // the same count keeps the pool
@@ -189,10 +191,12 @@ TEST(Runtime, TheFirstExceptionIsRethrownAndThePoolStaysUsable) {
 TEST(Runtime, LeadTasksPrepareEachGroupOnceBeforeItsBlocks) {
   const RuntimeSettings settings(3, 0);
   for (bool prepared : {false, true}) {
-    for (const std::pair<Index, Index>& shape : {std::pair<Index, Index>{1, 1}, {1, 5}, {3, 1}, {4, 4}, {7, 3}, {2, 8}, {8, 16}}) {
+    for (const std::pair<Index, Index>& shape :
+         {std::pair<Index, Index>{1, 1}, {1, 5}, {3, 1}, {4, 4}, {7, 3}, {2, 8}, {8, 16}}) {
       const Index groups = shape.first, blocks = shape.second, tasks = groups * blocks;
       const c2f::detail::GroupBlockTasks order(groups, blocks, prepared);
-      std::vector<std::atomic<int>> seen(static_cast<std::size_t>(tasks)), preparations(static_cast<std::size_t>(groups));
+      std::vector<std::atomic<int>> seen(static_cast<std::size_t>(tasks)),
+          preparations(static_cast<std::size_t>(groups));
       std::vector<std::atomic<bool>> ready(static_cast<std::size_t>(groups));
       std::atomic<int> early{0}, bad_lead{0};
       parallel_for(tasks, 0, [&](Index t, int) {
@@ -207,8 +211,10 @@ TEST(Runtime, LeadTasksPrepareEachGroupOnceBeforeItsBlocks) {
         });
         if (prepared && !ready[static_cast<std::size_t>(at.first)]) ++early;
       });
-      const std::string where = std::to_string(groups) + " × " + std::to_string(blocks) + (prepared ? ", prepared" : "");
-      for (Index i = 0; i < tasks; ++i) EXPECT_EQ(seen[static_cast<std::size_t>(i)].load(), 1) << where << ": (group, block) " << i;
+      const std::string where =
+          std::to_string(groups) + " × " + std::to_string(blocks) + (prepared ? ", prepared" : "");
+      for (Index i = 0; i < tasks; ++i)
+        EXPECT_EQ(seen[static_cast<std::size_t>(i)].load(), 1) << where << ": (group, block) " << i;
       for (Index g = 0; g < groups; ++g) {
         EXPECT_EQ(preparations[static_cast<std::size_t>(g)].load(), prepared ? 1 : 0) << where << ": group " << g;
       }

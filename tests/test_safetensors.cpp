@@ -83,8 +83,7 @@ void expect_rejected(const Bytes& file, std::initializer_list<std::string> facts
   }
 }
 
-void expect_rejected(const std::string& header, const Bytes& buffer,
-                     std::initializer_list<std::string> facts) {
+void expect_rejected(const std::string& header, const Bytes& buffer, std::initializer_list<std::string> facts) {
   expect_rejected(make_file(header, buffer), facts);
 }
 
@@ -93,9 +92,8 @@ class TempPath {
  public:
   explicit TempPath(const std::string& stem)
       : path_(std::filesystem::temp_directory_path() /
-              ("c2f_test_safetensors_" +
-               std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()) + "_" + stem +
-               ".safetensors")) {
+              ("c2f_test_safetensors_" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()) +
+               "_" + stem + ".safetensors")) {
     std::filesystem::remove(path_);
   }
   ~TempPath() {
@@ -119,8 +117,7 @@ StateDict sample_state_dict() {
   sd.set("layer.bias", TensorData::from_values(f64, {3}));
   sd.set("half", TensorData(DType::F16, {2, 2}, bytes_of<std::uint16_t>({0x3C00, 0xC000, 0x3555, 0x0001})));
   sd.set("brain", TensorData(DType::BF16, {4}, bytes_of<std::uint16_t>({0x3F80, 0x3EAB, 0x7F80, 0x8001})));
-  sd.set("index",
-         TensorData(DType::I64, {2}, bytes_of<std::int64_t>({-1, std::numeric_limits<std::int64_t>::max()})));
+  sd.set("index", TensorData(DType::I64, {2}, bytes_of<std::int64_t>({-1, std::numeric_limits<std::int64_t>::max()})));
   sd.set("mask", TensorData(DType::BOOL, {3}, Bytes{1, 0, 1}));
   const float scalar = 42.5f;
   sd.set("scale", TensorData::from_values(&scalar, {}));
@@ -207,18 +204,16 @@ TEST(Safetensors, WriterMatchesReferenceImplementationBytes) {
   StateDict sd;
   const float values[] = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f};
   sd.set("attn.0", TensorData::from_values(values, {1, 2, 3}));
-  const Bytes expected = {64, 0,  0,   0,   0,   0,   0,   0,   123, 34,  97,  116, 116, 110, 46,  48,
-                          34, 58, 123, 34,  100, 116, 121, 112, 101, 34,  58,  34,  70,  51,  50,  34,
-                          44, 34, 115, 104, 97,  112, 101, 34,  58,  91,  49,  44,  50,  44,  51,  93,
-                          44, 34, 100, 97,  116, 97,  95,  111, 102, 102, 115, 101, 116, 115, 34,  58,
-                          91, 48, 44,  50,  52,  93,  125, 125, 0,   0,   0,   0,   0,   0,   128, 63,
-                          0,  0,  0,   64,  0,   0,   64,  64,  0,   0,   128, 64,  0,   0,   160, 64};
+  const Bytes expected = {
+      64,  0,  0,   0,  0,   0,  0,   0,   123, 34,  97,  116, 116, 110, 46,  48, 34, 58, 123, 34, 100, 116, 121, 112,
+      101, 34, 58,  34, 70,  51, 50,  34,  44,  34,  115, 104, 97,  112, 101, 34, 58, 91, 49,  44, 50,  44,  51,  93,
+      44,  34, 100, 97, 116, 97, 95,  111, 102, 102, 115, 101, 116, 115, 34,  58, 91, 48, 44,  50, 52,  93,  125, 125,
+      0,   0,  0,   0,  0,   0,  128, 63,  0,   0,   0,   64,  0,   0,   64,  64, 0,  0,  128, 64, 0,   0,   160, 64};
   EXPECT_EQ(c2f::serialize_safetensors(sd), expected);
 
   // test_empty: no tensors, then no tensors but metadata.
   StateDict empty;
-  EXPECT_EQ(c2f::serialize_safetensors(empty),
-            (Bytes{8, 0, 0, 0, 0, 0, 0, 0, '{', '}', 32, 32, 32, 32, 32, 32}));
+  EXPECT_EQ(c2f::serialize_safetensors(empty), (Bytes{8, 0, 0, 0, 0, 0, 0, 0, '{', '}', 32, 32, 32, 32, 32, 32}));
   empty.metadata()["framework"] = "pt";
   EXPECT_EQ(c2f::serialize_safetensors(empty),
             make_file(std::string(R"({"__metadata__":{"framework":"pt"}})") + "     "));
@@ -275,8 +270,7 @@ TEST(Safetensors, WriterRejectsTensorsItCannotEncode) {
 // Half-precision weights load as their exact values.
 
 TEST(Safetensors, F16WeightsLoadAsExactValues) {
-  const std::vector<std::uint16_t> bits = {0x3C00, 0xC000, 0x3555, 0x0001, 0x03FF,
-                                           0x7BFF, 0x7C00, 0xFC00, 0x8000};
+  const std::vector<std::uint16_t> bits = {0x3C00, 0xC000, 0x3555, 0x0001, 0x03FF, 0x7BFF, 0x7C00, 0xFC00, 0x8000};
   const std::vector<double> expected = {1.0,
                                         -2.0,
                                         0.333251953125,
@@ -302,8 +296,7 @@ TEST(Safetensors, F16WeightsLoadAsExactValues) {
   EXPECT_TRUE(std::signbit(as_double[8]));
 
   const Bytes nan_bits = bytes_of<std::uint16_t>({0x7E00});
-  const StateDict nan =
-      parse(make_file(R"({"n":{"dtype":"F16","shape":[],"data_offsets":[0,2]}})", nan_bits));
+  const StateDict nan = parse(make_file(R"({"n":{"dtype":"F16","shape":[],"data_offsets":[0,2]}})", nan_bits));
   EXPECT_TRUE(std::isnan(nan.at("n").to_vector<double>()[0]));
 }
 
@@ -354,8 +347,8 @@ TEST(Safetensors, LoadsZeroSizeShape) {
   EXPECT_TRUE(sd.at("z").bytes().empty());
 
   // A zero dimension makes huge neighbours harmless: the product is genuinely 0.
-  const StateDict big = parse(make_file(
-      R"({"z":{"dtype":"F64","shape":[0,4611686018427387904,4611686018427387904],"data_offsets":[0,0]}})"));
+  const StateDict big = parse(
+      make_file(R"({"z":{"dtype":"F64","shape":[0,4611686018427387904,4611686018427387904],"data_offsets":[0,0]}})"));
   EXPECT_EQ(big.at("z").numel(), 0);
 }
 
@@ -367,9 +360,8 @@ TEST(Safetensors, LoadsScalarShape) {
 }
 
 TEST(Safetensors, LoadsMetadata) {
-  const StateDict sd =
-      parse(make_file(R"({"__metadata__":{"format":"pt","a":""},)" + std::string(kF32Entry + 1),
-                      bytes_of<float>({1.0f, 2.0f})));
+  const StateDict sd = parse(make_file(R"({"__metadata__":{"format":"pt","a":""},)" + std::string(kF32Entry + 1),
+                                       bytes_of<float>({1.0f, 2.0f})));
   EXPECT_EQ(sd.size(), 1u);
   EXPECT_FALSE(sd.contains("__metadata__"));
   EXPECT_EQ(sd.metadata(), (std::map<std::string, std::string>{{"format", "pt"}, {"a", ""}}));
@@ -404,8 +396,7 @@ TEST(Safetensors, LoadsEveryDtypeAsRawBytes) {
   const std::int16_t i16 = -2;
   Bytes i16_bytes(2);
   std::memcpy(i16_bytes.data(), &i16, 2);
-  const StateDict ints =
-      parse(make_file(R"({"i":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}})", i16_bytes));
+  const StateDict ints = parse(make_file(R"({"i":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}})", i16_bytes));
   EXPECT_EQ(ints.at("i").bytes(), i16_bytes);
   EXPECT_THROW(ints.at("i").to_vector<float>(),
                std::invalid_argument);  // conversion is F16/BF16/F32/F64 only
@@ -421,8 +412,7 @@ TEST(Safetensors, LoadsTensorsWhoseOffsetOrderDiffersFromNameOrder) {
 }
 
 TEST(Safetensors, IgnoresUnknownEntryFieldsLikeTheReference) {
-  const StateDict sd =
-      parse(make_file(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":[1]}})", Bytes{9}));
+  const StateDict sd = parse(make_file(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":[1]}})", Bytes{9}));
   EXPECT_EQ(sd.at("w").bytes(), Bytes{9});
 }
 
@@ -431,8 +421,7 @@ TEST(Safetensors, IgnoresUnknownEntryFieldsLikeTheReference) {
 
 TEST(SafetensorsRejects, Rule1HeaderTooSmall) {
   EXPECT_THROW(c2f::parse_safetensors(nullptr, 0), SafetensorsError);
-  for (std::size_t size = 0; size < 8; ++size)
-    expect_rejected(zeros(size), {"header too small", std::to_string(size)});
+  for (std::size_t size = 0; size < 8; ++size) expect_rejected(zeros(size), {"header too small", std::to_string(size)});
 }
 
 TEST(SafetensorsRejects, Rule2HeaderTooLarge) {
@@ -488,8 +477,7 @@ TEST(SafetensorsRejects, Rule5NotJson) {
   expect_rejected(make_file(""), {"not valid JSON"});
   expect_rejected(make_file("{} x"), {"not valid JSON"});
   expect_rejected(make_file("{/*c*/}"), {"not valid JSON"});
-  expect_rejected(make_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8],}})"),
-                  {"not valid JSON"});
+  expect_rejected(make_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8],}})"), {"not valid JSON"});
 }
 
 TEST(SafetensorsRejects, Rule5HeaderNotAnObject) {
@@ -521,10 +509,8 @@ TEST(SafetensorsRejects, Rule5MissingOrMistypedShape) {
       {R"({"w":{"dtype":"F32","shape":["1"],"data_offsets":[0,4]}})", "\"1\""},
       {R"({"w":{"dtype":"F32","shape":[[1]],"data_offsets":[0,4]}})", "[[1]]"},
       {R"({"w":{"dtype":"F32","shape":[null],"data_offsets":[0,4]}})", "null"},
-      {R"({"w":{"dtype":"U8","shape":[9223372036854775808],"data_offsets":[0,4]}})",
-       "9223372036854775808 in"},
-      {R"({"w":{"dtype":"U8","shape":[18446744073709551616],"data_offsets":[0,4]}})",
-       "non-negative integers"},
+      {R"({"w":{"dtype":"U8","shape":[9223372036854775808],"data_offsets":[0,4]}})", "9223372036854775808 in"},
+      {R"({"w":{"dtype":"U8","shape":[18446744073709551616],"data_offsets":[0,4]}})", "non-negative integers"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c[0]);
@@ -552,8 +538,7 @@ TEST(SafetensorsRejects, Rule5MissingOrMistypedDataOffsets) {
 }
 
 TEST(SafetensorsRejects, Rule5TensorMissingDataOffsets) {
-  expect_rejected(make_file(R"({"w":{"dtype":"F32","shape":[1]}})", zeros(4)),
-                  {"tensor \"w\"", "no \"data_offsets\""});
+  expect_rejected(make_file(R"({"w":{"dtype":"F32","shape":[1]}})", zeros(4)), {"tensor \"w\"", "no \"data_offsets\""});
   // The second tensor lacks it; the first is fine.
   expect_rejected(make_file(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
                             R"("b":{"dtype":"U8","shape":[1]}})",
@@ -572,9 +557,8 @@ TEST(SafetensorsRejects, Rule5DuplicateKeys) {
                             R"("w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})",
                             zeros(2)),
                   {"\"w\"", "duplicate"});
-  expect_rejected(
-      make_file(R"({"w":{"dtype":"F32","dtype":"U8","shape":[1],"data_offsets":[0,1]}})", zeros(1)),
-      {"\"dtype\"", "repeats"});
+  expect_rejected(make_file(R"({"w":{"dtype":"F32","dtype":"U8","shape":[1],"data_offsets":[0,1]}})", zeros(1)),
+                  {"\"dtype\"", "repeats"});
   expect_rejected(make_file(R"({"__metadata__":{"k":"a","k":"b"}})"), {"\"k\"", "repeats"});
   // The same key in sibling objects is not a duplicate.
   EXPECT_EQ(parse(make_file(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
@@ -597,15 +581,13 @@ TEST(SafetensorsRejects, Rule6UnknownDtype) {
 TEST(SafetensorsRejects, Rule7ShapeProductOverflow) {
   // The byte count wraps to a small non-zero value that the offsets and the buffer then match:
   // (2^62 + 1) × 4 = 2^64 + 4 ≡ 4.
-  expect_rejected(make_file(R"({"w":{"dtype":"F32","shape":[4611686018427387905],"data_offsets":[0,4]}})",
-                            zeros(4)),
+  expect_rejected(make_file(R"({"w":{"dtype":"F32","shape":[4611686018427387905],"data_offsets":[0,4]}})", zeros(4)),
                   {"tensor \"w\"", "overflows", "[4611686018427387905]", "F32"});
   // The element count overflows: 3 × (2^63 − 1) ≡ 2^63 − 3.
   expect_rejected(make_file(R"({"w":{"dtype":"U8","shape":[3,9223372036854775807],"data_offsets":[0,0]}})"),
                   {"tensor \"w\"", "overflows", "[3, 9223372036854775807]", "U8"});
   // The element count fits, the byte count does not: (2^61 + 1) × 8.
-  expect_rejected(make_file(R"({"w":{"dtype":"F64","shape":[2305843009213693953],"data_offsets":[0,8]}})",
-                            zeros(8)),
+  expect_rejected(make_file(R"({"w":{"dtype":"F64","shape":[2305843009213693953],"data_offsets":[0,8]}})", zeros(8)),
                   {"tensor \"w\"", "overflows", "F64"});
   // An overflow before a 0 dimension is an overflow (the product is formed left to right, as in the
   // reference implementation).
@@ -715,9 +697,8 @@ TEST(SafetensorsRejects, Rule10BufferShorterThanTensors) {
   const Bytes data = bytes_of<float>({1.0f, 2.0f});
   expect_rejected(kF32Entry, Bytes(data.begin(), data.end() - 1), {"cover 8 bytes", "holds 7", "too short"});
   // A span as large as the shape allows, far beyond the data (the sum end + 8 + N would wrap).
-  expect_rejected(
-      R"({"w":{"dtype":"F64","shape":[2305843009213693951],"data_offsets":[0,18446744073709551608]}})",
-      zeros(8), {"cover 18446744073709551608 bytes", "too short"});
+  expect_rejected(R"({"w":{"dtype":"F64","shape":[2305843009213693951],"data_offsets":[0,18446744073709551608]}})",
+                  zeros(8), {"cover 18446744073709551608 bytes", "too short"});
 }
 
 TEST(SafetensorsRejects, Rule11MetadataMustMapStringsToStrings) {
@@ -742,9 +723,8 @@ TEST(SafetensorsRejects, DeeplyNestedJsonWithoutCrashing) {
 
   // 128 levels are fine for the JSON reader; the entry is then rejected for its shape.
   const std::string deep_shape = std::string(126, '[') + "1" + std::string(126, ']');
-  expect_rejected(
-      make_file(R"({"w":{"dtype":"F32","shape":)" + deep_shape + R"(,"data_offsets":[0,4]}})", zeros(4)),
-      {"tensor \"w\"", "\"shape\" must be an array of non-negative integers", "[[[[[...]]]]]"});
+  expect_rejected(make_file(R"({"w":{"dtype":"F32","shape":)" + deep_shape + R"(,"data_offsets":[0,4]}})", zeros(4)),
+                  {"tensor \"w\"", "\"shape\" must be an array of non-negative integers", "[[[[[...]]]]]"});
   const std::string too_deep_shape = std::string(127, '[') + "1" + std::string(127, ']');
   expect_rejected(
       make_file(R"({"w":{"dtype":"F32","shape":)" + too_deep_shape + R"(,"data_offsets":[0,4]}})", zeros(4)),
@@ -753,8 +733,7 @@ TEST(SafetensorsRejects, DeeplyNestedJsonWithoutCrashing) {
 
 TEST(SafetensorsRejects, LongNamesAreShortenedInMessages) {
   const std::string name(10'000, 'n');
-  const std::string msg =
-      parse_error(make_file("{\"" + name + R"(":{"dtype":"X","shape":[],"data_offsets":[0,0]}})"));
+  const std::string msg = parse_error(make_file("{\"" + name + R"(":{"dtype":"X","shape":[],"data_offsets":[0,0]}})"));
   EXPECT_NE(msg.find("unknown dtype"), std::string::npos) << msg;
   EXPECT_LT(msg.size(), 1000u);
 }
@@ -844,8 +823,7 @@ TEST(Safetensors, LoadMissingFileThrowsRuntimeErrorNamingThePath) {
 }
 
 TEST(Safetensors, SaveToUnwritablePathThrowsRuntimeErrorNamingThePath) {
-  const std::string path =
-      (std::filesystem::temp_directory_path() / "c2f_no_such_dir" / "out.safetensors").string();
+  const std::string path = (std::filesystem::temp_directory_path() / "c2f_no_such_dir" / "out.safetensors").string();
   try {
     c2f::save_safetensors(path, sample_state_dict());
     FAIL() << "expected std::runtime_error";

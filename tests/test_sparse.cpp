@@ -26,11 +26,11 @@ using c2f::RowMatrix;
 using c2f::SparseC2FAttention;
 using c2f::StateDict;
 using c2f::Tensor3;
-using c2f_test::meta_index;
 using c2f_test::expect_close;
+using c2f_test::meta_index;
 using c2f_test::randomize;
-using c2f_test::Tolerance;
 using c2f_test::TestRng;
+using c2f_test::Tolerance;
 
 template <class T>
 class SparseTyped : public ::testing::Test {};
@@ -41,7 +41,8 @@ TYPED_TEST_SUITE(SparseTyped, Scalars);
 std::vector<Index> widened(const c2f::kernels::ChunkSelection& s, Index top_k) {
   std::vector<Index> out;
   for (std::size_t r = 0; r * static_cast<std::size_t>(s.top_k) < s.index.size(); ++r) {
-    for (Index i = 0; i < top_k; ++i) out.push_back(i < s.top_k ? s.index[r * static_cast<std::size_t>(s.top_k) + static_cast<std::size_t>(i)] : -1);
+    for (Index i = 0; i < top_k; ++i)
+      out.push_back(i < s.top_k ? s.index[r * static_cast<std::size_t>(s.top_k) + static_cast<std::size_t>(i)] : -1);
   }
   return out;
 }
@@ -79,11 +80,13 @@ void check_case(const nlohmann::json& c) {
     // nn.MultiheadAttention's own output, and c2f's MultiHeadAttention on the same weights.
     const std::vector<Scalar> torch_mha = c2f_test::values<Scalar>(sd, "mha_output");
     const Tensor3<Scalar> y = sparse.forward(x, masks);
-    expect_close(y.data(), torch_mha.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " vs torch MHA");
+    expect_close(y.data(), torch_mha.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
+                 name + " vs torch MHA");
     c2f::Masks<Scalar> dense_masks = masks;
     if (causal) dense_masks.attn_mask(c2f::AttnMask<Scalar>::causal());
     const Tensor3<Scalar> ours = sparse.as_multihead_attention().forward(x, dense_masks);
-    expect_close(y.data(), ours.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol, name + " vs c2f MHA");
+    expect_close(y.data(), ours.data(), y.size(), Tolerance<Scalar>::atol, Tolerance<Scalar>::rtol,
+                 name + " vs c2f MHA");
   }
 }
 
@@ -134,8 +137,8 @@ std::vector<Index> brute_force_selection(const RowMatrix<Scalar>& q, const RowMa
       }
       for (Index i = 0; i < rows; ++i) {
         const Index own = per_token ? i / chunk : i;
-        const RowMatrix<Scalar> query = per_token ? RowMatrix<Scalar>(q.block(b * length + i, h * dh, 1, dh))
-                                                  : RowMatrix<Scalar>(qm.row(i));
+        const RowMatrix<Scalar> query =
+            per_token ? RowMatrix<Scalar>(q.block(b * length + i, h * dh, 1, dh)) : RowMatrix<Scalar>(qm.row(i));
         std::vector<std::pair<Scalar, Index>> ranked;
         for (Index j = 0; j < (causal ? own : m); ++j) {
           if (j != own) ranked.push_back({-query.row(0).dot(km.row(j)), j});
@@ -178,11 +181,12 @@ RowMatrix<Scalar> dense_fine_stage(const RowMatrix<Scalar>& q, const RowMatrix<S
   const c2f::AttnMask<Scalar> mask = c2f::AttnMask<Scalar>::keep(keep);
   const c2f::MaskView<Scalar> plan(mask, {}, batch, heads, length, length);
   RowMatrix<Scalar> out(batch * length, q.cols());
-  c2f::kernels::sdpa_naive<Scalar>(c2f::kernels::heads_view<const Scalar>(q.data(), batch, length, q.cols(), 0, heads, dh),
-                                   c2f::kernels::heads_view<const Scalar>(k.data(), batch, length, q.cols(), 0, heads, dh),
-                                   c2f::kernels::heads_view<const Scalar>(v.data(), batch, length, q.cols(), 0, heads, dh),
-                                   c2f::kernels::heads_view<Scalar>(out.data(), batch, length, q.cols(), 0, heads, dh),
-                                   plan, c2f::kernels::default_scale<Scalar>(dh), {});
+  c2f::kernels::sdpa_naive<Scalar>(
+      c2f::kernels::heads_view<const Scalar>(q.data(), batch, length, q.cols(), 0, heads, dh),
+      c2f::kernels::heads_view<const Scalar>(k.data(), batch, length, q.cols(), 0, heads, dh),
+      c2f::kernels::heads_view<const Scalar>(v.data(), batch, length, q.cols(), 0, heads, dh),
+      c2f::kernels::heads_view<Scalar>(out.data(), batch, length, q.cols(), 0, heads, dh), plan,
+      c2f::kernels::default_scale<Scalar>(dh), {});
   return out;
 }
 
@@ -205,7 +209,8 @@ TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
     const Index batch = rng.uniform_int(1, 2), top_k = rng.uniform_int(1, 6);
     const bool causal = per_token && rng.coin();  // per-chunk gating is never causal
     const int threads = static_cast<int>(rng.uniform_int(1, 2));
-    const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, heads * dh), k = rng.matrix<Scalar>(batch * length, heads * dh),
+    const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, heads * dh),
+                            k = rng.matrix<Scalar>(batch * length, heads * dh),
                             v = rng.matrix<Scalar>(batch * length, heads * dh);
     std::vector<Index> lengths(static_cast<std::size_t>(batch), length);
     if (rng.coin(0.3)) lengths[0] = rng.uniform_int(0, length);
@@ -218,15 +223,18 @@ TYPED_TEST(SparseTyped, KernelsMatchTheirTwinsOnRandomShapes) {
          << " len0=" << lengths[0];
     SCOPED_TRACE(what.str());
     const c2f::kernels::ChunkSelection sel =
-        per_token ? c2f::kernels::select_chunks_per_token<Scalar>(q, chunk_means(k, grid), grid, heads, top_k, causal, c2f::kernels::with_threads(threads))
+        per_token ? c2f::kernels::select_chunks_per_token<Scalar>(q, chunk_means(k, grid), grid, heads, top_k, causal,
+                                                                  c2f::kernels::with_threads(threads))
                   : c2f::kernels::select_chunks<Scalar>(q, k, grid, heads, top_k, c2f::kernels::with_threads(threads));
     EXPECT_EQ(widened(sel, top_k), brute_force_selection(q, k, batch, length, heads, chunk, top_k, per_token, causal));
     RowMatrix<Scalar> fast(batch * length, heads * dh);
     const Scalar scale = c2f::kernels::default_scale<Scalar>(dh);
     if (per_token) {
-      c2f::kernels::token_sparse_attention<Scalar>(q, k, v, grid, heads, sel, fast, causal, plan, scale, c2f::kernels::with_threads(threads));
+      c2f::kernels::token_sparse_attention<Scalar>(q, k, v, grid, heads, sel, fast, causal, plan, scale,
+                                                   c2f::kernels::with_threads(threads));
     } else {
-      c2f::kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, sel, fast, plan, scale, c2f::kernels::with_threads(threads));
+      c2f::kernels::chunk_sparse_attention<Scalar>(q, k, v, grid, heads, sel, fast, plan, scale,
+                                                   c2f::kernels::with_threads(threads));
     }
     const RowMatrix<Scalar> dense =
         dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, sel.top_k, per_token, causal, lengths);
@@ -268,7 +276,8 @@ TYPED_TEST(SparseTyped, PackedPathsMatchTheDenseTwin) {
     const bool packed = per_token ? c2f::kernels::impl::token_sparse_packed<Scalar, Scalar>(options(1), length)
                                   : c2f::kernels::impl::chunk_sparse_packed<Scalar>(grid, options(1));
     ASSERT_TRUE(packed);
-    const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, heads * dh, 2.0), k = rng.matrix<Scalar>(batch * length, heads * dh, 2.0),
+    const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, heads * dh, 2.0),
+                            k = rng.matrix<Scalar>(batch * length, heads * dh, 2.0),
                             v = rng.matrix<Scalar>(batch * length, heads * dh);
     std::vector<Index> lengths(static_cast<std::size_t>(batch), length);
     lengths[0] = rng.uniform_int(0, length);
@@ -280,22 +289,26 @@ TYPED_TEST(SparseTyped, PackedPathsMatchTheDenseTwin) {
                          const c2f::kernels::ChunkSelection& sel, int threads) {
       RowMatrix<Scalar> out(batch * length, heads * dh);
       if (per_token) {
-        c2f::kernels::token_sparse_attention<Scalar>(qi, ki, vi, grid, heads, sel, out, causal, plan, scale, options(threads));
+        c2f::kernels::token_sparse_attention<Scalar>(qi, ki, vi, grid, heads, sel, out, causal, plan, scale,
+                                                     options(threads));
       } else {
         c2f::kernels::chunk_sparse_attention<Scalar>(qi, ki, vi, grid, heads, sel, out, plan, scale, options(threads));
       }
       return out;
     };
     const auto select = [&](const RowMatrix<Scalar>& qi, const RowMatrix<Scalar>& ki) {
-      return per_token ? c2f::kernels::select_chunks_per_token<Scalar>(qi, chunk_means(ki, grid), grid, heads, top_k, causal, options(1))
+      return per_token ? c2f::kernels::select_chunks_per_token<Scalar>(qi, chunk_means(ki, grid), grid, heads, top_k,
+                                                                       causal, options(1))
                        : c2f::kernels::select_chunks<Scalar>(qi, ki, grid, heads, top_k, options(1));
     };
     const c2f::kernels::ChunkSelection sel = select(q, k);
     const RowMatrix<Scalar> one = run(q, k, v, sel, 1), two = run(q, k, v, sel, 2);
-    const RowMatrix<Scalar> dense = dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, sel.top_k, per_token, causal, lengths);
+    const RowMatrix<Scalar> dense =
+        dense_fine_stage(q, k, v, batch, length, heads, chunk, sel.index, sel.top_k, per_token, causal, lengths);
     const double tol = std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
     expect_close(one.data(), dense.data(), one.size(), tol, tol, what.str());
-    EXPECT_EQ(0, std::memcmp(one.data(), two.data(), sizeof(Scalar) * static_cast<std::size_t>(one.size()))) << "1 and 2 threads";
+    EXPECT_EQ(0, std::memcmp(one.data(), two.data(), sizeof(Scalar) * static_cast<std::size_t>(one.size())))
+        << "1 and 2 threads";
     RowMatrix<Scalar> poisoned_k = k, poisoned_v = v;
     for (Index j = lengths[0]; j < length; ++j) {
       poisoned_k.row(j).setConstant(j % 2 ? kInf : -kInf);
@@ -303,7 +316,8 @@ TYPED_TEST(SparseTyped, PackedPathsMatchTheDenseTwin) {
     }
     const RowMatrix<Scalar> dirty = run(q, poisoned_k, poisoned_v, sel, 2);
     // (A row with every selected key hidden is 0 on either input.)
-    EXPECT_TRUE(dirty.allFinite() && (dirty.array() == one.array()).all()) << "non-finite keys and values behind the padding";
+    EXPECT_TRUE(dirty.allFinite() && (dirty.array() == one.array()).all())
+        << "non-finite keys and values behind the padding";
     if (causal) {  // batch item 0 from position t on: new values, and NaN in its keys and values
       const Index t = rng.uniform_int(0, length - 1);
       RowMatrix<Scalar> q2 = q, k2 = k, v2 = v;
@@ -323,7 +337,8 @@ TYPED_TEST(SparseTyped, PackedPathsMatchTheDenseTwin) {
 TEST(SparseKernels, ChunkMeanWhereMatchesItsDefinition) {
   TestRng rng(74);
   for (int rep = 0; rep < 20; ++rep) {
-    const c2f::kernels::ChunkGrid grid{rng.uniform_int(1, 3), rng.uniform_int(0, 41), rng.pick(std::vector<Index>{1, 4, 7, 64})};
+    const c2f::kernels::ChunkGrid grid{rng.uniform_int(1, 3), rng.uniform_int(0, 41),
+                                       rng.pick(std::vector<Index>{1, 4, 7, 64})};
     const RowMatrix<double> x = rng.matrix<double>(grid.tokens(), 5);
     std::vector<char> keep(static_cast<std::size_t>(grid.tokens()));
     for (char& k : keep) k = rng.coin(0.6);
@@ -342,10 +357,12 @@ TEST(SparseKernels, ChunkMeanWhereMatchesItsDefinition) {
       if (n == 0) {
         EXPECT_TRUE(got.row(c).array().isNaN().all()) << "chunk " << c;
       } else {
-        c2f_test::expect_close(got.row(c).data(), Eigen::RowVectorXd(sum / double(n)).data(), 5, 1e-14, 1e-14, "chunk_mean_where");
+        c2f_test::expect_close(got.row(c).data(), Eigen::RowVectorXd(sum / double(n)).data(), 5, 1e-14, 1e-14,
+                               "chunk_mean_where");
       }
     }
-    c2f::kernels::chunk_mean_where<double>(x, grid, [](Index, Index) { return true; }, all, c2f::kernels::with_threads(1));
+    c2f::kernels::chunk_mean_where<double>(
+        x, grid, [](Index, Index) { return true; }, all, c2f::kernels::with_threads(1));
     c2f::kernels::chunk_mean<double>(x, grid, plain, c2f::kernels::with_threads(1));
     EXPECT_TRUE(c2f_test::same_bits(all.data(), plain.data(), all.size()));
   }
@@ -356,15 +373,20 @@ TEST(SparseKernels, FineStagesRefuseAMismatchedSelection) {
   const RowMatrix<float> q = rng.matrix<float>(20, 8), k = q, v = q;
   const c2f::kernels::ChunkGrid grid{1, 20, 4};
   RowMatrix<float> out(20, 8);
-  const c2f::kernels::ChunkSelection per_chunk = c2f::kernels::select_chunks<float>(q, k, grid, 2, 2, c2f::kernels::with_threads(1));
-  const c2f::kernels::ChunkSelection per_token = c2f::kernels::select_chunks_per_token<float>(q, k, grid, 2, 2, true, c2f::kernels::with_threads(1));
+  const c2f::kernels::ChunkSelection per_chunk =
+      c2f::kernels::select_chunks<float>(q, k, grid, 2, 2, c2f::kernels::with_threads(1));
+  const c2f::kernels::ChunkSelection per_token =
+      c2f::kernels::select_chunks_per_token<float>(q, k, grid, 2, 2, true, c2f::kernels::with_threads(1));
   EXPECT_EQ(per_chunk.queries, 5);
   EXPECT_EQ(per_token.queries, 20);
-  EXPECT_THROW(c2f::kernels::token_sparse_attention<float>(q, k, v, grid, 2, per_chunk, out, true, {}, 0.5f, c2f::kernels::with_threads(1)),
+  EXPECT_THROW(c2f::kernels::token_sparse_attention<float>(q, k, v, grid, 2, per_chunk, out, true, {}, 0.5f,
+                                                           c2f::kernels::with_threads(1)),
                std::invalid_argument);
-  EXPECT_THROW(c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, 2, per_token, out, {}, 0.5f, c2f::kernels::with_threads(1)),
+  EXPECT_THROW(c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, 2, per_token, out, {}, 0.5f,
+                                                           c2f::kernels::with_threads(1)),
                std::invalid_argument);
-  EXPECT_THROW(c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, 4, per_chunk, out, {}, 0.5f, c2f::kernels::with_threads(1)),
+  EXPECT_THROW(c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, 4, per_chunk, out, {}, 0.5f,
+                                                           c2f::kernels::with_threads(1)),
                std::invalid_argument);
 }
 
@@ -377,7 +399,8 @@ TEST(SparseLayer, CoveringTopKEqualsMultiHeadAttention) {
     const bool causal = rep % 3 == 1;
     SparseC2FAttention<double>::Options o;
     o.gating(rep % 3 == 2 ? c2f::Gating::PerToken : c2f::Gating::Auto);
-    SparseC2FAttention<double> sparse(12, 3, chunk, (length + chunk - 1) / chunk + rng.uniform_int(0, 2), o.causal(causal));
+    SparseC2FAttention<double> sparse(12, 3, chunk, (length + chunk - 1) / chunk + rng.uniform_int(0, 2),
+                                      o.causal(causal));
     randomize(sparse, rng);
     const Tensor3<double> x = rng.tensor<double>(2, length, 12);
     c2f::Masks<double> masks;
@@ -397,8 +420,10 @@ TEST(SparseLayer, CoveringTopKEqualsMultiHeadAttention) {
 TEST(SparseBf16, FineStagesMatchTheNaiveTwinOnCoveringSelections) {
   TestRng rng(0xbf23);
   for (int rep = 0; rep < 24; ++rep) {
-    const Index batch = rng.uniform_int(1, 2), heads = rng.uniform_int(1, 3), dh = rng.pick(std::vector<Index>{1, 4, 16, 17});
-    const Index chunk = rng.pick(std::vector<Index>{1, 5, 8, 16}), length = rng.pick(std::vector<Index>{1, 7, 15, 17, 33, 64});
+    const Index batch = rng.uniform_int(1, 2), heads = rng.uniform_int(1, 3),
+                dh = rng.pick(std::vector<Index>{1, 4, 16, 17});
+    const Index chunk = rng.pick(std::vector<Index>{1, 5, 8, 16}),
+                length = rng.pick(std::vector<Index>{1, 7, 15, 17, 33, 64});
     const bool per_token = rep % 2 == 1, causal = per_token && rep % 4 == 3;
     const c2f::kernels::ChunkGrid grid{batch, length, chunk};
     const Index m = grid.chunks_per_batch(), e = heads * dh;
@@ -411,27 +436,31 @@ TEST(SparseBf16, FineStagesMatchTheNaiveTwinOnCoveringSelections) {
     const c2f::MaskView<float> dense_mask(attn, c2f::KeyPaddingMask<float>(), batch, heads, length, length);
     const auto view = [&](const RowMatrix<float>& x) { return c2f::kernels::heads_view(x, batch, length, heads); };
     RowMatrix<float> naive(batch * length, e), magnitude(batch * length, e);
-    c2f::kernels::sdpa_naive<float>(view(q), view(k), view(v), c2f::kernels::heads_view(naive, batch, length, heads), dense_mask,
-                                    scale, o);
+    c2f::kernels::sdpa_naive<float>(view(q), view(k), view(v), c2f::kernels::heads_view(naive, batch, length, heads),
+                                    dense_mask, scale, o);
     const RowMatrix<float> abs_v = v.unaryExpr(c2f::cpu::RoundBf16<float>()).cwiseAbs();
-    c2f::kernels::sdpa_naive<float>(view(q), view(k), view(abs_v), c2f::kernels::heads_view(magnitude, batch, length, heads),
-                                    dense_mask, scale, c2f::kernels::KernelOptions());
+    c2f::kernels::sdpa_naive<float>(view(q), view(k), view(abs_v),
+                                    c2f::kernels::heads_view(magnitude, batch, length, heads), dense_mask, scale,
+                                    c2f::kernels::KernelOptions());
     const c2f::kernels::ChunkSelection selection =
         per_token ? c2f::kernels::select_chunks_per_token<float>(q, chunk_means(k, grid), grid, heads, m, causal, o)
                   : c2f::kernels::select_chunks<float>(q, k, grid, heads, m, o);
     const auto run = [&](const c2f::kernels::KernelOptions& ko, RowMatrix<float>& out) {
       out.resize(batch * length, e);
       if (per_token) {
-        c2f::kernels::token_sparse_attention<float>(q, k, v, grid, heads, selection, out, causal, c2f::MaskView<float>(), scale, ko);
+        c2f::kernels::token_sparse_attention<float>(q, k, v, grid, heads, selection, out, causal,
+                                                    c2f::MaskView<float>(), scale, ko);
       } else {
-        c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, heads, selection, out, c2f::MaskView<float>(), scale, ko);
+        c2f::kernels::chunk_sparse_attention<float>(q, k, v, grid, heads, selection, out, c2f::MaskView<float>(), scale,
+                                                    ko);
       }
     };
     RowMatrix<float> out, one, fp32;
     run(o, out);
     const std::string what = std::string(per_token ? "per token" : "per chunk") + (causal ? " causal" : "") +
-                             " B=" + std::to_string(batch) + " H=" + std::to_string(heads) + " dh=" + std::to_string(dh) +
-                             " L=" + std::to_string(length) + " chunk=" + std::to_string(chunk);
+                             " B=" + std::to_string(batch) + " H=" + std::to_string(heads) +
+                             " dh=" + std::to_string(dh) + " L=" + std::to_string(length) +
+                             " chunk=" + std::to_string(chunk);
     const RowMatrix<float> bound = magnitude.array() * 0x1p-8f + 1e-5f;
     const RowMatrix<float> err = (out - naive).cwiseAbs();
     EXPECT_TRUE((err.array() <= bound.array()).all()) << what << ": max error " << err.maxCoeff();
@@ -452,7 +481,8 @@ TEST(SparseBf16, CoveringTopKMatchesTorchAutocastWithinTheStatedBound) {
   for (const char* name : {"mha_self_l128", "mha_causal_l128"}) {
     const StateDict sd = c2f::load_safetensors(c2f_test::data_path(std::string("bf16/") + name + "_f32.safetensors"));
     const Tensor3<float> x = c2f_test::tensor3<float>(sd, "query");
-    const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"), autocast = c2f_test::values<float>(sd, "output_autocast");
+    const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"),
+                             autocast = c2f_test::values<float>(sd, "output_autocast");
     const bool causal = sd.metadata().at("causal") == "true";
     const Index chunk = 16, top_k = (x.dimension(1) + chunk - 1) / chunk;
     for (c2f::Gating gating : {c2f::Gating::PerChunk, c2f::Gating::PerToken}) {
@@ -460,16 +490,18 @@ TEST(SparseBf16, CoveringTopKMatchesTorchAutocastWithinTheStatedBound) {
       for (bool tiles : {true, false}) {
         c2f::set_bf16_tiles(tiles);
         const char* engine = tiles && c2f::cpu::cpu_has_amx_bf16() ? "tiles" : "fallback";
-        SparseC2FAttention<float> m(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"), chunk, top_k,
-                                    SparseC2FAttention<float>::Options().causal(causal).gating(gating).num_threads(2).compute(
-                                        c2f::Compute::BFloat16));
+        SparseC2FAttention<float> m(
+            meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"), chunk, top_k,
+            SparseC2FAttention<float>::Options().causal(causal).gating(gating).num_threads(2).compute(
+                c2f::Compute::BFloat16));
         m.load_state_dict(sd, "mha.");
         const Tensor3<float> y = m.forward(x);
         m.set_num_threads(1);
         EXPECT_TRUE(c2f_test::same_bits(m.forward(x), y)) << name << " " << engine;
         const char* how = gating == c2f::Gating::PerToken ? "per token" : "per chunk";
-        c2f_test::expect_bf16_accuracy(std::string("SparseC2FAttention ") + name + " (" + how + ", top_k covering), " + engine,
-                                       y.data(), fp32, autocast);
+        c2f_test::expect_bf16_accuracy(
+            std::string("SparseC2FAttention ") + name + " (" + how + ", top_k covering), " + engine, y.data(), fp32,
+            autocast);
       }
     }
   }
@@ -478,7 +510,8 @@ TEST(SparseBf16, CoveringTopKMatchesTorchAutocastWithinTheStatedBound) {
     SparseC2FAttention<double> bad(8, 2, 4, 2, SparseC2FAttention<double>::Options().compute(c2f::Compute::BFloat16));
     ADD_FAILURE() << "no exception";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("SparseC2FAttention: compute BFloat16 needs float, got double"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("SparseC2FAttention: compute BFloat16 needs float, got double"),
+              std::string::npos)
         << e.what();
   }
 }
@@ -498,7 +531,9 @@ TEST(SparseLayer, NamesGatingAndErrors) {
   EXPECT_EQ(SparseC2FAttention<float>(32, 4, 16, 3).gating(), c2f::Gating::PerChunk);
   SparseC2FAttention<float>::Options per_chunk;
   per_chunk.gating(c2f::Gating::PerChunk);
-  EXPECT_NE(c2f_test::error_of([&] { SparseC2FAttention<float>(32, 4, 16, 3, per_chunk.causal(true)); }).find("cannot be causal"),
+  EXPECT_NE(c2f_test::error_of([&] {
+              SparseC2FAttention<float>(32, 4, 16, 3, per_chunk.causal(true));
+            }).find("cannot be causal"),
             std::string::npos);
   EXPECT_THROW(sparse.forward(rng.tensor<float>(1, 10, 16)), std::invalid_argument);
 }

@@ -21,8 +21,8 @@
 #include "support/layer_entries.hpp"
 #include "support/mha_fixtures.hpp"
 #include "support/random.hpp"
-#include "support/train_checks.hpp"
 #include "support/settings.hpp"
+#include "support/train_checks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -43,12 +43,12 @@ using c2f::Masks;
 using c2f::RowMatrix;
 using c2f::StateDict;
 using c2f::Tensor3;
-using c2f_test::LayerCalls;  // the entries of C2F_LAYER
 using c2f_test::check_central;
 using c2f_test::check_one_input_case;
 using c2f_test::check_parameters;
 using c2f_test::Comparison;
 using c2f_test::error_of;
+using c2f_test::LayerCalls;  // the entries of C2F_LAYER
 using c2f_test::meta_index;
 using c2f_test::ScalarOf;
 using c2f_test::TestRng;
@@ -66,13 +66,15 @@ kernels::HeadsView<Scalar> view_of(RowMatrix<Scalar>& m, const c2f_test::Problem
   return kernels::heads_view<Scalar>(m.data(), p.batch, seq, p.heads * dim, 0, p.heads, dim);
 }
 template <class Scalar>
-kernels::HeadsView<const Scalar> view_of(const RowMatrix<Scalar>& m, const c2f_test::Problem<Scalar>& p, Index seq, Index dim) {
+kernels::HeadsView<const Scalar> view_of(const RowMatrix<Scalar>& m, const c2f_test::Problem<Scalar>& p, Index seq,
+                                         Index dim) {
   return p.view(m, seq, dim);
 }
 
 /// A problem of these sizes with random q, k, v (N(0, 1)) and no masks.
 template <class Scalar>
-c2f_test::Problem<Scalar> sized_problem(TestRng& rng, Index batch, Index heads, Index lq, Index lk, Index dk, Index dv) {
+c2f_test::Problem<Scalar> sized_problem(TestRng& rng, Index batch, Index heads, Index lq, Index lk, Index dk,
+                                        Index dv) {
   c2f_test::Problem<Scalar> p;
   p.batch = batch;
   p.heads = heads;
@@ -101,21 +103,22 @@ struct AttnGrads {
 template <class Scalar>
 AttnGrads<Scalar> attention_backward(const c2f_test::Problem<Scalar>& p, const RowMatrix<Scalar>& dout,
                                      const c2f::MaskView<Scalar>& plan, const kernels::AttnDropout& dropout,
-                                     const kernels::KernelOptions& opt, bool naive, RowMatrix<Scalar>* out_copy = nullptr,
-                                     RowMatrix<Scalar>* lse_copy = nullptr) {
+                                     const kernels::KernelOptions& opt, bool naive,
+                                     RowMatrix<Scalar>* out_copy = nullptr, RowMatrix<Scalar>* lse_copy = nullptr) {
   RowMatrix<Scalar> out(p.batch * p.lq, p.heads * p.dv), lse(p.batch * p.heads, p.lq);
   AttnGrads<Scalar> g{RowMatrix<Scalar>(p.q.rows(), p.q.cols()), RowMatrix<Scalar>(p.k.rows(), p.k.cols()),
                       RowMatrix<Scalar>(p.v.rows(), p.v.cols())};
   if (naive) {
     kernels::sdpa_naive_train<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(out), lse, plan, dropout, p.scale(), opt);
-    kernels::sdpa_backward_naive<Scalar>(p.qv(), p.kv(), p.vv(), view_of(dout, p, p.lq, p.dv), view_of(g.dq, p, p.lq, p.dk),
-                                         view_of(g.dk, p, p.lk, p.dk), view_of(g.dv, p, p.lk, p.dv), plan, dropout,
-                                         p.scale(), opt);
+    kernels::sdpa_backward_naive<Scalar>(p.qv(), p.kv(), p.vv(), view_of(dout, p, p.lq, p.dv),
+                                         view_of(g.dq, p, p.lq, p.dk), view_of(g.dk, p, p.lk, p.dk),
+                                         view_of(g.dv, p, p.lk, p.dv), plan, dropout, p.scale(), opt);
   } else {
     kernels::sdpa_train<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(out), lse, plan, dropout, p.scale(), opt);
     kernels::sdpa_backward<Scalar>(p.qv(), p.kv(), p.vv(), view_of(std::as_const(out), p, p.lq, p.dv), lse,
-                                   view_of(dout, p, p.lq, p.dv), view_of(g.dq, p, p.lq, p.dk), view_of(g.dk, p, p.lk, p.dk),
-                                   view_of(g.dv, p, p.lk, p.dv), plan, dropout, p.scale(), opt);
+                                   view_of(dout, p, p.lq, p.dv), view_of(g.dq, p, p.lq, p.dk),
+                                   view_of(g.dk, p, p.lk, p.dk), view_of(g.dv, p, p.lk, p.dv), plan, dropout, p.scale(),
+                                   opt);
   }
   if (out_copy != nullptr) *out_copy = out;
   if (lse_copy != nullptr) *lse_copy = lse;
@@ -140,10 +143,11 @@ TYPED_TEST(TrainKernel, FlashBackwardEqualsTheNaiveTwin) {
     opt.query_block(rng.pick(std::vector<Index>{1, 7, 16, 64})).key_block(rng.pick(std::vector<Index>{1, 5, 32, 300}));
     opt.num_threads(2);
     kernels::AttnDropout dropout;
-    if (rng.coin(0.35)) dropout = {rng.pick(std::vector<double>{0.1, 0.5}), static_cast<std::uint64_t>(rng.uniform_int(0, 99)),
-                                   static_cast<std::uint64_t>(rng.uniform_int(0, 99))};
-    SCOPED_TRACE(p.description + " blocks " + std::to_string(opt.query_block()) + "x" + std::to_string(opt.key_block()) +
-                 " dropout " + std::to_string(dropout.p));
+    if (rng.coin(0.35))
+      dropout = {rng.pick(std::vector<double>{0.1, 0.5}), static_cast<std::uint64_t>(rng.uniform_int(0, 99)),
+                 static_cast<std::uint64_t>(rng.uniform_int(0, 99))};
+    SCOPED_TRACE(p.description + " blocks " + std::to_string(opt.query_block()) + "x" +
+                 std::to_string(opt.key_block()) + " dropout " + std::to_string(dropout.p));
     const c2f::MaskView<Scalar> plan(p.attn, p.pad, p.batch, p.heads, p.lq, p.lk);
     const RowMatrix<Scalar> dout = rng.matrix<Scalar>(p.batch * p.lq, p.heads * p.dv);
     RowMatrix<Scalar> out, lse, out_naive, lse_naive;
@@ -179,11 +183,12 @@ TYPED_TEST(TrainKernel, PackedBackwardEqualsTheNaiveTwin) {
                               rng.pick(std::vector<Index>{8, 17, 64}), rng.pick(std::vector<Index>{5, 64}));
     kernels::KernelOptions opt;
     if (rep % 2 == 1) {
-      opt.query_block(rng.pick(std::vector<Index>{16, 32, 48, 64})).key_block(rng.pick(std::vector<Index>{16, 32, 48, 64}));
+      opt.query_block(rng.pick(std::vector<Index>{16, 32, 48, 64}))
+          .key_block(rng.pick(std::vector<Index>{16, 32, 48, 64}));
     }
     const bool causal = rep % 4 == 0;
-    SCOPED_TRACE(p.description + " blocks " + std::to_string(opt.query_block()) + "x" + std::to_string(opt.key_block()) +
-                 (causal ? " causal" : ""));
+    SCOPED_TRACE(p.description + " blocks " + std::to_string(opt.query_block()) + "x" +
+                 std::to_string(opt.key_block()) + (causal ? " causal" : ""));
     const c2f::MaskView<Scalar> plan(c2f::Masks<Scalar>{}, p.batch, p.heads, lq, lk, causal);
     const RowMatrix<Scalar> dout = rng.matrix<Scalar>(p.batch * lq, p.heads * p.dv);
     opt.num_threads(2);
@@ -274,7 +279,8 @@ void check_non_finite_masked_keys(Index lq, Index query_block, Index key_block) 
 TYPED_TEST(TrainKernel, NonFiniteMaskedKeysReachNoGradient) {
   using Scalar = TypeParam;
   for (const auto& [lq, query_block, key_block] : {std::array<Index, 3>{23, 5, 8}, std::array<Index, 3>{37, 16, 32}}) {
-    SCOPED_TRACE("lq " + std::to_string(lq) + ", blocks " + std::to_string(query_block) + " x " + std::to_string(key_block));
+    SCOPED_TRACE("lq " + std::to_string(lq) + ", blocks " + std::to_string(query_block) + " x " +
+                 std::to_string(key_block));
     check_non_finite_masked_keys<Scalar>(lq, query_block, key_block);
   }
 }
@@ -299,7 +305,8 @@ TYPED_TEST(TrainKernel, BackwardBitsDoNotDependOnThreadCount) {
     const AttnGrads<Scalar> one = attention_backward(p, dout, plan, dropout, opt, false);
     for (int threads : {2, 3}) {
       opt.num_threads(threads);
-      EXPECT_TRUE(attention_backward(p, dout, plan, dropout, opt, false) == one) << p.description << ": " << threads << " threads";
+      EXPECT_TRUE(attention_backward(p, dout, plan, dropout, opt, false) == one)
+          << p.description << ": " << threads << " threads";
     }
   }
 }
@@ -313,7 +320,8 @@ TYPED_TEST(TrainKernel, LinearBackwardEqualsTheNaiveTwin) {
     const Index n = rng.pick(c2f_test::kAwkward) + (rep % 3 == 0 ? 300 : 0), in = rng.pick(c2f_test::kAwkward),
                 out = rng.pick(c2f_test::kAwkward);
     const bool bias = rng.coin();
-    const RowMatrix<Scalar> x = rng.matrix<Scalar>(n, in), w = rng.matrix<Scalar>(out, in), dy = rng.matrix<Scalar>(n, out);
+    const RowMatrix<Scalar> x = rng.matrix<Scalar>(n, in), w = rng.matrix<Scalar>(out, in),
+                            dy = rng.matrix<Scalar>(n, out);
     RowMatrix<Scalar> dx(n, in), dw(out, in), dx2(n, in), dw2(out, in), dxn(n, in), dwn(out, in);
     c2f::Vector<Scalar> db(out), db2(out), dbn(out);
     kernels::linear_backward<Scalar>(x, w, dy, dx, dw, bias ? db.data() : nullptr, kernels::with_threads(1));
@@ -323,9 +331,11 @@ TYPED_TEST(TrainKernel, LinearBackwardEqualsTheNaiveTwin) {
     const double tol = c2f_test::tolerance<Scalar>() * std::sqrt(double(std::max(n, out)));
     c2f_test::expect_close(dx, dxn, tol, tol, what + " dx");
     c2f_test::expect_close(dw, dwn, tol, tol, what + " dw");
-    EXPECT_TRUE(c2f_test::bitwise_equal(dx, dx2) && c2f_test::bitwise_equal(dw, dw2)) << what << ": 1 and 2 threads differ";
+    EXPECT_TRUE(c2f_test::bitwise_equal(dx, dx2) && c2f_test::bitwise_equal(dw, dw2))
+        << what << ": 1 and 2 threads differ";
     if (bias) {
-      c2f_test::expect_close(RowMatrix<Scalar>(db.transpose()), RowMatrix<Scalar>(dbn.transpose()), tol, tol, what + " db");
+      c2f_test::expect_close(RowMatrix<Scalar>(db.transpose()), RowMatrix<Scalar>(dbn.transpose()), tol, tol,
+                             what + " db");
       EXPECT_TRUE(db == db2) << what;
     }
   }
@@ -356,17 +366,19 @@ template <class Scalar>
 void check_mha_case(const StateDict& sd, Comparison& cmp) {
   const bool self = sd.metadata().at("self_attention") == "true";
   const Tensor3<Scalar> q = c2f_test::tensor3<Scalar>(sd, "query"), dy = c2f_test::tensor3<Scalar>(sd, "grad_output");
-  const Tensor3<Scalar> k = self ? q : c2f_test::tensor3<Scalar>(sd, "key"), v = self ? q : c2f_test::tensor3<Scalar>(sd, "value");
+  const Tensor3<Scalar> k = self ? q : c2f_test::tensor3<Scalar>(sd, "key"),
+                        v = self ? q : c2f_test::tensor3<Scalar>(sd, "value");
   for (const auto& [mask_name, masks] : c2f_test::mask_variants<Scalar>(sd)) {
     for (c2f::AttnKernel kernel : {c2f::AttnKernel::Streaming, c2f::AttnKernel::Naive}) {
-      for (const auto& [threads, blocks] : std::vector<std::pair<int, std::pair<Index, Index>>>{{1, {64, 256}}, {2, {5, 8}}}) {
+      for (const auto& [threads, blocks] :
+           std::vector<std::pair<int, std::pair<Index, Index>>>{{1, {64, 256}}, {2, {5, 8}}}) {
         typename c2f::MultiHeadAttention<Scalar>::Options o = c2f_test::options_from<Scalar>(sd);
         o.kernel(kernel).num_threads(threads).query_block(blocks.first).key_block(blocks.second);
         c2f::MultiHeadAttention<Scalar> mha(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"), o);
         mha.load_state_dict(sd, "mha.");
-        const std::string what = mask_name + (kernel == c2f::AttnKernel::Naive ? " naive" : " streaming") + " threads " +
-                                 std::to_string(threads) + " blocks " + std::to_string(blocks.first) + "x" +
-                                 std::to_string(blocks.second);
+        const std::string what = mask_name + (kernel == c2f::AttnKernel::Naive ? " naive" : " streaming") +
+                                 " threads " + std::to_string(threads) + " blocks " + std::to_string(blocks.first) +
+                                 "x" + std::to_string(blocks.second);
         const auto [y, saved] = self ? mha.forward_train(q, masks) : mha.forward_train(q, k, v, masks);
         const c2f::Grads<Scalar> g = mha.backward(saved, dy);
         cmp.check(y, sd, "output", what);
@@ -410,8 +422,8 @@ void check_optimizer_case(const StateDict& sd, Comparison& cmp) {
     cmp.check(&norm_s, c2f_test::values<Scalar>(sd, "total_norm"), 1, tol, tol, "total_norm");
     for (const char* name : {"weight", "bias"}) {
       const std::vector<Scalar> got = grads.at(name).template to_vector<Scalar>();
-      cmp.check(got.data(), c2f_test::values<Scalar>(sd, std::string("clipped.") + name), grads.at(name).numel(), tol, tol,
-                std::string("clipped ") + name);
+      cmp.check(got.data(), c2f_test::values<Scalar>(sd, std::string("clipped.") + name), grads.at(name).numel(), tol,
+                tol, std::string("clipped ") + name);
     }
     return;
   }
@@ -427,21 +439,29 @@ void check_optimizer_case(const StateDict& sd, Comparison& cmp) {
     }
   };
   if (module == "adamw") {
-    c2f::AdamW opt(c2f::AdamW::Options().lr(hyper(sd, "lr")).beta1(hyper(sd, "beta1")).beta2(hyper(sd, "beta2"))
-                       .eps(hyper(sd, "eps")).weight_decay(hyper(sd, "weight_decay")));
+    c2f::AdamW opt(c2f::AdamW::Options()
+                       .lr(hyper(sd, "lr"))
+                       .beta1(hyper(sd, "beta1"))
+                       .beta2(hyper(sd, "beta2"))
+                       .eps(hyper(sd, "eps"))
+                       .weight_decay(hyper(sd, "weight_decay")));
     run(opt);
     EXPECT_EQ(opt.steps("weight"), meta_index(sd, "steps"));
     EXPECT_TRUE(opt.state().contains("weight.exp_avg") && opt.state().contains("bias.exp_avg_sq"));
   } else {
-    c2f::SGD opt(hyper(sd, "lr"), c2f::SGD::Options().momentum(hyper(sd, "momentum")).dampening(hyper(sd, "dampening"))
-                                      .weight_decay(hyper(sd, "weight_decay")).nesterov(hyper(sd, "nesterov") != 0));
+    c2f::SGD opt(hyper(sd, "lr"), c2f::SGD::Options()
+                                      .momentum(hyper(sd, "momentum"))
+                                      .dampening(hyper(sd, "dampening"))
+                                      .weight_decay(hyper(sd, "weight_decay"))
+                                      .nesterov(hyper(sd, "nesterov") != 0));
     run(opt);
   }
 }
 
 template <class Scalar>
 void check_train_case(const nlohmann::json& c) {
-  const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(c2f_test::Tolerance<Scalar>::file_key)));
+  const StateDict sd =
+      c2f::load_safetensors(c2f_test::data_path(c.at("files").at(c2f_test::Tolerance<Scalar>::file_key)));
   const std::string module = sd.metadata().at("module");
   Comparison cmp;
   if (module == "linear") {
@@ -497,14 +517,17 @@ TEST(FiniteDifferencesCross, MultiHeadAttentionKdimVdim) {
   using Mha = c2f::MultiHeadAttention<double>;
   Mha mha(8, 2, Mha::Options().kdim(5).vdim(3).query_block(2).key_block(4).dropout(0.2));
   c2f_test::randomize(mha, rng, 0.5);
-  const Tensor3<double> q = rng.tensor<double>(2, 5, 8), k = rng.tensor<double>(2, 9, 5), v = rng.tensor<double>(2, 9, 3);
+  const Tensor3<double> q = rng.tensor<double>(2, 5, 8), k = rng.tensor<double>(2, 9, 5),
+                        v = rng.tensor<double>(2, 9, 3);
   const Masks<double> masks = Masks<double>().key_padding_mask(c2f::KeyPaddingMask<double>::lengths({9, 4}));
   const auto [y, saved] = mha.forward_train(q, k, v, masks, 3);
   const Tensor3<double> dy = rng.tensor<double>(2, 5, 8);
   const c2f::Grads<double> g = mha.backward(saved, dy);
   const auto loss = [&](const Mha& m, const Tensor3<double>& a, const Tensor3<double>& b, const Tensor3<double>& c) {
     const Tensor3<double> out = m.forward_train(a, b, c, masks, 3).output;
-    return (Eigen::Map<const Eigen::ArrayXd>(out.data(), out.size()) * Eigen::Map<const Eigen::ArrayXd>(dy.data(), dy.size())).sum();
+    return (Eigen::Map<const Eigen::ArrayXd>(out.data(), out.size()) *
+            Eigen::Map<const Eigen::ArrayXd>(dy.data(), dy.size()))
+        .sum();
   };
   double worst = 0;
   const Tensor3<double>* inputs[3] = {&q, &k, &v};
@@ -512,13 +535,15 @@ TEST(FiniteDifferencesCross, MultiHeadAttentionKdimVdim) {
   for (int which = 0; which < 3; ++which) {
     const Tensor3<double>& in = *inputs[which];
     ASSERT_EQ(grads[which]->dimensions(), in.dimensions());
-    worst = std::max(worst, check_central(std::vector<double>(in.data(), in.data() + in.size()),
-                                          std::vector<double>(grads[which]->data(), grads[which]->data() + in.size()),
-                                          [&](std::size_t i, double value) {
-                                            Tensor3<double> moved[3] = {q, k, v};
-                                            moved[which].data()[i] = value;
-                                            return loss(mha, moved[0], moved[1], moved[2]);
-                                          }, "input " + std::to_string(which)));
+    worst = std::max(worst, check_central(
+                                std::vector<double>(in.data(), in.data() + in.size()),
+                                std::vector<double>(grads[which]->data(), grads[which]->data() + in.size()),
+                                [&](std::size_t i, double value) {
+                                  Tensor3<double> moved[3] = {q, k, v};
+                                  moved[which].data()[i] = value;
+                                  return loss(mha, moved[0], moved[1], moved[2]);
+                                },
+                                "input " + std::to_string(which)));
   }
   worst = std::max(worst, check_parameters(mha, g.params, [&](const Mha& other) { return loss(other, q, k, v); }));
   std::cout << "[train] finite differences cross-attention kdim 5 vdim 3: worst ratio " << worst << "\n";
@@ -567,7 +592,8 @@ TEST(Dropout, ReproducibleAndIndependentOfTheThreadCount) {
     EXPECT_TRUE(c2f_test::same_bits(y, y1)) << threads << " threads";
     const c2f::Grads<float> g = mha.backward(s, dy);
     EXPECT_TRUE(c2f_test::same_bits(g.input, g1.input)) << threads << " threads";
-    for (const auto& [key, t] : g.params) EXPECT_EQ(t.bytes(), g1.params.at(key).bytes()) << key << ", " << threads << " threads";
+    for (const auto& [key, t] : g.params)
+      EXPECT_EQ(t.bytes(), g1.params.at(key).bytes()) << key << ", " << threads << " threads";
   }
   EXPECT_FALSE(c2f_test::same_bits(mha.forward_train(x, {}, 6).output, y1)) << "step 6 drew step 5's mask";
   const Tensor3<float> eval = mha.forward(x);
@@ -581,11 +607,13 @@ TEST(Dropout, ReproducibleAndIndependentOfTheThreadCount) {
 }
 
 TEST(Dropout, OutsideZeroToOneIsRefusedNamingTheLayer) {
-  EXPECT_NE(error_of([] { c2f::MultiHeadAttention<float>(8, 2, c2f::MultiHeadAttention<float>::Options().dropout(1.0)); })
-                .find("MultiHeadAttention: dropout must lie in [0, 1), got 1"),
+  EXPECT_NE(error_of([] {
+              c2f::MultiHeadAttention<float>(8, 2, c2f::MultiHeadAttention<float>::Options().dropout(1.0));
+            }).find("MultiHeadAttention: dropout must lie in [0, 1), got 1"),
             std::string::npos);
-  EXPECT_NE(error_of([] { c2f::CoarseAttention<float>(8, 2, c2f::CoarseAttention<float>::Options().dropout(-0.1)); })
-                .find("CoarseAttention: dropout must lie in [0, 1)"),
+  EXPECT_NE(error_of([] {
+              c2f::CoarseAttention<float>(8, 2, c2f::CoarseAttention<float>::Options().dropout(-0.1));
+            }).find("CoarseAttention: dropout must lie in [0, 1)"),
             std::string::npos);
 }
 
@@ -616,7 +644,8 @@ TEST(TrainLayers, RowsWithoutAVisibleKeyGiveZeroInputGradient) {
 
 StateDict grads_of(std::initializer_list<std::pair<const char*, std::vector<double>>> tensors) {
   StateDict sd;
-  for (const auto& [name, v] : tensors) sd.set(name, c2f::TensorData::from_values(v.data(), {static_cast<std::int64_t>(v.size())}));
+  for (const auto& [name, v] : tensors)
+    sd.set(name, c2f::TensorData::from_values(v.data(), {static_cast<std::int64_t>(v.size())}));
   return sd;
 }
 
@@ -630,8 +659,13 @@ TEST(TrainUtilities, GradNormsAndAccumulation) {
   c2f::accumulate_grads(sum, g);
   c2f::accumulate_grads(sum, g);
   EXPECT_EQ(sum.at("a").to_vector<double>(), (std::vector<double>{6, 8}));
-  EXPECT_NE(error_of([&] { c2f::accumulate_grads(sum, grads_of({{"a", {1, 2}}})); }).find("different names"), std::string::npos);
-  EXPECT_NE(error_of([&] { c2f::accumulate_grads(sum, grads_of({{"a", {1}}, {"b", {1}}})); }).find("'a' is F64 [2]"),
+  EXPECT_NE(error_of([&] {
+              c2f::accumulate_grads(sum, grads_of({{"a", {1, 2}}}));
+            }).find("different names"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              c2f::accumulate_grads(sum, grads_of({{"a", {1}}, {"b", {1}}}));
+            }).find("'a' is F64 [2]"),
             std::string::npos);
   StateDict clipped = g;
   EXPECT_EQ(c2f::clip_grad_norm(clipped, 6.5), 13.0);
@@ -647,18 +681,22 @@ TEST(TrainUtilities, OptimizersRefuseBadInput) {
   c2f::SGD sgd(0.1);
   StateDict missing;
   missing.set("weight", before.at("weight"));
-  EXPECT_NE(error_of([&] { sgd.step(layer, missing); }).find("SGD::step: no gradient for the parameter 'bias'"), std::string::npos);
+  EXPECT_NE(error_of([&] { sgd.step(layer, missing); }).find("SGD::step: no gradient for the parameter 'bias'"),
+            std::string::npos);
   StateDict extra = before;
   extra.set("other", before.at("bias"));
   EXPECT_NE(error_of([&] { sgd.step(layer, extra); }).find("'other' names no parameter"), std::string::npos);
   StateDict misshapen = before;
   misshapen.set("bias", before.at("weight"));
-  EXPECT_NE(error_of([&] { sgd.step(layer, misshapen); }).find("the gradient 'bias' is F32 [3, 4], the parameter F32 [3]"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { sgd.step(layer, misshapen); }).find("the gradient 'bias' is F32 [3, 4], the parameter F32 [3]"),
+      std::string::npos);
   EXPECT_EQ(layer.state_dict().at("weight").bytes(), before.at("weight").bytes());
   EXPECT_NE(error_of([] { c2f::SGD(-1.0); }).find("SGD: lr must be >= 0"), std::string::npos);
-  EXPECT_NE(error_of([] { c2f::SGD(0.1, c2f::SGD::Options().nesterov(true)); }).find("nesterov needs momentum > 0"), std::string::npos);
-  EXPECT_NE(error_of([] { c2f::AdamW(c2f::AdamW::Options().beta2(1.0)); }).find("AdamW: beta2 must be in [0, 1)"), std::string::npos);
+  EXPECT_NE(error_of([] { c2f::SGD(0.1, c2f::SGD::Options().nesterov(true)); }).find("nesterov needs momentum > 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { c2f::AdamW(c2f::AdamW::Options().beta2(1.0)); }).find("AdamW: beta2 must be in [0, 1)"),
+            std::string::npos);
 }
 
 // forward_train → backward → clip → AdamW, repeated: a CoarseAttention learns to imitate another one's output

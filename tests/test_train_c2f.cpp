@@ -44,10 +44,10 @@ using c2f::Masks;
 using c2f::RowMatrix;
 using c2f::StateDict;
 using c2f::Tensor3;
-using c2f_test::LayerCalls;  // the entries of C2F_LAYER
 using c2f_test::check_central;
 using c2f_test::check_parameters;
 using c2f_test::Comparison;
+using c2f_test::LayerCalls;  // the entries of C2F_LAYER
 using c2f_test::ScalarOf;
 using c2f_test::TestRng;
 
@@ -71,13 +71,17 @@ struct RandomBias {
       for (Index j = 0; j < width; ++j) values[static_cast<std::size_t>((c * heads) * width + j)] = -inf;
     }
   }
-  Scalar operator()(Index c, Index h, Index j) const { return values[static_cast<std::size_t>((c * heads + h) * width + j)]; }
+  Scalar operator()(Index c, Index h, Index j) const {
+    return values[static_cast<std::size_t>((c * heads + h) * width + j)];
+  }
 };
 
 /// The folded backward and its twin on one grid: dx, dqk; 1 and 3 threads bit for bit; with and without bias.
 template <class Scalar, class Grid>
-void check_folded_backward_twin(TestRng& rng, const Grid& grid, Index heads, Index d, Index widest, const std::string& what) {
-  const RowMatrix<Scalar> x = rng.matrix<Scalar>(grid.tokens(), d), qk = rng.matrix<Scalar>(grid.blocks(), heads * d, 0.5),
+void check_folded_backward_twin(TestRng& rng, const Grid& grid, Index heads, Index d, Index widest,
+                                const std::string& what) {
+  const RowMatrix<Scalar> x = rng.matrix<Scalar>(grid.tokens(), d),
+                          qk = rng.matrix<Scalar>(grid.blocks(), heads * d, 0.5),
                           dpooled = rng.matrix<Scalar>(grid.blocks(), heads * d);
   const RandomBias<Scalar> bias(rng, grid.blocks(), heads, widest);
   const auto none = [](Index, Index, Index) { return Scalar(0); };
@@ -86,12 +90,16 @@ void check_folded_backward_twin(TestRng& rng, const Grid& grid, Index heads, Ind
     RowMatrix<Scalar> dx = RowMatrix<Scalar>::Constant(grid.tokens(), d, Scalar(7)), dqk(grid.blocks(), heads * d);
     RowMatrix<Scalar> dx3 = dx, dqk3(grid.blocks(), heads * d), dxn = dx, dqkn(grid.blocks(), heads * d);
     if (masked) {
-      kernels::fine_attention_folded_backward<Scalar>(x, grid, qk, heads, dpooled, bias, dx, dqk, kernels::with_threads(1));
-      kernels::fine_attention_folded_backward<Scalar>(x, grid, qk, heads, dpooled, bias, dx3, dqk3, kernels::with_threads(3));
+      kernels::fine_attention_folded_backward<Scalar>(x, grid, qk, heads, dpooled, bias, dx, dqk,
+                                                      kernels::with_threads(1));
+      kernels::fine_attention_folded_backward<Scalar>(x, grid, qk, heads, dpooled, bias, dx3, dqk3,
+                                                      kernels::with_threads(3));
       kernels::fine_attention_folded_backward_naive<Scalar>(x, grid, qk, heads, dpooled, bias, dxn, dqkn);
     } else {
-      kernels::fine_attention_folded_backward<Scalar>(x, grid, qk, heads, dpooled, none, dx, dqk, kernels::with_threads(1));
-      kernels::fine_attention_folded_backward<Scalar>(x, grid, qk, heads, dpooled, none, dx3, dqk3, kernels::with_threads(3));
+      kernels::fine_attention_folded_backward<Scalar>(x, grid, qk, heads, dpooled, none, dx, dqk,
+                                                      kernels::with_threads(1));
+      kernels::fine_attention_folded_backward<Scalar>(x, grid, qk, heads, dpooled, none, dx3, dqk3,
+                                                      kernels::with_threads(3));
       kernels::fine_attention_folded_backward_naive<Scalar>(x, grid, qk, heads, dpooled, none, dxn, dqkn);
     }
     const std::string where = what + (masked ? " masked" : "");
@@ -115,11 +123,13 @@ TYPED_TEST(TrainC2FKernel, FoldedBackwardEqualsTheNaiveTwin) {
                                        "chunks L=" + std::to_string(length) + " chunk=" + std::to_string(chunk));
   }
   for (int rep = 0; rep < 12; ++rep) {
-    const kernels::BlockGrid2D grid{1 + rep % 2, rng.pick(std::vector<Index>{1, 5, 7, 13}), rng.pick(std::vector<Index>{1, 4, 9, 11}),
-                                    rng.pick(std::vector<Index>{1, 2, 3, 4}), rng.pick(std::vector<Index>{1, 3, 4, 5})};
+    const kernels::BlockGrid2D grid{1 + rep % 2, rng.pick(std::vector<Index>{1, 5, 7, 13}),
+                                    rng.pick(std::vector<Index>{1, 4, 9, 11}), rng.pick(std::vector<Index>{1, 2, 3, 4}),
+                                    rng.pick(std::vector<Index>{1, 3, 4, 5})};
     check_folded_backward_twin<Scalar>(rng, grid, 2, 6, grid.block_h * grid.block_w,
-                                       "2-D " + std::to_string(grid.height) + "x" + std::to_string(grid.width) + " blocks " +
-                                           std::to_string(grid.block_h) + "x" + std::to_string(grid.block_w));
+                                       "2-D " + std::to_string(grid.height) + "x" + std::to_string(grid.width) +
+                                           " blocks " + std::to_string(grid.block_h) + "x" +
+                                           std::to_string(grid.block_w));
   }
 }
 
@@ -129,7 +139,8 @@ TYPED_TEST(TrainC2FKernel, ChunkSumAndMeanBackwardEqualTheirLoops) {
   using Scalar = TypeParam;
   TestRng rng(62);
   for (int rep = 0; rep < 16; ++rep) {
-    const kernels::ChunkGrid grid{1 + rep % 3, rng.pick(c2f_test::kAwkward), rng.pick(std::vector<Index>{1, 7, 8, 9, 13})};
+    const kernels::ChunkGrid grid{1 + rep % 3, rng.pick(c2f_test::kAwkward),
+                                  rng.pick(std::vector<Index>{1, 7, 8, 9, 13})};
     const Index d = rng.pick(std::vector<Index>{1, 3, 8});
     const RowMatrix<Scalar> x = rng.matrix<Scalar>(grid.tokens(), d), g = rng.matrix<Scalar>(grid.blocks(), d);
     RowMatrix<Scalar> sum(grid.blocks(), d), sum_loop = RowMatrix<Scalar>::Zero(grid.blocks(), d);
@@ -167,20 +178,23 @@ TYPED_TEST(TrainC2FKernel, RelativePositionBiasBackwardEqualsTheNaiveTwin) {
     p.v = rng.matrix<Scalar>(p.batch * n, p.heads * p.dv);
     const RowMatrix<Scalar> table = rng.matrix<Scalar>((2 * max_h - 1) * (2 * max_w - 1), p.heads);
     const c2f::AttnMask<Scalar> bias = c2f::AttnMask<Scalar>::relative_position(table, gh, gw, max_h, max_w);
-    const c2f::KeyPaddingMask<Scalar> pad =
-        rep % 3 == 0 ? c2f::KeyPaddingMask<Scalar>::lengths(std::vector<Index>(static_cast<std::size_t>(p.batch), std::max<Index>(1, n / 2)))
-                     : c2f::KeyPaddingMask<Scalar>();
+    const c2f::KeyPaddingMask<Scalar> pad = rep % 3 == 0
+                                                ? c2f::KeyPaddingMask<Scalar>::lengths(std::vector<Index>(
+                                                      static_cast<std::size_t>(p.batch), std::max<Index>(1, n / 2)))
+                                                : c2f::KeyPaddingMask<Scalar>();
     const c2f::MaskView<Scalar> plan(bias, pad, p.batch, p.heads, n, n);
     RowMatrix<Scalar> out(p.batch * n, p.heads * p.dv), lse(p.batch * p.heads, n);
-    kernels::sdpa_train<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(out), lse, plan, {}, p.scale(), kernels::with_threads(2));
+    kernels::sdpa_train<Scalar>(p.qv(), p.kv(), p.vv(), p.out_view(out), lse, plan, {}, p.scale(),
+                                kernels::with_threads(2));
     const RowMatrix<Scalar> dout = rng.matrix<Scalar>(p.batch * n, p.heads * p.dv);
     const kernels::HeadsView<const Scalar> ov = p.view(out, n, p.dv), gv = p.view(dout, n, p.dv);
     RowMatrix<Scalar> fast(table.rows(), p.heads), fast3(table.rows(), p.heads), naive(table.rows(), p.heads);
-    kernels::relative_position_bias_backward<Scalar>(p.qv(), p.kv(), p.vv(), ov, lse, gv, plan, gh, gw, max_h, max_w, p.scale(),
-                                                     fast, kernels::with_threads(1));
-    kernels::relative_position_bias_backward<Scalar>(p.qv(), p.kv(), p.vv(), ov, lse, gv, plan, gh, gw, max_h, max_w, p.scale(),
-                                                     fast3, kernels::with_threads(3));
-    kernels::relative_position_bias_backward_naive<Scalar>(p.qv(), p.kv(), p.vv(), gv, plan, gh, gw, max_h, max_w, p.scale(), naive);
+    kernels::relative_position_bias_backward<Scalar>(p.qv(), p.kv(), p.vv(), ov, lse, gv, plan, gh, gw, max_h, max_w,
+                                                     p.scale(), fast, kernels::with_threads(1));
+    kernels::relative_position_bias_backward<Scalar>(p.qv(), p.kv(), p.vv(), ov, lse, gv, plan, gh, gw, max_h, max_w,
+                                                     p.scale(), fast3, kernels::with_threads(3));
+    kernels::relative_position_bias_backward_naive<Scalar>(p.qv(), p.kv(), p.vv(), gv, plan, gh, gw, max_h, max_w,
+                                                           p.scale(), naive);
     const std::string what = std::to_string(gh) + "x" + std::to_string(gw) + " in " + std::to_string(max_h) + "x" +
                              std::to_string(max_w) + " heads " + std::to_string(p.heads);
     const double tol = c2f_test::tolerance<Scalar>() * std::sqrt(double(p.batch * n * n));
@@ -197,14 +211,16 @@ TYPED_TEST(TrainC2FKernel, SparseAttentionBackwardEqualsTheDenseTwin) {
   using Scalar = TypeParam;
   TestRng rng(68);
   for (int rep = 0; rep < 30; ++rep) {
-    const Index chunk = rng.pick(std::vector<Index>{1, 3, 7, 8, 9}), length = rng.pick(std::vector<Index>{1, 2, 7, 8, 9, 13, 31, 37});
+    const Index chunk = rng.pick(std::vector<Index>{1, 3, 7, 8, 9}),
+                length = rng.pick(std::vector<Index>{1, 2, 7, 8, 9, 13, 31, 37});
     const Index batch = 1 + rep % 2, heads = 1 + rep % 3, dh = rng.pick(std::vector<Index>{1, 4, 5}), cols = heads * dh;
     const Index top_k = 1 + rep % 4;
     const int gating = rep % 3;  // 0: per chunk, 1: per token causal, 2: per token
     const bool causal = gating == 1;
     const kernels::ChunkGrid grid{batch, length, chunk};
     const RowMatrix<Scalar> q = rng.matrix<Scalar>(batch * length, cols), k = rng.matrix<Scalar>(batch * length, cols),
-                            v = rng.matrix<Scalar>(batch * length, cols), dout = rng.matrix<Scalar>(batch * length, cols);
+                            v = rng.matrix<Scalar>(batch * length, cols),
+                            dout = rng.matrix<Scalar>(batch * length, cols);
     const kernels::KernelOptions one = kernels::with_threads(1);
     kernels::ChunkSelection selection;
     if (gating == 0) {
@@ -226,19 +242,23 @@ TYPED_TEST(TrainC2FKernel, SparseAttentionBackwardEqualsTheDenseTwin) {
     }
     const c2f::MaskView<Scalar> plan(attn, pad, batch, heads, length, length);
     const Scalar scale = kernels::default_scale<Scalar>(dh);
-    RowMatrix<Scalar> dq(q.rows(), cols), dk(q.rows(), cols), dv(q.rows(), cols), dq3 = dq, dk3 = dk, dv3 = dv, dqn = dq,
-                                                                                  dkn = dk, dvn = dv;
-    kernels::sparse_attention_backward<Scalar>(q, k, v, grid, heads, selection, dout, dq, dk, dv, causal, plan, scale, one);
-    kernels::sparse_attention_backward<Scalar>(q, k, v, grid, heads, selection, dout, dq3, dk3, dv3, causal, plan, scale,
-                                               kernels::with_threads(3));
-    kernels::sparse_attention_backward_naive<Scalar>(q, k, v, grid, heads, selection, dout, dqn, dkn, dvn, causal, plan, scale);
-    const std::string what = "L=" + std::to_string(length) + " chunk=" + std::to_string(chunk) + " top_k=" +
-                             std::to_string(top_k) + " gating " + std::to_string(gating) + (rep % 4 >= 2 ? " masked" : "");
+    RowMatrix<Scalar> dq(q.rows(), cols), dk(q.rows(), cols), dv(q.rows(), cols), dq3 = dq, dk3 = dk, dv3 = dv,
+                                                                                  dqn = dq, dkn = dk, dvn = dv;
+    kernels::sparse_attention_backward<Scalar>(q, k, v, grid, heads, selection, dout, dq, dk, dv, causal, plan, scale,
+                                               one);
+    kernels::sparse_attention_backward<Scalar>(q, k, v, grid, heads, selection, dout, dq3, dk3, dv3, causal, plan,
+                                               scale, kernels::with_threads(3));
+    kernels::sparse_attention_backward_naive<Scalar>(q, k, v, grid, heads, selection, dout, dqn, dkn, dvn, causal, plan,
+                                                     scale);
+    const std::string what = "L=" + std::to_string(length) + " chunk=" + std::to_string(chunk) +
+                             " top_k=" + std::to_string(top_k) + " gating " + std::to_string(gating) +
+                             (rep % 4 >= 2 ? " masked" : "");
     const double tol = c2f_test::tolerance<Scalar>() * std::sqrt(double(length * dh));
     c2f_test::expect_close(dq, dqn, tol, tol, what + " dq");
     c2f_test::expect_close(dk, dkn, tol, tol, what + " dk");
     c2f_test::expect_close(dv, dvn, tol, tol, what + " dv");
-    EXPECT_TRUE(c2f_test::bitwise_equal(dq, dq3) && c2f_test::bitwise_equal(dk, dk3) && c2f_test::bitwise_equal(dv, dv3))
+    EXPECT_TRUE(c2f_test::bitwise_equal(dq, dq3) && c2f_test::bitwise_equal(dk, dk3) &&
+                c2f_test::bitwise_equal(dv, dv3))
         << what << ": 1 and 3 threads";
     ASSERT_TRUE(dq.allFinite() && dk.allFinite() && dv.allFinite()) << what;
   }
@@ -257,13 +277,14 @@ TYPED_TEST(TrainC2FKernel, SparseBackwardIgnoresNonFiniteHiddenKeys) {
   const c2f::MaskView<Scalar> plan(c2f::AttnMask<Scalar>(), pad, 2, heads, 29, 29);
   for (bool per_token : {false, true}) {
     const kernels::ChunkSelection selection =
-        per_token ? kernels::select_chunks_per_token<Scalar>(q, RowMatrix<Scalar>::Ones(grid.chunks(), cols), grid, heads, 2, true,
-                                                             kernels::with_threads(1))
+        per_token ? kernels::select_chunks_per_token<Scalar>(q, RowMatrix<Scalar>::Ones(grid.chunks(), cols), grid,
+                                                             heads, 2, true, kernels::with_threads(1))
                   : kernels::select_chunks<Scalar>(q, k, grid, heads, 2, kernels::with_threads(1));
     const auto run = [&](const RowMatrix<Scalar>& kk, const RowMatrix<Scalar>& vv) {
-      std::array<RowMatrix<Scalar>, 3> g{RowMatrix<Scalar>(58, cols), RowMatrix<Scalar>(58, cols), RowMatrix<Scalar>(58, cols)};
-      kernels::sparse_attention_backward<Scalar>(q, kk, vv, grid, heads, selection, dout, g[0], g[1], g[2], per_token, plan,
-                                                 kernels::default_scale<Scalar>(4), kernels::with_threads(2));
+      std::array<RowMatrix<Scalar>, 3> g{RowMatrix<Scalar>(58, cols), RowMatrix<Scalar>(58, cols),
+                                         RowMatrix<Scalar>(58, cols)};
+      kernels::sparse_attention_backward<Scalar>(q, kk, vv, grid, heads, selection, dout, g[0], g[1], g[2], per_token,
+                                                 plan, kernels::default_scale<Scalar>(4), kernels::with_threads(2));
       return g;
     };
     const std::array<RowMatrix<Scalar>, 3> clean = run(k, v);
@@ -271,8 +292,10 @@ TYPED_TEST(TrainC2FKernel, SparseBackwardIgnoresNonFiniteHiddenKeys) {
     kp.row(29 + 20).setConstant(std::numeric_limits<Scalar>::quiet_NaN());  // batch item 1, padded position 20
     vp.row(29 + 15).setConstant(std::numeric_limits<Scalar>::infinity());
     const std::array<RowMatrix<Scalar>, 3> got = run(kp, vp);
-    for (int i = 0; i < 3; ++i) EXPECT_TRUE(c2f_test::bitwise_equal(got[i], clean[i])) << "per_token " << per_token << " gradient " << i;
-    if (per_token) {  // causal: token 0 of a batch item sees key 0 only; padded tokens of item 1 in chunk 2+ may see none
+    for (int i = 0; i < 3; ++i)
+      EXPECT_TRUE(c2f_test::bitwise_equal(got[i], clean[i])) << "per_token " << per_token << " gradient " << i;
+    if (per_token) {  // causal: token 0 of a batch item sees key 0 only; padded tokens of item 1 in chunk 2+ may see
+                      // none
       EXPECT_TRUE(clean[0].allFinite());
     }
   }
@@ -282,10 +305,11 @@ TYPED_TEST(TrainC2FKernel, SparseBackwardIgnoresNonFiniteHiddenKeys) {
 // FineAttention: both paths, finite differences
 
 /// loss = Σ forward_train(x, chunk, context, masks).output · dy.
-double fine_loss(const c2f::FineAttention<double>& layer, const Tensor3<double>& x, Index chunk, const Tensor3<double>& context,
-                 const Masks<double>& masks, const Tensor3<double>& dy) {
+double fine_loss(const c2f::FineAttention<double>& layer, const Tensor3<double>& x, Index chunk,
+                 const Tensor3<double>& context, const Masks<double>& masks, const Tensor3<double>& dy) {
   const Tensor3<double> y = layer.forward_train(x, chunk, context, masks).output;
-  return (Eigen::Map<const Eigen::ArrayXd>(y.data(), y.size()) * Eigen::Map<const Eigen::ArrayXd>(dy.data(), dy.size())).sum();
+  return (Eigen::Map<const Eigen::ArrayXd>(y.data(), y.size()) * Eigen::Map<const Eigen::ArrayXd>(dy.data(), dy.size()))
+      .sum();
 }
 
 /// Every element of x, of the coarse context and of every parameter by central differences. Returns the
@@ -297,19 +321,25 @@ double fine_finite_differences(const c2f::FineAttention<double>& layer, const Te
   const c2f::Grads<double> g = layer.backward(saved, dy);
   EXPECT_EQ(g.context.dimensions(), context.dimensions());
   const auto flat = [](const Tensor3<double>& t) { return std::vector<double>(t.data(), t.data() + t.size()); };
-  double worst = check_central(flat(x), flat(g.input), [&](std::size_t i, double value) {
-    Tensor3<double> moved = x;
-    moved.data()[i] = value;
-    return fine_loss(layer, moved, chunk, context, masks, dy);
-  }, "dx");
-  worst = std::max(worst, check_central(flat(context), flat(g.context), [&](std::size_t i, double value) {
-    Tensor3<double> moved = context;
-    moved.data()[i] = value;
-    return fine_loss(layer, x, chunk, moved, masks, dy);
-  }, "dcontext"));
+  double worst = check_central(
+      flat(x), flat(g.input),
+      [&](std::size_t i, double value) {
+        Tensor3<double> moved = x;
+        moved.data()[i] = value;
+        return fine_loss(layer, moved, chunk, context, masks, dy);
+      },
+      "dx");
+  worst = std::max(worst, check_central(
+                              flat(context), flat(g.context),
+                              [&](std::size_t i, double value) {
+                                Tensor3<double> moved = context;
+                                moved.data()[i] = value;
+                                return fine_loss(layer, x, chunk, moved, masks, dy);
+                              },
+                              "dcontext"));
   return std::max(worst, check_parameters(layer, g.params, [&](const c2f::FineAttention<double>& other) {
-    return fine_loss(other, x, chunk, context, masks, dy);
-  }));
+                    return fine_loss(other, x, chunk, context, masks, dy);
+                  }));
 }
 
 // Both paths, without a mask, with a per-chunk key mask (rows equal: folded) and a per-token mask (general),
@@ -331,7 +361,8 @@ TEST(FineAttentionTrain, GradientsEqualCentralDifferences) {
         }
       }
     }
-    const std::vector<Masks<double>> sets{Masks<double>(), Masks<double>().attn_mask(c2f::AttnMask<double>::keep(per_key)),
+    const std::vector<Masks<double>> sets{Masks<double>(),
+                                          Masks<double>().attn_mask(c2f::AttnMask<double>::keep(per_key)),
                                           Masks<double>().attn_mask(c2f::AttnMask<double>::keep(per_token))};
     for (std::size_t s = 0; s < sets.size(); ++s) {
       for (FinePath path : {FinePath::Folded, FinePath::General}) {
@@ -364,8 +395,10 @@ TYPED_TEST(TrainC2FKernel, FineAttentionPathsGiveEqualGradients) {
   using Fine = c2f::FineAttention<Scalar>;
   TestRng rng(64);
   for (int rep = 0; rep < 10; ++rep) {
-    const Index length = rng.pick(std::vector<Index>{1, 2, 7, 9, 13, 31, 33, 64}), chunk = rng.pick(std::vector<Index>{1, 3, 8, 16});
-    const Index k = std::min(chunk, length), m = c2f::detail::ceil_div(length, k), d = 12, heads = rng.pick(std::vector<Index>{1, 2, 4});
+    const Index length = rng.pick(std::vector<Index>{1, 2, 7, 9, 13, 31, 33, 64}),
+                chunk = rng.pick(std::vector<Index>{1, 3, 8, 16});
+    const Index k = std::min(chunk, length), m = c2f::detail::ceil_div(length, k), d = 12,
+                heads = rng.pick(std::vector<Index>{1, 2, 4});
     const Tensor3<Scalar> x = rng.tensor<Scalar>(3, length, d), context = rng.tensor<Scalar>(3, m, d);
     Masks<Scalar> masks;
     if (rep % 2 == 1) {  // a per-chunk key mask: every row of a chunk keeps the same keys, some chunks none
@@ -386,7 +419,8 @@ TYPED_TEST(TrainC2FKernel, FineAttentionPathsGiveEqualGradients) {
     const auto [yf, sf] = folded.forward_train(x, chunk, context, masks);
     const auto [yg, sg] = general.forward_train(x, chunk, context, masks);
     const std::vector<Scalar> gf = flat_grads(folded.backward(sf, dy)), gg = flat_grads(general.backward(sg, dy));
-    const std::string what = "L=" + std::to_string(length) + " chunk=" + std::to_string(chunk) + " heads=" + std::to_string(heads);
+    const std::string what =
+        "L=" + std::to_string(length) + " chunk=" + std::to_string(chunk) + " heads=" + std::to_string(heads);
     const double tol = c2f_test::tolerance<Scalar>() * 10;
     c2f_test::expect_close(yf.data(), yg.data(), yf.size(), tol, tol, what + " output");
     ASSERT_EQ(gf.size(), gg.size());
@@ -401,7 +435,8 @@ TYPED_TEST(TrainC2FKernel, FineAttentionPathsGiveEqualGradients) {
 /// The fixture's keep mask `name` (True = keep), or none.
 template <class Scalar>
 c2f::AttnMask<Scalar> keep_mask(const StateDict& sd, const std::string& name) {
-  return sd.contains(name) ? c2f::attn_mask_from_tensor<Scalar>(c2f::MaskKind::Keep, sd.at(name)) : c2f::AttnMask<Scalar>();
+  return sd.contains(name) ? c2f::attn_mask_from_tensor<Scalar>(c2f::MaskKind::Keep, sd.at(name))
+                           : c2f::AttnMask<Scalar>();
 }
 
 /// A [B, m, k, d] fixture tensor as the [B, m·k, d] tokens of chunks of k.
@@ -454,10 +489,12 @@ void check_fine_case(const StateDict& sd, Comparison& cmp) {
 template <class Scalar>
 void check_c2f_case(const StateDict& sd, Comparison& cmp) {
   using C2F = c2f::C2FAttention<Scalar>;
-  const Masks<Scalar> masks =
-      Masks<Scalar>().attn_mask(keep_mask<Scalar>(sd, "coarse_mask")).fine_attn_mask(keep_mask<Scalar>(sd, "fine_mask"));
+  const Masks<Scalar> masks = Masks<Scalar>()
+                                  .attn_mask(keep_mask<Scalar>(sd, "coarse_mask"))
+                                  .fine_attn_mask(keep_mask<Scalar>(sd, "fine_mask"));
   for (FinePath path : fine_paths(sd.metadata().at("fine_mask_rows_equal") == "true")) {
-    C2F layer(c2f_test::meta_index(sd, "d_model"), c2f_test::meta_index(sd, "n_heads"), c2f_test::meta_index(sd, "chunk_size"),
+    C2F layer(c2f_test::meta_index(sd, "d_model"), c2f_test::meta_index(sd, "n_heads"),
+              c2f_test::meta_index(sd, "chunk_size"),
               typename C2F::Options().fine_path(path).query_block(3).key_block(4));
     c2f_test::check_one_input_case<Scalar>(layer, sd, masks, "c2f.", cmp);
   }
@@ -470,8 +507,8 @@ void check_c2f2d_case(const StateDict& sd, Comparison& cmp) {
   using C2F2D = c2f::C2FAttention2D<Scalar>;
   const Tensor3<Scalar> x = c2f_test::tensor3<Scalar>(sd, "x"), dy = c2f_test::tensor3<Scalar>(sd, "grad_output");
   for (int threads : {1, 2}) {
-    C2F2D layer(c2f_test::meta_index(sd, "d_model"), c2f_test::meta_index(sd, "n_heads"), c2f_test::meta_index(sd, "block_h"),
-                c2f_test::meta_index(sd, "block_w"),
+    C2F2D layer(c2f_test::meta_index(sd, "d_model"), c2f_test::meta_index(sd, "n_heads"),
+                c2f_test::meta_index(sd, "block_h"), c2f_test::meta_index(sd, "block_w"),
                 typename C2F2D::Options()
                     .max_blocks_h(c2f_test::meta_index(sd, "max_blocks_h"))
                     .max_blocks_w(c2f_test::meta_index(sd, "max_blocks_w"))
@@ -480,7 +517,8 @@ void check_c2f2d_case(const StateDict& sd, Comparison& cmp) {
                     .query_block(3)
                     .key_block(4));
     layer.load_state_dict(sd, "c2f2d.");
-    const auto [y, saved] = layer.forward_train(x, c2f_test::meta_index(sd, "height"), c2f_test::meta_index(sd, "width"));
+    const auto [y, saved] =
+        layer.forward_train(x, c2f_test::meta_index(sd, "height"), c2f_test::meta_index(sd, "width"));
     const c2f::Grads<Scalar> g = layer.backward(saved, dy);
     const std::string what = "threads " + std::to_string(threads);
     cmp.check(y, sd, "output", what);
@@ -495,8 +533,8 @@ template <class Scalar>
 void check_sparse_case(const StateDict& sd, Comparison& cmp) {
   using Sparse = c2f::SparseC2FAttention<Scalar>;
   const bool per_token = sd.metadata().at("gating") == "token";
-  Sparse layer(c2f_test::meta_index(sd, "embed_dim"), c2f_test::meta_index(sd, "num_heads"), c2f_test::meta_index(sd, "chunk_size"),
-               c2f_test::meta_index(sd, "top_k"),
+  Sparse layer(c2f_test::meta_index(sd, "embed_dim"), c2f_test::meta_index(sd, "num_heads"),
+               c2f_test::meta_index(sd, "chunk_size"), c2f_test::meta_index(sd, "top_k"),
                typename Sparse::Options()
                    .gating(per_token ? c2f::Gating::PerToken : c2f::Gating::PerChunk)
                    .causal(sd.metadata().at("causal") == "true"));
@@ -508,7 +546,8 @@ void check_sparse_case(const StateDict& sd, Comparison& cmp) {
   // c2f caps top_k at the m chunks; the fixture pads its rows with −1 up to top_k.
   const std::vector<std::int64_t> want = c2f_test::int64_values(sd, "selected");
   const kernels::ChunkSelection got = layer.forward_with_selection(c2f_test::tensor3<Scalar>(sd, "x"), masks).selection;
-  const std::size_t rows = static_cast<std::size_t>(got.batch * got.heads * got.queries), k = static_cast<std::size_t>(got.top_k);
+  const std::size_t rows = static_cast<std::size_t>(got.batch * got.heads * got.queries),
+                    k = static_cast<std::size_t>(got.top_k);
   const std::size_t wk = static_cast<std::size_t>(sd.at("selected").shape().back());
   ASSERT_EQ(rows * wk, want.size());
   for (std::size_t r = 0; r < rows; ++r) {
@@ -521,7 +560,8 @@ void check_sparse_case(const StateDict& sd, Comparison& cmp) {
 
 template <class Scalar>
 void check_train_c2f_case(const nlohmann::json& c) {
-  const StateDict sd = c2f::load_safetensors(c2f_test::data_path(c.at("files").at(c2f_test::Tolerance<Scalar>::file_key)));
+  const StateDict sd =
+      c2f::load_safetensors(c2f_test::data_path(c.at("files").at(c2f_test::Tolerance<Scalar>::file_key)));
   const std::string module = sd.metadata().at("module");
   Comparison cmp;
   if (module == "fine") {
@@ -576,8 +616,8 @@ C2F_LAYER(SparseF64, c2f::SparseC2FAttention<double>, c2f_test::kWidth, 2, 3, 2,
 C2F_LAYER(CausalSparseF64, c2f::SparseC2FAttention<double>, c2f_test::kWidth, 2, 2, 2, o.causal(true));
 C2F_LAYER(TokenSparseNoBiasF64, c2f::SparseC2FAttention<double>, c2f_test::kWidth, 4, 3, 3, o.gating(c2f::Gating::PerToken).bias(false));
 // clang-format on
-using C2FEntries = ::testing::Types<C2FF64, C2FGeneralF64, C2FChunk1F64, C2F2DF64, C2F2DNoBiasF64, SparseF64, CausalSparseF64,
-                                    TokenSparseNoBiasF64>;
+using C2FEntries = ::testing::Types<C2FF64, C2FGeneralF64, C2FChunk1F64, C2F2DF64, C2F2DNoBiasF64, SparseF64,
+                                    CausalSparseF64, TokenSparseNoBiasF64>;
 TYPED_TEST_SUITE(FiniteDifferencesC2F, C2FEntries, c2f_test::EntryNames);
 
 // B = 2, L = 7: chunks of 3 (the last holds one token), of 4 (the last three), of 1; without masks and with
@@ -588,7 +628,8 @@ TYPED_TEST_SUITE(FiniteDifferencesC2F, C2FEntries, c2f_test::EntryNames);
 // masks and key padding (the selection, a constant of the backward, stays the same under the differences).
 TYPED_TEST(FiniteDifferencesC2F, GradientsEqualCentralDifferences) {
   TestRng rng(65);
-  c2f_test::entry_finite_differences<TypeParam>(rng, std::is_same<typename TypeParam::Layer, c2f::C2FAttention2D<double>>::value ? 12 : 7);
+  c2f_test::entry_finite_differences<TypeParam>(
+      rng, std::is_same<typename TypeParam::Layer, c2f::C2FAttention2D<double>>::value ? 12 : 7);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -626,7 +667,8 @@ TEST(TrainC2FMemory, PeakIsLinearInLength) {
             << " bytes/token (peak " << large.peak << " bytes, largest block " << large.largest << ")\n";
   EXPECT_GT(ratio, 3.0);
   EXPECT_LT(ratio, 4.5) << "the peak grew " << ratio << "x for 4x the length";
-  EXPECT_LE(large.largest, long_length * 64 * static_cast<long long>(sizeof(float)) + 64) << "a block larger than [L, d]";
+  EXPECT_LE(large.largest, long_length * 64 * static_cast<long long>(sizeof(float)) + 64)
+      << "a block larger than [L, d]";
 }
 
 }  // namespace

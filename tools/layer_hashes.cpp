@@ -210,8 +210,8 @@ int main(int argc, char** argv) {
     for (Index chunk : {Index(16), Index(32), Index(37)}) {
       const std::string c = std::to_string(chunk);
       run(("C2FAttention/" + c).c_str(), L(d, h, chunk, L::Options().seed(7)), d, seq);
-      run(("C2FAttentionGeneral/" + c).c_str(), L(d, h, chunk, L::Options().seed(7).fine_path(FinePath::General)),
-          d, seq);
+      run(("C2FAttentionGeneral/" + c).c_str(), L(d, h, chunk, L::Options().seed(7).fine_path(FinePath::General)), d,
+          seq);
       run(("C2FAttentionBf16/" + c).c_str(), L(d, h, chunk, L::Options().seed(7).compute(bf16)), d, seq);
     }
     using D = c2f::C2FAttention<double>;
@@ -234,8 +234,7 @@ int main(int argc, char** argv) {
     run("SparseC2FAttention/32/4", L(d, h, 32, 4, L::Options().seed(10)), d, seq);
     run("CausalSparseC2FAttention/32/4", L(d, h, 32, 4, L::Options().seed(10).causal(true)), d, seq);
     run("SparseC2FAttentionBf16/32/4", L(d, h, 32, 4, L::Options().seed(10).compute(bf16)), d, seq);
-    run("CausalSparseC2FAttentionBf16/32/4", L(d, h, 32, 4, L::Options().seed(10).causal(true).compute(bf16)), d,
-        seq);
+    run("CausalSparseC2FAttentionBf16/32/4", L(d, h, 32, 4, L::Options().seed(10).causal(true).compute(bf16)), d, seq);
   }
   return 0;
 }

@@ -27,10 +27,10 @@ namespace c2f_memory {
 
 struct Counters {
   std::atomic<bool> enabled{false};
-  std::atomic<long long> live{0};       // bytes allocated since reset() and not yet freed
-  std::atomic<long long> peak{0};       // maximum of `live` since reset()
-  std::atomic<long long> largest{0};    // largest single request since reset()
-  std::atomic<long long> count{0};      // number of allocations since reset()
+  std::atomic<long long> live{0};     // bytes allocated since reset() and not yet freed
+  std::atomic<long long> peak{0};     // maximum of `live` since reset()
+  std::atomic<long long> largest{0};  // largest single request since reset()
+  std::atomic<long long> count{0};    // number of allocations since reset()
 };
 
 inline Counters& counters() {

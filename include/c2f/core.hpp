@@ -99,7 +99,8 @@ inline Index ceil_div(Index a, Index b) { return a <= 0 ? 0 : 1 + (a - 1) / b; }
 /// bytes, more than the 1 TiB c2f allocates at most". Returns the byte count.
 inline std::int64_t check_buffer(const char* what, Index elements, std::size_t bytes_each) {
   const Index bytes = checked_mul(elements, static_cast<Index>(bytes_each), what);
-  if (bytes > kMaxBufferBytes) fail(what, " needs ", bytes, " bytes, more than the 1 TiB (2^40 bytes) c2f allocates at most");
+  if (bytes > kMaxBufferBytes)
+    fail(what, " needs ", bytes, " bytes, more than the 1 TiB (2^40 bytes) c2f allocates at most");
   return bytes;
 }
 
@@ -156,7 +157,7 @@ class ConstTensorRef {
     }
     size_ = n;
   }
-  ConstTensorRef(const Tensor& t) : ConstTensorRef(t.data(), t.dimensions()) {}  // NOLINT
+  ConstTensorRef(const Tensor& t) : ConstTensorRef(t.data(), t.dimensions()) {}                    // NOLINT
   ConstTensorRef(const Eigen::TensorMap<Tensor>& t) : ConstTensorRef(t.data(), t.dimensions()) {}  // NOLINT
   ConstTensorRef(const Eigen::TensorMap<const Tensor>& t)  // NOLINT(google-explicit-constructor)
       : ConstTensorRef(t.data(), t.dimensions()) {}

@@ -72,13 +72,12 @@ class KVCache {
   /// Appends n tokens per batch item: k_new, v_new [batch·n, width], batch-major (row b·n + i),
   /// converted to Storage.
   template <class Scalar>
-  void append(const ConstRowMatrixRef<Scalar>& k_new, const ConstRowMatrixRef<Scalar>& v_new,
-              Index n) {
+  void append(const ConstRowMatrixRef<Scalar>& k_new, const ConstRowMatrixRef<Scalar>& v_new, Index n) {
     if (n < 0 || k_new.rows() != batch_ * n || v_new.rows() != batch_ * n || k_new.cols() != width_ ||
         v_new.cols() != width_) {
       detail::fail("KVCache::append: keys ", detail::shape_string({k_new.rows(), k_new.cols()}), " and values ",
-                   detail::shape_string({v_new.rows(), v_new.cols()}), " must be [batch·n, width] = ",
-                   detail::shape_string({batch_ * n, width_}));
+                   detail::shape_string({v_new.rows(), v_new.cols()}),
+                   " must be [batch·n, width] = ", detail::shape_string({batch_ * n, width_}));
     }
     const Index need = detail::checked_add(length_, n, "decode state: tokens so far + new tokens");
     if (need > capacity_) reserve(capacity_ <= need / 2 ? need : 2 * capacity_);  // max(need, 2·capacity), no overflow

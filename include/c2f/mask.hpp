@@ -35,8 +35,8 @@
 // (nn.MultiheadAttention returns NaN there; SDPA, FlashAttention and ggml return zeros.)
 #pragma once
 
-#include "c2f/core.hpp"
 #include "c2f/arg.hpp"
+#include "c2f/core.hpp"
 
 #include <array>
 #include <cmath>
@@ -47,12 +47,12 @@
 namespace c2f {
 
 enum class MaskKind {
-  None,      ///< nothing masked
-  Keep,      ///< boolean, true = may attend (stored internally as keep flags)
-  Ignore,    ///< boolean, true = masked out (converted to keep flags on construction)
-  Additive,  ///< floating point, added to the scores
-  Causal,    ///< key j visible from query i iff j <= i + diagonal
-  Lengths,   ///< key padding by valid length per batch
+  None,              ///< nothing masked
+  Keep,              ///< boolean, true = may attend (stored internally as keep flags)
+  Ignore,            ///< boolean, true = masked out (converted to keep flags on construction)
+  Additive,          ///< floating point, added to the scores
+  Causal,            ///< key j visible from query i iff j <= i + diagonal
+  Lengths,           ///< key padding by valid length per batch
   RelativePosition,  ///< per-head additive bias looked up by 2-D relative position (Swin)
 };
 
@@ -139,17 +139,19 @@ class AttnMask {
   /// (Swin's `relative_position_bias_table`), for a grid of grid_h × grid_w positions flattened row-major,
   /// grid_h ≤ max_h and grid_w ≤ max_w. Its plan needs queries = keys = grid_h·grid_w and the table's
   /// number of heads.
-  static AttnMask relative_position(const ConstRowMatrixRef<Scalar>& table, Index grid_h, Index grid_w,
-                                    Index max_h, Index max_w) {
+  static AttnMask relative_position(const ConstRowMatrixRef<Scalar>& table, Index grid_h, Index grid_w, Index max_h,
+                                    Index max_w) {
     if (max_h < 1 || max_w < 1 || grid_h < 0 || grid_w < 0 || grid_h > max_h || grid_w > max_w) {
       detail::fail("relative position bias: a grid of grid_h x grid_w <= max_h x max_w positions, got grid ", grid_h,
                    " x ", grid_w, " for max ", max_h, " x ", max_w);
     }
     // Checked: maxima whose product wraps around could otherwise match the table's row count.
-    const Index entries = detail::relative_table_entries(max_h, max_w, "relative position bias: the table for max_h x max_w");
+    const Index entries =
+        detail::relative_table_entries(max_h, max_w, "relative position bias: the table for max_h x max_w");
     if (table.rows() != entries || table.cols() < 1) {
       detail::fail("relative position bias table must be [(2*max_h - 1)*(2*max_w - 1), heads] = [", entries,
-                   ", heads] for max ", max_h, " x ", max_w, ", got ", detail::shape_string({table.rows(), table.cols()}));
+                   ", heads] for max ", max_h, " x ", max_w, ", got ",
+                   detail::shape_string({table.rows(), table.cols()}));
     }
     AttnMask m;
     m.kind_ = MaskKind::RelativePosition;
@@ -213,13 +215,9 @@ class KeyPaddingMask {
   static KeyPaddingMask none() { return KeyPaddingMask(); }
 
   /// Boolean [batch, keys], true = the key takes part.
-  static KeyPaddingMask keep(const BoolTensor2& m) {
-    return flags(MaskKind::Keep, m, false);
-  }
+  static KeyPaddingMask keep(const BoolTensor2& m) { return flags(MaskKind::Keep, m, false); }
   /// Boolean [batch, keys], true = the key is padding (nn.MultiheadAttention's key_padding_mask).
-  static KeyPaddingMask ignore(const BoolTensor2& m) {
-    return flags(MaskKind::Ignore, m, true);
-  }
+  static KeyPaddingMask ignore(const BoolTensor2& m) { return flags(MaskKind::Ignore, m, true); }
   /// Floating point [batch, keys], added to every query's scores.
   static KeyPaddingMask additive(const Eigen::Tensor<Scalar, 2, Eigen::RowMajor>& m) {
     KeyPaddingMask k;
@@ -247,11 +245,14 @@ class KeyPaddingMask {
   /// against the problem's [batch, keys] (c2f::MaskView's constructor checks it).
   bool hides(Index b, Index j) const {
     switch (kind_) {
-      case MaskKind::None: return false;
-      case MaskKind::Lengths: return j >= lengths_[static_cast<std::size_t>(b)];
+      case MaskKind::None:
+        return false;
+      case MaskKind::Lengths:
+        return j >= lengths_[static_cast<std::size_t>(b)];
       case MaskKind::Additive:
         return add_[static_cast<std::size_t>(b * dims_[1] + j)] == -std::numeric_limits<Scalar>::infinity();
-      default: return keep_[static_cast<std::size_t>(b * dims_[1] + j)] == 0;
+      default:
+        return keep_[static_cast<std::size_t>(b * dims_[1] + j)] == 0;
     }
   }
 
@@ -311,10 +312,11 @@ namespace detail {
 /// Throws unless only the fields a layer takes are set: "<layer> takes no <field>".
 template <class Scalar>
 void check_mask_fields(const Masks<Scalar>& masks, const char* layer, MaskFields accepted) {
-  const char* unused = !takes(accepted, MaskFields::AttnMask) && !masks.attn_mask().is_none()        ? "attn_mask"
-                       : !takes(accepted, MaskFields::KeyPaddingMask) && !masks.key_padding_mask().is_none() ? "key_padding_mask"
-                       : !takes(accepted, MaskFields::FineAttnMask) && !masks.fine_attn_mask().is_none()   ? "fine_attn_mask"
-                                                                                                  : nullptr;
+  const char* unused =
+      !takes(accepted, MaskFields::AttnMask) && !masks.attn_mask().is_none()                ? "attn_mask"
+      : !takes(accepted, MaskFields::KeyPaddingMask) && !masks.key_padding_mask().is_none() ? "key_padding_mask"
+      : !takes(accepted, MaskFields::FineAttnMask) && !masks.fine_attn_mask().is_none()     ? "fine_attn_mask"
+                                                                                            : nullptr;
   if (unused != nullptr) fail(layer, " takes no ", unused, " (see c2f::Masks for the fields each layer uses)");
 }
 

@@ -31,8 +31,8 @@ class MaskView {
 
   /// Checks both masks against [batch, heads, queries, keys]; throws std::invalid_argument naming the
   /// expected and the given shape. With `causal`, query i also sees only keys j <= i (top-left aligned).
-  MaskView(const AttnMask<Scalar>& attn, const KeyPaddingMask<Scalar>& padding, Index batch, Index heads,
-           Index queries, Index keys, bool causal = false)
+  MaskView(const AttnMask<Scalar>& attn, const KeyPaddingMask<Scalar>& padding, Index batch, Index heads, Index queries,
+           Index keys, bool causal = false)
       : attn_(attn.is_none() || attn.kind() == MaskKind::Causal ? nullptr : &attn),
         pad_(padding.is_none() ? nullptr : &padding),
         batch_(batch),
@@ -56,8 +56,9 @@ class MaskView {
       const bool n_ok = d[0] == 1 || d[0] == batch || d[0] == batch * heads;
       if (!n_ok || d[1] != queries || d[2] != keys) {
         detail::fail("attention mask must be [queries, keys] = ", detail::shape_string({queries, keys}),
-             " or [n, queries, keys] with n = 1, batch (", batch, ") or batch*heads (", batch * heads,
-             "), got ", d[0] == 1 ? detail::shape_string({d[1], d[2]}) : detail::shape_string({d[0], d[1], d[2]}));
+                     " or [n, queries, keys] with n = 1, batch (", batch, ") or batch*heads (", batch * heads,
+                     "), got ",
+                     d[0] == 1 ? detail::shape_string({d[1], d[2]}) : detail::shape_string({d[0], d[1], d[2]}));
       }
     }
     if (pad_) {
@@ -69,7 +70,7 @@ class MaskView {
         }
       } else if (d[0] != batch || d[1] != keys) {
         detail::fail("key padding mask must be [batch, keys] = ", detail::shape_string({batch, keys}), ", got ",
-             detail::shape_string({d[0], d[1]}));
+                     detail::shape_string({d[0], d[1]}));
       }
     }
   }
@@ -109,8 +110,12 @@ class MaskView {
     if (causal_ && j - i > diagonal_) return kMasked;
     if (attn_) {
       switch (attn_->kind()) {
-        case MaskKind::Additive: out += attn_->additive_values()[attn_index(b, h, i, j)]; break;
-        case MaskKind::RelativePosition: out += attn_->relative_position_bias(h, row0_ + i, j); break;
+        case MaskKind::Additive:
+          out += attn_->additive_values()[attn_index(b, h, i, j)];
+          break;
+        case MaskKind::RelativePosition:
+          out += attn_->relative_position_bias(h, row0_ + i, j);
+          break;
         default:
           if (!attn_->keep_flags()[attn_index(b, h, i, j)]) return kMasked;
       }
@@ -120,7 +125,9 @@ class MaskView {
         case MaskKind::Lengths:
           if (j >= pad_->valid_lengths()[static_cast<std::size_t>(b)]) return kMasked;
           break;
-        case MaskKind::Additive: out += pad_->additive_values()[pad_index(b, j)]; break;
+        case MaskKind::Additive:
+          out += pad_->additive_values()[pad_index(b, j)];
+          break;
         default:
           if (!pad_->keep_flags()[pad_index(b, j)]) return kMasked;
       }
@@ -170,7 +177,9 @@ class MaskView {
             for (Index c = 0; c < cols; ++c) S(r, c) = add[c] == kMasked ? kMasked : S(r, c) + add[c];
           }
           break;
-        case MaskKind::RelativePosition: apply_relative_position(h, row0_ + i0, j0, S); break;
+        case MaskKind::RelativePosition:
+          apply_relative_position(h, row0_ + i0, j0, S);
+          break;
         default:
           for (Index r = 0; r < rows; ++r) {
             const std::uint8_t* keep = attn_->keep_flags().data() + attn_index(b, h, i0 + r, j0);

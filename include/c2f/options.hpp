@@ -10,8 +10,8 @@
 // wrapped layer's options too.
 #pragma once
 
-#include "c2f/core.hpp"
 #include "c2f/arg.hpp"
+#include "c2f/core.hpp"
 
 #include <cstdint>
 

@@ -68,8 +68,8 @@ inline double env_number(const char* name, double lowest, double fallback, bool 
   const bool whole = v == static_cast<double>(static_cast<long long>(v));
   if (end == text || *end != '\0' || errno != 0 || !(v >= lowest) || v > 1e18 || (integer && !whole)) {
     throw std::invalid_argument(std::string("c2f: environment variable ") + name + " must be " +
-                                (integer ? "an integer" : "a number") + " >= " +
-                                std::to_string(static_cast<long long>(lowest)) + ", got '" + text + "'");
+                                (integer ? "an integer" : "a number") +
+                                " >= " + std::to_string(static_cast<long long>(lowest)) + ", got '" + text + "'");
   }
   return v;
 }
@@ -178,8 +178,8 @@ class Runtime {
   }
 
   std::mutex mutex_;
-  std::atomic<int> threads_{0};          // 0 = not resolved yet
-  std::atomic<double> min_work_{-1.0};   // < 0 = not resolved yet
+  std::atomic<int> threads_{0};         // 0 = not resolved yet
+  std::atomic<double> min_work_{-1.0};  // < 0 = not resolved yet
   std::shared_ptr<Pool> pool_;
   long long workers_created_ = 0;
 };

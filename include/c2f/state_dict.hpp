@@ -20,20 +20,29 @@
 namespace c2f {
 
 /// Element types of the safetensors format (byte-sized ones).
-enum class DType : std::uint8_t {
-  BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, I64, U64, F64
-};
+enum class DType : std::uint8_t { BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, I64, U64, F64 };
 
 /// Size in bytes of one element.
 inline std::size_t dtype_size(DType t) {
   switch (t) {
-    case DType::BOOL: case DType::U8: case DType::I8: case DType::F8_E5M2: case DType::F8_E4M3:
+    case DType::BOOL:
+    case DType::U8:
+    case DType::I8:
+    case DType::F8_E5M2:
+    case DType::F8_E4M3:
       return 1;
-    case DType::I16: case DType::U16: case DType::F16: case DType::BF16:
+    case DType::I16:
+    case DType::U16:
+    case DType::F16:
+    case DType::BF16:
       return 2;
-    case DType::I32: case DType::U32: case DType::F32:
+    case DType::I32:
+    case DType::U32:
+    case DType::F32:
       return 4;
-    case DType::I64: case DType::U64: case DType::F64:
+    case DType::I64:
+    case DType::U64:
+    case DType::F64:
       return 8;
   }
   return 0;
@@ -41,21 +50,36 @@ inline std::size_t dtype_size(DType t) {
 
 inline const char* dtype_name(DType t) {
   switch (t) {
-    case DType::BOOL: return "BOOL";
-    case DType::U8: return "U8";
-    case DType::I8: return "I8";
-    case DType::F8_E5M2: return "F8_E5M2";
-    case DType::F8_E4M3: return "F8_E4M3";
-    case DType::I16: return "I16";
-    case DType::U16: return "U16";
-    case DType::F16: return "F16";
-    case DType::BF16: return "BF16";
-    case DType::I32: return "I32";
-    case DType::U32: return "U32";
-    case DType::F32: return "F32";
-    case DType::I64: return "I64";
-    case DType::U64: return "U64";
-    case DType::F64: return "F64";
+    case DType::BOOL:
+      return "BOOL";
+    case DType::U8:
+      return "U8";
+    case DType::I8:
+      return "I8";
+    case DType::F8_E5M2:
+      return "F8_E5M2";
+    case DType::F8_E4M3:
+      return "F8_E4M3";
+    case DType::I16:
+      return "I16";
+    case DType::U16:
+      return "U16";
+    case DType::F16:
+      return "F16";
+    case DType::BF16:
+      return "BF16";
+    case DType::I32:
+      return "I32";
+    case DType::U32:
+      return "U32";
+    case DType::F32:
+      return "F32";
+    case DType::I64:
+      return "I64";
+    case DType::U64:
+      return "U64";
+    case DType::F64:
+      return "F64";
   }
   return "?";
 }
@@ -109,8 +133,8 @@ class TensorData {
       detail::fail("tensor shape ", detail::shape_string(shape_), " is negative or overflows");
     }
     if (*n * dtype_size(dtype_) != bytes_.size()) {
-      detail::fail("tensor of dtype ", dtype_name(dtype_), " and shape ", detail::shape_string(shape_),
-                   " needs ", *n * dtype_size(dtype_), " bytes, got ", bytes_.size());
+      detail::fail("tensor of dtype ", dtype_name(dtype_), " and shape ", detail::shape_string(shape_), " needs ",
+                   *n * dtype_size(dtype_), " bytes, got ", bytes_.size());
     }
   }
 
@@ -137,17 +161,19 @@ class TensorData {
     const std::int64_t n = numel();
     const std::uint8_t* p = bytes_.data();
     switch (dtype_) {
-      case DType::F32: convert<float>(p, n, out, [](float v) { return v; }); break;
-      case DType::F64: convert<double>(p, n, out, [](double v) { return v; }); break;
+      case DType::F32:
+        convert<float>(p, n, out, [](float v) { return v; });
+        break;
+      case DType::F64:
+        convert<double>(p, n, out, [](double v) { return v; });
+        break;
       case DType::F16:
-        convert<std::uint16_t>(p, n, out, [](std::uint16_t b) {
-          return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(b));
-        });
+        convert<std::uint16_t>(
+            p, n, out, [](std::uint16_t b) { return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(b)); });
         break;
       case DType::BF16:
-        convert<std::uint16_t>(p, n, out, [](std::uint16_t b) {
-          return static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(b));
-        });
+        convert<std::uint16_t>(
+            p, n, out, [](std::uint16_t b) { return static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(b)); });
         break;
       default:
         detail::fail("cannot convert a tensor of dtype ", dtype_name(dtype_),

@@ -10,8 +10,8 @@
 //   opt.step(layer, g.params);
 #pragma once
 
-#include "c2f/core.hpp"
 #include "c2f/arg.hpp"
+#include "c2f/core.hpp"
 #include "c2f/state_dict.hpp"
 
 #include <cmath>

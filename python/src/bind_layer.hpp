@@ -1,5 +1,6 @@
 // c2f python — one template that binds any layer through the layer contract
-// (include/c2f/layers/support/layer_base.hpp): the constructor from its sizes and options as keyword arguments, forward /
+// (include/c2f/layers/support/layer_base.hpp): the constructor from its sizes and options as keyword arguments, forward
+// /
 // __call__ with the masks, and — when the layer has them — cross-attention, the attention weights, the
 // chunk selection, a coarse context (FineAttention), a grid (C2FAttention2D) and decoding. What differs
 // between layers is found from the layer's type; an entry (layers.hpp) names only its sizes and its own
@@ -28,13 +29,13 @@ struct OptionSpec {
 };
 
 /// The OptionSpec of option `name` of `Options` (a type in scope where it is used).
-#define C2F_PY_OPTION(name)                                                                            \
-  ::c2f_py::OptionSpec<Options> {                                                                      \
-    #name,                                                                                             \
+#define C2F_PY_OPTION(name)                                                                          \
+  ::c2f_py::OptionSpec<Options> {                                                                    \
+#name,                                                                                             \
         [](Options& o, ::pybind11::handle v, const std::string& what) {                                \
           o.name(::c2f_py::from_py<std::decay_t<decltype(o.name())>>(v, what + ": " #name));            \
         },                                                                                             \
-        [](const Options& o) { return ::c2f_py::to_py(o.name()); }                                     \
+        [](const Options& o) { return ::c2f_py::to_py(o.name()); } \
   }
 
 /// The options every layer of the option groups of c2f/options.hpp has, then the entry's own.
@@ -125,28 +126,33 @@ using Ref3 = c2f::ConstTensor3Ref<S>;
 template <class L, class S, class = void>
 struct HasForward : std::false_type {};  // forward(x, masks): the contract's form
 template <class L, class S>
-struct HasForward<L, S, std::void_t<decltype(std::declval<const L&>().forward(std::declval<Ref3<S>>(), c2f::Masks<S>()))>>
+struct HasForward<L, S,
+                  std::void_t<decltype(std::declval<const L&>().forward(std::declval<Ref3<S>>(), c2f::Masks<S>()))>>
     : std::true_type {};
 
 template <class L, class S, class = void>
 struct HasCross : std::false_type {};  // forward(query, key, value, masks)
 template <class L, class S>
-struct HasCross<L, S, std::void_t<decltype(std::declval<const L&>().forward(std::declval<Ref3<S>>(), std::declval<Ref3<S>>(),
-                                                                            std::declval<Ref3<S>>(), c2f::Masks<S>()))>>
+struct HasCross<L, S,
+                std::void_t<decltype(std::declval<const L&>().forward(std::declval<Ref3<S>>(), std::declval<Ref3<S>>(),
+                                                                      std::declval<Ref3<S>>(), c2f::Masks<S>()))>>
     : std::true_type {};
 
 template <class L, class S, class = void>
 struct HasGrid : std::false_type {};  // forward(x, height, width, masks)
 template <class L, class S>
-struct HasGrid<L, S, std::void_t<decltype(std::declval<const L&>().forward(std::declval<Ref3<S>>(), Index(), Index(), c2f::Masks<S>()))>>
+struct HasGrid<
+    L, S,
+    std::void_t<decltype(std::declval<const L&>().forward(std::declval<Ref3<S>>(), Index(), Index(), c2f::Masks<S>()))>>
     : std::true_type {};
 
 template <class L, class S, class = void>
 struct HasChunked : std::false_type {};  // forward(x [B, m, k, d], coarse_context, masks) and forward_chunked
 template <class L, class S>
-struct HasChunked<L, S, std::void_t<decltype(std::declval<const L&>().forward_chunked(std::declval<Ref3<S>>(), Index(),
-                                                                                      std::declval<Ref3<S>>(), c2f::Masks<S>()))>>
-    : std::true_type {};
+struct HasChunked<L, S,
+                  std::void_t<decltype(std::declval<const L&>().forward_chunked(
+                      std::declval<Ref3<S>>(), Index(), std::declval<Ref3<S>>(), c2f::Masks<S>()))>> : std::true_type {
+};
 
 template <class L, class S, class = void>
 struct HasWeights : std::false_type {};
@@ -211,7 +217,8 @@ void bind_decode(Cls& cls) {
   cls.def(
       "new_decode_state",
       [](const Held<Entry>& h, Index batch, Index reserve) { return h.layer.new_decode_state(batch, reserve); },
-      py::arg("batch"), py::arg("reserve") = 0, "an empty decoding state for `batch` sequences (the layer must be causal)");
+      py::arg("batch"), py::arg("reserve") = 0,
+      "an empty decoding state for `batch` sequences (the layer must be causal)");
   using Step = c2f::Tensor3<S> (Layer::*)(Ref3<S>, State&) const;
   for (const auto& [name, step, doc] :
        {std::make_tuple("decode", static_cast<Step>(&Layer::template decode<State>),
@@ -240,7 +247,8 @@ void bind_decode(Cls& cls) {
 /// "c2f.<Name> (float32): <Name>(sizes..., *, options...)": the class's docstring.
 template <class Entry>
 std::string class_doc() {
-  std::string doc = std::string("c2f's ") + Entry::name + " in " + dtype_name<typename Entry::Scalar>() + ": " + Entry::name + "(";
+  std::string doc =
+      std::string("c2f's ") + Entry::name + " in " + dtype_name<typename Entry::Scalar>() + ": " + Entry::name + "(";
   for (const char* s : Entry::sizes()) doc += std::string(s) + ", ";
   doc += "*";
   for (const auto& spec : all_options<Entry>()) doc += std::string(", ") + spec.name + "=...";
@@ -280,13 +288,16 @@ void bind_layer(py::module_& module) {
   });
   cls.def("__repr__", [](const H& h) {
     std::string r = std::string(Entry::name) + "(";
-    for (std::size_t i = 0; i < H::kSizes; ++i) r += std::string(Entry::sizes()[i]) + "=" + std::to_string(h.sizes[i]) + ", ";
+    for (std::size_t i = 0; i < H::kSizes; ++i)
+      r += std::string(Entry::sizes()[i]) + "=" + std::to_string(h.sizes[i]) + ", ";
     r += std::string("dtype='") + dtype_name<S>() + "'";
-    for (const auto& spec : all_options<Entry>()) r += std::string(", ") + spec.name + "=" + std::string(py::repr(spec.get(h.layer.options())));
+    for (const auto& spec : all_options<Entry>())
+      r += std::string(", ") + spec.name + "=" + std::string(py::repr(spec.get(h.layer.options())));
     return r + ")";
   });
   cls.def("__copy__", [](const H& h) { return H(h); });
-  cls.def("__deepcopy__", [](const H& h, py::handle) { return H(h); }, py::arg("memo"));
+  cls.def(
+      "__deepcopy__", [](const H& h, py::handle) { return H(h); }, py::arg("memo"));
   cls.def(
       "state_dict", [](const H& h, const std::string& prefix) { return to_dict(h.layer.state_dict(prefix)); },
       py::arg("prefix") = "", "PyTorch's names → numpy arrays (copies)");
@@ -307,12 +318,14 @@ void bind_layer(py::module_& module) {
       const In<S, 3> v(value.is_none() ? query : value, n + ": value", kTokens);
       return without_gil([&] { return call(h.layer, q.view(), k.view(), v.view(), masks); });
     };
-    const auto positional = std::make_tuple(py::arg("query"), py::arg("key") = py::none(), py::arg("value") = py::none());
+    const auto positional =
+        std::make_tuple(py::arg("query"), py::arg("key") = py::none(), py::arg("value") = py::none());
     def_forward(
         cls,
         [qkv](const H& h, py::handle query, py::handle key, py::handle value, C2F_PY_MASK_PARAMS) {
-          return to_numpy(qkv(h, query, key, value, C2F_PY_MASKS(S, Entry),
-                              [](const Layer& l, auto q, auto k, auto v, const auto& m) { return l.forward(q, k, v, m); }));
+          return to_numpy(
+              qkv(h, query, key, value, C2F_PY_MASKS(S, Entry),
+                  [](const Layer& l, auto q, auto k, auto v, const auto& m) { return l.forward(q, k, v, m); }));
         },
         "query [batch, Lq, embed_dim] (key [batch, Lk, kdim], value [batch, Lk, vdim]; default: query) → [batch, Lq, "
         "embed_dim]",
@@ -321,12 +334,16 @@ void bind_layer(py::module_& module) {
       def_masked(
           cls, "forward_with_weights",
           [qkv](const H& h, py::handle query, py::handle key, py::handle value, C2F_PY_MASK_PARAMS, bool average) {
-            c2f::AttnOutput<S> r = qkv(h, query, key, value, C2F_PY_MASKS(S, Entry), [&](const Layer& l, auto q, auto k, auto v, const auto& m) {
-              return l.forward_with_weights(q, k, v, m, average ? c2f::AttnWeights::Averaged : c2f::AttnWeights::PerHead);
-            });
+            c2f::AttnOutput<S> r =
+                qkv(h, query, key, value, C2F_PY_MASKS(S, Entry),
+                    [&](const Layer& l, auto q, auto k, auto v, const auto& m) {
+                      return l.forward_with_weights(q, k, v, m,
+                                                    average ? c2f::AttnWeights::Averaged : c2f::AttnWeights::PerHead);
+                    });
             py::array weights = to_numpy(std::move(r.weights));
             // torch's shapes: [batch, Lq, Lk] averaged, [batch, heads, Lq, Lk] per head.
-            if (average) weights = py::array(weights.attr("reshape")(weights.shape(0), weights.shape(2), weights.shape(3)));
+            if (average)
+              weights = py::array(weights.attr("reshape")(weights.shape(0), weights.shape(2), weights.shape(3)));
             return py::make_tuple(to_numpy(std::move(r.output)), weights);
           },
           "forward() and the attention weights (torch's need_weights=True): (output, weights)", positional,

@@ -68,7 +68,7 @@ inline py::array as_array(py::handle obj, const std::string& what, const std::st
   if (py::isinstance<py::array>(obj)) return py::reinterpret_borrow<py::array>(obj);
   if (obj.is_none()) throw py::type_error(what + ": expected " + expected + ", got None");
   static py::object* asarray = new py::object(py::module_::import("numpy").attr("asarray"));  // never freed: no
-  try {                                                                                          // teardown order
+  try {                                                                                       // teardown order
     return (*asarray)(obj);
   } catch (py::error_already_set& e) {
     throw py::type_error(what + ": expected " + expected + " (a numpy array or a torch CPU tensor), got " +
@@ -147,8 +147,8 @@ inline MaskArray mask_array(py::handle obj, const std::string& what, bool rank2)
     m.keep = true;
     raw = obj.cast<const KeepMask&>().mask;
   }
-  const char* expected = rank2 ? "a 2-D bool or float array [batch, keys]"
-                               : "a bool or float array [queries, keys] or [n, queries, keys]";
+  const char* expected =
+      rank2 ? "a 2-D bool or float array [batch, keys]" : "a bool or float array [queries, keys] or [n, queries, keys]";
   m.array = as_array(raw, what, expected);
   const char kind = m.array.dtype().kind();
   if (!m.is_bool() && kind != 'f') {
@@ -266,7 +266,8 @@ T from_py(py::handle v, const std::string& what) {
     return v.ptr() == Py_True;
   } else if constexpr (IsNamedEnum<T>::value) {
     std::string names;
-    for (const auto& [value, name] : EnumNames<T>::values) names += std::string(names.empty() ? "" : ", ") + "'" + name + "'";
+    for (const auto& [value, name] : EnumNames<T>::values)
+      names += std::string(names.empty() ? "" : ", ") + "'" + name + "'";
     if (!py::isinstance<py::str>(v)) throw py::type_error(what + " must be one of " + names + ", got " + type_name(v));
     const std::string given = v.cast<std::string>();
     for (const auto& [value, name] : EnumNames<T>::values) {
@@ -281,10 +282,17 @@ T from_py(py::handle v, const std::string& what) {
     c2f::HMHALevels on{false, false, false};
     for (py::handle level : v) {
       switch (integer(level, what + " entry")) {
-        case 1: on.local = true; break;
-        case 2: on.cross = true; break;
-        case 3: on.global = true; break;
-        default: throw py::value_error(what + " must hold levels from (1, 2, 3), got " + std::string(py::str(v)));
+        case 1:
+          on.local = true;
+          break;
+        case 2:
+          on.cross = true;
+          break;
+        case 3:
+          on.global = true;
+          break;
+        default:
+          throw py::value_error(what + " must hold levels from (1, 2, 3), got " + std::string(py::str(v)));
       }
     }
     return on;

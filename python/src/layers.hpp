@@ -23,14 +23,14 @@ std::vector<OptionSpec<Options>> own_options(Specs... specs) {
 /// Entry `Name` for c2f::Name<S>: Sizes is a parenthesised list of the constructor's size names, Own a
 /// parenthesised list of the C2F_PY_OPTION(...) of the layer's own options (possibly empty).
 #define C2F_PY_LAYER(Name, Sizes, Own)                                                     \
-  template <class S>                                                                        \
-  struct Name##Entry {                                                                      \
-    using Layer = c2f::Name<S>;                                                             \
-    using Options = typename Layer::Options;                                                \
-    using Scalar = S;                                                                       \
-    static constexpr const char* name = #Name;                                              \
-    static constexpr auto sizes() { return size_names Sizes; }                              \
-    static std::vector<OptionSpec<Options>> options() { return own_options<Options> Own; }  \
+  template <class S>                                                                       \
+  struct Name##Entry {                                                                     \
+    using Layer = c2f::Name<S>;                                                            \
+    using Options = typename Layer::Options;                                               \
+    using Scalar = S;                                                                      \
+    static constexpr const char* name = #Name;                                             \
+    static constexpr auto sizes() { return size_names Sizes; }                             \
+    static std::vector<OptionSpec<Options>> options() { return own_options<Options> Own; } \
   }
 
 // clang-format off
@@ -53,8 +53,9 @@ struct LayerList {
     (bind_layer<Entries<S>>(m), ...);
   }
 };
-using Layers = LayerList<LinearEntry, Conv1dEntry, C3K2ProjectionEntry, MultiHeadAttentionEntry, CoarseAttentionEntry,
-                         FineAttentionEntry, C2FAttentionEntry, C2FAttention2DEntry, HMHAEntry, SparseC2FAttentionEntry>;
+using Layers =
+    LayerList<LinearEntry, Conv1dEntry, C3K2ProjectionEntry, MultiHeadAttentionEntry, CoarseAttentionEntry,
+              FineAttentionEntry, C2FAttentionEntry, C2FAttention2DEntry, HMHAEntry, SparseC2FAttentionEntry>;
 
 /// Binds every entry in S (one translation unit per S: layers_float32.cpp, layers_float64.cpp).
 template <class S>

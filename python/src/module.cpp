@@ -20,10 +20,10 @@ struct DTypeName {
 };
 // numpy's name of each safetensors dtype numpy has (BF16 is read as float32; F8 is refused).
 constexpr DTypeName kDTypes[] = {
-    {c2f::DType::BOOL, "bool"},   {c2f::DType::U8, "uint8"},   {c2f::DType::I8, "int8"},
-    {c2f::DType::I16, "int16"},   {c2f::DType::U16, "uint16"}, {c2f::DType::F16, "float16"},
-    {c2f::DType::I32, "int32"},   {c2f::DType::U32, "uint32"}, {c2f::DType::F32, "float32"},
-    {c2f::DType::I64, "int64"},   {c2f::DType::U64, "uint64"}, {c2f::DType::F64, "float64"},
+    {c2f::DType::BOOL, "bool"}, {c2f::DType::U8, "uint8"},   {c2f::DType::I8, "int8"},
+    {c2f::DType::I16, "int16"}, {c2f::DType::U16, "uint16"}, {c2f::DType::F16, "float16"},
+    {c2f::DType::I32, "int32"}, {c2f::DType::U32, "uint32"}, {c2f::DType::F32, "float32"},
+    {c2f::DType::I64, "int64"}, {c2f::DType::U64, "uint64"}, {c2f::DType::F64, "float64"},
 };
 
 py::array tensor_to_numpy(const std::string& name, const c2f::TensorData& t) {
@@ -135,16 +135,20 @@ PYBIND11_MODULE(_c2f, m) {
       py::arg("path"), py::arg("tensors"), py::arg("metadata") = std::map<std::string, std::string>(),
       "writes a dict of arrays or tensors (and a str → str metadata map) as a safetensors file");
 
-  m.def("get_num_threads", &c2f::get_num_threads, "the most threads one c2f call uses (C2F_NUM_THREADS, else the CPUs)");
+  m.def("get_num_threads", &c2f::get_num_threads,
+        "the most threads one c2f call uses (C2F_NUM_THREADS, else the CPUs)");
   m.def(
       "set_num_threads", [](int n) { c2f::set_num_threads(n); }, py::arg("n"),
       "sets get_num_threads() for the process (0 restores the default); a layer's num_threads caps it further");
 
   py::module_ dbg = m.def_submodule("_debug", "switches the tests use to show that a property's test can fail");
-  dbg.def("set_force_copy", [](bool on) { debug().force_copy = on; }, "copy every input (breaks zero-copy)");
-  dbg.def("set_hold_gil", [](bool on) { debug().hold_gil = on; }, "keep the GIL during forward and decode");
-  dbg.def("last_input_address", [] { return debug().last_input.load(); },
-          "the data address of the last input array a layer read");
+  dbg.def(
+      "set_force_copy", [](bool on) { debug().force_copy = on; }, "copy every input (breaks zero-copy)");
+  dbg.def(
+      "set_hold_gil", [](bool on) { debug().hold_gil = on; }, "keep the GIL during forward and decode");
+  dbg.def(
+      "last_input_address", [] { return debug().last_input.load(); },
+      "the data address of the last input array a layer read");
 
   bind_layers<float>(m);
   bind_layers<double>(m);

@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
     bad = std::memcmp(y.data(), want.data() + s.begin * 8, sizeof(float) * static_cast<std::size_t>(y.size())) != 0;
     int any = 0;
     MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, comm.get());
-    if (comm.rank() == 0) std::printf(any ? "c2f dist consumer: rows differ\n" : "c2f dist consumer OK on %d ranks\n", comm.size());
+    if (comm.rank() == 0)
+      std::printf(any ? "c2f dist consumer: rows differ\n" : "c2f dist consumer OK on %d ranks\n", comm.size());
     bad = any;
   }
   MPI_Finalize();

@@ -10,9 +10,9 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -66,7 +66,7 @@ std::string describe(const Shape& s) {
 }
 // L < chunk; L % chunk != 0 with B = 3; two chunks (an empty rank at P = 3); 76 chunks (a product of at
 // least kPackedGemmMinRows rows in the whole, fewer on a shard); L = 0.
-const std::vector<Shape> kShapes = {{1, 5, 8, 2, 8},   {3, 37, 16, 4, 8}, {1, 16, 8, 2, 8},
+const std::vector<Shape> kShapes = {{1, 5, 8, 2, 8},    {3, 37, 16, 4, 8},  {1, 16, 8, 2, 8},
                                     {2, 301, 16, 2, 4}, {3, 64, 24, 3, 16}, {1, 0, 8, 2, 4}};
 
 template <class Scalar>
@@ -135,7 +135,8 @@ TYPED_TEST(DistC2F, MasksOfBothStages) {
     const c2f::Masks<Scalar> fine_mine = c2f::Masks<Scalar>().fine_attn_mask(
         c2f::AttnMask<Scalar>::keep(local_chunks(keep, s.batch, m, shard.first_chunk, shard.chunks)));
     (void)k;
-    EXPECT_TRUE(same_bits(dist.forward(mine, fine_mine), slice(single.forward(x, fine_all), shard.begin, shard.length)));
+    EXPECT_TRUE(
+        same_bits(dist.forward(mine, fine_mine), slice(single.forward(x, fine_all), shard.begin, shard.length)));
   }
 }
 
@@ -143,7 +144,8 @@ TYPED_TEST(DistC2F, AnyChunkAlignedPlan) {
   using Scalar = TypeParam;
   const c2f::dist::Comm comm = world();
   const Shape s{2, 45, 16, 2, 4};  // 12 chunks, the last partial
-  const c2f::C2FAttention<Scalar> single(s.dim, s.heads, s.chunk, typename c2f::C2FAttention<Scalar>::Options().seed(9));
+  const c2f::C2FAttention<Scalar> single(s.dim, s.heads, s.chunk,
+                                         typename c2f::C2FAttention<Scalar>::Options().seed(9));
   const c2f::dist::C2FAttention<Scalar> dist(comm, single);
   const c2f::Tensor3<Scalar> x = tokens<Scalar>(s.batch, s.length, s.dim, 2);
   const c2f::Tensor3<Scalar> want = single.forward(x);
@@ -155,7 +157,8 @@ TYPED_TEST(DistC2F, AnyChunkAlignedPlan) {
   // Rank r holds r + 1 chunks (the last rank the rest).
   Index begin = 0;
   for (int r = 0; r < comm.rank(); ++r) begin = std::min(s.length, begin + (r + 1) * s.chunk);
-  const Index length = comm.rank() + 1 == comm.size() ? s.length - begin : std::min(s.length - begin, (comm.rank() + 1) * s.chunk);
+  const Index length =
+      comm.rank() + 1 == comm.size() ? s.length - begin : std::min(s.length - begin, (comm.rank() + 1) * s.chunk);
   EXPECT_TRUE(same_bits(dist.forward(slice(x, begin, length)), slice(want, begin, length)));
 }
 
@@ -232,8 +235,8 @@ struct Grid2D {
 };
 std::string describe(const Grid2D& g) {
   return "B=" + std::to_string(g.batch) + " " + std::to_string(g.height) + "x" + std::to_string(g.width) +
-         " d=" + std::to_string(g.dim) + " H=" + std::to_string(g.heads) + " blocks " + std::to_string(g.block_h) + "x" +
-         std::to_string(g.block_w) + (g.bias ? " bias" : "");
+         " d=" + std::to_string(g.dim) + " H=" + std::to_string(g.heads) + " blocks " + std::to_string(g.block_h) +
+         "x" + std::to_string(g.block_w) + (g.bias ? " bias" : "");
 }
 
 template <class Scalar>
@@ -250,8 +253,10 @@ TYPED_TEST_SUITE(DistC2F2D, Scalars);
 // One partial row of blocks (H < block_h: empty ranks at P >= 2); partial rows and columns of blocks
 // with B = 3; 6 rows of 4 blocks (a coarse product of at least kPackedGemmMinRows rows in the whole,
 // fewer on a shard); no bias; an empty grid.
-const std::vector<Grid2D> kGrids = {{1, 3, 5, 8, 2, 4, 2, true},     {3, 10, 7, 16, 4, 3, 3, true},
-                                    {2, 12, 16, 16, 2, 2, 4, true},  {2, 12, 16, 16, 2, 2, 4, false},
+const std::vector<Grid2D> kGrids = {{1, 3, 5, 8, 2, 4, 2, true},
+                                    {3, 10, 7, 16, 4, 3, 3, true},
+                                    {2, 12, 16, 16, 2, 2, 4, true},
+                                    {2, 12, 16, 16, 2, 2, 4, false},
                                     {1, 0, 4, 8, 2, 2, 2, true}};
 
 TYPED_TEST(DistC2F2D, ShardsAreBitIdenticalToTheSingleProcess) {
@@ -265,7 +270,8 @@ TYPED_TEST(DistC2F2D, ShardsAreBitIdenticalToTheSingleProcess) {
     const c2f::dist::Shard rows = c2f::dist::even_shard(g.height, g.block_h, comm.rank(), comm.size());
     const c2f::Tensor3<Scalar> want =
         slice(single.forward(x, g.height, g.width), rows.begin * g.width, rows.length * g.width);
-    EXPECT_TRUE(same_bits(dist.forward(slice(x, rows.begin * g.width, rows.length * g.width), rows.length, g.width), want));
+    EXPECT_TRUE(
+        same_bits(dist.forward(slice(x, rows.begin * g.width, rows.length * g.width), rows.length, g.width), want));
   }
 }
 
@@ -300,11 +306,13 @@ TEST(DistC2F2DBadInput, EveryRankThrowsTheSameMessage) {
   const c2f::dist::C2FAttention2D<float> dist(comm, layer_2d<float>(g, 1));
   const c2f::dist::Shard rows = c2f::dist::even_shard(g.height, g.block_h, comm.rank(), comm.size());
   // The grid width.
-  expect_every_rank_throws([&] { dist.forward(tokens<float>(1, rows.length * (odd ? 2 : 4), 8, 1), rows.length, odd ? 2 : 4); },
-                           "the ranks disagree on the grid width: rank 0 has 4, rank 1 has 2");
+  expect_every_rank_throws(
+      [&] { dist.forward(tokens<float>(1, rows.length * (odd ? 2 : 4), 8, 1), rows.length, odd ? 2 : 4); },
+      "the ranks disagree on the grid width: rank 0 has 4, rank 1 has 2");
   // x that is not rows x width tokens, on rank 1.
-  expect_every_rank_throws([&] { dist.forward(tokens<float>(1, rows.length * 4 + (odd ? 1 : 0), 8, 1), rows.length, 4); },
-                           "rank 1" + of + ": C2FAttention2D: x must be [batch, height·width = ");
+  expect_every_rank_throws(
+      [&] { dist.forward(tokens<float>(1, rows.length * 4 + (odd ? 1 : 0), 8, 1), rows.length, 4); },
+      "rank 1" + of + ": C2FAttention2D: x must be [batch, height·width = ");
   // A shard that does not start on a row of blocks: rank 0 holds 3 image rows of blocks 2 high.
   expect_every_rank_throws(
       [&] {
@@ -363,7 +371,8 @@ c2f::Tensor3<Scalar> rows_at(const c2f::Tensor3<Scalar>& x, const std::array<c2f
     Index to = 0;
     for (const c2f::dist::Segment& s : segments) {
       for (Index j = 0; j < s.length; ++j, ++to) {
-        std::memcpy(out.data() + (i * out.dimension(1) + to) * d, x.data() + (i * l + s.begin + j) * d, sizeof(Scalar) * d);
+        std::memcpy(out.data() + (i * out.dimension(1) + to) * d, x.data() + (i * l + s.begin + j) * d,
+                    sizeof(Scalar) * d);
       }
     }
   }
@@ -378,8 +387,8 @@ template <class Scalar>
   for (Index i = 0; i < got.size(); ++i) {
     const double g = got.data()[i], w = want.data()[i];
     if (!(std::abs(g - w) <= tol + tol * std::abs(w))) {
-      return ::testing::AssertionFailure() << "element " << i << " of " << got.size() << ": " << g
-                                           << " vs the single process's " << w;
+      return ::testing::AssertionFailure()
+             << "element " << i << " of " << got.size() << ": " << g << " vs the single process's " << w;
     }
   }
   return ::testing::AssertionSuccess();
@@ -397,21 +406,25 @@ TYPED_TEST(DistMHA, RingAndUlyssesMatchTheSingleProcess) {
   const std::vector<Shape> shapes = {{1, 2, 8, 2, 1}, {3, 37, 12, 6, 1}, {2, 301, 16, 2, 1}, {1, 7, 8, 2, 1}};
   for (const Shape& s : shapes) {
     for (const bool causal : {false, true}) {
-      for (const c2f::dist::SequenceParallel method : {c2f::dist::SequenceParallel::Ring, c2f::dist::SequenceParallel::Ulysses}) {
+      for (const c2f::dist::SequenceParallel method :
+           {c2f::dist::SequenceParallel::Ring, c2f::dist::SequenceParallel::Ulysses}) {
         if (method == c2f::dist::SequenceParallel::Ulysses && s.heads % comm.size() != 0) continue;
         for (const c2f::dist::Layout layout : {c2f::dist::Layout::Contiguous, c2f::dist::Layout::ZigZag}) {
           for (int pad = 0; pad < 3; ++pad) {
             SCOPED_TRACE(describe(s) + (causal ? " causal" : "") +
                          (method == c2f::dist::SequenceParallel::Ring ? " ring" : " ulysses") +
-                         (layout == c2f::dist::Layout::ZigZag ? " zig-zag" : " contiguous") + " padding " + std::to_string(pad));
+                         (layout == c2f::dist::Layout::ZigZag ? " zig-zag" : " contiguous") + " padding " +
+                         std::to_string(pad));
             const c2f::MultiHeadAttention<Scalar> single(
-                s.dim, s.heads, typename c2f::MultiHeadAttention<Scalar>::Options().causal(causal).seed(5).num_threads(2));
+                s.dim, s.heads,
+                typename c2f::MultiHeadAttention<Scalar>::Options().causal(causal).seed(5).num_threads(2));
             const Dist dist(comm, single, typename Dist::Options().method(method).layout(layout));
             const c2f::Tensor3<Scalar> x = tokens<Scalar>(s.batch, s.length, s.dim, 17);
             c2f::Masks<Scalar> masks;
             if (pad == 1) {  // lengths: half, none (every row fully masked), all
               std::vector<Index> lengths;
-              for (Index i = 0; i < s.batch; ++i) lengths.push_back(i % 3 == 0 ? s.length / 2 : i % 3 == 1 ? 0 : s.length);
+              for (Index i = 0; i < s.batch; ++i)
+                lengths.push_back(i % 3 == 0 ? s.length / 2 : i % 3 == 1 ? 0 : s.length);
               masks.key_padding_mask(c2f::KeyPaddingMask<Scalar>::lengths(lengths));
             } else if (pad == 2) {
               c2f::BoolTensor2 ignore(s.batch, s.length);
@@ -440,7 +453,8 @@ TEST(DistMHABadInput, EveryRankThrowsTheSameMessage) {
   const std::string of = " of " + std::to_string(comm.size());
   const c2f::dist::Shard shard = c2f::dist::even_shard(12, 1, comm.rank(), comm.size());
   // Ulysses with a head count the ranks do not divide (5 heads: neither 2 nor 3 divides it).
-  const Dist ulysses(comm, c2f::MultiHeadAttention<float>(10, 5), Dist::Options().method(c2f::dist::SequenceParallel::Ulysses));
+  const Dist ulysses(comm, c2f::MultiHeadAttention<float>(10, 5),
+                     Dist::Options().method(c2f::dist::SequenceParallel::Ulysses));
   expect_every_rank_throws([&] { ulysses.forward(tokens<float>(1, shard.length, 10, 1)); },
                            "SequenceParallel::Ulysses needs num_heads (5) divisible by the ranks");
   // A zig-zag layer given a contiguous shard of the wrong length.
@@ -448,7 +462,8 @@ TEST(DistMHABadInput, EveryRankThrowsTheSameMessage) {
   expect_every_rank_throws([&] { zigzag.forward(tokens<float>(1, comm.rank() == 0 ? 1 : 4, 8, 1)); },
                            "with Layout::ZigZag, rank 0 must hold dist::zigzag_segments(");
   // Ranks that disagree on causal.
-  const Dist mixed(comm, c2f::MultiHeadAttention<float>(8, 2, c2f::MultiHeadAttention<float>::Options().causal(comm.rank() == 1)));
+  const Dist mixed(
+      comm, c2f::MultiHeadAttention<float>(8, 2, c2f::MultiHeadAttention<float>::Options().causal(comm.rank() == 1)));
   expect_every_rank_throws([&] { mixed.forward(tokens<float>(1, shard.length, 8, 1)); },
                            "the ranks disagree on causal: rank 0 has 0, rank 1 has 1");
   // A key padding mask of the wrong length on rank 1 only (checked against the whole sequence).
@@ -477,15 +492,16 @@ TYPED_TEST_SUITE(DistHMHA, Scalars);
 // Shape's chunk is the window. L < W (one window: empty ranks at P >= 2); L % W != 0 with B = 3; 76
 // windows (far power-of-two distances); W = 1 with 3 positions (at P = 3, shards of one position: the
 // causal halo of 2 spans two ranks); L = 0.
-const std::vector<Shape> kHMHAShapes = {{1, 5, 8, 2, 8}, {3, 37, 12, 2, 4}, {2, 301, 16, 2, 4}, {2, 3, 8, 2, 1},
-                                        {1, 0, 8, 2, 4}};
+const std::vector<Shape> kHMHAShapes = {
+    {1, 5, 8, 2, 8}, {3, 37, 12, 2, 4}, {2, 301, 16, 2, 4}, {2, 3, 8, 2, 1}, {1, 0, 8, 2, 4}};
 
 TYPED_TEST(DistHMHA, ShardsMatchTheSingleProcess) {
   using Scalar = TypeParam;
   const c2f::dist::Comm comm = world();
-  const std::vector<std::pair<std::string, c2f::HMHALevels>> level_sets = {
-      {"all levels", {true, true, true}}, {"local", {true, false, false}}, {"cross", {false, true, false}},
-      {"global", {false, false, true}}};
+  const std::vector<std::pair<std::string, c2f::HMHALevels>> level_sets = {{"all levels", {true, true, true}},
+                                                                           {"local", {true, false, false}},
+                                                                           {"cross", {false, true, false}},
+                                                                           {"global", {false, false, true}}};
   for (const Shape& s : kHMHAShapes) {
     for (const bool causal : {false, true}) {
       for (const auto& [name, levels] : level_sets) {
@@ -509,7 +525,8 @@ TYPED_TEST(DistHMHA, AnyWindowAlignedPlan) {
   const Shape s{2, 45, 8, 2, 4};  // 12 windows, the last partial
   for (const bool causal : {false, true}) {
     SCOPED_TRACE(causal ? "causal" : "not causal");
-    const c2f::HMHA<Scalar> single(s.dim, s.heads, s.chunk, typename c2f::HMHA<Scalar>::Options().seed(6).causal(causal));
+    const c2f::HMHA<Scalar> single(s.dim, s.heads, s.chunk,
+                                   typename c2f::HMHA<Scalar>::Options().seed(6).causal(causal));
     const c2f::dist::HMHA<Scalar> dist(comm, single);
     const c2f::Tensor3<Scalar> x = tokens<Scalar>(s.batch, s.length, s.dim, 4);
     const c2f::Tensor3<Scalar> want = single.forward(x);
@@ -534,7 +551,8 @@ TEST(DistHMHABadInput, EveryRankThrowsTheSameMessage) {
   const c2f::dist::Shard shard = c2f::dist::even_shard(16, 4, comm.rank(), comm.size());
   // The window.
   const c2f::dist::HMHA<float> other(comm, 8, 2, odd ? 8 : 4);
-  expect_every_rank_throws([&] { other.forward(tokens<float>(1, shard.length, 8, 1)); }, "the ranks disagree on window");
+  expect_every_rank_throws([&] { other.forward(tokens<float>(1, shard.length, 8, 1)); },
+                           "the ranks disagree on window");
   // causal.
   const c2f::dist::HMHA<float> mixed(comm, 8, 2, 4, c2f::HMHA<float>::Options().causal(odd));
   expect_every_rank_throws([&] { mixed.forward(tokens<float>(1, shard.length, 8, 1)); },
@@ -561,9 +579,7 @@ TEST(DistHMHABadInput, EveryRankThrowsTheSameMessage) {
 
 // Run by ctest with --gtest_also_run_disabled_tests under -np 2 and expected to fail: a failure on rank 1
 // only must fail the whole run (the main reduces the result over the ranks).
-TEST(DistHarness, DISABLED_FailsOnRankOneOnly) {
-  EXPECT_NE(world().rank(), 1) << "this test fails on rank 1 only";
-}
+TEST(DistHarness, DISABLED_FailsOnRankOneOnly) { EXPECT_NE(world().rank(), 1) << "this test fails on rank 1 only"; }
 
 #endif  // !defined(C2F_IGNORE_ROWS_INDEPENDENT)
 

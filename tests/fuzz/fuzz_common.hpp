@@ -73,7 +73,8 @@ inline bool expected_nbytes(const c2f::TensorData& t, std::uint64_t& out) {
 
 /// Parses `encoded` (the writer's output for `sd`), checks it gives `sd` back and re-serialises to the
 /// same bytes; `what` names the round trip in the failure message.
-inline void check_round_trip(const c2f::StateDict& sd, const std::vector<std::uint8_t>& encoded, const std::string& what) {
+inline void check_round_trip(const c2f::StateDict& sd, const std::vector<std::uint8_t>& encoded,
+                             const std::string& what) {
   c2f::StateDict back;
   try {
     back = c2f::parse_safetensors(encoded.data(), encoded.size());

@@ -37,8 +37,8 @@ void expect_close(const RowMatrix<Scalar>& got, const RowMatrix<Scalar>& want, d
   for (Index i = 0; i < got.rows(); ++i) {
     for (Index j = 0; j < got.cols(); ++j) {
       const double g = got(i, j), w = want(i, j);
-      ASSERT_LE(std::abs(g - w), atol + rtol * std::abs(w)) << what << " at (" << i << ", " << j << "): got " << g
-                                                           << ", want " << w;
+      ASSERT_LE(std::abs(g - w), atol + rtol * std::abs(w))
+          << what << " at (" << i << ", " << j << "): got " << g << ", want " << w;
     }
   }
 }

@@ -32,8 +32,9 @@ void on_each_bf16_engine(Fn&& fn) {
 inline void expect_bf16_accuracy(const std::string& label, const float* y, const std::vector<float>& fp32,
                                  const std::vector<float>& autocast) {
   const double vs_autocast = relative_error(y, autocast), vs_fp32 = relative_error(y, fp32);
-  std::printf("[bf16] %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, vs torch fp32 %.2e (torch autocast vs fp32 %.2e)\n",
-              label.c_str(), vs_autocast, vs_fp32, relative_error(autocast.data(), fp32));
+  std::printf(
+      "[bf16] %s: max|c2f bf16 - torch autocast| / max|y| = %.2e, vs torch fp32 %.2e (torch autocast vs fp32 %.2e)\n",
+      label.c_str(), vs_autocast, vs_fp32, relative_error(autocast.data(), fp32));
   EXPECT_LE(vs_autocast, 2e-2) << label;
   EXPECT_LE(vs_fp32, 2e-2) << label;
   EXPECT_GT(vs_fp32, 1e-5) << label << ": no rounding (fp32 products?)";

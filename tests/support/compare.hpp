@@ -32,7 +32,8 @@ struct Tolerance<double> {
 
 /// |got − want| ≤ atol + rtol·|want| element by element (NaN fails); reports the first five misses.
 template <class Scalar>
-void expect_close(const Scalar* got, const Scalar* want, c2f::Index n, double atol, double rtol, const std::string& what) {
+void expect_close(const Scalar* got, const Scalar* want, c2f::Index n, double atol, double rtol,
+                  const std::string& what) {
   int reported = 0;
   for (c2f::Index i = 0; i < n && reported < 5; ++i) {
     const double g = got[i], w = want[i];

@@ -7,7 +7,7 @@
 #ifdef eigen_assert
 #error "eigen_assert_throws.hpp must be included before any Eigen header"
 #endif
-#define eigen_assert(x) \
-  do {                  \
+#define eigen_assert(x)                                           \
+  do {                                                            \
     if (!(x)) throw std::logic_error("eigen_assert failed: " #x); \
   } while (false)

@@ -50,24 +50,22 @@ inline std::vector<FixtureParam> fixture_params(const std::string& family) {
 }
 
 /// gtest's name for a fixture parameter: the case name and the precision.
-inline std::string fixture_param_name(const ::testing::TestParamInfo<FixtureParam>& info) {
-  return info.param.name();
-}
+inline std::string fixture_param_name(const ::testing::TestParamInfo<FixtureParam>& info) { return info.param.name(); }
 
 /// One gtest entry per fixture file of `family`: Fixtures/<Suite>.<Test>/<case>_<f32|f64>, each running
 /// check<float> or check<double> on the case's manifest entry.
-#define C2F_FIXTURE_TEST(Suite, Test, family, check)                                                     \
-  class Suite : public ::testing::TestWithParam<c2f_test::FixtureParam> {};                              \
-  TEST_P(Suite, Test) {                                                                                  \
-    const c2f_test::FixtureParam& p = GetParam();                                                        \
-    SCOPED_TRACE(p.trace());                                                                             \
-    if (p.is_f32()) {                                                                                    \
-      check<float>(p.meta);                                                                              \
-    } else {                                                                                             \
-      check<double>(p.meta);                                                                             \
-    }                                                                                                    \
-  }                                                                                                      \
-  INSTANTIATE_TEST_SUITE_P(Fixtures, Suite, ::testing::ValuesIn(c2f_test::fixture_params(family)),      \
+#define C2F_FIXTURE_TEST(Suite, Test, family, check)                                               \
+  class Suite : public ::testing::TestWithParam<c2f_test::FixtureParam> {};                        \
+  TEST_P(Suite, Test) {                                                                            \
+    const c2f_test::FixtureParam& p = GetParam();                                                  \
+    SCOPED_TRACE(p.trace());                                                                       \
+    if (p.is_f32()) {                                                                              \
+      check<float>(p.meta);                                                                        \
+    } else {                                                                                       \
+      check<double>(p.meta);                                                                       \
+    }                                                                                              \
+  }                                                                                                \
+  INSTANTIATE_TEST_SUITE_P(Fixtures, Suite, ::testing::ValuesIn(c2f_test::fixture_params(family)), \
                            c2f_test::fixture_param_name)
 
 inline c2f::Index meta_index(const c2f::StateDict& sd, const std::string& key) {

@@ -4,10 +4,10 @@
 // same masks. Test-only: it materialises L × L masks and scores.
 #pragma once
 
-#include "c2f/mask_view.hpp"
 #include "c2f/kernels/sdpa.hpp"
 #include "c2f/kernels/sdpa_backward.hpp"
 #include "c2f/layers/hmha.hpp"
+#include "c2f/mask_view.hpp"
 
 namespace c2f_test {
 
@@ -89,7 +89,8 @@ inline c2f::BoolTensor2 global_keep(c2f::Index length, bool causal) {
 /// Window means of x [batch·length, dim] by one sum per window, and (`backward`) the token gradient of
 /// d(means): each token gets its window's row divided by the window's real tokens.
 template <class Scalar>
-c2f::RowMatrix<Scalar> window_means(const c2f::RowMatrix<Scalar>& x, c2f::Index batch, c2f::Index length, c2f::Index window) {
+c2f::RowMatrix<Scalar> window_means(const c2f::RowMatrix<Scalar>& x, c2f::Index batch, c2f::Index length,
+                                    c2f::Index window) {
   const c2f::Index m = (length + window - 1) / window;
   c2f::RowMatrix<Scalar> means = c2f::RowMatrix<Scalar>::Zero(batch * m, x.cols());
   for (c2f::Index b = 0; b < batch; ++b) {
@@ -101,8 +102,8 @@ c2f::RowMatrix<Scalar> window_means(const c2f::RowMatrix<Scalar>& x, c2f::Index 
   return means;
 }
 template <class Scalar>
-void window_means_backward_add(const c2f::RowMatrix<Scalar>& dmeans, c2f::Index batch, c2f::Index length, c2f::Index window,
-                               c2f::RowMatrix<Scalar>& dx) {
+void window_means_backward_add(const c2f::RowMatrix<Scalar>& dmeans, c2f::Index batch, c2f::Index length,
+                               c2f::Index window, c2f::RowMatrix<Scalar>& dx) {
   const c2f::Index m = (length + window - 1) / window;
   for (c2f::Index b = 0; b < batch; ++b) {
     for (c2f::Index t = 0; t < length; ++t) {
@@ -126,7 +127,8 @@ c2f::RowMatrix<Scalar> hmha_dense(const c2f::RowMatrix<Scalar>& q, const c2f::Ro
   }
   if (levels.cross && length > 0) {
     const Index m = (length + window - 1) / window;
-    const c2f::RowMatrix<Scalar> qm = window_means(q, batch, length, window), km = window_means(k, batch, length, window),
+    const c2f::RowMatrix<Scalar> qm = window_means(q, batch, length, window),
+                                 km = window_means(k, batch, length, window),
                                  vm = window_means(v, batch, length, window);
     if (causal) {
       // Token i, with its own query, over the summaries of the windows before its own.
@@ -151,17 +153,19 @@ c2f::RowMatrix<Scalar> hmha_dense(const c2f::RowMatrix<Scalar>& q, const c2f::Ro
 
 /// The gradients of hmha_dense's o for dout = dL/do [batch·length, dim]: dq, dk, dv (overwritten).
 template <class Scalar>
-void hmha_dense_backward(const c2f::RowMatrix<Scalar>& q, const c2f::RowMatrix<Scalar>& k, const c2f::RowMatrix<Scalar>& v,
-                         const c2f::RowMatrix<Scalar>& dout, c2f::Index batch, c2f::Index length, c2f::Index heads,
-                         c2f::Index window, bool causal, c2f::HMHALevels levels, c2f::RowMatrix<Scalar>& dq,
-                         c2f::RowMatrix<Scalar>& dk, c2f::RowMatrix<Scalar>& dv) {
+void hmha_dense_backward(const c2f::RowMatrix<Scalar>& q, const c2f::RowMatrix<Scalar>& k,
+                         const c2f::RowMatrix<Scalar>& v, const c2f::RowMatrix<Scalar>& dout, c2f::Index batch,
+                         c2f::Index length, c2f::Index heads, c2f::Index window, bool causal, c2f::HMHALevels levels,
+                         c2f::RowMatrix<Scalar>& dq, c2f::RowMatrix<Scalar>& dk, c2f::RowMatrix<Scalar>& dv) {
   using c2f::Index;
   const Index dim = q.cols();
   dq = dk = dv = c2f::RowMatrix<Scalar>::Zero(batch * length, dim);
-  if (levels.local) dense_attention_backward_add(q, k, v, dout, batch, heads, local_keep(length, window, causal), dq, dk, dv);
+  if (levels.local)
+    dense_attention_backward_add(q, k, v, dout, batch, heads, local_keep(length, window, causal), dq, dk, dv);
   if (levels.cross && length > 0) {
     const Index m = (length + window - 1) / window;
-    const c2f::RowMatrix<Scalar> km = window_means(k, batch, length, window), vm = window_means(v, batch, length, window);
+    const c2f::RowMatrix<Scalar> km = window_means(k, batch, length, window),
+                                 vm = window_means(v, batch, length, window);
     c2f::RowMatrix<Scalar> dkm = c2f::RowMatrix<Scalar>::Zero(batch * m, dim), dvm = dkm;
     if (causal) {
       dense_attention_backward_add(q, km, vm, dout, batch, heads, summary_keep(length, window), dq, dkm, dvm);

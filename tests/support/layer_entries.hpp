@@ -23,7 +23,7 @@ using c2f::Masks;
 using c2f::RowMatrix;
 using c2f::Tensor3;
 
-constexpr Index kWidth = 8;                // input features of every entry
+constexpr Index kWidth = 8;  // input features of every entry
 
 // ------------------------------------------------------------------------------------------------
 // How the tests call a layer. The default is the contract's [batch, seq, features] form; the two
@@ -56,8 +56,7 @@ struct LayerCalls<c2f::FineAttention<S>, S> {
   static Tensor3<S> context(c2f::ConstTensor3Ref<S> x) {
     const c2f::kernels::ChunkGrid grid{x.dimension(0), x.dimension(1), kChunk};
     Tensor3<S> c(x.dimension(0), grid.chunks_per_batch(), x.dimension(2));
-    c2f::kernels::chunk_mean<S>(x.rows(), grid,
-                                Eigen::Map<RowMatrix<S>>(c.data(), grid.chunks(), x.dimension(2)),
+    c2f::kernels::chunk_mean<S>(x.rows(), grid, Eigen::Map<RowMatrix<S>>(c.data(), grid.chunks(), x.dimension(2)),
                                 c2f::kernels::with_threads(1));
     return c;
   }
@@ -142,13 +141,13 @@ struct ScalarOf<L<S>> {
 
 /// One entry of the list: the layer type and how to build it from options (seed, threads) — the
 /// sizes are the entry's. Everything else comes from the contract.
-#define C2F_LAYER(Entry, Type, ...)                                                \
-  struct Entry : LayerCalls<Type, ScalarOf<Type>::type> {                               \
-    using Layer = Type;                                                            \
-    using Scalar = ScalarOf<Type>::type;                                           \
-    using Options = Layer::Options;                                                \
-    static constexpr const char* name = #Entry;                                    \
-    static Layer make(Options o) { return Layer(__VA_ARGS__); }                    \
+#define C2F_LAYER(Entry, Type, ...)                             \
+  struct Entry : LayerCalls<Type, ScalarOf<Type>::type> {       \
+    using Layer = Type;                                         \
+    using Scalar = ScalarOf<Type>::type;                        \
+    using Options = Layer::Options;                             \
+    static constexpr const char* name = #Entry;                 \
+    static Layer make(Options o) { return Layer(__VA_ARGS__); } \
   }
 
 // clang-format off
@@ -223,16 +222,16 @@ Masks<S> every_mask(Index batch, Index seq, MaskFields fields) {
 }
 
 /// Every layer, and the causal ones (each output depends on inputs up to its position only).
-using AllLayers = ::testing::Types<Linear, Conv1d, CausalConv1d, C3K2Projection, CausalC3K2Projection, MultiHeadAttention,
-                                   MultiHeadAttentionF64, CausalMultiHeadAttention, CoarseAttention, FineAttention,
-                                   C2FAttention, C2FAttentionGeneralPath, C2FAttention2D, HMHA, CausalHMHA,
-                                   SparseC2FAttention, CausalSparseC2FAttention, LinearBf16, MultiHeadAttentionBf16,
-                                   CausalMultiHeadAttentionBf16, C2FAttentionBf16, C2FAttentionGeneralPathBf16,
-                                   C2FAttention2DBf16, Conv1dBf16, C3K2ProjectionBf16, HMHABf16, CausalHMHABf16,
-                                   SparseC2FAttentionBf16, CausalSparseC2FAttentionBf16>;
-using CausalLayers = ::testing::Types<CausalConv1d, CausalC3K2Projection, CausalMultiHeadAttention, CausalHMHA,
-                                      CausalSparseC2FAttention, CausalMultiHeadAttentionBf16, CausalHMHABf16,
-                                      CausalSparseC2FAttentionBf16>;
+using AllLayers =
+    ::testing::Types<Linear, Conv1d, CausalConv1d, C3K2Projection, CausalC3K2Projection, MultiHeadAttention,
+                     MultiHeadAttentionF64, CausalMultiHeadAttention, CoarseAttention, FineAttention, C2FAttention,
+                     C2FAttentionGeneralPath, C2FAttention2D, HMHA, CausalHMHA, SparseC2FAttention,
+                     CausalSparseC2FAttention, LinearBf16, MultiHeadAttentionBf16, CausalMultiHeadAttentionBf16,
+                     C2FAttentionBf16, C2FAttentionGeneralPathBf16, C2FAttention2DBf16, Conv1dBf16, C3K2ProjectionBf16,
+                     HMHABf16, CausalHMHABf16, SparseC2FAttentionBf16, CausalSparseC2FAttentionBf16>;
+using CausalLayers =
+    ::testing::Types<CausalConv1d, CausalC3K2Projection, CausalMultiHeadAttention, CausalHMHA, CausalSparseC2FAttention,
+                     CausalMultiHeadAttentionBf16, CausalHMHABf16, CausalSparseC2FAttentionBf16>;
 
 /// gtest's names for the typed suites: the entry's name.
 struct EntryNames {

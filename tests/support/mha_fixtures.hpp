@@ -53,7 +53,8 @@ std::vector<std::pair<std::string, c2f::Masks<Scalar>>> mask_variants(const c2f:
     c2f::TensorData t = sd.at("attn_mask");
     std::vector<std::uint8_t> flipped(t.bytes());
     for (std::uint8_t& b : flipped) b = b ? 0 : 1;
-    attn.push_back(c2f::attn_mask_from_tensor<Scalar>(c2f::MaskKind::Keep, c2f::TensorData(t.dtype(), t.shape(), flipped)));
+    attn.push_back(
+        c2f::attn_mask_from_tensor<Scalar>(c2f::MaskKind::Keep, c2f::TensorData(t.dtype(), t.shape(), flipped)));
     attn_names.push_back("keep(flipped tensor)");
     if (meta.at("causal") == "true") {
       attn.push_back(c2f::AttnMask<Scalar>::causal());

@@ -5,8 +5,8 @@
 //   const auto threads = c2f_test::scoped_threads(4);
 #pragma once
 
-#include "c2f/runtime.hpp"
 #include "c2f/detail/scratch.hpp"
+#include "c2f/runtime.hpp"
 
 #include <cstddef>
 
@@ -33,7 +33,9 @@ inline SettingGuard<double> scoped_min_parallel_work(double flop) {
   return {c2f::get_min_parallel_work, c2f::set_min_parallel_work, flop};
 }
 /// c2f::set_bf16_tiles(allowed) for the scope.
-inline SettingGuard<bool> scoped_bf16_tiles(bool allowed) { return {c2f::get_bf16_tiles, c2f::set_bf16_tiles, allowed}; }
+inline SettingGuard<bool> scoped_bf16_tiles(bool allowed) {
+  return {c2f::get_bf16_tiles, c2f::set_bf16_tiles, allowed};
+}
 /// c2f::set_scratch_cache_limit(bytes) for the scope.
 inline SettingGuard<std::size_t> scoped_scratch_cache_limit(std::size_t bytes) {
   return {c2f::scratch_cache_limit, c2f::set_scratch_cache_limit, bytes};

@@ -39,11 +39,13 @@ struct Comparison {
   double max_diff = 0, max_share = 0;
   std::string worst;  ///< where the largest share of the tolerance was used
   template <class Scalar>
-  void check(const Scalar* got, const std::vector<Scalar>& want, Index n, double atol, double rtol, const std::string& what) {
+  void check(const Scalar* got, const std::vector<Scalar>& want, Index n, double atol, double rtol,
+             const std::string& what) {
     ASSERT_EQ(static_cast<std::size_t>(n), want.size()) << what << ": size";
     int reported = 0;
     for (Index i = 0; i < n; ++i) {
-      const double g = got[i], w = want[static_cast<std::size_t>(i)], diff = std::abs(g - w), bound = atol + rtol * std::abs(w);
+      const double g = got[i], w = want[static_cast<std::size_t>(i)], diff = std::abs(g - w),
+                   bound = atol + rtol * std::abs(w);
       max_diff = std::max(max_diff, diff);
       if (diff / bound > max_share) {
         max_share = diff / bound;
@@ -56,8 +58,8 @@ struct Comparison {
   }
   template <class Scalar>
   void check(const Tensor3<Scalar>& got, const StateDict& sd, const std::string& name, const std::string& what) {
-    check(got.data(), c2f_test::values<Scalar>(sd, name), got.size(), GradTolerance<Scalar>::atol, GradTolerance<Scalar>::rtol,
-          what + " " + name);
+    check(got.data(), c2f_test::values<Scalar>(sd, name), got.size(), GradTolerance<Scalar>::atol,
+          GradTolerance<Scalar>::rtol, what + " " + name);
   }
   /// Every gradient of g.params against the fixture's grad.<prefix><name>, and no other name.
   template <class Scalar>
@@ -93,13 +95,15 @@ void check_one_input_case(Layer& layer, const StateDict& sd, const Masks<Scalar>
 template <class E, class Layer>
 double loss_of(const Layer& layer, const Tensor3<double>& x, const Masks<double>& masks, const Tensor3<double>& dy) {
   const Tensor3<double> y = E::forward_train(layer, x, masks, 11).output;
-  return (Eigen::Map<const Eigen::ArrayXd>(y.data(), y.size()) * Eigen::Map<const Eigen::ArrayXd>(dy.data(), dy.size())).sum();
+  return (Eigen::Map<const Eigen::ArrayXd>(y.data(), y.size()) * Eigen::Map<const Eigen::ArrayXd>(dy.data(), dy.size()))
+      .sum();
 }
 
 /// Central differences of f at eps 1e-6 against the analytic gradient: |fd − g| ≤ 1e-5 + 1e-3·|fd|
 /// (torch.autograd.gradcheck's tolerances). Returns the worst |fd − g| / (1e-5 + 1e-3·|fd|).
 template <class F>
-double check_central(const std::vector<double>& values, const std::vector<double>& grad, F&& f_at, const std::string& what) {
+double check_central(const std::vector<double>& values, const std::vector<double>& grad, F&& f_at,
+                     const std::string& what) {
   constexpr double eps = 1e-6, atol = 1e-5, rtol = 1e-3;
   double worst = 0;
   int reported = 0;
@@ -107,7 +111,8 @@ double check_central(const std::vector<double>& values, const std::vector<double
     const double fd = (f_at(i, values[i] + eps) - f_at(i, values[i] - eps)) / (2 * eps);
     const double ratio = std::abs(fd - grad[i]) / (atol + rtol * std::abs(fd));
     worst = std::max(worst, ratio);
-    if (!(ratio <= 1) && reported++ < 5) ADD_FAILURE() << what << "[" << i << "]: backward " << grad[i] << ", finite differences " << fd;
+    if (!(ratio <= 1) && reported++ < 5)
+      ADD_FAILURE() << what << "[" << i << "]: backward " << grad[i] << ", finite differences " << fd;
   }
   return worst;
 }
@@ -119,16 +124,18 @@ double check_parameters(const Layer& layer, const StateDict& grads, Loss&& loss)
   double worst = 0;
   for (const auto& [key, t] : layer.state_dict()) {
     const std::vector<double> values = t.template to_vector<double>();
-    worst = std::max(worst, check_central(values, grads.at(key).template to_vector<double>(),
-                                          [&, &name = key, &shape = t.shape()](std::size_t i, double value) {
-                                            std::vector<double> moved = values;
-                                            moved[i] = value;
-                                            StateDict sd = layer.state_dict();
-                                            sd.set(name, c2f::TensorData::from_values(moved.data(), shape));
-                                            Layer other = layer;
-                                            other.load_state_dict(sd);
-                                            return loss(other);
-                                          }, key));
+    worst = std::max(worst, check_central(
+                                values, grads.at(key).template to_vector<double>(),
+                                [&, &name = key, &shape = t.shape()](std::size_t i, double value) {
+                                  std::vector<double> moved = values;
+                                  moved[i] = value;
+                                  StateDict sd = layer.state_dict();
+                                  sd.set(name, c2f::TensorData::from_values(moved.data(), shape));
+                                  Layer other = layer;
+                                  other.load_state_dict(sd);
+                                  return loss(other);
+                                },
+                                key));
   }
   return worst;
 }
@@ -140,12 +147,16 @@ double finite_difference_check(const Layer& layer, const Tensor3<double>& x, con
   const Tensor3<double> dy = rng.tensor<double>(y.dimension(0), y.dimension(1), y.dimension(2));
   const c2f::Grads<double> g = E::backward(layer, saved, dy);
   const std::vector<double> xs(x.data(), x.data() + x.size()), gx(g.input.data(), g.input.data() + g.input.size());
-  double worst = check_central(xs, gx, [&](std::size_t i, double value) {
-    Tensor3<double> moved = x;
-    moved.data()[i] = value;
-    return loss_of<E>(layer, moved, masks, dy);
-  }, "dx");
-  return std::max(worst, check_parameters(layer, g.params, [&](const Layer& other) { return loss_of<E>(other, x, masks, dy); }));
+  double worst = check_central(
+      xs, gx,
+      [&](std::size_t i, double value) {
+        Tensor3<double> moved = x;
+        moved.data()[i] = value;
+        return loss_of<E>(layer, moved, masks, dy);
+      },
+      "dx");
+  return std::max(
+      worst, check_parameters(layer, g.params, [&](const Layer& other) { return loss_of<E>(other, x, masks, dy); }));
 }
 
 /// finite_difference_check of a C2F_LAYER entry in double (seed 5, 2 threads, parameters N(0, 0.25)) on

@@ -15,11 +15,11 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/options.hpp"
-#include "c2f/detail/convert.hpp"
 #include "c2f/cpu/packed_gemm.hpp"
+#include "c2f/detail/convert.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/scratch.hpp"
+#include "c2f/options.hpp"
 #include "c2f/runtime.hpp"
 
 #include <algorithm>
@@ -60,12 +60,13 @@ inline float bf16_float(std::uint16_t b) {
 /// x rounded to the nearest bfloat16, as a float.
 inline float round_bf16(float x) { return bf16_float(bf16_bits(x)); }
 
-
 /// x rounded to bfloat16 (Compute::BFloat16's operands), as a functor for Eigen's unaryExpr.
 template <class Scalar>
 struct RoundBf16 {
   template <class T>
-  Scalar operator()(const T& x) const { return static_cast<Scalar>(round_bf16(static_cast<float>(x))); }
+  Scalar operator()(const T& x) const {
+    return static_cast<Scalar>(round_bf16(static_cast<float>(x)));
+  }
 };
 
 /// Whether `options` ask for bfloat16 products; "<kernel>: compute BFloat16 needs float ..." when they do
@@ -73,10 +74,12 @@ struct RoundBf16 {
 template <class Scalar, class KV = Scalar>
 bool check_compute(const char* kernel, Compute compute, bool narrow_kv = false) {
   if (compute != Compute::BFloat16) return false;
-  if (!std::is_same<Scalar, float>::value || !(std::is_same<KV, float>::value || (narrow_kv && !std::is_same<KV, double>::value))) {
+  if (!std::is_same<Scalar, float>::value ||
+      !(std::is_same<KV, float>::value || (narrow_kv && !std::is_same<KV, double>::value))) {
     detail::fail(kernel, ": compute BFloat16 needs float queries, keys and values, got ",
-         std::is_same<Scalar, double>::value ? "double" : "float", " queries and ",
-         std::is_same<KV, float>::value ? "float" : (std::is_same<KV, double>::value ? "double" : "16-bit"), " keys");
+                 std::is_same<Scalar, double>::value ? "double" : "float", " queries and ",
+                 std::is_same<KV, float>::value ? "float" : (std::is_same<KV, double>::value ? "double" : "16-bit"),
+                 " keys");
   }
   return true;
 }
@@ -135,9 +138,12 @@ __attribute__((target("avx512f"))) inline __m512i load_lanes(const float* src, I
 }
 
 /// dst[c] = bf16_bits(src[c]) for c < n, 16 at a time (every CPU with the tile unit has AVX-512BW/VL).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void bf16_bits_avx512(const float* src, Index n, std::uint16_t* dst) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void bf16_bits_avx512(const float* src, Index n,
+                                                                                  std::uint16_t* dst) {
   for (Index c = 0; c < n; c += 16) {
-    _mm256_mask_storeu_epi16(dst + c, first_lanes(n - c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_lanes(load_lanes(src + c, n - c)), 16)));
+    _mm256_mask_storeu_epi16(
+        dst + c, first_lanes(n - c),
+        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_lanes(load_lanes(src + c, n - c)), 16)));
   }
 }
 /// Transposes the 16 × 16 matrix of 32-bit words in r[0..15] (row i in r[i]) in place: four rounds of
@@ -156,7 +162,8 @@ __attribute__((target("avx512f"))) inline void transpose_16x16_epi32(__m512i r[1
   }
   for (int e = 0; e < 4; ++e) {  // word 4L + e of all 16 rows, from lane L of u[e], u[4 + e], u[8 + e], u[12 + e]
     const __m512i lo01 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), hi01 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xee);
-    const __m512i lo23 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), hi23 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xee);
+    const __m512i lo23 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44),
+                  hi23 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xee);
     r[e] = _mm512_shuffle_i32x4(lo01, lo23, 0x88);
     r[4 + e] = _mm512_shuffle_i32x4(lo01, lo23, 0xdd);
     r[8 + e] = _mm512_shuffle_i32x4(hi01, hi23, 0x88);
@@ -181,7 +188,8 @@ __attribute__((target("avx512f,avx512bw"))) inline void vnni_from_columns(const 
   for (Index j = 0; j < 16; ++j) {
     if (j < cols) {
       const float* column = src + (col0 + j) * cs + row0;
-      const __m512i lo = bf16_round_lanes(load_lanes(column, rows)), hi = bf16_round_lanes(load_lanes(column + 16, rows - 16));
+      const __m512i lo = bf16_round_lanes(load_lanes(column, rows)),
+                    hi = bf16_round_lanes(load_lanes(column + 16, rows - 16));
       r[j] = _mm512_permutex2var_epi16(lo, high_halves, hi);
     } else {
       r[j] = _mm512_setzero_si512();
@@ -201,8 +209,10 @@ __attribute__((target("avx512f"))) inline void vnni_from_rows(const float* src, 
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (Index kk = 0; kk < rows; kk += 2) {
     const __m512i even = bf16_round_lanes(load_lanes(src + (row0 + kk) * rs + col0, cols));
-    const __m512i odd = kk + 1 < rows ? bf16_round_lanes(load_lanes(src + (row0 + kk + 1) * rs + col0, cols)) : _mm512_setzero_si512();
-    _mm512_mask_storeu_epi32(tile + (kk / 2) * 32, lanes, _mm512_or_si512(_mm512_srli_epi32(even, 16), _mm512_and_si512(odd, high)));
+    const __m512i odd =
+        kk + 1 < rows ? bf16_round_lanes(load_lanes(src + (row0 + kk + 1) * rs + col0, cols)) : _mm512_setzero_si512();
+    _mm512_mask_storeu_epi32(tile + (kk / 2) * 32, lanes,
+                             _mm512_or_si512(_mm512_srli_epi32(even, 16), _mm512_and_si512(odd, high)));
   }
 }
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
@@ -232,44 +242,46 @@ class Bf16PackedB {
     panels_ = detail::ceil_div(n_, kTileMN);
     vnni_.reserve(static_cast<std::size_t>(std::max<Index>(1, panels_ * ksteps_ * kBlock)));
     const Eigen::internal::evaluator<Rhs> ev(rhs);
-    detail::parallel_for(panels_, threads, work >= 0 ? work : 2.0 * static_cast<double>(panels_ * ksteps_ * kBlock), [&](Index p, int) {
-      std::uint16_t* dst = vnni_.data() + p * ksteps_ * kBlock;
-      for (Index t = 0; t < ksteps_; ++t) {
-        for (Index half = 0; half < 2; ++half) {
-          std::uint16_t* tile = dst + t * kBlock + half * kBlock / 2;
-          const Index col0 = p * kTileMN + half * 16, row0 = t * kTileK;
-          const Index cols = std::clamp<Index>(n_ - col0, 0, 16), rows = std::min(kTileK, k_ - row0);
-          if (cols < 16 || rows < kTileK) std::fill(tile, tile + kBlock / 2, std::uint16_t(0));
-          // tile[(r·16 + j)·2 + e] = B[row0 + 2r + e, col0 + j]
-          if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) {
-            const float* src = rhs.data();
-            const Index rs = rhs.rowStride(), cs = rhs.colStride();
+    detail::parallel_for(
+        panels_, threads, work >= 0 ? work : 2.0 * static_cast<double>(panels_ * ksteps_ * kBlock), [&](Index p, int) {
+          std::uint16_t* dst = vnni_.data() + p * ksteps_ * kBlock;
+          for (Index t = 0; t < ksteps_; ++t) {
+            for (Index half = 0; half < 2; ++half) {
+              std::uint16_t* tile = dst + t * kBlock + half * kBlock / 2;
+              const Index col0 = p * kTileMN + half * 16, row0 = t * kTileK;
+              const Index cols = std::clamp<Index>(n_ - col0, 0, 16), rows = std::min(kTileK, k_ - row0);
+              if (cols < 16 || rows < kTileK) std::fill(tile, tile + kBlock / 2, std::uint16_t(0));
+              // tile[(r·16 + j)·2 + e] = B[row0 + 2r + e, col0 + j]
+              if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) {
+                const float* src = rhs.data();
+                const Index rs = rhs.rowStride(), cs = rhs.colStride();
 #if C2F_AMX_POSSIBLE
-            // The tile engine runs on CPUs with AVX-512: contiguous columns (a weight's rows, keys) or
-            // rows (values) rounded 16 at a time and placed as 32-bit words by vector shuffles.
-            if (rs == 1) {
-              vnni_from_columns(src, cs, row0, rows, col0, cols, tile);
-              continue;
-            }
-            if (cs == 1) {
-              vnni_from_rows(src, rs, row0, rows, col0, cols, tile);
-              continue;
-            }
+                // The tile engine runs on CPUs with AVX-512: contiguous columns (a weight's rows, keys) or
+                // rows (values) rounded 16 at a time and placed as 32-bit words by vector shuffles.
+                if (rs == 1) {
+                  vnni_from_columns(src, cs, row0, rows, col0, cols, tile);
+                  continue;
+                }
+                if (cs == 1) {
+                  vnni_from_rows(src, rs, row0, rows, col0, cols, tile);
+                  continue;
+                }
 #endif
-            for (Index j = 0; j < cols; ++j) {
-              const float* column = src + (col0 + j) * cs + row0 * rs;
-              for (Index kk = 0; kk < rows; ++kk) tile[((kk / 2) * 16 + j) * 2 + kk % 2] = bf16_bits(column[kk * rs]);
-            }
-          } else {
-            for (Index j = 0; j < cols; ++j) {
-              for (Index kk = 0; kk < rows; ++kk) {
-                tile[((kk / 2) * 16 + j) * 2 + kk % 2] = bf16_bits(ev.coeff(row0 + kk, col0 + j));
+                for (Index j = 0; j < cols; ++j) {
+                  const float* column = src + (col0 + j) * cs + row0 * rs;
+                  for (Index kk = 0; kk < rows; ++kk)
+                    tile[((kk / 2) * 16 + j) * 2 + kk % 2] = bf16_bits(column[kk * rs]);
+                }
+              } else {
+                for (Index j = 0; j < cols; ++j) {
+                  for (Index kk = 0; kk < rows; ++kk) {
+                    tile[((kk / 2) * 16 + j) * 2 + kk % 2] = bf16_bits(ev.coeff(row0 + kk, col0 + j));
+                  }
+                }
               }
             }
           }
-        }
-      }
-    });
+        });
   }
 
   Index rows() const { return k_; }
@@ -282,7 +294,8 @@ class Bf16PackedB {
 
   /// Bytes pack() holds for a [k, n] operand on the engine `tiles`.
   static std::size_t bytes(Index k, Index n, bool tiles) {
-    return tiles ? sizeof(std::uint16_t) * static_cast<std::size_t>(detail::ceil_div(k, kTileK) * detail::ceil_div(n, kTileMN) * kBlock)
+    return tiles ? sizeof(std::uint16_t) *
+                       static_cast<std::size_t>(detail::ceil_div(k, kTileK) * detail::ceil_div(n, kTileMN) * kBlock)
                  : PackedB<float>::bytes(k, n);
   }
 
@@ -306,8 +319,8 @@ struct alignas(64) TileConfig {
 /// p over k-steps [t0, t1): tiles 0–3 accumulate, 4–5 hold A, 6–7 hold B. `init` (floats, `ldi` apart;
 /// ldi = 0 repeats one row: a bias) or nullptr for zeros; the result goes to `c` (`ldc` apart).
 __attribute__((target("amx-tile,amx-bf16"))) inline void amx_block(const std::uint16_t* a, Index lda,
-                                                                    const Bf16PackedB& b, Index t0, Index t1, Index p,
-                                                                    const float* init, Index ldi, float* c, Index ldc) {
+                                                                   const Bf16PackedB& b, Index t0, Index t1, Index p,
+                                                                   const float* init, Index ldi, float* c, Index ldc) {
   if (init == nullptr) {
     _tile_zero(0);
     _tile_zero(1);
@@ -353,7 +366,6 @@ __attribute__((target("amx-tile"))) inline void amx_configure() {
 __attribute__((target("amx-tile"))) inline void amx_release() { _tile_release(); }
 #endif
 
-
 /// An A operand of bf16_gemm: rows × depth values rounded to bfloat16 — on the tile engine as bf16 in
 /// whole 32-row blocks and 32-value steps (zero past rows and depth), on the fallback as floats. Its
 /// storage comes from the scratch cache (detail/scratch.hpp) and grows with the largest operand.
@@ -389,7 +401,8 @@ class Bf16A {
   static std::size_t bytes(Index rows, Index depth, bool tiles) {
     if (!tiles) return sizeof(float) * static_cast<std::size_t>(std::max<Index>(1, rows * depth));
     return sizeof(std::uint16_t) *
-           static_cast<std::size_t>(std::max<Index>(1, detail::ceil_div(rows, kTileMN) * kTileMN * detail::ceil_div(depth, kTileK) * kTileK));
+           static_cast<std::size_t>(std::max<Index>(
+               1, detail::ceil_div(rows, kTileMN) * kTileMN * detail::ceil_div(depth, kTileK) * kTileK));
   }
   const std::uint16_t* bf16() const { return a16_.data(); }
   Index bf16_stride() const { return ld_; }
@@ -412,18 +425,19 @@ class Bf16A {
 inline void bf16_gemm(const Bf16A& a, const Bf16PackedB& b, Index k_begin, Index k_end, Index c0, Index cols,
                       const float* bias, bool accumulate, float* c, Index ldc) {
   if (a.depth() != k_end - k_begin || a.tiles() != b.tiles()) {
-    detail::fail("bf16_gemm: A of depth ", a.depth(), " on the ", a.tiles() ? "tile" : "fallback", " engine for rows [", k_begin,
-         ", ", k_end, ") of B on the ", b.tiles() ? "tile" : "fallback", " engine");
+    detail::fail("bf16_gemm: A of depth ", a.depth(), " on the ", a.tiles() ? "tile" : "fallback", " engine for rows [",
+                 k_begin, ", ", k_end, ") of B on the ", b.tiles() ? "tile" : "fallback", " engine");
   }
   const Index rows = a.rows();
   if (!b.tiles()) {
-    packed_gemm_range<float>(a.floats(), a.depth(), rows, b.fallback(), k_begin, k_end, c0, cols, bias, accumulate, c, ldc);
+    packed_gemm_range<float>(a.floats(), a.depth(), rows, b.fallback(), k_begin, k_end, c0, cols, bias, accumulate, c,
+                             ldc);
     return;
   }
 #if C2F_AMX_POSSIBLE
   if (k_begin % kTileK != 0 || (k_end % kTileK != 0 && k_end != b.rows()) || c0 % kTileMN != 0) {
-    detail::fail("bf16_gemm: the tile engine needs k_begin and c0 multiples of 32 and k_end one or B's rows, got ", k_begin,
-         ", ", c0, ", ", k_end);
+    detail::fail("bf16_gemm: the tile engine needs k_begin and c0 multiples of 32 and k_end one or B's rows, got ",
+                 k_begin, ", ", c0, ", ", k_end);
   }
   const Index t0 = k_begin / kTileK, t1 = detail::ceil_div(k_end, kTileK);
   const Index lda = a.bf16_stride(), row_blocks = detail::ceil_div(rows, kTileMN);
@@ -480,8 +494,8 @@ inline Packet round_bf16_packet(const Packet& x) {
 #if defined(EIGEN_VECTORIZE_AVX512)
   if constexpr (kP == 16) {
     const __m512i u = _mm512_castps_si512(x);
-    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
+    const __mmask16 nan =
+        _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
@@ -491,7 +505,8 @@ inline Packet round_bf16_packet(const Packet& x) {
 #if defined(EIGEN_VECTORIZE_AVX2)
   if constexpr (kP == 8) {
     const __m256i u = _mm256_castps_si256(x);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i nan =
+        _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
     r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);

@@ -96,8 +96,8 @@ class MaskedValues {
     for (Index a = j0; a < end;) {
       const Index b = std::min(end, (a / B::kKC + 1) * B::kKC);
       packed_.pack(clean_.middleRows(a - j0, b - a));
-      packed_gemm_range<Scalar>(p.data() + (a - j0), p.outerStride(), p.rows(), packed_, 0, b - a, 0, v.cols(), nullptr, true,
-                                out.data(), out.outerStride());
+      packed_gemm_range<Scalar>(p.data() + (a - j0), p.outerStride(), p.rows(), packed_, 0, b - a, 0, v.cols(), nullptr,
+                                true, out.data(), out.outerStride());
       a = b;
     }
     add_visible(out, p, v);

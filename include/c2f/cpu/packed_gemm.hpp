@@ -41,8 +41,8 @@ struct GemmBlocking {
 
 /// Whether kernels::matmul_rows uses packed_gemm: builds with fused multiply-add vectors (AVX2+FMA,
 /// AVX-512, NEON), unless C2F_NO_MICROKERNELS is defined (then Eigen's product everywhere).
-#if !defined(C2F_NO_MICROKERNELS) && (defined(EIGEN_VECTORIZE_FMA) || defined(EIGEN_VECTORIZE_AVX512) || \
-                                      defined(EIGEN_VECTORIZE_NEON))
+#if !defined(C2F_NO_MICROKERNELS) && \
+    (defined(EIGEN_VECTORIZE_FMA) || defined(EIGEN_VECTORIZE_AVX512) || defined(EIGEN_VECTORIZE_NEON))
 constexpr bool kPackedGemm = true;
 #else
 constexpr bool kPackedGemm = false;
@@ -91,15 +91,16 @@ class PackedB {
     data_.reserve(size);  // not zeroed: every element is written below; panels start on cache lines
     const Index kblocks = (k_ + B::kKC - 1) / B::kKC;
     const Eigen::internal::evaluator<Rhs> ev(rhs);
-    detail::parallel_for(kblocks * panels_, threads, work >= 0 ? work : 2.0 * static_cast<double>(size), [&](Index task, int) {
-      const Index k0 = (task / panels_) * B::kKC, p = task % panels_;
-      const Index kc = std::min(B::kKC, k_ - k0), j0 = p * B::kNR, nr = std::min<Index>(B::kNR, n_ - j0);
-      Scalar* dst = data_.data() + k0 * panels_ * B::kNR + p * kc * B::kNR;
-      if (nr < B::kNR) {
-        for (Index kk = 0; kk < kc; ++kk) std::fill(dst + kk * B::kNR + nr, dst + (kk + 1) * B::kNR, Scalar(0));
-      }
-      copy_panel(rhs, ev, k0, kc, j0, nr, dst);
-    });
+    detail::parallel_for(
+        kblocks * panels_, threads, work >= 0 ? work : 2.0 * static_cast<double>(size), [&](Index task, int) {
+          const Index k0 = (task / panels_) * B::kKC, p = task % panels_;
+          const Index kc = std::min(B::kKC, k_ - k0), j0 = p * B::kNR, nr = std::min<Index>(B::kNR, n_ - j0);
+          Scalar* dst = data_.data() + k0 * panels_ * B::kNR + p * kc * B::kNR;
+          if (nr < B::kNR) {
+            for (Index kk = 0; kk < kc; ++kk) std::fill(dst + kk * B::kNR + nr, dst + (kk + 1) * B::kNR, Scalar(0));
+          }
+          copy_panel(rhs, ev, k0, kc, j0, nr, dst);
+        });
   }
 
   Index rows() const { return k_; }
@@ -142,7 +143,8 @@ class PackedB {
                   block.packet[j] = Eigen::internal::ploadu<Packet>(src + (j0 + g * kP + j) * stride + k0 + kk);
                 }
                 Eigen::internal::ptranspose(block);
-                for (int i = 0; i < kP; ++i) Eigen::internal::pstoreu(dst + (kk + i) * B::kNR + g * kP, block.packet[i]);
+                for (int i = 0; i < kP; ++i)
+                  Eigen::internal::pstoreu(dst + (kk + i) * B::kNR + g * kP, block.packet[i]);
               }
             }
 #if defined(__GNUC__)
@@ -236,7 +238,8 @@ void gemm_tile(Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c,
         if (first && bias == nullptr) {
           Eigen::internal::pstoreu(dst, acc[i][p]);
         } else {
-          const Packet base = first ? Eigen::internal::ploadu<Packet>(bias + p * kP) : Eigen::internal::ploadu<Packet>(dst);
+          const Packet base =
+              first ? Eigen::internal::ploadu<Packet>(bias + p * kP) : Eigen::internal::ploadu<Packet>(dst);
           Eigen::internal::pstoreu(dst, Eigen::internal::padd(base, acc[i][p]));
         }
       }
@@ -278,9 +281,8 @@ EIGEN_ALWAYS_INLINE void with_tile_rows(Index rows, Fn&& fn) {
 template <class Scalar, bool TransA = false>
 void gemm_tile_rows(Index rows, Index kc, const Scalar* a, Index lda, const Scalar* b, Scalar* c, Index ldc, Index cols,
                     bool first, const Scalar* bias) {
-  with_tile_rows<GemmBlocking<Scalar>::kMR - 1>(rows, [&](auto mr) {
-    gemm_tile<Scalar, decltype(mr)::value, TransA>(kc, a, lda, b, c, ldc, cols, first, bias);
-  });
+  with_tile_rows<GemmBlocking<Scalar>::kMR - 1>(
+      rows, [&](auto mr) { gemm_tile<Scalar, decltype(mr)::value, TransA>(kc, a, lda, b, c, ldc, cols, first, bias); });
 }
 
 /// The product of rows of A with the columns [c0, c0 + cols) (c0 a multiple of kNR) of the packed B,
@@ -313,12 +315,12 @@ void packed_gemm_range(const Scalar* a, Index lda, Index rows, const PackedB<Sca
       const Index j = p * B::kNR - c0, nr = std::min<Index>(B::kNR, cols - j);
       const Scalar* bias_j = bias != nullptr ? bias + j : nullptr;
       for (Index t = 0; t < full; ++t) {
-        gemm_tile<Scalar, B::kMR, TransA>(kc, a_k + t * B::kMR * a_rows, lda, panel, c + t * B::kMR * ldc + j, ldc, nr, first,
-                                          bias_j);
+        gemm_tile<Scalar, B::kMR, TransA>(kc, a_k + t * B::kMR * a_rows, lda, panel, c + t * B::kMR * ldc + j, ldc, nr,
+                                          first, bias_j);
       }
       if (rest > 0) {
-        gemm_tile_rows<Scalar, TransA>(rest, kc, a_k + full * B::kMR * a_rows, lda, panel, c + full * B::kMR * ldc + j, ldc, nr,
-                                       first, bias_j);
+        gemm_tile_rows<Scalar, TransA>(rest, kc, a_k + full * B::kMR * a_rows, lda, panel, c + full * B::kMR * ldc + j,
+                                       ldc, nr, first, bias_j);
       }
     }
     k0 += kc;

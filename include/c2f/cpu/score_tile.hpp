@@ -9,8 +9,9 @@
 // lanes. A row whose block max exceeds its shift by more than kStaleMaxSlack (ln 256: no exponential above
 // 256) keeps none of it: its scores are computed again (the same bits: gemm_tile_sums) and it takes the
 // plain step, as does a row without a finite shift. A kept row's max, sum and accumulator are then
-// relative to the shift instead of the block's max: the same softmax, rounded differently (docs/benchmarks.md#where-multiheadattentions-time-goes;
-// the A/B: "The online softmax in the QKᵀ tile" in git show 9944106:docs/benchmarks.md).
+// relative to the shift instead of the block's max: the same softmax, rounded differently
+// (docs/benchmarks.md#where-multiheadattentions-time-goes; the A/B: "The online softmax in the QKᵀ tile" in git show
+// 9944106:docs/benchmarks.md).
 //
 // AVX-512 builds only (kFusedScores); the plain step stays every build's path and the fused step's twin
 // (tests/test_kernels.cpp, FusedScores).
@@ -97,9 +98,8 @@ void score_exp_tile(Index kc, const float* a, Index lda, const float* b, Index c
 /// score_exp_tile for the last `rows` (< kMR) rows of a block: the kernel of exactly that many rows.
 inline void score_exp_tile_rows(Index rows, Index kc, const float* a, Index lda, const float* b, Index cols,
                                 const float* shift, float* c, Index ldc, float* sums, float* maxes) {
-  with_tile_rows<GemmBlocking<float>::kMR - 1>(rows, [&](auto mr) {
-    score_exp_tile<decltype(mr)::value>(kc, a, lda, b, cols, shift, c, ldc, sums, maxes);
-  });
+  with_tile_rows<GemmBlocking<float>::kMR - 1>(
+      rows, [&](auto mr) { score_exp_tile<decltype(mr)::value>(kc, a, lda, b, cols, shift, c, ldc, sums, maxes); });
 }
 
 /// The fused online-softmax step over the keys [j0, j0 + nj) of a packed K (`k`: Kᵀ [depth, keys] packed,

@@ -68,7 +68,8 @@ inline void predux_many(const __m512* v, int count, float* sums) {
   const auto at = [&](int i) { return i < count ? v[i] : _mm512_setzero_ps(); };
   for (int m = 0; m < 8; ++m) {  // 128-bit lanes 0, 1: v[2m]'s L0 + L2, L1 + L3; lanes 2, 3: v[2m + 1]'s
     const __m512 a = at(2 * m), b = at(2 * m + 1);
-    w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
   }
   for (int n = 0; n < 4; ++n) {  // 128-bit lane t: v[4n + t]'s (L0 + L2) + (L1 + L3)
     u[n] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * n], w[2 * n + 1], _MM_SHUFFLE(2, 0, 2, 0)),
@@ -78,7 +79,8 @@ inline void predux_many(const __m512* v, int count, float* sums) {
   const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
   const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
   // … and their sums: element e of 128-bit lane t is predux(v[4e + t]).
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, r);
   for (int i = 0; i < count; ++i) sums[i] = lanes[4 * (i % 4) + i / 4];
@@ -203,7 +205,8 @@ struct SmallGemm {
     constexpr Index kLine = 64 / static_cast<Index>(sizeof(Scalar));
     const Index tiles = (n + 1) / 2;
     for (Index t = 0, j = 0; j < n; ++t, j += 2) {
-      const Index r0 = pf_begin + (pf_end - pf_begin) * t / tiles, r1 = pf_begin + (pf_end - pf_begin) * (t + 1) / tiles;
+      const Index r0 = pf_begin + (pf_end - pf_begin) * t / tiles,
+                  r1 = pf_begin + (pf_end - pf_begin) * (t + 1) / tiles;
       for (Index r = r0; r < r1; ++r) {
         for (Index k = 0; k < d; k += kLine) Eigen::internal::prefetch(next + r * ldx + k);
       }
@@ -236,10 +239,18 @@ struct SmallGemm {
 template <class Fn>
 void with_rows_upto_4(Index rows, Fn&& fn) {
   switch (std::min<Index>(4, rows)) {
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    default: fn(std::integral_constant<int, 1>{}); break;
+    case 4:
+      fn(std::integral_constant<int, 4>{});
+      break;
+    case 3:
+      fn(std::integral_constant<int, 3>{});
+      break;
+    case 2:
+      fn(std::integral_constant<int, 2>{});
+      break;
+    default:
+      fn(std::integral_constant<int, 1>{});
+      break;
   }
 }
 
@@ -319,8 +330,8 @@ inline void prefetch_row_ahead(const X* x, Index ldx, Index width, Index j, Inde
 /// for h < heads, i < n, j < keys; q [heads·n, d] with contiguous rows. x holds Scalar or (Scalar float)
 /// bfloat16 values, read in place (the same bits as on the values widened first).
 template <class Scalar, class X = Scalar>
-void head_scores_by_row(const Scalar* q, Index heads, Index n, Index d, const X* x, Index ldx, Index keys,
-                        Scalar* s, Index lds) {
+void head_scores_by_row(const Scalar* q, Index heads, Index n, Index d, const X* x, Index ldx, Index keys, Scalar* s,
+                        Index lds) {
   using G = SmallGemm<Scalar>;
   for (Index j = 0; j < keys; ++j) {
     const X* row = x + j * ldx;
@@ -329,9 +340,8 @@ void head_scores_by_row(const Scalar* q, Index heads, Index n, Index d, const X*
       for (Index i = 0; i < n; i += 4) {
         const Scalar* qi = q + (h * n + i) * d;
         Scalar* si = s + (h * n + i) * lds + j;
-        with_rows_upto_4(n - i, [&](auto r) {
-          G::template dot_tile<decltype(r)::value, 1, X>(qi, d, row + h * d, ldx, si, lds);
-        });
+        with_rows_upto_4(
+            n - i, [&](auto r) { G::template dot_tile<decltype(r)::value, 1, X>(qi, d, row + h * d, ldx, si, lds); });
       }
     }
   }
@@ -343,8 +353,8 @@ void head_scores_by_row(const Scalar* q, Index heads, Index n, Index d, const X*
 /// for the heads h with skip == nullptr or !skip[h], i < n, c < dv; o [heads·n, dv] with contiguous rows.
 /// x holds Scalar or (Scalar float) bfloat16 values, read in place.
 template <class Scalar, class X = Scalar>
-void head_values_by_row(const Scalar* p, Index ldp, Index heads, Index n, const X* x, Index ldx, Index keys,
-                        Index dv, Scalar* o, const unsigned char* skip = nullptr) {
+void head_values_by_row(const Scalar* p, Index ldp, Index heads, Index n, const X* x, Index ldx, Index keys, Index dv,
+                        Scalar* o, const unsigned char* skip = nullptr) {
   for (Index j = 0; j < keys; ++j) {
     const X* row = x + j * ldx;
     prefetch_row_ahead(x, ldx, heads * dv, j, keys);

@@ -63,12 +63,12 @@ constexpr int kExpSimdLanes = C2F_EXP_SIMD;
 
 /// 2^f for f ∈ [0, 1), the kernels' polynomial (1 at f = 0 exactly); `Scale` multiplies every
 /// coefficient (AVX2 computes 2·2^f: the same bits times 2).
-#define C2F_EXP2_POLY(fmadd, set1, f, Scale)                                                             \
+#define C2F_EXP2_POLY(fmadd, set1, f, Scale)                                                                 \
   fmadd(fmadd(fmadd(fmadd(fmadd(fmadd(set1(Scale * 2.161292068e-04f), f, set1(Scale * 1.246784464e-03f)), f, \
-                                  set1(Scale * 9.675451554e-03f)),                                       \
-                            f, set1(Scale * 5.548528209e-02f)),                                          \
-                      f, set1(Scale * 2.402293086e-01f)),                                                \
-                f, set1(Scale * 6.931470633e-01f)),                                                      \
+                                set1(Scale * 9.675451554e-03f)),                                             \
+                          f, set1(Scale * 5.548528209e-02f)),                                                \
+                    f, set1(Scale * 2.402293086e-01f)),                                                      \
+              f, set1(Scale * 6.931470633e-01f)),                                                            \
         f, set1(Scale * 1.0f))
 
 #if C2F_EXP_SIMD == 16
@@ -118,7 +118,7 @@ constexpr int kExpRows = 4;
 /// 15 instructions.
 inline __m256 exp_avx2(__m256 x) {
   __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  t = _mm256_min_ps(_mm256_set1_ps(128.0f), t);  // m ≤ 128; vminps returns its second operand when one is NaN
+  t = _mm256_min_ps(_mm256_set1_ps(128.0f), t);   // m ≤ 128; vminps returns its second operand when one is NaN
   t = _mm256_max_ps(_mm256_set1_ps(-126.0f), t);  // m ≥ −126
   const __m256 m = _mm256_floor_ps(t);
   const __m256 f = _mm256_sub_ps(t, m);
@@ -245,8 +245,10 @@ template <class Row, class Scalar>
 Scalar exp_shifted_sum(Row&& row, Scalar shift) {
 #if C2F_EXP_SIMD
   using R = std::decay_t<Row>;
-  if constexpr (std::is_same<Scalar, float>::value && (Eigen::internal::traits<R>::Flags & Eigen::DirectAccessBit) != 0) {
-    if (row.innerStride() == 1 && (row.rows() == 1 || row.cols() == 1)) return exp_shifted_sum_simd(row.data(), row.size(), shift);
+  if constexpr (std::is_same<Scalar, float>::value &&
+                (Eigen::internal::traits<R>::Flags & Eigen::DirectAccessBit) != 0) {
+    if (row.innerStride() == 1 && (row.rows() == 1 || row.cols() == 1))
+      return exp_shifted_sum_simd(row.data(), row.size(), shift);
   }
 #endif
   exp_shifted(row, shift);

@@ -101,9 +101,9 @@ void check_selection_inputs(const char* kernel, const Q& q, const K& k, const Gr
 /// gating), k and v [batch·length, cols] split into heads; the selection (per chunk or per token) and
 /// the mask view ([batch, heads, n, length]) fit the problem. Returns n.
 template <class Q, class K, class O, class Grid, class Selection, class MaskView, class Scalar>
-Index check_sparse_fine_inputs(const char* kernel, const Q& q, const K& k, const K& v, const O& out,
-                               const Grid& grid, Index heads, const Selection& selection, bool per_token,
-                               const MaskView& mask, Scalar scale) {
+Index check_sparse_fine_inputs(const char* kernel, const Q& q, const K& k, const K& v, const O& out, const Grid& grid,
+                               Index heads, const Selection& selection, bool per_token, const MaskView& mask,
+                               Scalar scale) {
   const Index n = check_last_queries(kernel, q, out, k, v, grid, heads, scale);
   if (!per_token && n != grid.length) fail(kernel, ": per-chunk gating needs a query for every key position");
   selection.check(kernel, grid, heads, per_token, per_token ? n : grid.chunks_per_batch());
@@ -115,8 +115,8 @@ Index check_sparse_fine_inputs(const char* kernel, const Q& q, const K& k, const
 template <class X, class W, class Y>
 void check_linear_shapes(const char* kernel, const X& x, const W& w, const Y& y) {
   if (x.cols() != w.cols() || y.rows() != x.rows() || y.cols() != w.rows()) {
-    fail(kernel, ": x ", shape_string({x.rows(), x.cols()}), ", weight ", shape_string({w.rows(), w.cols()}),
-         " and y ", shape_string({y.rows(), y.cols()}), " do not fit y = x weightᵀ");
+    fail(kernel, ": x ", shape_string({x.rows(), x.cols()}), ", weight ", shape_string({w.rows(), w.cols()}), " and y ",
+         shape_string({y.rows(), y.cols()}), " do not fit y = x weightᵀ");
   }
 }
 
@@ -154,9 +154,9 @@ void check_conv1d(const char* kernel, const X& x, const Y& y, Index batch, Index
 template <class QView, class KVView, class OutView, class MaskView, class Scalar>
 void check_sdpa(const char* kernel, const QView& q, const KVView& k, const KVView& v, const OutView& out,
                 const MaskView& mask, Scalar scale) {
-  if (k.batch != q.batch || v.batch != q.batch || out.batch != q.batch || k.heads != q.heads ||
-      v.heads != q.heads || out.heads != q.heads || k.dim != q.dim || v.seq != k.seq || out.seq != q.seq ||
-      out.dim != v.dim || q.batch < 0 || q.seq < 0 || k.seq < 0 || q.heads < 1) {
+  if (k.batch != q.batch || v.batch != q.batch || out.batch != q.batch || k.heads != q.heads || v.heads != q.heads ||
+      out.heads != q.heads || k.dim != q.dim || v.seq != k.seq || out.seq != q.seq || out.dim != v.dim || q.batch < 0 ||
+      q.seq < 0 || k.seq < 0 || q.heads < 1) {
     fail(kernel, ": q ", shape_string({q.batch, q.seq, q.heads, q.dim}), ", k ",
          shape_string({k.batch, k.seq, k.heads, k.dim}), ", v ", shape_string({v.batch, v.seq, v.heads, v.dim}),
          " and out ", shape_string({out.batch, out.seq, out.heads, out.dim}), " ([batch, seq, heads, dim]) do not fit");
@@ -181,10 +181,11 @@ void check_sdpa_backward(const char* kernel, const In& q, const In& k, const In&
 /// decode(): a causal layer, x [state batch, n >= 1, width].
 template <class X>
 void check_decode(const char* layer, bool causal, const X& x, Index state_batch, Index width) {
-  if (!causal) fail(layer, "::decode needs a causal layer (Options().causal(true)): a non-causal one reads later tokens");
+  if (!causal)
+    fail(layer, "::decode needs a causal layer (Options().causal(true)): a non-causal one reads later tokens");
   if (x.batch() != state_batch || x.seq() < 1 || x.features() != width) {
-    fail(layer, "::decode: x_new must be [batch, n >= 1, embed_dim] = [", state_batch, ", n, ", width, "] for this state, got ",
-         shape_string({x.batch(), x.seq(), x.features()}));
+    fail(layer, "::decode: x_new must be [batch, n >= 1, embed_dim] = [", state_batch, ", n, ", width,
+         "] for this state, got ", shape_string({x.batch(), x.seq(), x.features()}));
   }
 }
 

@@ -37,8 +37,8 @@ inline void populate_pages(unsigned char* data, std::size_t bytes) {
 /// Each of `threads` threads (KernelOptions::num_threads convention; resolve_threads) takes one
 /// contiguous run of whole 2 MiB pages in address order, so that no two threads fault the same huge page
 /// and none hops between pages in the order of the layer's tasks (docs/benchmarks.md#the-fresh-page-cost-of-forward;
-/// the A/B: "Fresh outputs faulted in before the layer computes" in git show 9944106:docs/benchmarks.md). A run is populated by one
-/// madvise(MADV_POPULATE_WRITE) where the kernel has it (Linux 5.14 on), which maps its pages writable
+/// the A/B: "Fresh outputs faulted in before the layer computes" in git show 9944106:docs/benchmarks.md). A run is
+/// populated by one madvise(MADV_POPULATE_WRITE) where the kernel has it (Linux 5.14 on), which maps its pages writable
 /// and writes nothing: no page fault per 4 KiB page of the buffer's ends, outside its whole 2 MiB pages
 /// (the A/B: "Fresh pages populated in one call" in
 /// git show 9944106:docs/benchmarks.md). Elsewhere, or when the call
@@ -49,7 +49,8 @@ inline void fault_in_pages(void* data, std::size_t bytes, int threads) {
   unsigned char* const begin = static_cast<unsigned char*>(data);
   const std::size_t pages = (bytes + kHugePageBytes - 1) / kHugePageBytes;
   const Index workers = resolve_threads(threads, static_cast<Index>(pages));
-  const std::size_t per_worker = (pages + static_cast<std::size_t>(workers) - 1) / static_cast<std::size_t>(workers) * kHugePageBytes;
+  const std::size_t per_worker =
+      (pages + static_cast<std::size_t>(workers) - 1) / static_cast<std::size_t>(workers) * kHugePageBytes;
   parallel_for(workers, threads, kUnknownWork, [&](Index worker, int) {
     const std::size_t first = std::min(bytes, static_cast<std::size_t>(worker) * per_worker);
     populate_pages(begin + first, std::min(bytes, first + per_worker) - first);
@@ -64,7 +65,8 @@ enum class FreshPages {
   /// 2 MiB page covers: for a fill that writes every element once with ordinary stores in address order
   /// (KernelOptions::fresh_output), so that the system zeroes each huge page just before the fill
   /// overwrites it in cache, instead of in a pass of its own over memory (the A/B: "Fresh 2-D
-  /// outputs written on first touch" in git show 9944106:docs/benchmarks.md). Taken only where transparent huge pages are on
+  /// outputs written on first touch" in git show 9944106:docs/benchmarks.md). Taken only where transparent huge pages
+  /// are on
   /// (huge_pages_enabled()): a first write per 4 KiB page would fault 512 times as often. Elsewhere
   /// prepare_fresh falls back to FaultIn.
   OnFirstWrite,

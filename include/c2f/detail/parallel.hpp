@@ -273,7 +273,9 @@ void parallel_for_each_worker(Index tasks, int threads, double work, Fn&& fn) {
 class GroupBlockTasks {
  public:
   GroupBlockTasks(Index groups, Index blocks, bool prepared)
-      : groups_(groups), blocks_(blocks), once_(prepared ? new std::once_flag[static_cast<std::size_t>(groups)] : nullptr) {}
+      : groups_(groups),
+        blocks_(blocks),
+        once_(prepared ? new std::once_flag[static_cast<std::size_t>(groups)] : nullptr) {}
 
   /// Task t's (group, block).
   std::pair<Index, Index> task(Index t) const {

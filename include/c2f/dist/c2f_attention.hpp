@@ -47,14 +47,14 @@ class C2FAttention : public detail::DistLayer<C2FAttention<Scalar>, c2f::C2FAtte
     const AttnMask<Scalar>& fine_mask = masks.fine_attn_mask();
     // 1. This rank's chunk means and their coarse q and k | v, and one exchange of what every rank was given.
     RowMatrix<Scalar> q, kv;
-    const std::vector<detail::Field> fields = this->call_fields(
-        b, x.features(), {{"chunk_size", k, true}},
-        {{"attn_mask's kind", static_cast<std::int64_t>(coarse_mask.kind()), true},
-         {"attn_mask's first size", coarse_mask.dims()[0], true},
-         {"attn_mask's second size", coarse_mask.dims()[1], true},
-         {"attn_mask's third size", coarse_mask.dims()[2], true},
-         {"fine_attn_mask's kind", static_cast<std::int64_t>(fine_mask.kind()), true}},
-        {"the shard's length", x.seq(), false});
+    const std::vector<detail::Field> fields =
+        this->call_fields(b, x.features(), {{"chunk_size", k, true}},
+                          {{"attn_mask's kind", static_cast<std::int64_t>(coarse_mask.kind()), true},
+                           {"attn_mask's first size", coarse_mask.dims()[0], true},
+                           {"attn_mask's second size", coarse_mask.dims()[1], true},
+                           {"attn_mask's third size", coarse_mask.dims()[2], true},
+                           {"fine_attn_mask's kind", static_cast<std::int64_t>(fine_mask.kind()), true}},
+                          {"the shard's length", x.seq(), false});
     const std::vector<std::vector<std::int64_t>> reports = detail::exchange(comm_, type_name, fields, [&] {
       c2f::detail::check_mask_fields(masks, "C2FAttention", Module::mask_fields);
       c2f::detail::check_features(x, d, "C2FAttention", "x", "embed_dim");
@@ -78,8 +78,9 @@ class C2FAttention : public detail::DistLayer<C2FAttention<Scalar>, c2f::C2FAtte
     detail::all_or_none(comm_, type_name, [&] {
       const RowMatrix<Scalar> context =
           detail::coarse_rows(coarse, q, all, b, plan.first[me], plan.count[me], plan.blocks, coarse_mask);
-      module_.fine_attn().forward_shard_into(x, k, length, ConstTensor3Ref<Scalar>(context.data(), {b, plan.count[me], d}),
-                                             out, Masks<Scalar>().attn_mask(fine_mask));
+      module_.fine_attn().forward_shard_into(x, k, length,
+                                             ConstTensor3Ref<Scalar>(context.data(), {b, plan.count[me], d}), out,
+                                             Masks<Scalar>().attn_mask(fine_mask));
     });
   }
 };

@@ -24,9 +24,10 @@ template <class Scalar>
 void check_coarse_kernel(const char* layer, const MultiHeadAttention<Scalar>& coarse) {
   const Index panel = c2f::cpu::GemmBlocking<Scalar>::kNR;
   if (coarse.options().kernel() != AttnKernel::Streaming || coarse.options().key_block() % panel != 0) {
-    c2f::detail::fail(layer, " runs the streaming kernel with a key_block that is a multiple of ", panel, ", got ",
-                      coarse.options().kernel() == AttnKernel::Streaming ? "key_block " : "the naive kernel, key_block ",
-                      coarse.options().key_block());
+    c2f::detail::fail(
+        layer, " runs the streaming kernel with a key_block that is a multiple of ", panel, ", got ",
+        coarse.options().kernel() == AttnKernel::Streaming ? "key_block " : "the naive kernel, key_block ",
+        coarse.options().key_block());
   }
 }
 

@@ -47,7 +47,8 @@ class Comm {
     int initialised = 0, finalised = 0;
     MPI_Initialized(&initialised);
     MPI_Finalized(&finalised);
-    if (!initialised || finalised) throw std::logic_error("c2f::dist::Comm: MPI is not initialised (call MPI_Init first)");
+    if (!initialised || finalised)
+      throw std::logic_error("c2f::dist::Comm: MPI is not initialised (call MPI_Init first)");
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
   }
@@ -137,15 +138,15 @@ std::vector<std::vector<std::int64_t>> exchange(const Comm& comm, const char* la
   for (std::size_t i = 0; i < fields.size(); ++i) mine.values[i] = fields[i].value;
 
   std::vector<Report> all(static_cast<std::size_t>(comm.size()));
-  MPI_Allgather(&mine, static_cast<int>(sizeof(Report)), MPI_BYTE, all.data(), static_cast<int>(sizeof(Report)), MPI_BYTE,
-                comm.get());
+  MPI_Allgather(&mine, static_cast<int>(sizeof(Report)), MPI_BYTE, all.data(), static_cast<int>(sizeof(Report)),
+                MPI_BYTE, comm.get());
   for (int r = 0; r < comm.size(); ++r) {
     const Report& rep = all[static_cast<std::size_t>(r)];
     if (rep.failed == 0) continue;
     std::string why(rep.message, strnlen(rep.message, Report::kMessage));
     if (why.rfind("c2f: ", 0) == 0) why.erase(0, 5);
-    const std::string msg =
-        std::string("c2f: ") + layer + ": rank " + std::to_string(r) + " of " + std::to_string(comm.size()) + ": " + why;
+    const std::string msg = std::string("c2f: ") + layer + ": rank " + std::to_string(r) + " of " +
+                            std::to_string(comm.size()) + ": " + why;
     if (rep.failed == 1) throw std::invalid_argument(msg);
     throw std::runtime_error(msg);
   }
@@ -157,8 +158,8 @@ std::vector<std::vector<std::int64_t>> exchange(const Comm& comm, const char* la
     }
     for (std::size_t i = 0; i < fields.size(); ++i) {
       if (fields[i].agreed && rep.values[i] != all[0].values[i]) {
-        c2f::detail::fail(layer, ": the ranks disagree on ", fields[i].name, ": rank 0 has ", all[0].values[i], ", rank ", r,
-                          " has ", rep.values[i], " (every rank must pass the same)");
+        c2f::detail::fail(layer, ": the ranks disagree on ", fields[i].name, ": rank 0 has ", all[0].values[i],
+                          ", rank ", r, " has ", rep.values[i], " (every rank must pass the same)");
       }
     }
   }
@@ -192,8 +193,7 @@ class DistLayer {
   /// Wraps a built (e.g. loaded) single-process layer.
   DistLayer(Comm comm, Module module) : comm_(comm), module_(std::move(module)) {}
   /// Builds the single-process layer from its constructor's arguments: (comm, sizes…, options).
-  template <class First, class... Rest,
-            class = std::enable_if_t<!std::is_same<std::decay_t<First>, Module>::value>>
+  template <class First, class... Rest, class = std::enable_if_t<!std::is_same<std::decay_t<First>, Module>::value>>
   DistLayer(Comm comm, First&& first, Rest&&... rest)
       : DistLayer(comm, Module(std::forward<First>(first), std::forward<Rest>(rest)...)) {}
 
@@ -232,14 +232,14 @@ class DistLayer {
 /// The declarations a sequence-parallel layer `Name` opens its class with, after `class Name : public
 /// detail::DistLayer<Name<Scalar>, c2f::Name<Scalar>, Scalar> {`: Base, the members it reads (comm_,
 /// module_), the public Module type and type_name "dist::Name". The class goes on in its public part.
-#define C2F_DIST_LAYER_BASICS(Name)                                          \
- private:                                                                   \
+#define C2F_DIST_LAYER_BASICS(Name)                                                       \
+ private:                                                                                 \
   using Base = ::c2f::dist::detail::DistLayer<Name<Scalar>, ::c2f::Name<Scalar>, Scalar>; \
-  using Base::comm_;                                                        \
-  using Base::module_;                                                      \
-                                                                            \
- public:                                                                    \
-  using Module = typename Base::Module;                                     \
+  using Base::comm_;                                                                      \
+  using Base::module_;                                                                    \
+                                                                                          \
+ public:                                                                                  \
+  using Module = typename Base::Module;                                                   \
   static constexpr const char* type_name = "dist::" #Name
 
 /// exchange() without fields: runs `local` here and throws the same on every rank if it threw on one.

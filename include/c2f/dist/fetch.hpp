@@ -24,9 +24,8 @@ struct Range {
 /// item 0, then of item 1, …. local [batch·n, width] holds this rank's positions of every batch item.
 /// Collective: every rank calls it with the same plan and the same function `wants`.
 template <class Scalar, class Wants>
-std::vector<RowMatrix<Scalar>> fetch_rows(const Comm& comm, const char* layer,
-                                          const ConstRowMatrixRef<Scalar>& local, Index batch,
-                                          const std::vector<Index>& begin, Wants&& wants) {
+std::vector<RowMatrix<Scalar>> fetch_rows(const Comm& comm, const char* layer, const ConstRowMatrixRef<Scalar>& local,
+                                          Index batch, const std::vector<Index>& begin, Wants&& wants) {
   const int ranks = comm.size(), me = comm.rank();
   const Index width = local.cols(), n = begin[me + 1] - begin[me];
   const auto piece = [&](const Range& r, int holder) {
@@ -78,7 +77,8 @@ std::vector<RowMatrix<Scalar>> fetch_rows(const Comm& comm, const char* layer,
       const Range part = piece(mine[i], p);
       if (part.size() <= 0) continue;
       for (Index b = 0; b < batch; ++b, at += part.size()) {
-        out[i].middleRows(b * mine[i].size() + part.begin - mine[i].begin, part.size()) = received.middleRows(at, part.size());
+        out[i].middleRows(b * mine[i].size() + part.begin - mine[i].begin, part.size()) =
+            received.middleRows(at, part.size());
       }
     }
   }

@@ -92,13 +92,13 @@ class HMHA : public detail::DistLayer<HMHA<Scalar>, c2f::HMHA<Scalar>, Scalar> {
     const Index e = module_.embed_dim(), h = module_.num_heads(), w = module_.window(), b = x.batch(), n = x.seq();
     const bool causal = module_.causal();
     const HMHALevels levels = module_.options().levels();
-    const std::vector<detail::Field> fields = this->call_fields(
-        b, x.features(),
-        {{"window", w, true},
-         {"causal", causal ? 1 : 0, true},
-         {"the levels (local, cross, global)", (levels.local ? 1 : 0) + (levels.cross ? 2 : 0) + (levels.global ? 4 : 0), true}},
-        {},
-        {"the shard's length", n, false});
+    const std::vector<detail::Field> fields =
+        this->call_fields(b, x.features(),
+                          {{"window", w, true},
+                           {"causal", causal ? 1 : 0, true},
+                           {"the levels (local, cross, global)",
+                            (levels.local ? 1 : 0) + (levels.cross ? 2 : 0) + (levels.global ? 4 : 0), true}},
+                          {}, {"the shard's length", n, false});
     const std::vector<std::vector<std::int64_t>> reports = detail::exchange(comm_, type_name, fields, [&] {
       c2f::detail::check_mask_fields(masks, "HMHA", Module::mask_fields);
       c2f::detail::check_features(x, e, "HMHA", "x", "embed_dim");
@@ -143,7 +143,8 @@ class HMHA : public detail::DistLayer<HMHA<Scalar>, c2f::HMHA<Scalar>, Scalar> {
 
     // 3. Every window's key and value means (level 2), and the key and value rows level 3 reads.
     const detail::BlockPlan plan = detail::block_plan(begin, w);
-    const RowMatrix<Scalar> all = levels.cross ? detail::gather_blocks(comm_, type_name, kv_means, b, plan) : RowMatrix<Scalar>();
+    const RowMatrix<Scalar> all =
+        levels.cross ? detail::gather_blocks(comm_, type_name, kv_means, b, plan) : RowMatrix<Scalar>();
     const auto wanted = [&](int r) { return detail::global_rows(begin[r], begin[r + 1], length, causal).ranges; };
     std::vector<RowMatrix<Scalar>> far_k, far_v;
     if (levels.global) {
@@ -155,8 +156,8 @@ class HMHA : public detail::DistLayer<HMHA<Scalar>, c2f::HMHA<Scalar>, Scalar> {
     detail::all_or_none(comm_, type_name, [&] {
       if (empty) return;
       if (levels.cross && causal) {
-        kernels::window_summary_attention_add<Scalar>(q, all.leftCols(e), all.rightCols(e), kernels::ChunkGrid{b, s + n, w},
-                                                      h, o, scale, threads);
+        kernels::window_summary_attention_add<Scalar>(q, all.leftCols(e), all.rightCols(e),
+                                                      kernels::ChunkGrid{b, s + n, w}, h, o, scale, threads);
       } else if (levels.cross) {
         RowMatrix<Scalar> q_means(windows.chunks(), e), c(windows.chunks(), e);
         kernels::chunk_mean<Scalar>(q, windows, q_means, threads);
@@ -176,8 +177,8 @@ class HMHA : public detail::DistLayer<HMHA<Scalar>, c2f::HMHA<Scalar>, Scalar> {
   /// Level 3 of this shard (positions [s, s + n)): the keys and values within reach of it in one
   /// contiguous block (fetched before | own | fetched after), the farther ones where they were fetched.
   void global_level(const RowMatrix<Scalar>& q, const RowMatrix<Scalar>& k, const RowMatrix<Scalar>& v,
-                    const std::vector<RowMatrix<Scalar>>& far_k, const std::vector<RowMatrix<Scalar>>& far_v, Index batch,
-                    Index s, Index length, Scalar scale, RowMatrix<Scalar>& o) const {
+                    const std::vector<RowMatrix<Scalar>>& far_k, const std::vector<RowMatrix<Scalar>>& far_v,
+                    Index batch, Index s, Index length, Scalar scale, RowMatrix<Scalar>& o) const {
     const Index n = q.rows() / batch, e = q.cols();
     const bool causal = module_.causal();
     const detail::GlobalRows g = detail::global_rows(s, s + n, length, causal);

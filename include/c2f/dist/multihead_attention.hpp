@@ -46,7 +46,8 @@ enum class Layout {
 };
 
 template <class Scalar>
-class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, c2f::MultiHeadAttention<Scalar>, Scalar> {
+class MultiHeadAttention
+    : public detail::DistLayer<MultiHeadAttention<Scalar>, c2f::MultiHeadAttention<Scalar>, Scalar> {
   C2F_DIST_LAYER_BASICS(MultiHeadAttention);
 
   class Options {
@@ -70,15 +71,15 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
     const Index e = module_.embed_dim(), h = module_.num_heads(), b = x.batch(), n = x.seq();
     const KeyPaddingMask<Scalar>& pad = masks.key_padding_mask();
     const int ranks = comm_.size();
-    const std::vector<detail::Field> fields = this->call_fields(
-        b, x.features(),
-        {{"causal", module_.causal() ? 1 : 0, true},
-         {"the method (Ring or Ulysses)", static_cast<std::int64_t>(options_.method()), true},
-         {"the layout (Contiguous or ZigZag)", static_cast<std::int64_t>(options_.layout()), true}},
-        {{"key_padding_mask's kind", static_cast<std::int64_t>(pad.kind()), true},
-         {"key_padding_mask's first size", pad.dims()[0], true},
-         {"key_padding_mask's second size", pad.dims()[1], true}},
-        {"the shard's length", n, false});
+    const std::vector<detail::Field> fields =
+        this->call_fields(b, x.features(),
+                          {{"causal", module_.causal() ? 1 : 0, true},
+                           {"the method (Ring or Ulysses)", static_cast<std::int64_t>(options_.method()), true},
+                           {"the layout (Contiguous or ZigZag)", static_cast<std::int64_t>(options_.layout()), true}},
+                          {{"key_padding_mask's kind", static_cast<std::int64_t>(pad.kind()), true},
+                           {"key_padding_mask's first size", pad.dims()[0], true},
+                           {"key_padding_mask's second size", pad.dims()[1], true}},
+                          {"the shard's length", n, false});
     const std::vector<std::vector<std::int64_t>> reports = detail::exchange(comm_, type_name, fields, [&] {
       if (!masks.attn_mask().is_none() || !masks.fine_attn_mask().is_none()) {
         c2f::detail::fail("dist::MultiHeadAttention takes only a key_padding_mask (causal is the module's option)");
@@ -101,8 +102,9 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
       if (options_.layout() == Layout::ZigZag) {
         segs[r] = zigzag_segments(total, r, ranks);
         if (segs[r][0].length + segs[r][1].length != lengths[r]) {
-          c2f::detail::fail(type_name, ": with Layout::ZigZag, rank ", r, " must hold dist::zigzag_segments(", total, ", ",
-                            r, ", ", ranks, ") = ", segs[r][0].length + segs[r][1].length, " positions, got ", lengths[r]);
+          c2f::detail::fail(type_name, ": with Layout::ZigZag, rank ", r, " must hold dist::zigzag_segments(", total,
+                            ", ", r, ", ", ranks, ") = ", segs[r][0].length + segs[r][1].length, " positions, got ",
+                            lengths[r]);
         }
       } else {
         segs[r] = {Segment{at, lengths[r]}, Segment{at + lengths[r], 0}};
@@ -110,14 +112,14 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
       }
     }
     if (options_.method() == SequenceParallel::Ulysses && h % ranks != 0) {
-      c2f::detail::fail(type_name, ": SequenceParallel::Ulysses needs num_heads (", h, ") divisible by the ranks (", ranks,
-                        "); SequenceParallel::Ring takes any");
+      c2f::detail::fail(type_name, ": SequenceParallel::Ulysses needs num_heads (", h, ") divisible by the ranks (",
+                        ranks, "); SequenceParallel::Ring takes any");
     }
 
     // This rank's projections, [B·n, 3E] = q | k | v; the mask checked against the whole sequence.
     RowMatrix<Scalar> qkv(b * n, 3 * e);
     detail::all_or_none(comm_, type_name, [&] {
-        const MaskView<Scalar> check(AttnMask<Scalar>(), pad, b, h, 1, total);  // throws unless pad fits [B, L]
+      const MaskView<Scalar> check(AttnMask<Scalar>(), pad, b, h, 1, total);  // throws unless pad fits [B, L]
       (void)check;
       module_.project_into(x, x, x, c2f::detail::cols_of(qkv, 0, e), c2f::detail::cols_of(qkv, e, e),
                            c2f::detail::cols_of(qkv, 2 * e, e));
@@ -137,23 +139,27 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
   /// The key padding mask of keys [k0, k0 + nk) of every batch item.
   static KeyPaddingMask<Scalar> keys_of(const KeyPaddingMask<Scalar>& pad, Index batch, Index k0, Index nk) {
     switch (pad.kind()) {
-      case MaskKind::None: return pad;
+      case MaskKind::None:
+        return pad;
       case MaskKind::Lengths: {
         std::vector<Index> len(pad.valid_lengths().size());
-        for (std::size_t i = 0; i < len.size(); ++i) len[i] = std::min(nk, std::max<Index>(0, pad.valid_lengths()[i] - k0));
+        for (std::size_t i = 0; i < len.size(); ++i)
+          len[i] = std::min(nk, std::max<Index>(0, pad.valid_lengths()[i] - k0));
         return KeyPaddingMask<Scalar>::lengths(std::move(len));
       }
       case MaskKind::Additive: {
         Eigen::Tensor<Scalar, 2, Eigen::RowMajor> add(batch, nk);
         for (Index i = 0; i < batch; ++i) {
-          for (Index j = 0; j < nk; ++j) add(i, j) = pad.additive_values()[static_cast<std::size_t>(i * pad.dims()[1] + k0 + j)];
+          for (Index j = 0; j < nk; ++j)
+            add(i, j) = pad.additive_values()[static_cast<std::size_t>(i * pad.dims()[1] + k0 + j)];
         }
         return KeyPaddingMask<Scalar>::additive(add);
       }
       default: {
         BoolTensor2 keep(batch, nk);
         for (Index i = 0; i < batch; ++i) {
-          for (Index j = 0; j < nk; ++j) keep(i, j) = pad.keep_flags()[static_cast<std::size_t>(i * pad.dims()[1] + k0 + j)] != 0;
+          for (Index j = 0; j < nk; ++j)
+            keep(i, j) = pad.keep_flags()[static_cast<std::size_t>(i * pad.dims()[1] + k0 + j)] != 0;
         }
         return KeyPaddingMask<Scalar>::keep(keep);
       }
@@ -161,9 +167,8 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
   }
 
   /// Merges a partial output (o, lse over other keys) into the running one, row by row and head by head.
-  static void merge(const ConstRowMatrixRef<Scalar>& o, const ConstRowMatrixRef<Scalar>& lse,
-                    Index batch, Index heads, Index dk, Index rows, Index row0, Index n,
-                    RowMatrixRef<Scalar> acc, RowMatrixRef<Scalar> acc_lse) {
+  static void merge(const ConstRowMatrixRef<Scalar>& o, const ConstRowMatrixRef<Scalar>& lse, Index batch, Index heads,
+                    Index dk, Index rows, Index row0, Index n, RowMatrixRef<Scalar> acc, RowMatrixRef<Scalar> acc_lse) {
     constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
     for (Index bi = 0; bi < batch; ++bi) {
       for (Index hh = 0; hh < heads; ++hh) {
@@ -209,8 +214,8 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
         next.resize(batch * lengths[from], 2 * e);
         MPI_Irecv(next.data(), detail::mpi_count(next.rows(), type_name, "a key/value block's rows"), row.get(),
                   (me - 1 + ranks) % ranks, t, comm_.get(), &reqs[0]);
-        MPI_Isend(cur.data(), detail::mpi_count(cur.rows(), type_name, "a key/value block's rows"), row.get(), (me + 1) % ranks,
-                  t, comm_.get(), &reqs[1]);
+        MPI_Isend(cur.data(), detail::mpi_count(cur.rows(), type_name, "a key/value block's rows"), row.get(),
+                  (me + 1) % ranks, t, comm_.get(), &reqs[1]);
       }
       const Index ns = lengths[src];
       Index krow = 0;
@@ -232,8 +237,8 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
             const AttnMask<Scalar> causal =
                 module_.causal() ? AttnMask<Scalar>::causal(qs.begin - ks.begin) : AttnMask<Scalar>();
             const KeyPaddingMask<Scalar> keys = keys_of(pad, batch, ks.begin, ks.length);
-            kernels::sdpa_streaming_lse<Scalar>(qv, kv, vv, ov, lse, MaskView<Scalar>(causal, keys, batch, h, qs.length, ks.length),
-                                                scale, kopts);
+            kernels::sdpa_streaming_lse<Scalar>(
+                qv, kv, vv, ov, lse, MaskView<Scalar>(causal, keys, batch, h, qs.length, ks.length), scale, kopts);
             merge(o, lse, batch, h, dk, qs.length, qrow, n, attn, acc_lse);
           }
           qrow += qs.length;
@@ -284,12 +289,13 @@ class MultiHeadAttention : public detail::DistLayer<MultiHeadAttention<Scalar>, 
     }
     // 2. This rank's heads over the whole sequence.
     RowMatrix<Scalar> o(batch * total, ep);
-    kernels::sdpa_streaming<Scalar>(kernels::heads_view<const Scalar>(whole.data(), batch, total, 3 * ep, 0, hp, dk),
-                                    kernels::heads_view<const Scalar>(whole.data(), batch, total, 3 * ep, ep, hp, dk),
-                                    kernels::heads_view<const Scalar>(whole.data(), batch, total, 3 * ep, 2 * ep, hp, dk),
-                                    kernels::heads_view(o, batch, total, hp),
-                                    MaskView<Scalar>(AttnMask<Scalar>(), pad, batch, hp, total, total, module_.causal()),
-                                    kernels::default_scale<Scalar>(dk), c2f::detail::kernel_options(module_.options()));
+    kernels::sdpa_streaming<Scalar>(
+        kernels::heads_view<const Scalar>(whole.data(), batch, total, 3 * ep, 0, hp, dk),
+        kernels::heads_view<const Scalar>(whole.data(), batch, total, 3 * ep, ep, hp, dk),
+        kernels::heads_view<const Scalar>(whole.data(), batch, total, 3 * ep, 2 * ep, hp, dk),
+        kernels::heads_view(o, batch, total, hp),
+        MaskView<Scalar>(AttnMask<Scalar>(), pad, batch, hp, total, total, module_.causal()),
+        kernels::default_scale<Scalar>(dk), c2f::detail::kernel_options(module_.options()));
     // 3. Back: rank s's rows of these heads to rank s; from every rank d this rank's rows of its heads.
     RowMatrix<Scalar> back(batch * total, ep), mine(ranks * batch * n, ep);
     for (int s = 0; s < ranks; ++s) {

@@ -51,13 +51,18 @@ AttnMask<Scalar> attn_mask_from_tensor(MaskKind kind, const TensorData& t) {
     detail::fail("an attention mask is [queries, keys] or [..., queries, keys], got ", detail::shape_string(s));
   }
   Index n = 1;
-  for (std::size_t i = 0; i + 2 < s.size(); ++i) n = detail::checked_mul(n, s[i], "attn_mask_from_tensor: the leading dimensions");
+  for (std::size_t i = 0; i + 2 < s.size(); ++i)
+    n = detail::checked_mul(n, s[i], "attn_mask_from_tensor: the leading dimensions");
   const std::array<Index, 3> dims{n, s[s.size() - 2], s[s.size() - 1]};
   switch (kind) {
-    case MaskKind::Keep: return AttnMask<Scalar>::keep(detail::bool_tensor<3>(t, dims));
-    case MaskKind::Ignore: return AttnMask<Scalar>::ignore(detail::bool_tensor<3>(t, dims));
-    case MaskKind::Additive: return AttnMask<Scalar>::additive(detail::value_tensor<Scalar, 3>(t, dims));
-    default: detail::fail("attn_mask_from_tensor takes MaskKind Keep, Ignore or Additive");
+    case MaskKind::Keep:
+      return AttnMask<Scalar>::keep(detail::bool_tensor<3>(t, dims));
+    case MaskKind::Ignore:
+      return AttnMask<Scalar>::ignore(detail::bool_tensor<3>(t, dims));
+    case MaskKind::Additive:
+      return AttnMask<Scalar>::additive(detail::value_tensor<Scalar, 3>(t, dims));
+    default:
+      detail::fail("attn_mask_from_tensor takes MaskKind Keep, Ignore or Additive");
   }
 }
 
@@ -69,10 +74,14 @@ KeyPaddingMask<Scalar> key_padding_mask_from_tensor(MaskKind kind, const TensorD
   }
   const std::array<Index, 2> dims{t.shape()[0], t.shape()[1]};
   switch (kind) {
-    case MaskKind::Keep: return KeyPaddingMask<Scalar>::keep(detail::bool_tensor<2>(t, dims));
-    case MaskKind::Ignore: return KeyPaddingMask<Scalar>::ignore(detail::bool_tensor<2>(t, dims));
-    case MaskKind::Additive: return KeyPaddingMask<Scalar>::additive(detail::value_tensor<Scalar, 2>(t, dims));
-    default: detail::fail("key_padding_mask_from_tensor takes MaskKind Keep, Ignore or Additive");
+    case MaskKind::Keep:
+      return KeyPaddingMask<Scalar>::keep(detail::bool_tensor<2>(t, dims));
+    case MaskKind::Ignore:
+      return KeyPaddingMask<Scalar>::ignore(detail::bool_tensor<2>(t, dims));
+    case MaskKind::Additive:
+      return KeyPaddingMask<Scalar>::additive(detail::value_tensor<Scalar, 2>(t, dims));
+    default:
+      detail::fail("key_padding_mask_from_tensor takes MaskKind Keep, Ignore or Additive");
   }
 }
 

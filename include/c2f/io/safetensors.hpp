@@ -214,8 +214,8 @@ class SafetensorsHeaderScanner final : public nlohmann::json_sax<nlohmann::json>
       if (duplicate_depth_ == 1) {
         safetensors_fail("header lists ", quoted(*duplicate_), " more than once (duplicate JSON key)");
       }
-      safetensors_fail("header repeats the JSON key ", quoted(*duplicate_),
-                       " inside one object (nesting depth ", duplicate_depth_, ")");
+      safetensors_fail("header repeats the JSON key ", quoted(*duplicate_), " inside one object (nesting depth ",
+                       duplicate_depth_, ")");
     }
     safetensors_fail("header is not valid JSON");
   }
@@ -284,8 +284,7 @@ struct SafetensorsEntry {
 inline SafetensorsEntry parse_safetensors_entry(const std::string& name, const nlohmann::json& j) {
   const std::string tensor = "tensor " + quoted(name);
   if (!j.is_object()) {
-    safetensors_fail(tensor,
-                     ": header entry must be an object with \"dtype\", \"shape\" and \"data_offsets\", got ",
+    safetensors_fail(tensor, ": header entry must be an object with \"dtype\", \"shape\" and \"data_offsets\", got ",
                      j.type_name(), " ", json_excerpt(j));
   }
   SafetensorsEntry e;
@@ -294,31 +293,29 @@ inline SafetensorsEntry parse_safetensors_entry(const std::string& name, const n
   const auto dtype_it = j.find("dtype");
   if (dtype_it == j.end()) safetensors_fail(tensor, ": header entry has no \"dtype\"");
   if (!dtype_it->is_string()) {
-    safetensors_fail(tensor, ": \"dtype\" must be a string, got ", dtype_it->type_name(), " ",
-                     json_excerpt(*dtype_it));
+    safetensors_fail(tensor, ": \"dtype\" must be a string, got ", dtype_it->type_name(), " ", json_excerpt(*dtype_it));
   }
   const std::string& dtype_str = dtype_it->get_ref<const std::string&>();
   const std::optional<DType> dtype = dtype_from_name(dtype_str);
   if (!dtype) {
-    safetensors_fail(
-        tensor, ": unknown dtype ", quoted(dtype_str),
-        " (supported: BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, I64, U64, "
-        "F64)");
+    safetensors_fail(tensor, ": unknown dtype ", quoted(dtype_str),
+                     " (supported: BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, I64, U64, "
+                     "F64)");
   }
   e.dtype = *dtype;
 
   const auto shape_it = j.find("shape");
   if (shape_it == j.end()) safetensors_fail(tensor, ": header entry has no \"shape\"");
   if (!shape_it->is_array()) {
-    safetensors_fail(tensor, ": \"shape\" must be an array of non-negative integers, got ",
-                     shape_it->type_name(), " ", json_excerpt(*shape_it));
+    safetensors_fail(tensor, ": \"shape\" must be an array of non-negative integers, got ", shape_it->type_name(), " ",
+                     json_excerpt(*shape_it));
   }
   e.shape.reserve(shape_it->size());
   for (const nlohmann::json& d : *shape_it) {
     const std::optional<std::uint64_t> v = json_non_negative_integer(d);
     if (!v) {
-      safetensors_fail(tensor, ": \"shape\" must be an array of non-negative integers, got ",
-                       json_excerpt(*shape_it), " (element ", json_excerpt(d), ")");
+      safetensors_fail(tensor, ": \"shape\" must be an array of non-negative integers, got ", json_excerpt(*shape_it),
+                       " (element ", json_excerpt(d), ")");
     }
     if (*v > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
       safetensors_fail(tensor, ": shape dimension ", *v, " in ", json_excerpt(*shape_it),
@@ -404,9 +401,7 @@ inline std::string safetensors_header(const StateDict& sd) {
   return text;
 }
 
-inline std::string errno_suffix(int err) {
-  return err != 0 ? std::string(": ") + std::strerror(err) : std::string();
-}
+inline std::string errno_suffix(int err) { return err != 0 ? std::string(": ") + std::strerror(err) : std::string(); }
 
 }  // namespace detail
 
@@ -414,8 +409,7 @@ inline std::string errno_suffix(int err) {
 inline StateDict parse_safetensors(const std::uint8_t* data, std::size_t size) {
   if (data == nullptr && size != 0) detail::safetensors_fail("null data pointer with size ", size);
   if (size < 8) {
-    detail::safetensors_fail("header too small: the data holds ", size,
-                             " bytes, fewer than the 8-byte header length");
+    detail::safetensors_fail("header too small: the data holds ", size, " bytes, fewer than the 8-byte header length");
   }
   const std::uint64_t n = detail::read_u64_le(data);
   if (n > detail::kSafetensorsMaxHeaderSize) {
@@ -423,8 +417,8 @@ inline StateDict parse_safetensors(const std::uint8_t* data, std::size_t size) {
                              detail::kSafetensorsMaxHeaderSize);
   }
   if (n > size - 8) {
-    detail::safetensors_fail("invalid header length: 8 + ", n, " header bytes run past the end of the data (",
-                             size, " bytes)");
+    detail::safetensors_fail("invalid header length: 8 + ", n, " header bytes run past the end of the data (", size,
+                             " bytes)");
   }
   const std::uint8_t* header_begin = data + 8;
   const auto header_size = static_cast<std::size_t>(n);
@@ -432,8 +426,7 @@ inline StateDict parse_safetensors(const std::uint8_t* data, std::size_t size) {
   if (bad != header_size) {
     std::ostringstream byte;
     byte << "0x" << std::hex << static_cast<unsigned>(header_begin[bad]);
-    detail::safetensors_fail("header is not valid UTF-8 (ill-formed byte ", byte.str(), " at header offset ",
-                             bad, ")");
+    detail::safetensors_fail("header is not valid UTF-8 (ill-formed byte ", byte.str(), " at header offset ", bad, ")");
   }
   const nlohmann::json header = detail::parse_safetensors_header_json(
       reinterpret_cast<const char*>(header_begin), reinterpret_cast<const char*>(header_begin + header_size));
@@ -454,10 +447,9 @@ inline StateDict parse_safetensors(const std::uint8_t* data, std::size_t size) {
   }
 
   // The tensors, in offset order, must tile the buffer from 0 without gap or overlap.
-  std::sort(entries.begin(), entries.end(),
-            [](const detail::SafetensorsEntry& a, const detail::SafetensorsEntry& b) {
-              return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
-            });
+  std::sort(entries.begin(), entries.end(), [](const detail::SafetensorsEntry& a, const detail::SafetensorsEntry& b) {
+    return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
+  });
   std::uint64_t buffer_end = 0;
   const detail::SafetensorsEntry* previous = nullptr;
   for (const detail::SafetensorsEntry& e : entries) {
@@ -472,25 +464,23 @@ inline StateDict parse_safetensors(const std::uint8_t* data, std::size_t size) {
         detail::safetensors_fail("invalid offset: ", tensor, " has data_offsets ", offsets,
                                  " but the first tensor must begin at byte 0 of the buffer");
       }
-      detail::safetensors_fail("invalid offset: ", tensor, " has data_offsets ", offsets,
-                               " but must begin at byte ", buffer_end, " where tensor ",
-                               detail::quoted(previous->name), " (data_offsets ",
+      detail::safetensors_fail("invalid offset: ", tensor, " has data_offsets ", offsets, " but must begin at byte ",
+                               buffer_end, " where tensor ", detail::quoted(previous->name), " (data_offsets ",
                                detail::u64_pair_string(previous->begin, previous->end), ") ends",
                                e.begin < buffer_end ? " (overlap)" : " (gap)");
     }
     if (e.end - e.begin != e.nbytes) {
-      detail::safetensors_fail(tensor, " of dtype ", dtype_name(e.dtype), " and shape ",
-                               detail::shape_string(e.shape), " needs ", e.nbytes,
-                               " bytes, but its data_offsets ", offsets, " span ", e.end - e.begin);
+      detail::safetensors_fail(tensor, " of dtype ", dtype_name(e.dtype), " and shape ", detail::shape_string(e.shape),
+                               " needs ", e.nbytes, " bytes, but its data_offsets ", offsets, " span ",
+                               e.end - e.begin);
     }
     buffer_end = e.end;
     previous = &e;
   }
   const std::uint64_t buffer_size = static_cast<std::uint64_t>(size) - 8 - n;
   if (buffer_end != buffer_size) {
-    detail::safetensors_fail("incomplete buffer: the tensors cover ", buffer_end,
-                             " bytes but the data holds ", buffer_size, " bytes after the ", n,
-                             "-byte header",
+    detail::safetensors_fail("incomplete buffer: the tensors cover ", buffer_end, " bytes but the data holds ",
+                             buffer_size, " bytes after the ", n, "-byte header",
                              buffer_end < buffer_size ? " (trailing bytes)" : " (buffer too short)");
   }
 
@@ -513,21 +503,18 @@ inline StateDict load_safetensors(const std::string& path) {
   errno = 0;
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    throw std::runtime_error("c2f: cannot open safetensors file '" + path + "'" +
-                             detail::errno_suffix(errno));
+    throw std::runtime_error("c2f: cannot open safetensors file '" + path + "'" + detail::errno_suffix(errno));
   }
   std::vector<std::uint8_t> bytes;
   const std::uintmax_t hint = std::filesystem::file_size(path, ec);
-  if (!ec && hint <= std::numeric_limits<std::size_t>::max() / 2)
-    bytes.reserve(static_cast<std::size_t>(hint));
+  if (!ec && hint <= std::numeric_limits<std::size_t>::max() / 2) bytes.reserve(static_cast<std::size_t>(hint));
   char chunk[1 << 16];
   while (in) {
     in.read(chunk, sizeof(chunk));
     bytes.insert(bytes.end(), chunk, chunk + in.gcount());
   }
   if (in.bad()) {
-    throw std::runtime_error("c2f: error while reading safetensors file '" + path + "'" +
-                             detail::errno_suffix(errno));
+    throw std::runtime_error("c2f: error while reading safetensors file '" + path + "'" + detail::errno_suffix(errno));
   }
   try {
     return parse_safetensors(bytes.data(), bytes.size());
@@ -547,8 +534,7 @@ inline std::vector<std::uint8_t> serialize_safetensors(const StateDict& sd) {
   const auto n = static_cast<std::uint64_t>(header.size());
   for (int i = 0; i < 8; ++i) out.push_back(static_cast<std::uint8_t>(n >> (8 * i)));
   out.insert(out.end(), header.begin(), header.end());
-  for (const auto& entry : sd)
-    out.insert(out.end(), entry.second.bytes().begin(), entry.second.bytes().end());
+  for (const auto& entry : sd) out.insert(out.end(), entry.second.bytes().begin(), entry.second.bytes().end());
   return out;
 }
 
@@ -564,8 +550,7 @@ inline void save_safetensors(const std::string& path, const StateDict& sd) {
   out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
   out.close();
   if (!out) {
-    throw std::runtime_error("c2f: error while writing safetensors file '" + path + "'" +
-                             detail::errno_suffix(errno));
+    throw std::runtime_error("c2f: error while writing safetensors file '" + path + "'" + detail::errno_suffix(errno));
   }
 }
 

@@ -17,10 +17,10 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/checks.hpp"
 #include "c2f/cpu/masked_values.hpp"
-#include "c2f/detail/parallel.hpp"
 #include "c2f/cpu/softmax.hpp"
+#include "c2f/detail/checks.hpp"
+#include "c2f/detail/parallel.hpp"
 #include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 #include "c2f/kernels/sdpa.hpp"
@@ -79,8 +79,7 @@ inline Index token_block(const BlockGrid2D& g, Index b, Index y, Index x) {
 /// Twin of chunk_mean on a BlockGrid2D: every token adds itself to its block's sum, then each sum is
 /// divided by its block's token count. x [batch·H·W, d], out [blocks, d].
 template <class Scalar>
-void block_mean_naive(const ConstRowMatrixRef<Scalar>& x, const BlockGrid2D& g,
-                      RowMatrixRef<Scalar> out) {
+void block_mean_naive(const ConstRowMatrixRef<Scalar>& x, const BlockGrid2D& g, RowMatrixRef<Scalar> out) {
   out.setZero();
   std::vector<Index> count(static_cast<std::size_t>(g.blocks()), 0);
   for (Index b = 0; b < g.batch; ++b) {
@@ -99,8 +98,8 @@ void block_mean_naive(const ConstRowMatrixRef<Scalar>& x, const BlockGrid2D& g,
 /// (row-major inside the block), takes one softmax over all of them per head, and sums p_j x_j.
 template <class Scalar, class Bias>
 void fine_attention_folded_naive(const ConstRowMatrixRef<Scalar>& x, const BlockGrid2D& g,
-                                 const ConstRowMatrixRef<Scalar>& qk, Index heads,
-                                 RowMatrixRef<Scalar> pooled, RowMatrixRef<Scalar> mass, Bias&& bias) {
+                                 const ConstRowMatrixRef<Scalar>& qk, Index heads, RowMatrixRef<Scalar> pooled,
+                                 RowMatrixRef<Scalar> mass, Bias&& bias) {
   const Index d = x.cols();
   for (Index c = 0; c < g.blocks(); ++c) {
     const Index b = c / g.blocks_per_batch();
@@ -144,8 +143,8 @@ void check_table_backward(const char* kernel, const kernels::HeadsView<const Sca
                           Index grid_w, Index max_h, Index max_w, Scalar scale, const RowMatrixRef<Scalar>& dtable) {
   detail::check_sdpa(kernel, q, k, v, dout, mask, scale);
   const auto refuse = [&] {
-    detail::fail(kernel, ": a self-attention problem over a grid of grid_h x grid_w <= max_h x max_w positions, got ", q.seq,
-                 " queries, ", k.seq, " keys, grid ", grid_h, " x ", grid_w, " and max ", max_h, " x ", max_w);
+    detail::fail(kernel, ": a self-attention problem over a grid of grid_h x grid_w <= max_h x max_w positions, got ",
+                 q.seq, " queries, ", k.seq, " keys, grid ", grid_h, " x ", grid_w, " and max ", max_h, " x ", max_w);
   };
   if (max_h < 1 || max_w < 1 || grid_h < 0 || grid_w < 0 || grid_h > max_h || grid_w > max_w) refuse();
   // The table's rows, checked: they bound grid_h · grid_w too.
@@ -202,7 +201,8 @@ void relative_position_bias_backward(const HeadsView<const Scalar>& q, const Hea
         for (Index r = 0; r < ni; ++r) {
           for (Index j = 0; j < n; ++j) {
             if (s(r, j) == Scalar(0)) continue;  // masked (or underflowed): no gradient, even from a NaN dp
-            sum[impl::relative_position_entry(i0 + r, j, grid_w, max_h, max_w)] += static_cast<double>(s(r, j) * (dp(r, j) - rowdot[r]));
+            sum[impl::relative_position_entry(i0 + r, j, grid_w, max_h, max_w)] +=
+                static_cast<double>(s(r, j) * (dp(r, j) - rowdot[r]));
           }
         }
       }
@@ -220,8 +220,8 @@ void relative_position_bias_backward_naive(const HeadsView<const Scalar>& q, con
                                            const HeadsView<const Scalar>& v, const HeadsView<const Scalar>& dout,
                                            const MaskView<Scalar>& mask, Index grid_h, Index grid_w, Index max_h,
                                            Index max_w, Scalar scale, RowMatrixRef<Scalar> dtable) {
-  impl::check_table_backward("relative_position_bias_backward_naive", q, k, v, dout, mask, grid_h, grid_w, max_h,
-                                    max_w, scale, dtable);
+  impl::check_table_backward("relative_position_bias_backward_naive", q, k, v, dout, mask, grid_h, grid_w, max_h, max_w,
+                             scale, dtable);
   const Index n = q.seq;
   dtable.setZero();
   for (Index b = 0; b < q.batch; ++b) {
@@ -236,7 +236,8 @@ void relative_position_bias_backward_naive(const HeadsView<const Scalar>& q, con
       for (Index i = 0; i < n; ++i) {
         const Scalar rowdot = p.row(i).dot(dp.row(i));
         for (Index j = 0; j < n; ++j) {
-          const Index entry = ((i / grid_w) - (j / grid_w) + max_h - 1) * (2 * max_w - 1) + (i % grid_w) - (j % grid_w) + max_w - 1;
+          const Index entry =
+              ((i / grid_w) - (j / grid_w) + max_h - 1) * (2 * max_w - 1) + (i % grid_w) - (j % grid_w) + max_w - 1;
           dtable(entry, h) += p(i, j) * (dp(i, j) - rowdot);
         }
       }

@@ -94,7 +94,8 @@ void add_rows_down(Scalar* sums, const Scalar* run, Index ldx, Index n, const Ke
   for (int i = 0; i < W; ++i) acc[i] = Eigen::internal::ploadu<Packet>(sums + i * kP);
   for (Index t = 0; t < n; ++t) {
     if (!kept(t)) continue;
-    for (int i = 0; i < W; ++i) acc[i] = Eigen::internal::padd(acc[i], Eigen::internal::ploadu<Packet>(run + t * ldx + i * kP));
+    for (int i = 0; i < W; ++i)
+      acc[i] = Eigen::internal::padd(acc[i], Eigen::internal::ploadu<Packet>(run + t * ldx + i * kP));
   }
   for (int i = 0; i < W; ++i) Eigen::internal::pstoreu(sums + i * kP, acc[i]);
 }
@@ -127,7 +128,8 @@ void chunk_mean_of(const char* kernel, const ConstRowMatrixRef<Scalar>& x, const
       // packets left, then the columns left.
       const auto kept_row = [&](Index t) { return keep(c, j + t); };
       Index k0 = 0;
-      for (; k0 + kStrip * kP <= d; k0 += kStrip * kP) add_rows_down<kStrip, Packet>(sums + k0, run + k0, ldx, n, kept_row);
+      for (; k0 + kStrip * kP <= d; k0 += kStrip * kP)
+        add_rows_down<kStrip, Packet>(sums + k0, run + k0, ldx, n, kept_row);
       for (; k0 + kP <= d; k0 += kP) add_rows_down<1, Packet>(sums + k0, run + k0, ldx, n, kept_row);
       for (; k0 < d; ++k0) add_rows_down<1, Scalar>(sums + k0, run + k0, ldx, n, kept_row);
       for (Index t = 0; t < n; ++t, ++j) kept += keep(c, j) ? 1 : 0;
@@ -164,7 +166,8 @@ void broadcast_rows(const char* kernel, const ConstRowMatrixRef<Scalar>& chunk_r
     for (Index s = 0; s < runs; ++s) {
       for (Index c = first; c < end; ++c) {
         if (s >= grid.segments(c)) continue;
-        typename RowMatrixRef<Scalar>::RowsBlockXpr rows = y.middleRows(grid.segment_row(c, s), grid.segment_length(c, s));
+        typename RowMatrixRef<Scalar>::RowsBlockXpr rows =
+            y.middleRows(grid.segment_row(c, s), grid.segment_length(c, s));
         if constexpr (Mean) {
           rows.rowwise() += chunk_rows.row(c) / static_cast<Scalar>(grid.count(c));
         } else if constexpr (Add) {
@@ -190,15 +193,16 @@ void broadcast_rows(const char* kernel, const ConstRowMatrixRef<Scalar>& chunk_r
 template <class Scalar, class Grid>
 void chunk_mean(const ConstRowMatrixRef<Scalar>& x, const Grid& grid, RowMatrixRef<Scalar> out,
                 const KernelOptions& options) {
-  impl::chunk_mean_of("chunk_mean", x, grid, [](Index, Index) { return true; }, out, options);
+  impl::chunk_mean_of(
+      "chunk_mean", x, grid, [](Index, Index) { return true; }, out, options);
 }
 
 /// chunk_mean over the tokens `keep(c, j)` accepts (token j of block c, in the block's order): the mean of
 /// those, or NaN in every feature when a block keeps none (a summary that ranks below every other in a
 /// selection). With keep always true, the bits of chunk_mean.
 template <class Scalar, class Grid, class Keep>
-void chunk_mean_where(const ConstRowMatrixRef<Scalar>& x, const Grid& grid, Keep&& keep,
-                      RowMatrixRef<Scalar> out, const KernelOptions& options) {
+void chunk_mean_where(const ConstRowMatrixRef<Scalar>& x, const Grid& grid, Keep&& keep, RowMatrixRef<Scalar> out,
+                      const KernelOptions& options) {
   impl::chunk_mean_of("chunk_mean_where", x, grid, keep, out, options);
 }
 
@@ -215,15 +219,15 @@ void chunk_sum(const ConstRowMatrixRef<Scalar>& x, const Grid& grid, RowMatrixRe
 /// no block are left as they are). chunk_rows [blocks, d], y [rows, d]; `grid` is a ChunkGrid or
 /// another block grid.
 template <class Scalar, class Grid>
-void broadcast_chunks(const ConstRowMatrixRef<Scalar>& chunk_rows, const Grid& grid,
-                      RowMatrixRef<Scalar> y, const KernelOptions& options) {
+void broadcast_chunks(const ConstRowMatrixRef<Scalar>& chunk_rows, const Grid& grid, RowMatrixRef<Scalar> y,
+                      const KernelOptions& options) {
   impl::broadcast_rows<false, Scalar>("broadcast_chunks", chunk_rows, grid, y, options);
 }
 
 /// broadcast_chunks, adding: y[token] += chunk_rows[block of token].
 template <class Scalar, class Grid>
-void broadcast_chunks_add(const ConstRowMatrixRef<Scalar>& chunk_rows, const Grid& grid,
-                          RowMatrixRef<Scalar> y, const KernelOptions& options) {
+void broadcast_chunks_add(const ConstRowMatrixRef<Scalar>& chunk_rows, const Grid& grid, RowMatrixRef<Scalar> y,
+                          const KernelOptions& options) {
   impl::broadcast_rows<true, Scalar>("broadcast_chunks_add", chunk_rows, grid, y, options);
 }
 
@@ -231,8 +235,8 @@ void broadcast_chunks_add(const ConstRowMatrixRef<Scalar>& chunk_rows, const Gri
 /// token (a partial block divides by its own count). dmeans [blocks, d], dx [rows, d]; rows of dx that
 /// belong to no block are left as they are.
 template <class Scalar, class Grid>
-void chunk_mean_backward_add(const ConstRowMatrixRef<Scalar>& dmeans, const Grid& grid,
-                             RowMatrixRef<Scalar> dx, const KernelOptions& options) {
+void chunk_mean_backward_add(const ConstRowMatrixRef<Scalar>& dmeans, const Grid& grid, RowMatrixRef<Scalar> dx,
+                             const KernelOptions& options) {
   impl::broadcast_rows<true, Scalar, Grid, true>("chunk_mean_backward_add", dmeans, grid, dx, options);
 }
 

@@ -17,12 +17,12 @@
 
 #include "c2f/core.hpp"
 #include "c2f/cpu/bf16_gemm.hpp"
-#include "c2f/detail/checks.hpp"
-#include "c2f/detail/convert.hpp"
 #include "c2f/cpu/masked_values.hpp"
 #include "c2f/cpu/packed_gemm.hpp"
-#include "c2f/detail/parallel.hpp"
 #include "c2f/cpu/softmax.hpp"
+#include "c2f/detail/checks.hpp"
+#include "c2f/detail/convert.hpp"
+#include "c2f/detail/parallel.hpp"
 #include "c2f/detail/top_picks.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/kernel_options.hpp"
@@ -80,9 +80,8 @@ inline ChunkSelection empty_selection(const char* kernel, Index batch, Index hea
 /// and keys of chunk i and j; query chunk i keeps itself and the (top_k − 1) chunks j ≠ i with the
 /// highest q̄_i·k̄_j (ties to the lower index; all of them when fewer exist).
 template <class Scalar>
-ChunkSelection select_chunks_from_means(const ConstRowMatrixRef<Scalar>& qm,
-                                        const ConstRowMatrixRef<Scalar>& km, const ChunkGrid& grid,
-                                        Index heads, Index top_k, const KernelOptions& options);
+ChunkSelection select_chunks_from_means(const ConstRowMatrixRef<Scalar>& qm, const ConstRowMatrixRef<Scalar>& km,
+                                        const ChunkGrid& grid, Index heads, Index top_k, const KernelOptions& options);
 
 template <class Scalar>
 ChunkSelection select_chunks(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
@@ -97,9 +96,8 @@ ChunkSelection select_chunks(const ConstRowMatrixRef<Scalar>& q, const ConstRowM
 /// select_chunks from the chunk means q̄, k̄ [batch·m, cols] themselves (e.g. means over the tokens a
 /// key padding mask keeps; a NaN mean ranks below every other chunk).
 template <class Scalar>
-ChunkSelection select_chunks_from_means(const ConstRowMatrixRef<Scalar>& qm,
-                                        const ConstRowMatrixRef<Scalar>& km, const ChunkGrid& grid,
-                                        Index heads, Index top_k, const KernelOptions& options) {
+ChunkSelection select_chunks_from_means(const ConstRowMatrixRef<Scalar>& qm, const ConstRowMatrixRef<Scalar>& km,
+                                        const ChunkGrid& grid, Index heads, Index top_k, const KernelOptions& options) {
   const char* kernel = "select_chunks_from_means";
   detail::check_grid(kernel, grid);
   detail::check_heads(kernel, qm.cols(), heads);
@@ -136,9 +134,9 @@ ChunkSelection select_chunks_from_means(const ConstRowMatrixRef<Scalar>& qm,
 /// The selection has one row per query (queries = n). Tasks are (batch, query chunk); each is one
 /// [queries in the chunk, eligible] score GEMM per head.
 template <class Scalar>
-ChunkSelection select_chunks_per_token(const ConstRowMatrixRef<Scalar>& q,
-                                       const ConstRowMatrixRef<Scalar>& k_means, const ChunkGrid& grid,
-                                       Index heads, Index top_k, bool causal, const KernelOptions& options) {
+ChunkSelection select_chunks_per_token(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k_means,
+                                       const ChunkGrid& grid, Index heads, Index top_k, bool causal,
+                                       const KernelOptions& options) {
   const char* kernel = "select_chunks_per_token";
   const Index n = detail::check_last_queries(kernel, q, q, q, q, grid, heads, Scalar(1), /*keys_are_tokens=*/false);
   if (top_k < 1) detail::fail(kernel, ": top_k must be >= 1, got ", top_k);
@@ -147,32 +145,34 @@ ChunkSelection select_chunks_per_token(const ConstRowMatrixRef<Scalar>& q,
   const Index mk = grid.batch > 0 ? k_means.rows() / grid.batch : 0;
   const Index needed = n == 0 || grid.batch == 0 ? 0 : (causal ? (grid.length - 1) / grid.chunk : m);
   if (k_means.cols() != dim || k_means.rows() != grid.batch * mk || mk < needed) {
-    detail::fail(kernel, ": k_means ", detail::shape_string({k_means.rows(), k_means.cols()}),
-                 " must be [batch·m, ", dim, "] with m >= ", needed, " chunk means per batch item");
+    detail::fail(kernel, ": k_means ", detail::shape_string({k_means.rows(), k_means.cols()}), " must be [batch·m, ",
+                 dim, "] with m >= ", needed, " chunk means per batch item");
   }
   ChunkSelection sel = empty_selection(kernel, grid.batch, heads, n, top_k, m, true);
   const Index tasks = grid.batch * chunks.count;
   const double work = 2.0 * static_cast<double>(grid.batch * n * m * dim);
-  detail::parallel_for_each_worker<RowMatrix<Scalar>>(tasks, options.num_threads(), work, [&](Index task, RowMatrix<Scalar>& s) {
-    const Index b = task / chunks.count, c = chunks.first + task % chunks.count;
-    const Index p0 = std::max(c * grid.chunk, chunks.first_position), p1 = std::min((c + 1) * grid.chunk, grid.length);
-    const Index rows = p1 - p0, q_row = b * n + p0 - chunks.first_position;
-    const Index eligible = causal ? c : m;  // chunks [0, eligible) are scored; the own chunk is skipped
-    detail::TopPicks<Scalar> picks(std::min<Index>(top_k - 1, causal ? c : m - 1));
-    for (Index h = 0; h < heads; ++h) {
-      s.resize(rows, eligible);
-      if (eligible > 0) {
-        s.noalias() = q.block(q_row, h * dh, rows, dh) * k_means.block(b * mk, h * dh, eligible, dh).transpose();
-      }
-      for (Index r = 0; r < rows; ++r) {
-        picks.clear();
-        for (Index j = 0; j < eligible; ++j) {
-          if (j != c) picks.offer(s(r, j), j);
+  detail::parallel_for_each_worker<RowMatrix<Scalar>>(
+      tasks, options.num_threads(), work, [&](Index task, RowMatrix<Scalar>& s) {
+        const Index b = task / chunks.count, c = chunks.first + task % chunks.count;
+        const Index p0 = std::max(c * grid.chunk, chunks.first_position),
+                    p1 = std::min((c + 1) * grid.chunk, grid.length);
+        const Index rows = p1 - p0, q_row = b * n + p0 - chunks.first_position;
+        const Index eligible = causal ? c : m;  // chunks [0, eligible) are scored; the own chunk is skipped
+        detail::TopPicks<Scalar> picks(std::min<Index>(top_k - 1, causal ? c : m - 1));
+        for (Index h = 0; h < heads; ++h) {
+          s.resize(rows, eligible);
+          if (eligible > 0) {
+            s.noalias() = q.block(q_row, h * dh, rows, dh) * k_means.block(b * mk, h * dh, eligible, dh).transpose();
+          }
+          for (Index r = 0; r < rows; ++r) {
+            picks.clear();
+            for (Index j = 0; j < eligible; ++j) {
+              if (j != c) picks.offer(s(r, j), j);
+            }
+            picks.write(c, sel.row(b, h, q_row - b * n + r));
+          }
         }
-        picks.write(c, sel.row(b, h, q_row - b * n + r));
-      }
-    }
-  });
+      });
   return sel;
 }
 
@@ -191,7 +191,8 @@ namespace impl {
 /// and runs two Eigen products.
 template <class Scalar>
 bool chunk_sparse_packed(const kernels::ChunkGrid& grid, const kernels::KernelOptions& options) {
-  return (cpu::kPackedGemm || cpu::honoured_rows_independent(options.rows_independent())) && options.compute() != Compute::BFloat16 &&
+  return (cpu::kPackedGemm || cpu::honoured_rows_independent(options.rows_independent())) &&
+         options.compute() != Compute::BFloat16 &&
          (grid.chunk % cpu::GemmBlocking<Scalar>::kNR == 0 || grid.chunk >= grid.length);
 }
 
@@ -281,7 +282,8 @@ void chunk_sparse_attention_packed(const ConstRowMatrixRef<Scalar>& q, const Con
       for (Index u = 0; u < n_step; ++u) {
         const Index kc = b * m + chosen[t0 + u], count = grid.count(kc), j0 = grid.first(kc);
         Eigen::Block<RowMatrix<Scalar>> s = ws.s.block(0, cols, rows, count);
-        cpu::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), rows, pk, 0, dh, j0, count, nullptr, false, s.data(), s.outerStride());
+        cpu::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), rows, pk, 0, dh, j0, count, nullptr, false,
+                                       s.data(), s.outerStride());
         unsigned char& guard = ws.guard[static_cast<std::size_t>(u)];
         guard = 0;
         if (!mask.empty()) {
@@ -300,10 +302,11 @@ void chunk_sparse_attention_packed(const ConstRowMatrixRef<Scalar>& q, const Con
         const Index kc = b * m + chosen[t0 + u], count = grid.count(kc), j0 = grid.first(kc);
         const Eigen::Block<RowMatrix<Scalar>> p = ws.s.block(0, cols, rows, count);
         if (ws.guard[static_cast<std::size_t>(u)]) {
-          ws.masked[static_cast<std::size_t>(u)].product_packed_add(acc, p, ValueBlock(v.block(grid.row(kc), h * dh, count, dh)), j0);
+          ws.masked[static_cast<std::size_t>(u)].product_packed_add(
+              acc, p, ValueBlock(v.block(grid.row(kc), h * dh, count, dh)), j0);
         } else {
-          cpu::packed_gemm_range<Scalar>(p.data(), p.outerStride(), rows, pv, j0, j0 + count, 0, dh, nullptr, true, acc.data(),
-                                    acc.outerStride());
+          cpu::packed_gemm_range<Scalar>(p.data(), p.outerStride(), rows, pv, j0, j0 + count, 0, dh, nullptr, true,
+                                         acc.data(), acc.outerStride());
         }
         cols += count;
       }
@@ -320,18 +323,20 @@ template <class Scalar>
 std::size_t chunk_sparse_workspace_bytes(const kernels::ChunkGrid& grid, Index heads, Index dh, Index top_k,
                                          const kernels::KernelOptions& options) {
   const Compute compute = options.compute();
-  const std::size_t workers =
-      static_cast<std::size_t>(detail::resolve_threads(options.num_threads(), grid.batch * heads * grid.chunks_per_batch()));
+  const std::size_t workers = static_cast<std::size_t>(
+      detail::resolve_threads(options.num_threads(), grid.batch * heads * grid.chunks_per_batch()));
   const std::size_t s = sizeof(Scalar), width = static_cast<std::size_t>(std::min(grid.chunk, grid.length));
   const std::size_t d = static_cast<std::size_t>(dh);
   if (chunk_sparse_packed<Scalar>(grid, options)) {
     const std::size_t pairs = static_cast<std::size_t>(grid.batch * heads);
     const Index step_keys = sparse_step_chunks(grid) * static_cast<Index>(width);
     return pairs * (cpu::PackedB<Scalar>::bytes(dh, grid.length) + cpu::PackedB<Scalar>::bytes(grid.length, dh)) +
-           s * workers * (2 * width * d + width * static_cast<std::size_t>(cpu::score_stride<Scalar>(step_keys)) + 3 * width);
+           s * workers *
+               (2 * width * d + width * static_cast<std::size_t>(cpu::score_stride<Scalar>(step_keys)) + 3 * width);
   }
   const std::size_t k = static_cast<std::size_t>(grid.chunk);
-  const std::size_t picks = std::min(static_cast<std::size_t>(top_k), std::max<std::size_t>(static_cast<std::size_t>(grid.chunks_per_batch()), 1));
+  const std::size_t picks = std::min(static_cast<std::size_t>(top_k),
+                                     std::max<std::size_t>(static_cast<std::size_t>(grid.chunks_per_batch()), 1));
   return s * workers * (2 * picks * k * d + k * picks * k + (compute == Compute::BFloat16 ? k * d : 0));
 }
 
@@ -346,26 +351,29 @@ std::size_t token_sparse_workspace_bytes(const kernels::ChunkGrid& grid, Index h
   const std::size_t d = static_cast<std::size_t>(dh), k = static_cast<std::size_t>(grid.chunk);
   const std::size_t m = static_cast<std::size_t>(grid.chunks_per_batch());
   const std::size_t picks = std::min(static_cast<std::size_t>(top_k), std::max<std::size_t>(m, 1));
-  const std::size_t g = std::min<std::size_t>(static_cast<std::size_t>(kernels::kTokenGroupRows), std::max<std::size_t>(len, 1));
-  const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options.num_threads(), grid.batch * heads));
+  const std::size_t g =
+      std::min<std::size_t>(static_cast<std::size_t>(kernels::kTokenGroupRows), std::max<std::size_t>(len, 1));
+  const std::size_t workers =
+      static_cast<std::size_t>(detail::resolve_threads(options.num_threads(), grid.batch * heads));
   const bool bf16 = options.compute() == Compute::BFloat16;
-  const std::size_t chunk_copy = token_sparse_packed<Scalar, KV>(options, grid.length)
-                                     ? cpu::PackedB<Scalar>::bytes(dh, grid.chunk) + cpu::PackedB<Scalar>::bytes(grid.chunk, dh)
-                                     : (bf16 ? s * k * d : 0);
+  const std::size_t chunk_copy =
+      token_sparse_packed<Scalar, KV>(options, grid.length)
+          ? cpu::PackedB<Scalar>::bytes(dh, grid.chunk) + cpu::PackedB<Scalar>::bytes(grid.chunk, dh)
+          : (bf16 ? s * k * d : 0);
   return workers * (s * (len * d + 2 * g * d + g * k + 2 * len + g) + chunk_copy + ix * (2 * m + 1 + len * picks));
 }
 
 /// The entry checks of sparse_attention_backward and its twin: the fine stage's (a forward pass of all
 /// T = grid.length queries: n = T), dout shaped like q, dq, dk, dv like q, k, v.
 template <class Scalar>
-void check_sparse_backward(const char* kernel, const ConstRowMatrixRef<Scalar>& q,
-                           const ConstRowMatrixRef<Scalar>& k, const ConstRowMatrixRef<Scalar>& v,
-                           const ConstRowMatrixRef<Scalar>& dout, const RowMatrixRef<Scalar>& dq,
-                           const RowMatrixRef<Scalar>& dk, const RowMatrixRef<Scalar>& dv,
-                           const kernels::ChunkGrid& grid, Index heads, const kernels::ChunkSelection& selection,
-                           const MaskView<Scalar>& mask, Scalar scale) {
+void check_sparse_backward(const char* kernel, const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
+                           const ConstRowMatrixRef<Scalar>& v, const ConstRowMatrixRef<Scalar>& dout,
+                           const RowMatrixRef<Scalar>& dq, const RowMatrixRef<Scalar>& dk,
+                           const RowMatrixRef<Scalar>& dv, const kernels::ChunkGrid& grid, Index heads,
+                           const kernels::ChunkSelection& selection, const MaskView<Scalar>& mask, Scalar scale) {
   detail::check_sparse_fine_inputs(kernel, q, k, v, dout, grid, heads, selection, selection.per_token, mask, scale);
-  if (q.rows() != grid.tokens()) detail::fail(kernel, ": the queries of every position, [batch·length, cols], got ", q.rows(), " rows");
+  if (q.rows() != grid.tokens())
+    detail::fail(kernel, ": the queries of every position, [batch·length, cols], got ", q.rows(), " rows");
   detail::check_shape(kernel, "dq", dq, q.rows(), q.cols());
   detail::check_shape(kernel, "dk", dk, k.rows(), k.cols());
   detail::check_shape(kernel, "dv", dv, v.rows(), v.cols());
@@ -381,8 +389,8 @@ void check_sparse_backward(const char* kernel, const ConstRowMatrixRef<Scalar>& 
 template <class Scalar>
 void chunk_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
                             const ConstRowMatrixRef<Scalar>& v, const ChunkGrid& grid, Index heads,
-                            const ChunkSelection& selection, RowMatrixRef<Scalar> out,
-                            const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
+                            const ChunkSelection& selection, RowMatrixRef<Scalar> out, const MaskView<Scalar>& mask,
+                            Scalar scale, const KernelOptions& options) {
   detail::check_sparse_fine_inputs("chunk_sparse_attention", q, k, v, out, grid, heads, selection, false, mask, scale);
   const bool bf16 = cpu::check_compute<Scalar>("chunk_sparse_attention", options.compute());
   if (impl::chunk_sparse_packed<Scalar>(grid, options)) {
@@ -455,13 +463,12 @@ void chunk_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const ConstRowMa
 /// partial softmaxes of its chunks with a running max and sum (the log-sum-exp merge of split-K flash
 /// decoding) in ascending key-chunk order. Working memory per worker: [n, dh] accumulators.
 template <class Scalar, class KV = Scalar>
-void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q,
-                            const detail::NoDeduce<ConstRowMatrixRef<KV>>& k,
-                            const detail::NoDeduce<ConstRowMatrixRef<KV>>& v, const ChunkGrid& grid,
-                            Index heads, const ChunkSelection& selection, RowMatrixRef<Scalar> out, bool causal,
+void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const detail::NoDeduce<ConstRowMatrixRef<KV>>& k,
+                            const detail::NoDeduce<ConstRowMatrixRef<KV>>& v, const ChunkGrid& grid, Index heads,
+                            const ChunkSelection& selection, RowMatrixRef<Scalar> out, bool causal,
                             const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
-  const Index n = detail::check_sparse_fine_inputs("token_sparse_attention", q, k, v, out, grid, heads, selection,
-                                                   true, mask, scale);
+  const Index n = detail::check_sparse_fine_inputs("token_sparse_attention", q, k, v, out, grid, heads, selection, true,
+                                                   mask, scale);
   const bool bf16 = cpu::check_compute<Scalar, KV>("token_sparse_attention", options.compute(), true);
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k, T = grid.length;
   const Index p0 = T - n;  // position of query 0
@@ -518,18 +525,19 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q,
         if (rows < G) ws.qg.bottomRows(G - rows).setZero();  // fixed GEMM shape; these rows are discarded
         ws.s.resize(G, count);
         if (packed) {  // the real rows; the others 0, as the zero queries' scores would be
-          cpu::packed_gemm_range<Scalar>(ws.qg.data(), ws.qg.outerStride(), rows, ws.keys, 0, dh, 0, count, nullptr, false,
-                                            ws.s.data(), ws.s.outerStride());
+          cpu::packed_gemm_range<Scalar>(ws.qg.data(), ws.qg.outerStride(), rows, ws.keys, 0, dh, 0, count, nullptr,
+                                         false, ws.s.data(), ws.s.outerStride());
           if (rows < G) ws.s.bottomRows(G - rows).setZero();
         } else {
           // Compute::BFloat16 (float only, checked above): q·scale and the keys rounded.
           if (bf16) cpu::round_bf16_matrix(ws.qg);
           cpu::as_scalar_rounded(k.block(key_row, h * dh, count, dh), ws.kv, bf16,
-                                    [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
+                                 [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
         }
         for (Index r = 0; r < rows; ++r) {
           const Index qi = queries[r], t = p0 + qi;
-          if (causal && t - j0 < count - 1) ws.s.row(r).tail(count - 1 - std::max<Index>(t - j0, -1)).setConstant(kNegInf);
+          if (causal && t - j0 < count - 1)
+            ws.s.row(r).tail(count - 1 - std::max<Index>(t - j0, -1)).setConstant(kNegInf);
           if (!mask.empty()) {
             Eigen::Block<RowMatrix<Scalar>> one = ws.s.block(r, 0, 1, count);
             mask.apply(b, h, qi, j0, one);
@@ -555,8 +563,8 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q,
             if (guard) {
               ws.masked.product_packed_add(ws.pv, ws.s, vb, 0);
             } else {
-              cpu::packed_gemm_range<Scalar>(ws.s.data(), ws.s.outerStride(), rows, ws.values, 0, count, 0, dh, nullptr, true,
-                                                ws.pv.data(), ws.pv.outerStride());
+              cpu::packed_gemm_range<Scalar>(ws.s.data(), ws.s.outerStride(), rows, ws.values, 0, count, 0, dh, nullptr,
+                                             true, ws.pv.data(), ws.pv.outerStride());
             }
           } else if (guard) {
             ws.masked.template product<false>(ws.pv, ws.s, vb);
@@ -590,10 +598,10 @@ template <class Scalar>
 void sparse_attention_backward(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
                                const ConstRowMatrixRef<Scalar>& v, const ChunkGrid& grid, Index heads,
                                const ChunkSelection& selection, const ConstRowMatrixRef<Scalar>& dout,
-                               RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk,
-                               RowMatrixRef<Scalar> dv, bool causal, const MaskView<Scalar>& mask, Scalar scale,
-                               const KernelOptions& options) {
-  impl::check_sparse_backward("sparse_attention_backward", q, k, v, dout, dq, dk, dv, grid, heads, selection, mask, scale);
+                               RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk, RowMatrixRef<Scalar> dv, bool causal,
+                               const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
+  impl::check_sparse_backward("sparse_attention_backward", q, k, v, dout, dq, dk, dv, grid, heads, selection, mask,
+                              scale);
   if (grid.length == 0) return;  // no rows: nothing to write (and their null data takes no block offsets)
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k;
   constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
@@ -602,72 +610,75 @@ void sparse_attention_backward(const ConstRowMatrixRef<Scalar>& q, const ConstRo
     Vector<Scalar> rowdot;
     cpu::MaskedValues<Scalar> hidden_k, hidden_v;
   };
-  const double work = 2.5 * detail::attention_work(grid.batch * heads, grid.length, std::min(top_k, m) * grid.chunk, dh, dh);
-  detail::parallel_for_each_worker<Workspace>(grid.batch * heads, options.num_threads(), work, [&](Index task, Workspace& ws) {
-    const Index b = task / heads, h = task % heads;
-    dk.block(b * grid.length, h * dh, grid.length, dh).setZero();
-    dv.block(b * grid.length, h * dh, grid.length, dh).setZero();
-    // One group: `rows` queries from token row q_row (position t0 = its first query's), all with the
-    // selection `chosen`; `own` is the chunk of a per-token query (−1 for a query chunk).
-    const auto group = [&](Index q_row, Index rows, Index t0, const Index* chosen, Index own) {
-      Index n = 0;
-      for (Index t = 0; t < top_k && chosen[t] >= 0; ++t) n += grid.count(b * m + chosen[t]);
-      ws.kg.resize(n, dh);
-      ws.vg.resize(n, dh);
-      ws.s.resize(rows, n);
-      for (Index t = 0, filled = 0; t < top_k && chosen[t] >= 0; ++t) {
-        const Index kc = b * m + chosen[t], count = grid.count(kc);
-        ws.kg.middleRows(filled, count) = k.block(grid.row(kc), h * dh, count, dh);
-        ws.vg.middleRows(filled, count) = v.block(grid.row(kc), h * dh, count, dh);
-        filled += count;
-      }
-      ws.qs = q.block(q_row, h * dh, rows, dh) * scale;
-      ws.s.noalias() = ws.qs * ws.kg.transpose();
-      for (Index t = 0, filled = 0; t < top_k && chosen[t] >= 0; ++t) {
-        const Index kc = b * m + chosen[t], count = grid.count(kc), j0 = grid.first(kc);
-        Eigen::Block<RowMatrix<Scalar>> block = ws.s.middleCols(filled, count);
-        if (causal && chosen[t] == own && t0 - j0 < count - 1) {
-          block.rightCols(count - 1 - (t0 - j0)).setConstant(kNegInf);  // keys after the query
+  const double work =
+      2.5 * detail::attention_work(grid.batch * heads, grid.length, std::min(top_k, m) * grid.chunk, dh, dh);
+  detail::parallel_for_each_worker<Workspace>(
+      grid.batch * heads, options.num_threads(), work, [&](Index task, Workspace& ws) {
+        const Index b = task / heads, h = task % heads;
+        dk.block(b * grid.length, h * dh, grid.length, dh).setZero();
+        dv.block(b * grid.length, h * dh, grid.length, dh).setZero();
+        // One group: `rows` queries from token row q_row (position t0 = its first query's), all with the
+        // selection `chosen`; `own` is the chunk of a per-token query (−1 for a query chunk).
+        const auto group = [&](Index q_row, Index rows, Index t0, const Index* chosen, Index own) {
+          Index n = 0;
+          for (Index t = 0; t < top_k && chosen[t] >= 0; ++t) n += grid.count(b * m + chosen[t]);
+          ws.kg.resize(n, dh);
+          ws.vg.resize(n, dh);
+          ws.s.resize(rows, n);
+          for (Index t = 0, filled = 0; t < top_k && chosen[t] >= 0; ++t) {
+            const Index kc = b * m + chosen[t], count = grid.count(kc);
+            ws.kg.middleRows(filled, count) = k.block(grid.row(kc), h * dh, count, dh);
+            ws.vg.middleRows(filled, count) = v.block(grid.row(kc), h * dh, count, dh);
+            filled += count;
+          }
+          ws.qs = q.block(q_row, h * dh, rows, dh) * scale;
+          ws.s.noalias() = ws.qs * ws.kg.transpose();
+          for (Index t = 0, filled = 0; t < top_k && chosen[t] >= 0; ++t) {
+            const Index kc = b * m + chosen[t], count = grid.count(kc), j0 = grid.first(kc);
+            Eigen::Block<RowMatrix<Scalar>> block = ws.s.middleCols(filled, count);
+            if (causal && chosen[t] == own && t0 - j0 < count - 1) {
+              block.rightCols(count - 1 - (t0 - j0)).setConstant(kNegInf);  // keys after the query
+            }
+            if (!mask.empty()) mask.apply(b, h, t0, j0, block);
+            filled += count;
+          }
+          // Keys hidden from a row may hold non-finite values: they take no part (masked_values.hpp).
+          const bool hides = causal || !mask.empty();
+          const bool guard_k = hides && ws.hidden_k.find(ws.kg), guard_v = hides && ws.hidden_v.find(ws.vg);
+          if (guard_k) ws.hidden_k.remember_hidden(ws.s);
+          if (guard_v) ws.hidden_v.remember_hidden(ws.s);
+          for (Index r = 0; r < rows; ++r) cpu::softmax_row(ws.s.row(r));
+          const typename ConstRowMatrixRef<Scalar>::ConstBlockXpr g = dout.block(q_row, h * dh, rows, dh);
+          ws.dvg.noalias() = ws.s.transpose() * g;
+          ws.dp.noalias() = g * ws.vg.transpose();
+          if (guard_v) ws.hidden_v.zero_hidden(ws.dp);  // 0 · Inf would poison the row's sum
+          ws.rowdot = ws.s.cwiseProduct(ws.dp).rowwise().sum();
+          ws.dp = ws.s.cwiseProduct(ws.dp.colwise() - ws.rowdot);  // dS
+          typename RowMatrixRef<Scalar>::BlockXpr dqb = dq.block(q_row, h * dh, rows, dh);
+          if (guard_k) {
+            ws.hidden_k.template product<false>(dqb, ws.dp, ws.kg);
+          } else {
+            dqb.noalias() = ws.dp * ws.kg;
+          }
+          dqb *= scale;
+          ws.dkg.noalias() = ws.dp.transpose() * ws.qs;  // qs = scale · q
+          for (Index t = 0, filled = 0; t < top_k && chosen[t] >= 0; ++t) {
+            const Index kc = b * m + chosen[t], count = grid.count(kc);
+            dk.block(grid.row(kc), h * dh, count, dh) += ws.dkg.middleRows(filled, count);
+            dv.block(grid.row(kc), h * dh, count, dh) += ws.dvg.middleRows(filled, count);
+            filled += count;
+          }
+        };
+        if (selection.per_token) {
+          for (Index t = 0; t < grid.length; ++t)
+            group(b * grid.length + t, 1, t, selection.row(b, h, t), t / grid.chunk);
+        } else {
+          for (Index i = 0; i < m; ++i) {
+            const Index c = b * m + i;
+            group(grid.row(c), grid.count(c), grid.first(c), selection.row(b, h, i), -1);
+          }
         }
-        if (!mask.empty()) mask.apply(b, h, t0, j0, block);
-        filled += count;
-      }
-      // Keys hidden from a row may hold non-finite values: they take no part (masked_values.hpp).
-      const bool hides = causal || !mask.empty();
-      const bool guard_k = hides && ws.hidden_k.find(ws.kg), guard_v = hides && ws.hidden_v.find(ws.vg);
-      if (guard_k) ws.hidden_k.remember_hidden(ws.s);
-      if (guard_v) ws.hidden_v.remember_hidden(ws.s);
-      for (Index r = 0; r < rows; ++r) cpu::softmax_row(ws.s.row(r));
-      const typename ConstRowMatrixRef<Scalar>::ConstBlockXpr g = dout.block(q_row, h * dh, rows, dh);
-      ws.dvg.noalias() = ws.s.transpose() * g;
-      ws.dp.noalias() = g * ws.vg.transpose();
-      if (guard_v) ws.hidden_v.zero_hidden(ws.dp);  // 0 · Inf would poison the row's sum
-      ws.rowdot = ws.s.cwiseProduct(ws.dp).rowwise().sum();
-      ws.dp = ws.s.cwiseProduct(ws.dp.colwise() - ws.rowdot);  // dS
-      typename RowMatrixRef<Scalar>::BlockXpr dqb = dq.block(q_row, h * dh, rows, dh);
-      if (guard_k) {
-        ws.hidden_k.template product<false>(dqb, ws.dp, ws.kg);
-      } else {
-        dqb.noalias() = ws.dp * ws.kg;
-      }
-      dqb *= scale;
-      ws.dkg.noalias() = ws.dp.transpose() * ws.qs;  // qs = scale · q
-      for (Index t = 0, filled = 0; t < top_k && chosen[t] >= 0; ++t) {
-        const Index kc = b * m + chosen[t], count = grid.count(kc);
-        dk.block(grid.row(kc), h * dh, count, dh) += ws.dkg.middleRows(filled, count);
-        dv.block(grid.row(kc), h * dh, count, dh) += ws.dvg.middleRows(filled, count);
-        filled += count;
-      }
-    };
-    if (selection.per_token) {
-      for (Index t = 0; t < grid.length; ++t) group(b * grid.length + t, 1, t, selection.row(b, h, t), t / grid.chunk);
-    } else {
-      for (Index i = 0; i < m; ++i) {
-        const Index c = b * m + i;
-        group(grid.row(c), grid.count(c), grid.first(c), selection.row(b, h, i), -1);
-      }
-    }
-  });
+      });
 }
 
 /// Twin of sparse_attention_backward, obviously correct and slow: per (batch, head) the dense [T, T] matrix
@@ -675,15 +686,13 @@ void sparse_attention_backward(const ConstRowMatrixRef<Scalar>& q, const ConstRo
 /// probabilities P of the scores with the mask's bias, then the textbook formulas dv = Pᵀ dout,
 /// dS = P ∘ (dP − rowsum(P ∘ dP)), dq = scale · dS k, dk = scale · dSᵀ q.
 template <class Scalar>
-void sparse_attention_backward_naive(const ConstRowMatrixRef<Scalar>& q,
-                                     const ConstRowMatrixRef<Scalar>& k,
+void sparse_attention_backward_naive(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
                                      const ConstRowMatrixRef<Scalar>& v, const ChunkGrid& grid, Index heads,
                                      const ChunkSelection& selection, const ConstRowMatrixRef<Scalar>& dout,
-                                     RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk,
-                                     RowMatrixRef<Scalar> dv, bool causal, const MaskView<Scalar>& mask,
-                                     Scalar scale) {
-  impl::check_sparse_backward("sparse_attention_backward_naive", q, k, v, dout, dq, dk, dv, grid, heads, selection, mask,
-                                scale);
+                                     RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk, RowMatrixRef<Scalar> dv,
+                                     bool causal, const MaskView<Scalar>& mask, Scalar scale) {
+  impl::check_sparse_backward("sparse_attention_backward_naive", q, k, v, dout, dq, dk, dv, grid, heads, selection,
+                              mask, scale);
   const Index T = grid.length, dh = q.cols() / heads;
   for (Index b = 0; b < grid.batch; ++b) {
     for (Index h = 0; h < heads; ++h) {

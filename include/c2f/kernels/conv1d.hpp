@@ -5,8 +5,8 @@
 
 #include "c2f/core.hpp"
 #include "c2f/cpu/bf16_gemm.hpp"
-#include "c2f/detail/checks.hpp"
 #include "c2f/cpu/packed_gemm.hpp"
+#include "c2f/detail/checks.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 
@@ -32,8 +32,9 @@ struct Conv1dShape {
 
   void validate() const {
     if (in_channels <= 0 || out_channels <= 0 || kernel <= 0 || padding < 0 || groups <= 0) {
-      detail::fail("Conv1d: in_channels, out_channels, kernel_size and groups must be positive and padding >= 0, got in=",
-                   in_channels, " out=", out_channels, " kernel_size=", kernel, " padding=", padding, " groups=", groups);
+      detail::fail(
+          "Conv1d: in_channels, out_channels, kernel_size and groups must be positive and padding >= 0, got in=",
+          in_channels, " out=", out_channels, " kernel_size=", kernel, " padding=", padding, " groups=", groups);
     }
     if (padding > (Index(1) << 40)) detail::fail("Conv1d: padding must be at most 2^40, got ", padding);
     if (causal && padding != 0) {
@@ -53,7 +54,8 @@ RowMatrix<Scalar> conv1d_taps(const Scalar* torch_weight, const Conv1dShape& s) 
   RowMatrix<Scalar> taps(s.kernel * s.out_channels, s.in_per_group());
   for (Index o = 0; o < s.out_channels; ++o) {
     for (Index c = 0; c < s.in_per_group(); ++c) {
-      for (Index t = 0; t < s.kernel; ++t) taps(t * s.out_channels + o, c) = torch_weight[(o * s.in_per_group() + c) * s.kernel + t];
+      for (Index t = 0; t < s.kernel; ++t)
+        taps(t * s.out_channels + o, c) = torch_weight[(o * s.in_per_group() + c) * s.kernel + t];
     }
   }
   return taps;
@@ -73,7 +75,6 @@ std::vector<Scalar> conv1d_torch_weight(const RowMatrix<Scalar>& taps, const Con
   return w;
 }
 
-
 /// Output rows per task of conv1d(); fixed, so the result bits do not depend on the thread count.
 constexpr Index kConv1dTaskRows = 128;
 
@@ -83,7 +84,8 @@ constexpr Index kConv1dTaskRows = 128;
 /// (KernelOptions::num_threads), the rounded input rows of one task (a per-thread buffer that keeps its
 /// largest size between calls); none below kBf16PackedMinRows output rows.
 template <class Scalar>
-std::size_t conv1d_workspace_bytes(Index length, const Conv1dShape& s, Compute compute = Compute::Float32, int threads = 0) {
+std::size_t conv1d_workspace_bytes(Index length, const Conv1dShape& s, Compute compute = Compute::Float32,
+                                   int threads = 0) {
   const std::size_t taps = static_cast<std::size_t>(s.kernel * s.groups);
   if (compute == Compute::BFloat16) {
     const Index out_len = s.out_length(length);
@@ -108,8 +110,7 @@ std::size_t conv1d_workspace_bytes(Index length, const Conv1dShape& s, Compute c
 /// cpu::bf16_gemm (the tile unit where the CPU has it), below fp32 products of the rounded values.
 template <class Scalar>
 void conv1d(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length, const Conv1dShape& s,
-            const RowMatrix<Scalar>& taps, const Scalar* bias, RowMatrixRef<Scalar> y,
-            const KernelOptions& options) {
+            const RowMatrix<Scalar>& taps, const Scalar* bias, RowMatrixRef<Scalar> y, const KernelOptions& options) {
   detail::check_conv1d("conv1d", x, y, batch, length, s);
   detail::check_shape("conv1d", "taps", taps, s.kernel * s.out_channels, s.in_per_group());
   const Index out_len = s.out_length(length), cin = s.in_per_group(), cout = s.out_per_group();
@@ -125,7 +126,8 @@ void conv1d(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length, const
       const std::size_t i = static_cast<std::size_t>(t * s.groups + g);
       if constexpr (std::is_same<Scalar, float>::value) {
         if (packed16) {
-          packed_taps16[i].pack(taps.block(t * s.out_channels + g * cout, 0, cout, cin).transpose(), options.num_threads());
+          packed_taps16[i].pack(taps.block(t * s.out_channels + g * cout, 0, cout, cin).transpose(),
+                                options.num_threads());
           continue;
         }
       }
@@ -151,21 +153,25 @@ void conv1d(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length, const
         if constexpr (std::is_same<Scalar, float>::value) {
           if (packed16) {
             const float* in = x.data() + (b * length + i0 + shift) * x.outerStride() + g * cin;
-            c2f::cpu::bf16_gemm_range(in, x.outerStride(), i1 - i0, packed_taps16[static_cast<std::size_t>(t * s.groups + g)], 0,
-                                         cin, 0, cout, nullptr, true, &out(i0 - r0, g * cout), y.outerStride());
+            c2f::cpu::bf16_gemm_range(in, x.outerStride(), i1 - i0,
+                                      packed_taps16[static_cast<std::size_t>(t * s.groups + g)], 0, cin, 0, cout,
+                                      nullptr, true, &out(i0 - r0, g * cout), y.outerStride());
             continue;
           }
         }
         if (bf16) {  // few rows: fp32 products of the rounded values
           out.block(i0 - r0, g * cout, i1 - i0, cout).noalias() +=
               x.block(b * length + i0 + shift, g * cin, i1 - i0, cin).unaryExpr(c2f::cpu::RoundBf16<Scalar>()) *
-              taps.block(t * s.out_channels + g * cout, 0, cout, cin).transpose().unaryExpr(c2f::cpu::RoundBf16<Scalar>());
+              taps.block(t * s.out_channels + g * cout, 0, cout, cin)
+                  .transpose()
+                  .unaryExpr(c2f::cpu::RoundBf16<Scalar>());
           continue;
         }
         if (packed) {
           const Scalar* in = x.data() + (b * length + i0 + shift) * x.outerStride() + g * cin;
-          c2f::cpu::packed_gemm_range<Scalar>(in, x.outerStride(), i1 - i0, packed_taps[static_cast<std::size_t>(t * s.groups + g)],
-                                                 0, cin, 0, cout, nullptr, true, &out(i0 - r0, g * cout), y.outerStride());
+          c2f::cpu::packed_gemm_range<Scalar>(in, x.outerStride(), i1 - i0,
+                                              packed_taps[static_cast<std::size_t>(t * s.groups + g)], 0, cin, 0, cout,
+                                              nullptr, true, &out(i0 - r0, g * cout), y.outerStride());
           continue;
         }
         out.block(i0 - r0, g * cout, i1 - i0, cout).noalias() +=
@@ -190,7 +196,8 @@ void conv1d_naive(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length,
         for (Index t = 0; t < s.kernel; ++t) {
           const Index src = i + t - s.left_padding();
           if (src < 0 || src >= length) continue;
-          for (Index c = 0; c < cin; ++c) acc += torch_weight[(o * cin + c) * s.kernel + t] * x(b * length + src, g * cin + c);
+          for (Index c = 0; c < cin; ++c)
+            acc += torch_weight[(o * cin + c) * s.kernel + t] * x(b * length + src, g * cin + c);
         }
         y(b * out_len + i, o) = acc;
       }
@@ -205,8 +212,8 @@ namespace impl {
 /// conv1d_backward's arguments: x and dy as conv1d's x and y (check_conv1d), taps as conv1d's, dx shaped
 /// like x and dtaps like taps.
 template <class X, class Taps, class DY, class DX, class DTaps>
-void check_conv1d_backward(const char* kernel, const X& x, const Taps& taps, const DY& dy, const DX& dx, const DTaps& dtaps,
-                           Index batch, Index length, const kernels::Conv1dShape& s) {
+void check_conv1d_backward(const char* kernel, const X& x, const Taps& taps, const DY& dy, const DX& dx,
+                           const DTaps& dtaps, Index batch, Index length, const kernels::Conv1dShape& s) {
   detail::check_conv1d(kernel, x, dy, batch, length, s);
   detail::check_shape(kernel, "taps", taps, s.kernel * s.out_channels, s.in_per_group());
   detail::check_shape(kernel, "dx", dx, x.rows(), x.cols());
@@ -226,9 +233,8 @@ void check_conv1d_backward(const char* kernel, const X& x, const Taps& taps, con
 /// The bits depend on the shapes only, not on the thread count. Twin: conv1d_backward_naive().
 template <class Scalar>
 void conv1d_backward(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length, const Conv1dShape& s,
-                     const RowMatrix<Scalar>& taps, const ConstRowMatrixRef<Scalar>& dy,
-                     RowMatrixRef<Scalar> dx, RowMatrixRef<Scalar> dtaps, Scalar* dbias,
-                     const KernelOptions& options, bool add_dx = false) {
+                     const RowMatrix<Scalar>& taps, const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
+                     RowMatrixRef<Scalar> dtaps, Scalar* dbias, const KernelOptions& options, bool add_dx = false) {
   impl::check_conv1d_backward("conv1d_backward", x, taps, dy, dx, dtaps, batch, length, s);
   const Index out_len = s.out_length(length), cin = s.in_per_group(), cout = s.out_per_group(), lp = s.left_padding();
   const double work = 2.0 * static_cast<double>(batch * out_len) * static_cast<double>(s.kernel * cin * s.out_channels);
@@ -245,7 +251,8 @@ void conv1d_backward(const ConstRowMatrixRef<Scalar>& x, Index batch, Index leng
       if (i1 <= i0) continue;
       for (Index g = 0; g < s.groups; ++g) {
         rows.block(i0 - r0, g * cin, i1 - i0, cin).noalias() +=
-            dy.block(b * out_len + i0 + shift, g * cout, i1 - i0, cout) * taps.block(t * s.out_channels + g * cout, 0, cout, cin);
+            dy.block(b * out_len + i0 + shift, g * cout, i1 - i0, cout) *
+            taps.block(t * s.out_channels + g * cout, 0, cout, cin);
       }
     }
   });
@@ -265,7 +272,8 @@ void conv1d_backward(const ConstRowMatrixRef<Scalar>& x, Index batch, Index leng
                         x.block(b * length + i0 + shift, g * cin + c0, i1 - i0, nc);
     }
     if (dbias != nullptr && t == 0 && c0 == 0) {
-      for (Index o = g * cout + o0; o < g * cout + o0 + no; ++o) dbias[o] = dy.rows() == 0 ? Scalar(0) : static_cast<Scalar>(dy.col(o).template cast<double>().sum());
+      for (Index o = g * cout + o0; o < g * cout + o0 + no; ++o)
+        dbias[o] = dy.rows() == 0 ? Scalar(0) : static_cast<Scalar>(dy.col(o).template cast<double>().sum());
     }
   });
 }
@@ -274,8 +282,8 @@ void conv1d_backward(const ConstRowMatrixRef<Scalar>& x, Index batch, Index leng
 /// layout: dx (overwritten), dweight [out, in/groups, kernel] and dbias [out] (overwritten; nullptr: none).
 template <class Scalar>
 void conv1d_backward_naive(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length, const Conv1dShape& s,
-                           const Scalar* torch_weight, const ConstRowMatrixRef<Scalar>& dy,
-                           RowMatrixRef<Scalar> dx, Scalar* dweight, Scalar* dbias) {
+                           const Scalar* torch_weight, const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
+                           Scalar* dweight, Scalar* dbias) {
   detail::check_conv1d("conv1d_backward_naive", x, dy, batch, length, s);
   detail::check_shape("conv1d_backward_naive", "dx", dx, x.rows(), x.cols());
   const Index out_len = s.out_length(length), cin = s.in_per_group(), cout = s.out_per_group();

@@ -43,8 +43,8 @@ namespace kernels {
 /// current while `kv_stamp` is (a layer's Linear::weight_stamp()).
 template <class Scalar>
 struct FineFoldedWeights {
-  ConstRowMatrixRef<Scalar> kv_weight;  ///< [2d, d]
-  Eigen::Ref<const Vector<Scalar>> kv_bias;       ///< [2d]
+  ConstRowMatrixRef<Scalar> kv_weight;       ///< [2d, d]
+  Eigen::Ref<const Vector<Scalar>> kv_bias;  ///< [2d]
   const WeightCache<Scalar>& head_packs;
   std::uint64_t kv_stamp;
   CachedLinear<Scalar> out;  ///< out_proj: [d, d] and its bias
@@ -62,10 +62,10 @@ struct FineFoldedState {
 /// the rows of the key half of kv_weight's and all of kv_bias's — the key bias's gradient is zero).
 template <class Scalar>
 struct FineFoldedGrads {
-  RowMatrixRef<Scalar> kv_weight;  ///< [2d, d]
-  Eigen::Ref<Vector<Scalar>> kv_bias;       ///< [2d]
-  RowMatrixRef<Scalar> out_weight; ///< [d, d]
-  Scalar* out_bias;                         ///< [d], or nullptr without a bias
+  RowMatrixRef<Scalar> kv_weight;      ///< [2d, d]
+  Eigen::Ref<Vector<Scalar>> kv_bias;  ///< [2d]
+  RowMatrixRef<Scalar> out_weight;     ///< [d, d]
+  Scalar* out_bias;                    ///< [d], or nullptr without a bias
 };
 
 namespace impl {
@@ -73,9 +73,8 @@ namespace impl {
 /// The entry checks of fine_attention_folded_backward and its twin.
 template <class Scalar, class Grid>
 void check_folded_backward(const char* kernel, const ConstRowMatrixRef<Scalar>& x, const Grid& grid,
-                           const ConstRowMatrixRef<Scalar>& qk, Index heads,
-                           const ConstRowMatrixRef<Scalar>& dpooled, const RowMatrixRef<Scalar>& dx,
-                           const RowMatrixRef<Scalar>& dqk) {
+                           const ConstRowMatrixRef<Scalar>& qk, Index heads, const ConstRowMatrixRef<Scalar>& dpooled,
+                           const RowMatrixRef<Scalar>& dx, const RowMatrixRef<Scalar>& dqk) {
   const Index d = x.cols();
   grid.check(kernel);
   detail::check_heads(kernel, heads * d, heads);
@@ -132,9 +131,8 @@ Index folded_group(const Grid& grid, Index d, Index heads, int threads) {
 /// bfloat16 — qk, x (a rounded copy of each run, made once) and the probabilities — and summed in fp32
 /// (docs/bf16.md).
 template <class Scalar, class Grid, class Bias>
-void fine_attention_folded(const ConstRowMatrixRef<Scalar>& x, const Grid& grid,
-                           const ConstRowMatrixRef<Scalar>& qk, Index heads,
-                           RowMatrixRef<Scalar> pooled, RowMatrixRef<Scalar> mass, Bias&& bias,
+void fine_attention_folded(const ConstRowMatrixRef<Scalar>& x, const Grid& grid, const ConstRowMatrixRef<Scalar>& qk,
+                           Index heads, RowMatrixRef<Scalar> pooled, RowMatrixRef<Scalar> mass, Bias&& bias,
                            const KernelOptions& options) {
   const Index d = x.cols();
   grid.check("fine_attention_folded");
@@ -145,21 +143,21 @@ void fine_attention_folded(const ConstRowMatrixRef<Scalar>& x, const Grid& grid,
   detail::check_shape("fine_attention_folded", "mass", mass, grid.blocks(), heads);
   const bool bf16 = cpu::check_compute<Scalar>("fine_attention_folded", options.compute());
   struct Workspace {
-    RowMatrix<Scalar> p, o;            // one run: scores [heads, run length] and pooled rows [heads, d]
-    Vector<Scalar> max, sum;           // per head: the block's running max and softmax sum
-    Vector<Scalar> run_max, run_sum;   // per head: the run's
-    RowMatrix<Scalar> q16, x16;        // Compute::BFloat16: the block's qk and the run's tokens, rounded
+    RowMatrix<Scalar> p, o;           // one run: scores [heads, run length] and pooled rows [heads, d]
+    Vector<Scalar> max, sum;          // per head: the block's running max and softmax sum
+    Vector<Scalar> run_max, run_sum;  // per head: the run's
+    RowMatrix<Scalar> q16, x16;       // Compute::BFloat16: the block's qk and the run's tokens, rounded
   };
   // The run's two products. Compute::BFloat16 rounds the run's tokens once into x16 (one sequential
   // pass; the products then read every value several times, from cache) and the probabilities in place.
-  const auto scores = [&](const Scalar* q, const Scalar* xs, Index ldx, Index n, Scalar* p, const Scalar* next, Index next_n) {
-    cpu::dot_rows<Scalar>(q, heads, d, xs, ldx, n, p, n, next, next_n);
-  };
+  const auto scores = [&](const Scalar* q, const Scalar* xs, Index ldx, Index n, Scalar* p, const Scalar* next,
+                          Index next_n) { cpu::dot_rows<Scalar>(q, heads, d, xs, ldx, n, p, n, next, next_n); };
   const auto pool = [&](Scalar* p, Index n, const Scalar* xs, Index ldx, Scalar* o) {
     if (bf16) cpu::round_bf16_rows(p, heads, n, n);
     cpu::weighted_rows<Scalar>(p, n, heads, n, xs, ldx, d, o, d);
   };
-  const double work = static_cast<double>(grid.tokens() * heads) * (4.0 * static_cast<double>(d) + detail::kElementWork);
+  const double work =
+      static_cast<double>(grid.tokens() * heads) * (4.0 * static_cast<double>(d) + detail::kElementWork);
   // A task is a range of consecutive blocks, so that while one block is scored the next one's tokens can
   // be asked for (`next` below): a worker claims tasks one at a time, and with one block per task the
   // next block was usually another worker's. Every block is computed alone: the bits do not depend on
@@ -250,16 +248,16 @@ void fine_attention_folded(const ConstRowMatrixRef<Scalar>& x, const Grid& grid,
 template <class Scalar, class Grid, class Bias>
 void fine_attention_folded_backward(const ConstRowMatrixRef<Scalar>& x, const Grid& grid,
                                     const ConstRowMatrixRef<Scalar>& qk, Index heads,
-                                    const ConstRowMatrixRef<Scalar>& dpooled, Bias&& bias,
-                                    RowMatrixRef<Scalar> dx, RowMatrixRef<Scalar> dqk,
-                                    const KernelOptions& options) {
+                                    const ConstRowMatrixRef<Scalar>& dpooled, Bias&& bias, RowMatrixRef<Scalar> dx,
+                                    RowMatrixRef<Scalar> dqk, const KernelOptions& options) {
   const char* kernel = "fine_attention_folded_backward";
   const Index d = x.cols();
   impl::check_folded_backward(kernel, x, grid, qk, heads, dpooled, dx, dqk);
   struct Workspace {
     RowMatrix<Scalar> p, ds;  // [heads, count]: the weights, then r and ds = p ∘ (r − D)
   };
-  const double work = static_cast<double>(grid.tokens() * heads) * (8.0 * static_cast<double>(d) + detail::kElementWork);
+  const double work =
+      static_cast<double>(grid.tokens() * heads) * (8.0 * static_cast<double>(d) + detail::kElementWork);
   detail::parallel_for_each_worker<Workspace>(grid.blocks(), options.num_threads(), work, [&](Index c, Workspace& ws) {
     const Index n = grid.count(c);
     ws.p.resize(heads, n);
@@ -346,16 +344,15 @@ void fine_attention_folded_backward_naive(const ConstRowMatrixRef<Scalar>& x, co
 /// rounding its operands would cost time (a rounded copy of every run) and accuracy and save nothing
 /// (docs/bf16.md).
 template <class Scalar, class Grid, class Bias>
-void fine_folded_forward(const ConstRowMatrixRef<Scalar>& x, const Grid& grid,
-                         const ConstRowMatrixRef<Scalar>& q, Index heads, const FineFoldedWeights<Scalar>& w,
-                         const Bias& bias, RowMatrixRef<Scalar> out, const KernelOptions& options,
-                         FineFoldedState<Scalar>* keep = nullptr) {
+void fine_folded_forward(const ConstRowMatrixRef<Scalar>& x, const Grid& grid, const ConstRowMatrixRef<Scalar>& q,
+                         Index heads, const FineFoldedWeights<Scalar>& w, const Bias& bias, RowMatrixRef<Scalar> out,
+                         const KernelOptions& options, FineFoldedState<Scalar>* keep = nullptr) {
   const Index chunks = grid.blocks(), d = x.cols(), dk = d / heads;
   const bool fresh_out = options.fresh_output();
   const KernelOptions threads = KernelOptions(options).rows_independent(true).fresh_output(false);
   const Scalar scale = default_scale<Scalar>(dk);
   const typename ConstRowMatrixRef<Scalar>::ConstRowsBlockXpr wk = w.kv_weight.topRows(d),
-                                                                        wv = w.kv_weight.bottomRows(d);
+                                                              wv = w.kv_weight.bottomRows(d);
 
   // qk[c, h·d:(h+1)·d] = q[c, h·dk:(h+1)·dk] W_k,h / sqrt(dk)   (the key bias only shifts a softmax row)
   // The large temporaries live in reused scratch memory (detail/scratch.hpp).
@@ -375,22 +372,23 @@ void fine_folded_forward(const ConstRowMatrixRef<Scalar>& x, const Grid& grid,
     const BlockRange<Grid> range{grid, c0, n};
     for (Index h = 0; h < heads; ++h) {
       if (cached) {
-        matmul_rows_cached<Scalar>(q.middleRows(c0, n).middleCols(h * dk, dk), wk.middleRows(h * dk, dk) * scale, nullptr,
-                                   qk.middleRows(c0, n).middleCols(h * d, d), threads, w.head_packs,
+        matmul_rows_cached<Scalar>(q.middleRows(c0, n).middleCols(h * dk, dk), wk.middleRows(h * dk, dk) * scale,
+                                   nullptr, qk.middleRows(c0, n).middleCols(h * d, d), threads, w.head_packs,
                                    static_cast<std::size_t>(h), w.kv_stamp);
         continue;
       }
       wk_scaled = wk.middleRows(h * dk, dk) * scale;
-      matmul_rows<Scalar>(q.middleRows(c0, n).middleCols(h * dk, dk), wk_h, nullptr, qk.middleRows(c0, n).middleCols(h * d, d),
-                          threads);
+      matmul_rows<Scalar>(q.middleRows(c0, n).middleCols(h * dk, dk), wk_h, nullptr,
+                          qk.middleRows(c0, n).middleCols(h * d, d), threads);
     }
-    fine_attention_folded<Scalar>(x, range, qk.middleRows(c0, n), heads, pooled.middleRows(c0, n), mass.middleRows(c0, n),
-                                  [&](Index c, Index h, Index j) { return bias(c0 + c, h, j); },
-                                  KernelOptions(threads).compute(Compute::Float32));
+    fine_attention_folded<Scalar>(
+        x, range, qk.middleRows(c0, n), heads, pooled.middleRows(c0, n), mass.middleRows(c0, n),
+        [&](Index c, Index h, Index j) { return bias(c0 + c, h, j); },
+        KernelOptions(threads).compute(Compute::Float32));
     // o[c, h·dk:(h+1)·dk] = pooled[c, h] W_v,hᵀ + mass[c, h] b_v,h
     for (Index h = 0; h < heads; ++h) {
-      matmul_rows_cached<Scalar>(pooled.middleRows(c0, n).middleCols(h * d, d), wv.middleRows(h * dk, dk).transpose(), nullptr,
-                                 o.middleRows(c0, n).middleCols(h * dk, dk), threads, w.head_packs,
+      matmul_rows_cached<Scalar>(pooled.middleRows(c0, n).middleCols(h * d, d), wv.middleRows(h * dk, dk).transpose(),
+                                 nullptr, o.middleRows(c0, n).middleCols(h * dk, dk), threads, w.head_packs,
                                  slots + static_cast<std::size_t>(h), w.kv_stamp);
       o.middleRows(c0, n).middleCols(h * dk, dk).noalias() +=
           mass.middleRows(c0, n).col(h) * w.kv_bias.segment(d + h * dk, dk).transpose();
@@ -429,7 +427,8 @@ void fine_folded_forward(const ConstRowMatrixRef<Scalar>& x, const Grid& grid,
 /// one product runs at a time; the packings kept in head_packs and out.cache are not counted). The
 /// caller's q [blocks, d] is not counted.
 template <class Scalar>
-std::size_t fine_folded_workspace_bytes(Index blocks, Index longest_run, Index d, Index heads, const KernelOptions& options) {
+std::size_t fine_folded_workspace_bytes(Index blocks, Index longest_run, Index d, Index heads,
+                                        const KernelOptions& options) {
   const Compute c = options.compute();
   const int threads = options.num_threads();
   const bool cached = impl::folded_weights_cached<Scalar>(blocks, options);
@@ -440,7 +439,8 @@ std::size_t fine_folded_workspace_bytes(Index blocks, Index longest_run, Index d
   const std::size_t m = static_cast<std::size_t>(blocks), run = static_cast<std::size_t>(longest_run);
   const std::size_t dd = static_cast<std::size_t>(d), h = static_cast<std::size_t>(heads), dkk = dd / h;
   const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(threads, blocks));
-  return packed + sizeof(Scalar) * (m * (2 * dd + 2 * h * dd + h) + (cached ? 0 : dkk * dd) + workers * h * (run + dd + 4));
+  return packed +
+         sizeof(Scalar) * (m * (2 * dd + 2 * h * dd + h) + (cached ? 0 : dkk * dd) + workers * h * (run + dd + 4));
 }
 
 /// The backward pass of fine_folded_forward for dy = dL/dout [rows, d]: dx [rows, d] (every real token's
@@ -451,10 +451,9 @@ std::size_t fine_folded_workspace_bytes(Index blocks, Index longest_run, Index d
 ///   fine_attention_folded_backward: dx, dqk;
 ///   qk_h = q_h (W_k,h · scale): dq_h = dqk_h (W_k,h · scale)ᵀ, dW_k,h = scale · q_hᵀ dqk_h.
 template <class Scalar, class Grid, class Bias>
-void fine_folded_backward(const ConstRowMatrixRef<Scalar>& x, const Grid& grid,
-                          const ConstRowMatrixRef<Scalar>& q, Index heads, const FineFoldedWeights<Scalar>& w,
-                          const FineFoldedState<Scalar>& state, const Bias& bias,
-                          const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
+void fine_folded_backward(const ConstRowMatrixRef<Scalar>& x, const Grid& grid, const ConstRowMatrixRef<Scalar>& q,
+                          Index heads, const FineFoldedWeights<Scalar>& w, const FineFoldedState<Scalar>& state,
+                          const Bias& bias, const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
                           RowMatrixRef<Scalar> dq, FineFoldedGrads<Scalar> g, const KernelOptions& options) {
   const Index blocks = grid.blocks(), d = x.cols(), dk = d / heads;
   // The temporaries in reused scratch memory (detail/scratch.hpp), as the forward's.
@@ -467,17 +466,18 @@ void fine_folded_backward(const ConstRowMatrixRef<Scalar>& x, const Grid& grid,
     linear_backward<Scalar>(state.pooled.middleCols(h * d, d), w.kv_weight.middleRows(d + h * dk, dk),
                             dout_heads.middleCols(h * dk, dk), dpooled.middleCols(h * d, d),
                             g.kv_weight.middleRows(d + h * dk, dk), nullptr, options);
-    g.kv_bias.segment(d + h * dk, dk) =
-        (state.mass.col(h).transpose().template cast<double>() * dout_heads.middleCols(h * dk, dk).template cast<double>())
-            .transpose()
-            .template cast<Scalar>();
+    g.kv_bias.segment(d + h * dk, dk) = (state.mass.col(h).transpose().template cast<double>() *
+                                         dout_heads.middleCols(h * dk, dk).template cast<double>())
+                                            .transpose()
+                                            .template cast<Scalar>();
   }
   fine_attention_folded_backward<Scalar>(x, grid, state.qk, heads, dpooled, bias, dx, dqk, options);
   // The key bias only shifts a softmax row: its gradient is zero.
   for (Index h = 0; h < heads; ++h) {
     matmul_rows<Scalar>(dqk.middleCols(h * d, d), w.kv_weight.middleRows(h * dk, dk).transpose() * scale, nullptr,
                         dq.middleCols(h * dk, dk), options);
-    g.kv_weight.middleRows(h * dk, dk).noalias() = (q.middleCols(h * dk, dk).transpose() * dqk.middleCols(h * d, d)) * scale;
+    g.kv_weight.middleRows(h * dk, dk).noalias() =
+        (q.middleCols(h * dk, dk).transpose() * dqk.middleCols(h * d, d)) * scale;
   }
 }
 

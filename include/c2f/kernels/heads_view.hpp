@@ -17,8 +17,8 @@ namespace kernels {
 template <class T>
 struct HeadsView {
   using Scalar = std::remove_const_t<T>;
-  using Block = Eigen::Map<std::conditional_t<std::is_const<T>::value, const RowMatrix<Scalar>, RowMatrix<Scalar>>,
-                           0, Eigen::OuterStride<>>;
+  using Block = Eigen::Map<std::conditional_t<std::is_const<T>::value, const RowMatrix<Scalar>, RowMatrix<Scalar>>, 0,
+                           Eigen::OuterStride<>>;
 
   T* data = nullptr;
   Index batch = 0, seq = 0, heads = 0, dim = 0;
@@ -28,17 +28,24 @@ struct HeadsView {
   /// A view of mutable data is also a read-only view.
   template <class U, class = std::enable_if_t<std::is_same<const U, T>::value && !std::is_const<U>::value>>
   HeadsView(const HeadsView<U>& o)  // NOLINT(google-explicit-constructor)
-      : data(o.data), batch(o.batch), seq(o.seq), heads(o.heads), dim(o.dim), row_stride(o.row_stride),
+      : data(o.data),
+        batch(o.batch),
+        seq(o.seq),
+        heads(o.heads),
+        dim(o.dim),
+        row_stride(o.row_stride),
         batch_stride(o.batch_stride) {}
 
   /// Rows [i0, i0 + n) of every head of batch b, as an n × (heads · dim) matrix.
   Block rows(Index b, Index i0, Index n) const {
-    return Block(detail::offset_or_null(data, b * batch_stride + i0 * row_stride), n, heads * dim, Eigen::OuterStride<>(row_stride));
+    return Block(detail::offset_or_null(data, b * batch_stride + i0 * row_stride), n, heads * dim,
+                 Eigen::OuterStride<>(row_stride));
   }
 
   /// Rows [i0, i0 + n) of head h of batch b, as an n × dim matrix.
   Block block(Index b, Index h, Index i0, Index n) const {
-    return Block(detail::offset_or_null(data, b * batch_stride + i0 * row_stride + h * dim), n, dim, Eigen::OuterStride<>(row_stride));
+    return Block(detail::offset_or_null(data, b * batch_stride + i0 * row_stride + h * dim), n, dim,
+                 Eigen::OuterStride<>(row_stride));
   }
 };
 

@@ -6,8 +6,8 @@
 // queries of the LAST n positions, T − n … T − 1 (a forward pass has n = T; incremental decoding
 // passes the new tokens' queries and the cached keys). Keys and values may be stored in another type
 // `KV` (a KVCache's Eigen::half / bfloat16), converted block by block. Every kernel adds its result to
-// `out` (out += …: the `_add` of the names), so the levels sum into one buffer. Scores are q·k · scale. Arguments are checked at entry
-// (std::invalid_argument, every build type).
+// `out` (out += …: the `_add` of the names), so the levels sum into one buffer. Scores are q·k · scale. Arguments are
+// checked at entry (std::invalid_argument, every build type).
 //
 // Training (docs/training.md): each level's backward pass (`…_backward_add`), queries at every position
 // (n = T); the window means' and their broadcast's are chunk.hpp's chunk_mean_backward_add and chunk_sum.
@@ -15,11 +15,11 @@
 
 #include "c2f/core.hpp"
 #include "c2f/cpu/bf16_gemm.hpp"
+#include "c2f/cpu/masked_values.hpp"
+#include "c2f/cpu/softmax.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
-#include "c2f/cpu/masked_values.hpp"
 #include "c2f/detail/parallel.hpp"
-#include "c2f/cpu/softmax.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 
@@ -36,8 +36,7 @@ namespace kernels {
 /// those ≤ p): out[p] += softmax_t(q_p·k_t · scale) v_t per head. Windows are the chunks of `grid`.
 /// Tasks are (batch item, window holding queries); each is one score block per head.
 template <class Scalar, class KV = Scalar>
-void window_attention_add(const ConstRowMatrixRef<Scalar>& q,
-                          const detail::NoDeduce<ConstRowMatrixRef<KV>>& k,
+void window_attention_add(const ConstRowMatrixRef<Scalar>& q, const detail::NoDeduce<ConstRowMatrixRef<KV>>& k,
                           const detail::NoDeduce<ConstRowMatrixRef<KV>>& v, const ChunkGrid& grid, Index heads,
                           RowMatrixRef<Scalar> out, bool causal, Scalar scale, const KernelOptions& options) {
   const char* kernel = "window_attention_add";
@@ -55,7 +54,7 @@ void window_attention_add(const ConstRowMatrixRef<Scalar>& q,
   detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
     const Index b = task / windows.count, c = windows.first + task % windows.count;
     const Index w0 = c * grid.chunk, w1 = std::min(w0 + grid.chunk, T);  // keys [w0, w1)
-    const Index p0 = std::max(w0, windows.first_position);                 // queries [p0, w1)
+    const Index p0 = std::max(w0, windows.first_position);               // queries [p0, w1)
     const Index nq = w1 - p0, nk = w1 - w0;
     const Index q_row = b * n + p0 - windows.first_position, k_row = b * T + w0;
     ws.s.resize(nq, nk);
@@ -66,8 +65,9 @@ void window_attention_add(const ConstRowMatrixRef<Scalar>& q,
         cpu::round_bf16_copy(k.block(k_row, h * dh, nk, dh), ws.kv);
         ws.s.noalias() = ws.qs * ws.kv.transpose();
       } else {
-        detail::as_scalar(k.block(k_row, h * dh, nk, dh), ws.kv,
-                          [&](const auto& kb) { ws.s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * kb.transpose(); });
+        detail::as_scalar(k.block(k_row, h * dh, nk, dh), ws.kv, [&](const auto& kb) {
+          ws.s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * kb.transpose();
+        });
       }
       if (causal) {
         for (Index i = 0; i < nq; ++i) {
@@ -99,8 +99,7 @@ void window_attention_add(const ConstRowMatrixRef<Scalar>& q,
 /// holding queries); each is one [queries, c] score block per head, so a query's result never depends
 /// on a later token.
 template <class Scalar>
-void window_summary_attention_add(const ConstRowMatrixRef<Scalar>& q,
-                                  const ConstRowMatrixRef<Scalar>& k_mean,
+void window_summary_attention_add(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k_mean,
                                   const ConstRowMatrixRef<Scalar>& v_mean, const ChunkGrid& grid, Index heads,
                                   RowMatrixRef<Scalar> out, Scalar scale, const KernelOptions& options) {
   const char* kernel = "window_summary_attention_add";
@@ -185,9 +184,8 @@ struct OffsetRows {
 /// heads at once, one softmax across offsets, then the weighted value rows.
 template <class Scalar, class KV = Scalar>
 void sparse_global_attention_rows_add(const ConstRowMatrixRef<Scalar>& q, Index batch, Index first_position,
-                                      Index length, Index heads, RowMatrixRef<Scalar> out, bool causal,
-                                      Scalar scale, const std::vector<OffsetRows<KV>>& sources,
-                                      const KernelOptions& options) {
+                                      Index length, Index heads, RowMatrixRef<Scalar> out, bool causal, Scalar scale,
+                                      const std::vector<OffsetRows<KV>>& sources, const KernelOptions& options) {
   const char* kernel = "sparse_global_attention_rows_add";
   if (batch < 0 || length < 0) detail::fail(kernel, ": batch and length must be >= 0");
   const Index n = batch > 0 ? q.rows() / batch : 0;
@@ -216,10 +214,12 @@ void sparse_global_attention_rows_add(const ConstRowMatrixRef<Scalar>& q, Index 
     Index i0 = 0, i1 = 0;
     if (!queries_with_key(delta, 0, n, i0, i1)) continue;
     const Index lo = i0 + delta + s.shift, hi = (batch - 1) * s.batch_stride + i1 + delta + s.shift;
-    const bool strides = s.k_stride >= dim && s.v_stride >= dim && (!std::is_same<KV, Scalar>::value || s.v_stride == dim);
+    const bool strides =
+        s.k_stride >= dim && s.v_stride >= dim && (!std::is_same<KV, Scalar>::value || s.v_stride == dim);
     if (s.k == nullptr || s.v == nullptr || !strides || s.batch_stride < 0 || lo < 0 || hi > s.rows) {
-      detail::fail(kernel, ": the source of offset ", delta, " must hold key and value rows [", lo, ", ", hi, ") of width ",
-                   dim, " (value rows contiguous), got ", s.rows, " rows with strides ", s.k_stride, " and ", s.v_stride);
+      detail::fail(kernel, ": the source of offset ", delta, " must hold key and value rows [", lo, ", ", hi,
+                   ") of width ", dim, " (value rows contiguous), got ", s.rows, " rows with strides ", s.k_stride,
+                   " and ", s.v_stride);
     }
   }
   const bool bf16 = cpu::check_compute<Scalar, KV>(kernel, options.compute(), true);
@@ -232,7 +232,9 @@ void sparse_global_attention_rows_add(const ConstRowMatrixRef<Scalar>& q, Index 
     const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, n - a);
     const Index q_base = b * n + a;
     // Row of the key at offset o of query a + i.
-    const auto key_row = [&](const OffsetRows<KV>& s, Index delta, Index i) { return b * s.batch_stride + a + i + delta + s.shift; };
+    const auto key_row = [&](const OffsetRows<KV>& s, Index delta, Index i) {
+      return b * s.batch_stride + a + i + delta + s.shift;
+    };
     // scores(r·heads + h, o): query a + r, head h, key at offset offsets[o].
     RowMatrix<Scalar> scores = RowMatrix<Scalar>::Constant(nb * heads, noff, kNegInf);
     RowMatrix<Scalar> prod(nb, dim), kv, qs;
@@ -250,10 +252,12 @@ void sparse_global_attention_rows_add(const ConstRowMatrixRef<Scalar>& q, Index 
       if (bf16) {
         cpu::round_bf16_copy(kb, kv);
         prod.topRows(rows) = qs.middleRows(i0, rows).cwiseProduct(kv);
-        scores.col(o).segment(i0 * heads, rows * heads) = Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum();
+        scores.col(o).segment(i0 * heads, rows * heads) =
+            Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum();
         continue;
       }
-      detail::as_scalar(kb, kv, [&](const auto& k) { prod.topRows(rows) = q.middleRows(q_base + i0, rows).cwiseProduct(k); });
+      detail::as_scalar(kb, kv,
+                        [&](const auto& k) { prod.topRows(rows) = q.middleRows(q_base + i0, rows).cwiseProduct(k); });
       scores.col(o).segment(i0 * heads, rows * heads) =
           Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum() * scale;
     }
@@ -280,8 +284,7 @@ void sparse_global_attention_rows_add(const ConstRowMatrixRef<Scalar>& q, Index 
 /// contiguous, and v too when it holds Scalar. (sparse_global_attention_rows_add with every offset's
 /// rows in k and v.)
 template <class Scalar, class KV = Scalar>
-void sparse_global_attention_add(const ConstRowMatrixRef<Scalar>& q,
-                                 const detail::NoDeduce<ConstRowMatrixRef<KV>>& k,
+void sparse_global_attention_add(const ConstRowMatrixRef<Scalar>& q, const detail::NoDeduce<ConstRowMatrixRef<KV>>& k,
                                  const detail::NoDeduce<ConstRowMatrixRef<KV>>& v, Index batch, Index length,
                                  Index heads, RowMatrixRef<Scalar> out, bool causal, Scalar scale,
                                  const KernelOptions& options) {
@@ -301,7 +304,8 @@ void sparse_global_attention_add(const ConstRowMatrixRef<Scalar>& q,
   all.batch_stride = length;
   all.shift = length - n;
   const std::vector<OffsetRows<KV>> sources(sparse_offsets(length, causal).size(), all);
-  sparse_global_attention_rows_add<Scalar, KV>(q, batch, length - n, length, heads, out, causal, scale, sources, options);
+  sparse_global_attention_rows_add<Scalar, KV>(q, batch, length - n, length, heads, out, causal, scale, sources,
+                                               options);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -319,15 +323,16 @@ namespace impl {
 template <class M>
 void check_level_matrix(const char* kernel, const char* what, const M& m, Index rows, Index width, bool contiguous) {
   detail::check_shape(kernel, what, m, rows, width);
-  if (contiguous && m.outerStride() != width) detail::fail(kernel, ": ", what, " must be a contiguous [rows, ", width, "] matrix");
+  if (contiguous && m.outerStride() != width)
+    detail::fail(kernel, ": ", what, " must be a contiguous [rows, ", width, "] matrix");
 }
 
 /// The arguments of a level backward: the grid, heads dividing q's width, the scale; q, dout, dq
 /// [grid.tokens(), width]; k, v, dk, dv [key_rows, width].
 template <class Scalar, class Q, class DQ>
 void check_level_backward(const char* kernel, const kernels::ChunkGrid& grid, Index heads, Scalar scale, const Q& q,
-                          const Q& k, const Q& v, const Q& dout, const DQ& dq, const DQ& dk, const DQ& dv, Index key_rows,
-                          bool contiguous) {
+                          const Q& k, const Q& v, const Q& dout, const DQ& dq, const DQ& dk, const DQ& dv,
+                          Index key_rows, bool contiguous) {
   detail::check_grid(kernel, grid);
   detail::check_heads(kernel, q.cols(), heads);
   detail::check_scale(kernel, scale);
@@ -351,9 +356,8 @@ void check_level_backward(const char* kernel, const kernels::ChunkGrid& grid, In
 /// [batch·T, heads·dh].
 template <class Scalar>
 void window_attention_backward_add(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
-                                   const ConstRowMatrixRef<Scalar>& v,
-                                   const ConstRowMatrixRef<Scalar>& dout, const ChunkGrid& grid, Index heads,
-                                   RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk,
+                                   const ConstRowMatrixRef<Scalar>& v, const ConstRowMatrixRef<Scalar>& dout,
+                                   const ChunkGrid& grid, Index heads, RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk,
                                    RowMatrixRef<Scalar> dv, bool causal, Scalar scale, const KernelOptions& options) {
   const char* kernel = "window_attention_backward_add";
   impl::check_level_backward(kernel, grid, heads, scale, q, k, v, dout, dq, dk, dv, grid.tokens(), false);
@@ -366,7 +370,8 @@ void window_attention_backward_add(const ConstRowMatrixRef<Scalar>& q, const Con
     Vector<Scalar> rowdot;
     cpu::MaskedValues<Scalar> hidden_k, hidden_v;
   };
-  const double work = 2.5 * detail::attention_work(grid.batch * heads, grid.length, std::min(grid.chunk, grid.length), dh, dh);
+  const double work =
+      2.5 * detail::attention_work(grid.batch * heads, grid.length, std::min(grid.chunk, grid.length), dh, dh);
   detail::parallel_for_each_worker<Workspace>(grid.chunks(), options.num_threads(), work, [&](Index c, Workspace& ws) {
     const Index row = grid.row(c), n = grid.count(c);
     ws.p.resize(n, n);
@@ -412,15 +417,14 @@ constexpr Index kSummaryBlock = 16;
 /// exp(q·k̄ · scale − lse), dk̄ += scale · dSᵀ q, dv̄ += pᵀ dout. Memory: 2 values per (query, head) and a
 /// [window, m] block per worker — no [T, m] buffer.
 template <class Scalar>
-void window_summary_attention_backward_add(const ConstRowMatrixRef<Scalar>& q,
-                                           const ConstRowMatrixRef<Scalar>& k_mean,
+void window_summary_attention_backward_add(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k_mean,
                                            const ConstRowMatrixRef<Scalar>& v_mean,
-                                           const ConstRowMatrixRef<Scalar>& dout, const ChunkGrid& grid,
-                                           Index heads, RowMatrixRef<Scalar> dq,
-                                           RowMatrixRef<Scalar> dk_mean, RowMatrixRef<Scalar> dv_mean,
-                                           Scalar scale, const KernelOptions& options) {
+                                           const ConstRowMatrixRef<Scalar>& dout, const ChunkGrid& grid, Index heads,
+                                           RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk_mean,
+                                           RowMatrixRef<Scalar> dv_mean, Scalar scale, const KernelOptions& options) {
   const char* kernel = "window_summary_attention_backward_add";
-  impl::check_level_backward(kernel, grid, heads, scale, q, k_mean, v_mean, dout, dq, dk_mean, dv_mean, grid.chunks(), false);
+  impl::check_level_backward(kernel, grid, heads, scale, q, k_mean, v_mean, dout, dq, dk_mean, dv_mean, grid.chunks(),
+                             false);
   const Index dh = q.cols() / heads, m = grid.chunks_per_batch();
   using Block = typename ConstRowMatrixRef<Scalar>::ConstBlockXpr;
   struct Workspace {
@@ -429,45 +433,47 @@ void window_summary_attention_backward_add(const ConstRowMatrixRef<Scalar>& q,
   // Row h, column t: head h of the query at token row t.
   RowMatrix<Scalar> lse(heads, grid.tokens()), rowdot(heads, grid.tokens());
   const double work = 2.5 * detail::attention_work(grid.batch * heads, grid.length, m, dh, dh);
-  detail::parallel_for_each_worker<Workspace>(grid.chunks(), options.num_threads(), work, [&](Index task, Workspace& ws) {
-    const Index c = task % std::max<Index>(m, 1), first = task - c;  // summaries first … first + c − 1
-    if (c == 0) return;  // no window before the first
-    const Index row = grid.row(task), nq = grid.count(task);
-    ws.p.resize(nq, c);
-    ws.ds.resize(nq, c);
-    for (Index h = 0; h < heads; ++h) {
-      const Block qb = q.block(row, h * dh, nq, dh), g = dout.block(row, h * dh, nq, dh);
-      const Block km = k_mean.block(first, h * dh, c, dh), vm = v_mean.block(first, h * dh, c, dh);
-      ws.p.noalias() = (qb * scale) * km.transpose();
-      for (Index i = 0; i < nq; ++i) {
-        Scalar max = 0, sum = 0;
-        cpu::softmax_row(ws.p.row(i), &max, &sum);
-        lse(h, row + i) = max + std::log(sum);
-      }
-      ws.ds.noalias() = g * vm.transpose();  // dp
-      rowdot.row(h).segment(row, nq) = ws.p.cwiseProduct(ws.ds).rowwise().sum().transpose();
-      ws.ds = ws.p.cwiseProduct(ws.ds.colwise() - rowdot.row(h).segment(row, nq).transpose()) * scale;
-      dq.block(row, h * dh, nq, dh).noalias() += ws.ds * km;
-    }
-  });
+  detail::parallel_for_each_worker<Workspace>(
+      grid.chunks(), options.num_threads(), work, [&](Index task, Workspace& ws) {
+        const Index c = task % std::max<Index>(m, 1), first = task - c;  // summaries first … first + c − 1
+        if (c == 0) return;                                              // no window before the first
+        const Index row = grid.row(task), nq = grid.count(task);
+        ws.p.resize(nq, c);
+        ws.ds.resize(nq, c);
+        for (Index h = 0; h < heads; ++h) {
+          const Block qb = q.block(row, h * dh, nq, dh), g = dout.block(row, h * dh, nq, dh);
+          const Block km = k_mean.block(first, h * dh, c, dh), vm = v_mean.block(first, h * dh, c, dh);
+          ws.p.noalias() = (qb * scale) * km.transpose();
+          for (Index i = 0; i < nq; ++i) {
+            Scalar max = 0, sum = 0;
+            cpu::softmax_row(ws.p.row(i), &max, &sum);
+            lse(h, row + i) = max + std::log(sum);
+          }
+          ws.ds.noalias() = g * vm.transpose();  // dp
+          rowdot.row(h).segment(row, nq) = ws.p.cwiseProduct(ws.ds).rowwise().sum().transpose();
+          ws.ds = ws.p.cwiseProduct(ws.ds.colwise() - rowdot.row(h).segment(row, nq).transpose()) * scale;
+          dq.block(row, h * dh, nq, dh).noalias() += ws.ds * km;
+        }
+      });
   const Index blocks = detail::ceil_div(m, kSummaryBlock);
-  detail::parallel_for_each_worker<Workspace>(grid.batch * blocks, options.num_threads(), work, [&](Index task, Workspace& ws) {
-    const Index b = task / blocks, j0 = (task % blocks) * kSummaryBlock, j1 = std::min(m, j0 + kSummaryBlock);
-    for (Index c = j0 + 1; c < m; ++c) {  // the query windows that see summaries j0 …
-      const Index seen = std::min(j1, c) - j0, row = grid.row(b * m + c), nq = grid.count(b * m + c);
-      ws.p.resize(nq, seen);
-      ws.ds.resize(nq, seen);
-      for (Index h = 0; h < heads; ++h) {
-        const Block qb = q.block(row, h * dh, nq, dh), g = dout.block(row, h * dh, nq, dh);
-        ws.p.noalias() = (qb * scale) * k_mean.block(b * m + j0, h * dh, seen, dh).transpose();
-        for (Index i = 0; i < nq; ++i) cpu::exp_shifted(ws.p.row(i), lse(h, row + i));
-        ws.ds.noalias() = g * v_mean.block(b * m + j0, h * dh, seen, dh).transpose();  // dp
-        ws.ds = ws.p.cwiseProduct(ws.ds.colwise() - rowdot.row(h).segment(row, nq).transpose()) * scale;
-        dk_mean.block(b * m + j0, h * dh, seen, dh).noalias() += ws.ds.transpose() * qb;
-        dv_mean.block(b * m + j0, h * dh, seen, dh).noalias() += ws.p.transpose() * g;
-      }
-    }
-  });
+  detail::parallel_for_each_worker<Workspace>(
+      grid.batch * blocks, options.num_threads(), work, [&](Index task, Workspace& ws) {
+        const Index b = task / blocks, j0 = (task % blocks) * kSummaryBlock, j1 = std::min(m, j0 + kSummaryBlock);
+        for (Index c = j0 + 1; c < m; ++c) {  // the query windows that see summaries j0 …
+          const Index seen = std::min(j1, c) - j0, row = grid.row(b * m + c), nq = grid.count(b * m + c);
+          ws.p.resize(nq, seen);
+          ws.ds.resize(nq, seen);
+          for (Index h = 0; h < heads; ++h) {
+            const Block qb = q.block(row, h * dh, nq, dh), g = dout.block(row, h * dh, nq, dh);
+            ws.p.noalias() = (qb * scale) * k_mean.block(b * m + j0, h * dh, seen, dh).transpose();
+            for (Index i = 0; i < nq; ++i) cpu::exp_shifted(ws.p.row(i), lse(h, row + i));
+            ws.ds.noalias() = g * v_mean.block(b * m + j0, h * dh, seen, dh).transpose();  // dp
+            ws.ds = ws.p.cwiseProduct(ws.ds.colwise() - rowdot.row(h).segment(row, nq).transpose()) * scale;
+            dk_mean.block(b * m + j0, h * dh, seen, dh).noalias() += ws.ds.transpose() * qb;
+            dv_mean.block(b * m + j0, h * dh, seen, dh).noalias() += ws.p.transpose() * g;
+          }
+        }
+      });
 }
 
 /// Level 3's backward (sparse_global_attention_add with every position a query; every matrix a contiguous
@@ -478,12 +484,10 @@ void window_summary_attention_backward_add(const ConstRowMatrixRef<Scalar>& q,
 /// read key j: p = exp(q·k · scale − lse), dk_j += scale · dS q_(j−δ), dv_j += p dout_(j−δ). Memory: 2
 /// values per (query, head) and [rows, heads · offsets] blocks per worker.
 template <class Scalar>
-void sparse_global_attention_backward_add(const ConstRowMatrixRef<Scalar>& q,
-                                          const ConstRowMatrixRef<Scalar>& k,
-                                          const ConstRowMatrixRef<Scalar>& v,
-                                          const ConstRowMatrixRef<Scalar>& dout, Index batch, Index length,
-                                          Index heads, RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk,
-                                          RowMatrixRef<Scalar> dv, bool causal, Scalar scale,
+void sparse_global_attention_backward_add(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
+                                          const ConstRowMatrixRef<Scalar>& v, const ConstRowMatrixRef<Scalar>& dout,
+                                          Index batch, Index length, Index heads, RowMatrixRef<Scalar> dq,
+                                          RowMatrixRef<Scalar> dk, RowMatrixRef<Scalar> dv, bool causal, Scalar scale,
                                           const KernelOptions& options) {
   const char* kernel = "sparse_global_attention_backward_add";
   if (batch < 0 || length < 0) detail::fail(kernel, ": batch and length must be >= 0, got ", batch, " and ", length);
@@ -510,52 +514,60 @@ void sparse_global_attention_backward_add(const ConstRowMatrixRef<Scalar>& q,
   const Index blocks_per_batch = detail::ceil_div(T, kSparseRowBlock);
   const double work = 2.0 * detail::attention_work(batch * heads, T, noff, dh, dh);
   // Query pass.
-  detail::parallel_for_each_worker<Workspace>(batch * blocks_per_batch, options.num_threads(), work, [&](Index task, Workspace& ws) {
-    const Index b = task / blocks_per_batch;
-    const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, T - a), base = b * T + a;
-    ws.p.setConstant(nb * heads, noff, -std::numeric_limits<Scalar>::infinity());
-    ws.dp.setZero(nb * heads, noff);
-    for (Index o = 0; o < noff; ++o) {
-      const Index delta = offsets[static_cast<std::size_t>(o)];
-      const Index i0 = std::max<Index>(0, -delta - a), i1 = std::min(nb, T - delta - a);  // queries with a key at δ
-      if (i1 <= i0) continue;
-      const Index rows = i1 - i0, qr = base + i0;
-      ws.p.col(o).segment(i0 * heads, rows * heads) = head_products(ws, q.row(qr).data(), k.row(qr + delta).data(), rows).rowwise().sum() * scale;
-      ws.dp.col(o).segment(i0 * heads, rows * heads) = head_products(ws, dout.row(qr).data(), v.row(qr + delta).data(), rows).rowwise().sum();
-    }
-    for (Index r = 0; r < nb * heads; ++r) {
-      Scalar max = 0, sum = 0;
-      cpu::softmax_row(ws.p.row(r), &max, &sum);  // offset 0 is always there
-      lse(base * heads + r) = max + std::log(sum);
-    }
-    rowdot.segment(base * heads, nb * heads) = ws.p.cwiseProduct(ws.dp).rowwise().sum();
-    ws.dp = ws.p.cwiseProduct(ws.dp.colwise() - rowdot.segment(base * heads, nb * heads)) * scale;  // scale · dS
-    for (Index o = 0; o < noff; ++o) {
-      const Index delta = offsets[static_cast<std::size_t>(o)];
-      const Index i0 = std::max<Index>(0, -delta - a), i1 = std::min(nb, T - delta - a);
-      if (i1 <= i0) continue;
-      const Index rows = i1 - i0, qr = base + i0;
-      HeadsOut(dq.row(qr).data(), rows * heads, dh).noalias() +=
-          ws.dp.col(o).segment(i0 * heads, rows * heads).asDiagonal() * Heads(k.row(qr + delta).data(), rows * heads, dh);
-    }
-  });
+  detail::parallel_for_each_worker<Workspace>(
+      batch * blocks_per_batch, options.num_threads(), work, [&](Index task, Workspace& ws) {
+        const Index b = task / blocks_per_batch;
+        const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, T - a),
+                    base = b * T + a;
+        ws.p.setConstant(nb * heads, noff, -std::numeric_limits<Scalar>::infinity());
+        ws.dp.setZero(nb * heads, noff);
+        for (Index o = 0; o < noff; ++o) {
+          const Index delta = offsets[static_cast<std::size_t>(o)];
+          const Index i0 = std::max<Index>(0, -delta - a), i1 = std::min(nb, T - delta - a);  // queries with a key at δ
+          if (i1 <= i0) continue;
+          const Index rows = i1 - i0, qr = base + i0;
+          ws.p.col(o).segment(i0 * heads, rows * heads) =
+              head_products(ws, q.row(qr).data(), k.row(qr + delta).data(), rows).rowwise().sum() * scale;
+          ws.dp.col(o).segment(i0 * heads, rows * heads) =
+              head_products(ws, dout.row(qr).data(), v.row(qr + delta).data(), rows).rowwise().sum();
+        }
+        for (Index r = 0; r < nb * heads; ++r) {
+          Scalar max = 0, sum = 0;
+          cpu::softmax_row(ws.p.row(r), &max, &sum);  // offset 0 is always there
+          lse(base * heads + r) = max + std::log(sum);
+        }
+        rowdot.segment(base * heads, nb * heads) = ws.p.cwiseProduct(ws.dp).rowwise().sum();
+        ws.dp = ws.p.cwiseProduct(ws.dp.colwise() - rowdot.segment(base * heads, nb * heads)) * scale;  // scale · dS
+        for (Index o = 0; o < noff; ++o) {
+          const Index delta = offsets[static_cast<std::size_t>(o)];
+          const Index i0 = std::max<Index>(0, -delta - a), i1 = std::min(nb, T - delta - a);
+          if (i1 <= i0) continue;
+          const Index rows = i1 - i0, qr = base + i0;
+          HeadsOut(dq.row(qr).data(), rows * heads, dh).noalias() +=
+              ws.dp.col(o).segment(i0 * heads, rows * heads).asDiagonal() *
+              Heads(k.row(qr + delta).data(), rows * heads, dh);
+        }
+      });
   // Key pass.
-  detail::parallel_for_each_worker<Workspace>(batch * blocks_per_batch, options.num_threads(), work, [&](Index task, Workspace& ws) {
-    const Index b = task / blocks_per_batch;
-    const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, T - a), base = b * T + a;
-    for (Index o = 0; o < noff; ++o) {
-      const Index delta = offsets[static_cast<std::size_t>(o)];
-      const Index j0 = std::max<Index>(0, delta - a), j1 = std::min(nb, T + delta - a);  // keys read from query j − δ
-      if (j1 <= j0) continue;
-      const Index rows = j1 - j0, kr = base + j0, qr = kr - delta, n = rows * heads;
-      ws.s = head_products(ws, q.row(qr).data(), k.row(kr).data(), rows).rowwise().sum() * scale;
-      ws.s = (ws.s - lse.segment(qr * heads, n)).array().exp().matrix();  // p
-      ws.d = head_products(ws, dout.row(qr).data(), v.row(kr).data(), rows).rowwise().sum();  // dp
-      ws.d = ws.s.cwiseProduct(ws.d - rowdot.segment(qr * heads, n)) * scale;  // scale · dS
-      HeadsOut(dk.row(kr).data(), n, dh).noalias() += ws.d.asDiagonal() * Heads(q.row(qr).data(), n, dh);
-      HeadsOut(dv.row(kr).data(), n, dh).noalias() += ws.s.asDiagonal() * Heads(dout.row(qr).data(), n, dh);
-    }
-  });
+  detail::parallel_for_each_worker<Workspace>(
+      batch * blocks_per_batch, options.num_threads(), work, [&](Index task, Workspace& ws) {
+        const Index b = task / blocks_per_batch;
+        const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, T - a),
+                    base = b * T + a;
+        for (Index o = 0; o < noff; ++o) {
+          const Index delta = offsets[static_cast<std::size_t>(o)];
+          const Index j0 = std::max<Index>(0, delta - a),
+                      j1 = std::min(nb, T + delta - a);  // keys read from query j − δ
+          if (j1 <= j0) continue;
+          const Index rows = j1 - j0, kr = base + j0, qr = kr - delta, n = rows * heads;
+          ws.s = head_products(ws, q.row(qr).data(), k.row(kr).data(), rows).rowwise().sum() * scale;
+          ws.s = (ws.s - lse.segment(qr * heads, n)).array().exp().matrix();                      // p
+          ws.d = head_products(ws, dout.row(qr).data(), v.row(kr).data(), rows).rowwise().sum();  // dp
+          ws.d = ws.s.cwiseProduct(ws.d - rowdot.segment(qr * heads, n)) * scale;                 // scale · dS
+          HeadsOut(dk.row(kr).data(), n, dh).noalias() += ws.d.asDiagonal() * Heads(q.row(qr).data(), n, dh);
+          HeadsOut(dv.row(kr).data(), n, dh).noalias() += ws.s.asDiagonal() * Heads(dout.row(qr).data(), n, dh);
+        }
+      });
 }
 
 }  // namespace kernels

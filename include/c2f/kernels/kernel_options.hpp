@@ -6,8 +6,8 @@
 // in `_add`: then it adds to it.
 #pragma once
 
-#include "c2f/core.hpp"
 #include "c2f/arg.hpp"
+#include "c2f/core.hpp"
 #include "c2f/options.hpp"
 
 namespace c2f {

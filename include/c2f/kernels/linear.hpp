@@ -4,11 +4,11 @@
 
 #include "c2f/core.hpp"
 #include "c2f/cpu/bf16_gemm.hpp"
-#include "c2f/detail/checks.hpp"
 #include "c2f/cpu/packed_gemm.hpp"
+#include "c2f/detail/checks.hpp"
 #include "c2f/detail/parallel.hpp"
-#include "c2f/kernels/weight_cache.hpp"
 #include "c2f/kernels/kernel_options.hpp"
+#include "c2f/kernels/weight_cache.hpp"
 
 #include <algorithm>
 #include <vector>
@@ -99,7 +99,8 @@ inline Bf16Split bf16_split(Index n, Index k, Index out, int workers) {
   const Index col_tasks = std::max<Index>(1, (out + widest - 1) / widest);
   const Index task_cols = std::max<Index>(1, (out + col_tasks - 1) / col_tasks + kStep - 1) / kStep * kStep;
   Index task_rows = kernels::kBf16TaskRows;
-  while (task_rows > kStep && ((n + task_rows - 1) / task_rows) * col_tasks < 2 * static_cast<Index>(workers)) task_rows /= 2;
+  while (task_rows > kStep && ((n + task_rows - 1) / task_rows) * col_tasks < 2 * static_cast<Index>(workers))
+    task_rows /= 2;
   return {task_rows, task_cols, (n + task_rows - 1) / task_rows, std::max<Index>(1, (out + task_cols - 1) / task_cols)};
 }
 /// True when matmul_rows in bfloat16 packs its right-hand side for an [n, ·] left side (the products a
@@ -122,18 +123,20 @@ void matmul_rows_packed(const ConstRowMatrixRef<Scalar>& x, const cpu::PackedB<S
       n, out_cols, kernels::kPackedTaskRows, kernels::kPackedMinRowTasks, kernels::kPackedTaskCols, options, work,
       [&](Index r0, Index rows, Index c0, Index cols) {
         cpu::packed_gemm<Scalar>(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, c0, cols,
-                            bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0, y.outerStride());
+                                 bias != nullptr ? bias + c0 : nullptr, y.data() + r0 * y.outerStride() + c0,
+                                 y.outerStride());
       },
       cpu::GemmBlocking<Scalar>::kMR, b_bytes <= kernels::kPackedWholeColsBytes);
 }
 
 /// matmul_rows's bfloat16 path on a right-hand side packed already: y = x · B (+ bias), every element one
 /// sum over the whole depth, the tasks of bf16_split.
-inline void matmul_rows_packed_bf16(const ConstRowMatrixRef<float>& x, const cpu::Bf16PackedB& packed, const float* bias,
-                                    RowMatrixRef<float> y, const kernels::KernelOptions& options) {
+inline void matmul_rows_packed_bf16(const ConstRowMatrixRef<float>& x, const cpu::Bf16PackedB& packed,
+                                    const float* bias, RowMatrixRef<float> y, const kernels::KernelOptions& options) {
   if (x.cols() != packed.rows() || y.rows() != x.rows() || y.cols() != packed.cols()) {
     detail::fail("matmul_rows: x ", detail::shape_string({x.rows(), x.cols()}), " times the packed ",
-         detail::shape_string({packed.rows(), packed.cols()}), " does not fit y ", detail::shape_string({y.rows(), y.cols()}));
+                 detail::shape_string({packed.rows(), packed.cols()}), " does not fit y ",
+                 detail::shape_string({y.rows(), y.cols()}));
   }
   const Index n = x.rows(), out_cols = packed.cols();
   if (n == 0) return;
@@ -148,21 +151,24 @@ inline void matmul_rows_packed_bf16(const ConstRowMatrixRef<float>& x, const cpu
   };
   if (split.rows_shared()) {
     std::vector<cpu::Bf16A> rounded(static_cast<std::size_t>(split.row_tasks));
-    detail::parallel_for(split.row_tasks, options.num_threads(), detail::kElementWork * static_cast<double>(n) * static_cast<double>(x.cols()),
-                 [&](Index r, int) {
-                   const Index r0 = r * split.task_rows;
-                   rounded[static_cast<std::size_t>(r)].prepare(x.data() + r0 * x.outerStride(), x.outerStride(),
-                                                                std::min(split.task_rows, n - r0), x.cols(), packed.tiles());
-                 });
+    detail::parallel_for(
+        split.row_tasks, options.num_threads(),
+        detail::kElementWork * static_cast<double>(n) * static_cast<double>(x.cols()), [&](Index r, int) {
+          const Index r0 = r * split.task_rows;
+          rounded[static_cast<std::size_t>(r)].prepare(x.data() + r0 * x.outerStride(), x.outerStride(),
+                                                       std::min(split.task_rows, n - r0), x.cols(), packed.tiles());
+        });
     tasks([&](Index r, Index r0, Index, Index c0, Index cols) {
-      cpu::bf16_gemm(rounded[static_cast<std::size_t>(r)], packed, 0, x.cols(), c0, cols, bias != nullptr ? bias + c0 : nullptr, false,
-                y.data() + r0 * y.outerStride() + c0, y.outerStride());
+      cpu::bf16_gemm(rounded[static_cast<std::size_t>(r)], packed, 0, x.cols(), c0, cols,
+                     bias != nullptr ? bias + c0 : nullptr, false, y.data() + r0 * y.outerStride() + c0,
+                     y.outerStride());
     });
     return;
   }
   tasks([&](Index, Index r0, Index rows, Index c0, Index cols) {
     cpu::bf16_gemm_range(x.data() + r0 * x.outerStride(), x.outerStride(), rows, packed, 0, x.cols(), c0, cols,
-                    bias != nullptr ? bias + c0 : nullptr, false, y.data() + r0 * y.outerStride() + c0, y.outerStride());
+                         bias != nullptr ? bias + c0 : nullptr, false, y.data() + r0 * y.outerStride() + c0,
+                         y.outerStride());
   });
 }
 }  // namespace impl
@@ -171,8 +177,8 @@ inline void matmul_rows_packed_bf16(const ConstRowMatrixRef<float>& x, const cpu
 /// (e.g. a transposed weight), bias [out] or nullptr, y [n, out]. Tasks of rows (and, for few rows, of
 /// columns too) run on options.num_threads() threads (0 = all).
 template <class Scalar, class Rhs>
-void matmul_rows(const ConstRowMatrixRef<Scalar>& x, const Rhs& rhs, const Scalar* bias,
-                 RowMatrixRef<Scalar> y, const KernelOptions& options) {
+void matmul_rows(const ConstRowMatrixRef<Scalar>& x, const Rhs& rhs, const Scalar* bias, RowMatrixRef<Scalar> y,
+                 const KernelOptions& options) {
   if (x.cols() != rhs.rows() || y.rows() != x.rows() || y.cols() != rhs.cols()) {
     detail::fail("matmul_rows: x ", detail::shape_string({x.rows(), x.cols()}), " times ",
                  detail::shape_string({rhs.rows(), rhs.cols()}), " does not fit y ",
@@ -189,14 +195,15 @@ void matmul_rows(const ConstRowMatrixRef<Scalar>& x, const Rhs& rhs, const Scala
       if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) {
         if (!impl::bf16_packs(n, options.rows_independent(), rhs.rowStride() == 1)) {
           // Work: the multiply-adds and the rounding of every weight in registers (a few operations each).
-          const double rounding = 4.0 * detail::kElementWork * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
+          const double rounding =
+              4.0 * detail::kElementWork * static_cast<double>(x.cols()) * static_cast<double>(out_cols);
           impl::row_col_tasks(n, out_cols, kBf16TaskRows, kPackedMinRowTasks, kPackedTaskCols, options, work + rounding,
-                                [&](Index r0, Index rows, Index c0, Index cols) {
-                                  cpu::bf16_gemm_rows(x.data() + r0 * x.outerStride(), x.outerStride(), rows,
-                                                         rhs.data() + c0 * rhs.colStride(), rhs.colStride(), x.cols(), cols,
-                                                         bias != nullptr ? bias + c0 : nullptr,
-                                                         y.data() + r0 * y.outerStride() + c0, y.outerStride());
-                                });
+                              [&](Index r0, Index rows, Index c0, Index cols) {
+                                cpu::bf16_gemm_rows(x.data() + r0 * x.outerStride(), x.outerStride(), rows,
+                                                    rhs.data() + c0 * rhs.colStride(), rhs.colStride(), x.cols(), cols,
+                                                    bias != nullptr ? bias + c0 : nullptr,
+                                                    y.data() + r0 * y.outerStride() + c0, y.outerStride());
+                              });
           return;
         }
       }
@@ -214,17 +221,18 @@ void matmul_rows(const ConstRowMatrixRef<Scalar>& x, const Rhs& rhs, const Scala
     impl::matmul_rows_packed(x, packed, bias, y, options);
     return;
   }
-  impl::row_col_tasks(n, out_cols, kLinearTaskRows, kLinearMinRowTasks, kLinearTaskCols, options, work, [&](Index r0, Index rows, Index c0, Index cols) {
-    typename RowMatrixRef<Scalar>::BlockXpr out = y.block(r0, c0, rows, cols);
-    if (cols == out_cols) {
-      out.noalias() = x.middleRows(r0, rows) * rhs;
-    } else {
-      out.noalias() = x.middleRows(r0, rows) * rhs.middleCols(c0, cols);
-    }
-    if (bias != nullptr) {
-      out.rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(bias + c0, cols);
-    }
-  });
+  impl::row_col_tasks(n, out_cols, kLinearTaskRows, kLinearMinRowTasks, kLinearTaskCols, options, work,
+                      [&](Index r0, Index rows, Index c0, Index cols) {
+                        typename RowMatrixRef<Scalar>::BlockXpr out = y.block(r0, c0, rows, cols);
+                        if (cols == out_cols) {
+                          out.noalias() = x.middleRows(r0, rows) * rhs;
+                        } else {
+                          out.noalias() = x.middleRows(r0, rows) * rhs.middleCols(c0, cols);
+                        }
+                        if (bias != nullptr) {
+                          out.rowwise() += Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(bias + c0, cols);
+                        }
+                      });
 }
 
 /// Heap bytes matmul_rows() (and linear()) hold while they run for an [n, k] · [k, out] product: the
@@ -260,8 +268,8 @@ std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out, bool rows_i
 /// y = x · wᵀ + bias (overwritten) for x [n, in], w [out, in] (PyTorch's Linear.weight layout), bias
 /// [out] or nullptr, y [n, out].
 template <class Scalar>
-void linear(const ConstRowMatrixRef<Scalar>& x, const ConstRowMatrixRef<Scalar>& w,
-            const Scalar* bias, RowMatrixRef<Scalar> y, const KernelOptions& options) {
+void linear(const ConstRowMatrixRef<Scalar>& x, const ConstRowMatrixRef<Scalar>& w, const Scalar* bias,
+            RowMatrixRef<Scalar> y, const KernelOptions& options) {
   detail::check_linear_shapes("linear", x, w, y);
   matmul_rows<Scalar>(x, w.transpose(), bias, y, options);
 }
@@ -277,8 +285,8 @@ constexpr Index kGradTile = 64;
 /// The bits depend on the shapes only. Twin: linear_backward_naive().
 template <class Scalar>
 void linear_backward(const ConstRowMatrixRef<Scalar>& x, const ConstRowMatrixRef<Scalar>& w,
-                     const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
-                     RowMatrixRef<Scalar> dw, Scalar* db, const KernelOptions& options) {
+                     const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx, RowMatrixRef<Scalar> dw, Scalar* db,
+                     const KernelOptions& options) {
   detail::check_linear_backward("linear_backward", x, w, dy, dx, dw);
   matmul_rows<Scalar>(dy, w, nullptr, dx, options);
   const Index n = x.rows(), out = w.rows(), in = w.cols();
@@ -302,8 +310,8 @@ void linear_backward(const ConstRowMatrixRef<Scalar>& x, const ConstRowMatrixRef
 /// Twin of linear_backward(): one sum per gradient element, in index order.
 template <class Scalar>
 void linear_backward_naive(const ConstRowMatrixRef<Scalar>& x, const ConstRowMatrixRef<Scalar>& w,
-                           const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
-                           RowMatrixRef<Scalar> dw, Scalar* db) {
+                           const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx, RowMatrixRef<Scalar> dw,
+                           Scalar* db) {
   detail::check_linear_backward("linear_backward_naive", x, w, dy, dx, dw);
   for (Index i = 0; i < x.rows(); ++i) {
     for (Index k = 0; k < w.cols(); ++k) {
@@ -328,8 +336,8 @@ void linear_backward_naive(const ConstRowMatrixRef<Scalar>& x, const ConstRowMat
 
 /// Reference twin of linear(): one dot product per output element, in index order.
 template <class Scalar>
-void linear_naive(const ConstRowMatrixRef<Scalar>& x, const ConstRowMatrixRef<Scalar>& w,
-                  const Scalar* bias, RowMatrixRef<Scalar> y) {
+void linear_naive(const ConstRowMatrixRef<Scalar>& x, const ConstRowMatrixRef<Scalar>& w, const Scalar* bias,
+                  RowMatrixRef<Scalar> y) {
   detail::check_linear_shapes("linear_naive", x, w, y);
   for (Index i = 0; i < x.rows(); ++i) {
     for (Index o = 0; o < w.rows(); ++o) {
@@ -340,22 +348,22 @@ void linear_naive(const ConstRowMatrixRef<Scalar>& x, const ConstRowMatrixRef<Sc
   }
 }
 
-
 /// kernels::matmul_rows for a layer that keeps its weights' packings (WeightCache): wherever matmul_rows
 /// would pack `rhs` — on the micro-kernel path in fp32, or for the engine in Compute::BFloat16 — slot
 /// `slot` of `cache` serves it, packed from `rhs` on the first call and whenever `stamp` changes, with
 /// the same bits. Otherwise (few rows, Eigen's product) matmul_rows itself.
 template <class Scalar, class Rhs>
-void matmul_rows_cached(const ConstRowMatrixRef<Scalar>& x, const Rhs& rhs, const Scalar* bias,
-                        RowMatrixRef<Scalar> y, const KernelOptions& options, const WeightCache<Scalar>& cache,
-                        std::size_t slot, std::uint64_t stamp) {
+void matmul_rows_cached(const ConstRowMatrixRef<Scalar>& x, const Rhs& rhs, const Scalar* bias, RowMatrixRef<Scalar> y,
+                        const KernelOptions& options, const WeightCache<Scalar>& cache, std::size_t slot,
+                        std::uint64_t stamp) {
   const bool fits = x.cols() == rhs.rows() && y.rows() == x.rows() && y.cols() == rhs.cols();
   const Index n = x.rows();
   const double work = 2.0 * static_cast<double>(n) * static_cast<double>(x.cols()) * static_cast<double>(rhs.cols());
   if (options.compute() == Compute::BFloat16) {
     if constexpr (std::is_same<Scalar, float>::value) {
       bool in_place = false;
-      if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0) in_place = rhs.rowStride() == 1;
+      if constexpr ((Eigen::internal::traits<Rhs>::Flags & Eigen::DirectAccessBit) != 0)
+        in_place = rhs.rowStride() == 1;
       if (fits && n > 0 && impl::bf16_packs(n, options.rows_independent(), in_place)) {
         const std::shared_ptr<const cpu::Bf16PackedB> packed =
             cache.bf16(slot, stamp, [&](cpu::Bf16PackedB& b) { b.pack(rhs, options.num_threads(), true, work); });

@@ -20,15 +20,15 @@
 
 #include "c2f/core.hpp"
 #include "c2f/cpu/bf16_gemm.hpp"
-#include "c2f/detail/checks.hpp"
-#include "c2f/detail/convert.hpp"
 #include "c2f/cpu/masked_values.hpp"
 #include "c2f/cpu/packed_gemm.hpp"
-#include "c2f/detail/parallel.hpp"
-#include "c2f/detail/random.hpp"
 #include "c2f/cpu/score_tile.hpp"
 #include "c2f/cpu/small_gemm.hpp"
 #include "c2f/cpu/softmax.hpp"
+#include "c2f/detail/checks.hpp"
+#include "c2f/detail/convert.hpp"
+#include "c2f/detail/parallel.hpp"
+#include "c2f/detail/random.hpp"
 #include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 #include "c2f/mask_view.hpp"
@@ -79,8 +79,8 @@ class DropoutRow {
 /// (batch·head) bh: a dropped one becomes 0; the kept ones are scaled by `kept_scale` (1 / (1 − p), or 1
 /// when the caller scales later). `keep`, when not null, receives the decisions row-major (1 = kept).
 template <class P>
-void apply_dropout(const kernels::AttnDropout& d, Index bh, Index i0, Index j0, P&& p, typename std::decay_t<P>::Scalar kept_scale,
-                   std::uint8_t* keep = nullptr) {
+void apply_dropout(const kernels::AttnDropout& d, Index bh, Index i0, Index j0, P&& p,
+                   typename std::decay_t<P>::Scalar kept_scale, std::uint8_t* keep = nullptr) {
   for (Index r = 0; r < p.rows(); ++r) {
     const DropoutRow row(d, bh, i0 + r);
     for (Index c = 0; c < p.cols(); ++c) {
@@ -100,10 +100,11 @@ Scalar dropout_scale(const kernels::AttnDropout& d) {
 /// The body of sdpa_naive and sdpa_naive_train: weights, lse ([batch·heads, queries]) and dropout each
 /// optional (nullptr).
 template <class Scalar>
-void sdpa_naive_impl(const char* kernel, const kernels::HeadsView<const Scalar>& q, const kernels::HeadsView<const Scalar>& k,
-                     const kernels::HeadsView<const Scalar>& v, const kernels::HeadsView<Scalar>& out,
-                     const MaskView<Scalar>& mask, Scalar scale, const kernels::KernelOptions& options, Scalar* weights,
-                     RowMatrixRef<Scalar>* lse, const kernels::AttnDropout* dropout) {
+void sdpa_naive_impl(const char* kernel, const kernels::HeadsView<const Scalar>& q,
+                     const kernels::HeadsView<const Scalar>& k, const kernels::HeadsView<const Scalar>& v,
+                     const kernels::HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale,
+                     const kernels::KernelOptions& options, Scalar* weights, RowMatrixRef<Scalar>* lse,
+                     const kernels::AttnDropout* dropout) {
   using kernels::HeadsView;
   detail::check_sdpa(kernel, q, k, v, out, mask, scale);
   const Index lq = q.seq, lk = k.seq;
@@ -128,7 +129,8 @@ void sdpa_naive_impl(const char* kernel, const kernels::HeadsView<const Scalar>&
     cpu::MaskedValues<Scalar> masked;
     const bool guard = bf16 ? masked.find(vr) : masked.find(vb);
     if (guard) masked.remember_hidden(s);
-    RowMatrix<Scalar> e;  // Compute::BFloat16: the scores, then exp(score − row max) rounded, as sdpa_streaming rounds them
+    RowMatrix<Scalar>
+        e;  // Compute::BFloat16: the scores, then exp(score − row max) rounded, as sdpa_streaming rounds them
     if (bf16) e = s;
     for (Index i = 0; i < lq; ++i) {
       Scalar max = 0, sum = 0;
@@ -179,8 +181,8 @@ void sdpa_naive_impl(const char* kernel, const kernels::HeadsView<const Scalar>&
 template <class View, class Lse>
 void check_lse(const char* kernel, const View& q, const Lse& lse, const kernels::AttnDropout* dropout = nullptr) {
   if (lse.rows() != q.batch * q.heads || lse.cols() != q.seq) {
-    detail::fail(kernel, ": lse must be [batch·heads, queries] = ", detail::shape_string({q.batch * q.heads, q.seq}), ", got ",
-         detail::shape_string({lse.rows(), lse.cols()}));
+    detail::fail(kernel, ": lse must be [batch·heads, queries] = ", detail::shape_string({q.batch * q.heads, q.seq}),
+                 ", got ", detail::shape_string({lse.rows(), lse.cols()}));
   }
   if (dropout != nullptr) check_dropout(kernel, dropout->p);
 }
@@ -188,12 +190,14 @@ void check_lse(const char* kernel, const View& q, const Lse& lse, const kernels:
 /// The blocks sdpa_streaming works in: the options' query and key blocks, capped by the problem's lengths
 /// (a block longer than the sequence is the sequence: the same arithmetic, less scratch).
 inline std::pair<Index, Index> streaming_blocks(const kernels::KernelOptions& options, Index lq, Index lk) {
-  return {std::max<Index>(1, std::min(options.query_block(), lq)), std::max<Index>(1, std::min(options.key_block(), lk))};
+  return {std::max<Index>(1, std::min(options.query_block(), lq)),
+          std::max<Index>(1, std::min(options.key_block(), lk))};
 }
 
 /// sdpa_split_keys computes row by row of the cache (every head on a row at once) up to this many
-/// queries; with more, head by head on Eigen's products, whose register tiles then pay (docs/benchmarks.md#decoding-reads-the-whole-cache;
-/// the A/B: "The row-by-row decode kernel" in git show 9944106:docs/benchmarks.md).
+/// queries; with more, head by head on Eigen's products, whose register tiles then pay
+/// (docs/benchmarks.md#decoding-reads-the-whole-cache; the A/B: "The row-by-row decode kernel" in git show
+/// 9944106:docs/benchmarks.md).
 constexpr Index kSplitKeysByRowMaxQueries = 4;
 
 /// From this many queries on, sdpa_streaming packs each head's keys and values once (where the build has
@@ -214,7 +218,9 @@ bool streaming_packed(const kernels::KernelOptions& options, Index lq, Index lk)
 }
 /// Whether sdpa_streaming's bfloat16 products run on the tile engine for key blocks of bk over lk keys: the
 /// CPU has it (and set_bf16_tiles allows it), and every key block starts on a 32-row tile step.
-inline bool streaming_bf16_tiles(Index bk, Index lk) { return cpu::bf16_tiles() && (bk % cpu::kTileK == 0 || bk >= lk); }
+inline bool streaming_bf16_tiles(Index bk, Index lk) {
+  return cpu::bf16_tiles() && (bk % cpu::kTileK == 0 || bk >= lk);
+}
 /// From this many bytes of one head's keys and values on, a task of sdpa_streaming's packed path takes
 /// two query blocks (streaming_query_group).
 constexpr std::size_t kStreamingGroupBytes = std::size_t(1) << 20;
@@ -257,9 +263,9 @@ void sdpa_streaming_impl(const char* kernel, const HeadsView<const Scalar>& q, c
   const bool bf16 = c2f::cpu::check_compute<Scalar, KV>(kernel, options.compute(), true);
 
   struct Workspace {
-    RowMatrix<Scalar> q, s, acc, kv;  // kv: a converted key or value block (KV ≠ Scalar)
+    RowMatrix<Scalar> q, s, acc, kv;    // kv: a converted key or value block (KV ≠ Scalar)
     Vector<Scalar> m, l, alpha, lanes;  // lanes: the fused step's sums and maxes
-    c2f::cpu::Bf16A q16, p16;  // Compute::BFloat16: the query block and the probabilities, rounded
+    c2f::cpu::Bf16A q16, p16;           // Compute::BFloat16: the query block and the probabilities, rounded
     c2f::cpu::MaskedValues<Scalar> masked;
   };
   // Work: the key blocks a causal or length mask skips are not counted (an upper bound).
@@ -293,7 +299,8 @@ void sdpa_streaming_impl(const char* kernel, const HeadsView<const Scalar>& q, c
     const Index b = bh / q.heads, h = bh % q.heads;
     if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
       if (bf16) {
-        packed_k16[static_cast<std::size_t>(bh)].pack(k.block(b, h, 0, lk).template cast<float>().transpose(), 1, tiles);
+        packed_k16[static_cast<std::size_t>(bh)].pack(k.block(b, h, 0, lk).template cast<float>().transpose(), 1,
+                                                      tiles);
         packed_v16[static_cast<std::size_t>(bh)].pack(v.block(b, h, 0, lk).template cast<float>(), 1, tiles);
       }
     }
@@ -304,126 +311,134 @@ void sdpa_streaming_impl(const char* kernel, const HeadsView<const Scalar>& q, c
       }
     }
   };
-  detail::parallel_for_each_worker<Workspace>(pairs * groups, options.num_threads(), work, [&](Index task, Workspace& ws) {
-    if (ws.q.size() == 0) {
-      ws.q.resize(group * bq, dk);
-      ws.s.resize(bq, c2f::cpu::score_stride<Scalar>(bk));
-      ws.acc.resize(group * bq, dv);
-      ws.m.resize(group * bq);
-      ws.l.resize(group * bq);
-      ws.alpha.resize(group * bq);
-      if (fused) ws.lanes.resize(32 * bq);
-    }
-    const std::pair<Index, Index> at = order.task(task);
-    const Index bh = at.first, first_block = at.second * group;
-    const Index task_blocks = std::min(group, query_blocks - first_block);
-    order.prepare(bh, pack_pair);
-    const Index b = bh / q.heads, h = bh % q.heads;
-    const c2f::cpu::Bf16Tiles tile_registers(bf16 && packed_k16[static_cast<std::size_t>(bh)].tiles());
-    // Query block g of the task: its first query, its rows, and its rows of the workspace from g·bq on.
-    const auto first_query = [&](Index g) { return (first_block + g) * bq; };
-    const auto rows_of = [&](Index g) { return std::min(bq, lq - first_query(g)); };
-    for (Index g = 0; g < task_blocks; ++g) {
-      const Index ni = rows_of(g);
-      ws.q.middleRows(g * bq, ni) = q.block(b, h, first_query(g), ni) * scale;
-      ws.acc.middleRows(g * bq, ni).setZero();
-      ws.m.segment(g * bq, ni).setConstant(kNegInf);
-      ws.l.segment(g * bq, ni).setZero();
-    }
-    if constexpr (std::is_same<Scalar, float>::value) {  // bf16: one block per task
-      if (bf16) ws.q16.prepare(ws.q.data(), ws.q.outerStride(), rows_of(0), dk, packed_k16[static_cast<std::size_t>(bh)].tiles());
-    }
+  detail::parallel_for_each_worker<Workspace>(
+      pairs * groups, options.num_threads(), work, [&](Index task, Workspace& ws) {
+        if (ws.q.size() == 0) {
+          ws.q.resize(group * bq, dk);
+          ws.s.resize(bq, c2f::cpu::score_stride<Scalar>(bk));
+          ws.acc.resize(group * bq, dv);
+          ws.m.resize(group * bq);
+          ws.l.resize(group * bq);
+          ws.alpha.resize(group * bq);
+          if (fused) ws.lanes.resize(32 * bq);
+        }
+        const std::pair<Index, Index> at = order.task(task);
+        const Index bh = at.first, first_block = at.second * group;
+        const Index task_blocks = std::min(group, query_blocks - first_block);
+        order.prepare(bh, pack_pair);
+        const Index b = bh / q.heads, h = bh % q.heads;
+        const c2f::cpu::Bf16Tiles tile_registers(bf16 && packed_k16[static_cast<std::size_t>(bh)].tiles());
+        // Query block g of the task: its first query, its rows, and its rows of the workspace from g·bq on.
+        const auto first_query = [&](Index g) { return (first_block + g) * bq; };
+        const auto rows_of = [&](Index g) { return std::min(bq, lq - first_query(g)); };
+        for (Index g = 0; g < task_blocks; ++g) {
+          const Index ni = rows_of(g);
+          ws.q.middleRows(g * bq, ni) = q.block(b, h, first_query(g), ni) * scale;
+          ws.acc.middleRows(g * bq, ni).setZero();
+          ws.m.segment(g * bq, ni).setConstant(kNegInf);
+          ws.l.segment(g * bq, ni).setZero();
+        }
+        if constexpr (std::is_same<Scalar, float>::value) {  // bf16: one block per task
+          if (bf16)
+            ws.q16.prepare(ws.q.data(), ws.q.outerStride(), rows_of(0), dk,
+                           packed_k16[static_cast<std::size_t>(bh)].tiles());
+        }
 
-    for (Index j0 = 0; j0 < lk; j0 += bk) {
-      const Index nj = std::min(bk, lk - j0);
-      for (Index g = 0; g < task_blocks; ++g) {
-        const Index i0 = first_query(g), ni = rows_of(g);
-        typename RowMatrix<Scalar>::RowsBlockXpr qs = ws.q.middleRows(g * bq, ni), acc = ws.acc.middleRows(g * bq, ni);
-        Eigen::VectorBlock<Vector<Scalar>> m = ws.m.segment(g * bq, ni), l = ws.l.segment(g * bq, ni),
-                                           alpha = ws.alpha.segment(g * bq, ni);
-        const BlockMask status = mask.classify(b, i0, ni, j0, nj);
-        if (status == BlockMask::Skip) continue;
-        Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
-        if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
-          if (bf16) {
-            c2f::cpu::bf16_gemm(ws.q16, packed_k16[static_cast<std::size_t>(bh)], 0, dk, j0, nj, nullptr, false, s.data(),
-                                   s.outerStride());
-            if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
-            // The rounded values: a finite value beyond bfloat16's range is infinite there.
-            const Eigen::CwiseUnaryOp<c2f::cpu::RoundBf16<Scalar>, const typename HeadsView<const KV>::Block> vr =
-                v.block(b, h, j0, nj).unaryExpr(c2f::cpu::RoundBf16<Scalar>());
-            const bool guard = status == BlockMask::Partial && ws.masked.find(vr);
-            if (guard) ws.masked.remember_hidden(s);
-            if (c2f::cpu::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
-            if (drop) impl::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
-            if (guard) {
-              c2f::cpu::round_bf16_rows(s.data(), ni, nj, s.outerStride());
-              ws.masked.template product<true>(acc, s, vr);
-            } else {
-              const c2f::cpu::Bf16PackedB& pv = packed_v16[static_cast<std::size_t>(bh)];
-              ws.p16.prepare(s.data(), s.outerStride(), ni, nj, pv.tiles());
-              c2f::cpu::bf16_gemm(ws.p16, pv, j0, j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
+        for (Index j0 = 0; j0 < lk; j0 += bk) {
+          const Index nj = std::min(bk, lk - j0);
+          for (Index g = 0; g < task_blocks; ++g) {
+            const Index i0 = first_query(g), ni = rows_of(g);
+            typename RowMatrix<Scalar>::RowsBlockXpr qs = ws.q.middleRows(g * bq, ni),
+                                                     acc = ws.acc.middleRows(g * bq, ni);
+            Eigen::VectorBlock<Vector<Scalar>> m = ws.m.segment(g * bq, ni), l = ws.l.segment(g * bq, ni),
+                                               alpha = ws.alpha.segment(g * bq, ni);
+            const BlockMask status = mask.classify(b, i0, ni, j0, nj);
+            if (status == BlockMask::Skip) continue;
+            Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj);
+            if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
+              if (bf16) {
+                c2f::cpu::bf16_gemm(ws.q16, packed_k16[static_cast<std::size_t>(bh)], 0, dk, j0, nj, nullptr, false,
+                                    s.data(), s.outerStride());
+                if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
+                // The rounded values: a finite value beyond bfloat16's range is infinite there.
+                const Eigen::CwiseUnaryOp<c2f::cpu::RoundBf16<Scalar>, const typename HeadsView<const KV>::Block> vr =
+                    v.block(b, h, j0, nj).unaryExpr(c2f::cpu::RoundBf16<Scalar>());
+                const bool guard = status == BlockMask::Partial && ws.masked.find(vr);
+                if (guard) ws.masked.remember_hidden(s);
+                if (c2f::cpu::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
+                if (drop) impl::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
+                if (guard) {
+                  c2f::cpu::round_bf16_rows(s.data(), ni, nj, s.outerStride());
+                  ws.masked.template product<true>(acc, s, vr);
+                } else {
+                  const c2f::cpu::Bf16PackedB& pv = packed_v16[static_cast<std::size_t>(bh)];
+                  ws.p16.prepare(s.data(), s.outerStride(), ni, nj, pv.tiles());
+                  c2f::cpu::bf16_gemm(ws.p16, pv, j0, j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
+                }
+                continue;
+              }
             }
-            continue;
-          }
-        }
-        // QKᵀ and the softmax step: fused on a block the mask leaves whole.
-        bool stepped = false, rescale = false;
+            // QKᵀ and the softmax step: fused on a block the mask leaves whole.
+            bool stepped = false, rescale = false;
 #if C2F_EXP_SIMD == 16
-        if constexpr (std::is_same<Scalar, float>::value && std::is_same<KV, float>::value) {
-          if (fused && status == BlockMask::Clear) {
-            rescale = c2f::cpu::fused_online_softmax_step(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)],
-                                                             dk, j0, nj, s.data(), s.outerStride(), m, l, alpha, ws.lanes.data());
-            stepped = true;
-          }
-        }
+            if constexpr (std::is_same<Scalar, float>::value && std::is_same<KV, float>::value) {
+              if (fused && status == BlockMask::Clear) {
+                rescale = c2f::cpu::fused_online_softmax_step(qs.data(), qs.outerStride(), ni,
+                                                              packed_k[static_cast<std::size_t>(bh)], dk, j0, nj,
+                                                              s.data(), s.outerStride(), m, l, alpha, ws.lanes.data());
+                stepped = true;
+              }
+            }
 #endif
-        if (!stepped && packed) {
-          c2f::cpu::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, packed_k[static_cast<std::size_t>(bh)], 0, dk, j0, nj,
-                                                 nullptr, false, s.data(), s.outerStride());
-        } else if (!stepped) {
-          detail::as_scalar(k.block(b, h, j0, nj), ws.kv, [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
-        }
-        if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
-        detail::as_scalar(v.block(b, h, j0, nj), ws.kv, [&](const auto& vb) {
-          // A block the mask cuts through may hide non-finite values: leave them out (masked_values.hpp).
-          const bool guard = status == BlockMask::Partial && ws.masked.find(vb);
-          if (guard) ws.masked.remember_hidden(s);
-          if (!stepped) rescale = c2f::cpu::online_softmax_step(s, m, l, alpha);
-          if (rescale) acc = alpha.asDiagonal() * acc;
-          // Dropout zeroes probabilities after the running sum took them (scaled by 1 / (1 − p) at the end).
-          if (drop) impl::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
-          if (guard && packed) {
-            ws.masked.product_packed_add(acc, s, vb, j0);
-          } else if (guard) {
-            ws.masked.template product<true>(acc, s, vb);
-          } else if (packed) {
-            c2f::cpu::packed_gemm_range<Scalar>(s.data(), s.outerStride(), ni, packed_v[static_cast<std::size_t>(bh)], j0,
-                                                   j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
-          } else {
-            acc.noalias() += s * vb;
+            if (!stepped && packed) {
+              c2f::cpu::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni,
+                                                  packed_k[static_cast<std::size_t>(bh)], 0, dk, j0, nj, nullptr, false,
+                                                  s.data(), s.outerStride());
+            } else if (!stepped) {
+              detail::as_scalar(k.block(b, h, j0, nj), ws.kv,
+                                [&](const auto& kb) { s.noalias() = qs * kb.transpose(); });
+            }
+            if (status == BlockMask::Partial) mask.apply(b, h, i0, j0, s);
+            detail::as_scalar(v.block(b, h, j0, nj), ws.kv, [&](const auto& vb) {
+              // A block the mask cuts through may hide non-finite values: leave them out (masked_values.hpp).
+              const bool guard = status == BlockMask::Partial && ws.masked.find(vb);
+              if (guard) ws.masked.remember_hidden(s);
+              if (!stepped) rescale = c2f::cpu::online_softmax_step(s, m, l, alpha);
+              if (rescale) acc = alpha.asDiagonal() * acc;
+              // Dropout zeroes probabilities after the running sum took them (scaled by 1 / (1 − p) at the end).
+              if (drop) impl::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
+              if (guard && packed) {
+                ws.masked.product_packed_add(acc, s, vb, j0);
+              } else if (guard) {
+                ws.masked.template product<true>(acc, s, vb);
+              } else if (packed) {
+                c2f::cpu::packed_gemm_range<Scalar>(s.data(), s.outerStride(), ni,
+                                                    packed_v[static_cast<std::size_t>(bh)], j0, j0 + nj, 0, dv, nullptr,
+                                                    true, acc.data(), acc.outerStride());
+              } else {
+                acc.noalias() += s * vb;
+              }
+            });
           }
-        });
-      }
-    }
-    for (Index g = 0; g < task_blocks; ++g) {
-      const Index i0 = first_query(g), ni = rows_of(g);
-      const typename RowMatrix<Scalar>::RowsBlockXpr acc = ws.acc.middleRows(g * bq, ni);
-      const Eigen::VectorBlock<Vector<Scalar>> m = ws.m.segment(g * bq, ni), l = ws.l.segment(g * bq, ni);
-      typename HeadsView<Scalar>::Block dst = out.block(b, h, i0, ni);
-      for (Index r = 0; r < ni; ++r) {
-        // l is 0 only when every key was masked (a visible key contributes exp(0) = 1 at the max).
-        if (l[r] == Scalar(0)) {
-          dst.row(r).setZero();
-        } else if (drop) {
-          dst.row(r) = acc.row(r) / l[r] * kept_scale;
-        } else {
-          dst.row(r) = acc.row(r) / l[r];
         }
-        if (lse != nullptr) (*lse)(bh, i0 + r) = l[r] == Scalar(0) ? kNegInf : m[r] + std::log(l[r]);
-      }
-    }
-  });
+        for (Index g = 0; g < task_blocks; ++g) {
+          const Index i0 = first_query(g), ni = rows_of(g);
+          const typename RowMatrix<Scalar>::RowsBlockXpr acc = ws.acc.middleRows(g * bq, ni);
+          const Eigen::VectorBlock<Vector<Scalar>> m = ws.m.segment(g * bq, ni), l = ws.l.segment(g * bq, ni);
+          typename HeadsView<Scalar>::Block dst = out.block(b, h, i0, ni);
+          for (Index r = 0; r < ni; ++r) {
+            // l is 0 only when every key was masked (a visible key contributes exp(0) = 1 at the max).
+            if (l[r] == Scalar(0)) {
+              dst.row(r).setZero();
+            } else if (drop) {
+              dst.row(r) = acc.row(r) / l[r] * kept_scale;
+            } else {
+              dst.row(r) = acc.row(r) / l[r];
+            }
+            if (lse != nullptr) (*lse)(bh, i0 + r) = l[r] == Scalar(0) ? kNegInf : m[r] + std::log(l[r]);
+          }
+        }
+      });
 }
 
 }  // namespace impl
@@ -442,9 +457,10 @@ void sdpa_naive(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>&
 /// [batch·heads, queries] (−inf for a row with no visible key), and applies `dropout` to the
 /// probabilities. Without dropout the output has sdpa_naive()'s bits.
 template <class Scalar>
-void sdpa_naive_train(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k, const HeadsView<const Scalar>& v,
-                      const HeadsView<Scalar>& out, RowMatrixRef<Scalar> lse, const MaskView<Scalar>& mask,
-                      const AttnDropout& dropout, Scalar scale, const KernelOptions& options) {
+void sdpa_naive_train(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
+                      const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out, RowMatrixRef<Scalar> lse,
+                      const MaskView<Scalar>& mask, const AttnDropout& dropout, Scalar scale,
+                      const KernelOptions& options) {
   impl::check_lse("sdpa_naive_train", q, lse, &dropout);
   impl::sdpa_naive_impl<Scalar>("sdpa_naive_train", q, k, v, out, mask, scale, options, nullptr, &lse, &dropout);
 }
@@ -454,15 +470,18 @@ void sdpa_naive_train(const HeadsView<const Scalar>& q, const HeadsView<const Sc
 /// Compute::BFloat16 adds the query block and a block of probabilities rounded (bf16 in whole 32-row,
 /// 32-column tiles on the tile engine, floats on the fallback).
 template <class Scalar>
-std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index qk_dim, Index v_dim, Index lq, Index lk) {
+std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index qk_dim, Index v_dim, Index lq,
+                                           Index lk) {
   const auto [bq, bk] = impl::streaming_blocks(options, lq, lk);
   std::size_t rounded = 0;
   if (options.compute() == Compute::BFloat16) {
-    using detail::ceil_div;
     using c2f::cpu::kTileK;
-    rounded = impl::streaming_bf16_tiles(bk, lk)
-                  ? 2 * static_cast<std::size_t>(ceil_div(bq, cpu::kTileK) * cpu::kTileK * (ceil_div(qk_dim, cpu::kTileK) + ceil_div(bk, cpu::kTileK)) * cpu::kTileK)
-                  : 4 * static_cast<std::size_t>(bq * (qk_dim + bk));
+    using detail::ceil_div;
+    rounded =
+        impl::streaming_bf16_tiles(bk, lk)
+            ? 2 * static_cast<std::size_t>(ceil_div(bq, cpu::kTileK) * cpu::kTileK *
+                                           (ceil_div(qk_dim, cpu::kTileK) + ceil_div(bk, cpu::kTileK)) * cpu::kTileK)
+            : 4 * static_cast<std::size_t>(bq * (qk_dim + bk));
   }
   // A task's query blocks (streaming_query_group) each keep their queries, accumulator and row state.
   const Index rows = impl::streaming_query_group<Scalar>(options, lq, lk, qk_dim, v_dim) * bq;
@@ -494,9 +513,8 @@ std::size_t sdpa_streaming_shared_bytes(const KernelOptions& options, Index pair
 /// (Eigen::half, Eigen::bfloat16: a KVCache's): each key block is then converted to Scalar first.
 template <class Scalar, class KV = Scalar>
 void sdpa_streaming(const HeadsView<const Scalar>& q, const detail::NoDeduce<HeadsView<const KV>>& k,
-                    const detail::NoDeduce<HeadsView<const KV>>& v,
-                    const HeadsView<Scalar>& out, const MaskView<Scalar>& mask, Scalar scale,
-                    const KernelOptions& options) {
+                    const detail::NoDeduce<HeadsView<const KV>>& v, const HeadsView<Scalar>& out,
+                    const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
   impl::sdpa_streaming_impl<Scalar, KV>("sdpa_streaming", q, k, v, out, nullptr, mask, scale, options);
 }
 
@@ -507,9 +525,8 @@ void sdpa_streaming(const HeadsView<const Scalar>& q, const detail::NoDeduce<Hea
 /// out = (w_a·out_a + w_b·out_b) / (w_a + w_b) and lse = M + log(w_a + w_b).
 template <class Scalar>
 void sdpa_streaming_lse(const HeadsView<const Scalar>& q, const HeadsView<const Scalar>& k,
-                        const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out,
-                        RowMatrixRef<Scalar> lse, const MaskView<Scalar>& mask, Scalar scale,
-                        const KernelOptions& options) {
+                        const HeadsView<const Scalar>& v, const HeadsView<Scalar>& out, RowMatrixRef<Scalar> lse,
+                        const MaskView<Scalar>& mask, Scalar scale, const KernelOptions& options) {
   impl::check_lse("sdpa_streaming_lse", q, lse);
   impl::sdpa_streaming_impl<Scalar, Scalar>("sdpa_streaming_lse", q, k, v, out, &lse, mask, scale, options);
 }
@@ -561,132 +578,134 @@ void sdpa_split_keys(const HeadsView<const Scalar>& q, const detail::NoDeduce<He
   // Work: the products and exps, and every cached key and value element read once from memory.
   const double work = detail::attention_work(q.batch * heads, n, lk, dk, dv) +
                       detail::kElementWork * double(q.batch * heads * lk * (dk + dv));
-  detail::parallel_for_each_worker<Workspace>(q.batch * parts, options.num_threads(), work, [&](Index task,
-                                                                                                    Workspace& ws) {
-    const Index b = task / parts, part = task % parts;
-    const Index first = part * part_keys, last = std::min(lk, first + part_keys);
-    ws.q.resize(rows, dk);
-    for (Index h = 0; h < heads; ++h) ws.q.middleRows(h * n, n) = q.block(b, h, 0, n) * scale;
-    if (bf16) ws.q = ws.q.unaryExpr(c2f::cpu::RoundBf16<Scalar>());
-    ws.s.resize(by_row ? rows : n, std::min(bk, last - first));
-    ws.alpha.resize(n);
-    if (by_row) ws.guarded.assign(static_cast<std::size_t>(heads), 0);
-    Eigen::Map<RowMatrix<Scalar>> acc(acc_all.data() + task * rows * dv, rows, dv);
-    Eigen::Map<Vector<Scalar>> m(max_all.data() + task * rows, rows), l(sum_all.data() + task * rows, rows);
-    acc.setZero();
-    m.setConstant(kNegInf);
-    l.setZero();
-    for (Index j0 = first; j0 < last; j0 += bk) {
-      const Index nj = std::min(bk, last - j0);
-      const BlockMask status = mask.classify(b, 0, n, j0, nj);
-      if (status == BlockMask::Skip) continue;
-      // A bfloat16 cache is read in place by the row-by-row kernels (widened in registers: exact, the bits
-      // of the converted block) where the mask does not cut through the block; elsewhere a narrow cache
-      // converts the block of every head at once (one sequential read), into kb / vb.
-      constexpr bool kWidenInPlace = std::is_same<Scalar, float>::value && std::is_same<KV, Eigen::bfloat16>::value;
-      const bool in_place = kWidenInPlace && by_row && status == BlockMask::Clear;
-      const bool copies = !in_place && (bf16 || !std::is_same<KV, Scalar>::value);
-      if (copies) {
-        detail::convert_block<Scalar>(k.rows(b, j0, nj), ws.kb);
-        detail::convert_block<Scalar>(v.rows(b, j0, nj), ws.vb);
-        if (bf16 && !std::is_same<KV, Eigen::bfloat16>::value) {  // a half value is not a bfloat16 one
-          ws.kb = ws.kb.unaryExpr(c2f::cpu::RoundBf16<Scalar>());
-          ws.vb = ws.vb.unaryExpr(c2f::cpu::RoundBf16<Scalar>());
+  detail::parallel_for_each_worker<Workspace>(
+      q.batch * parts, options.num_threads(), work, [&](Index task, Workspace& ws) {
+        const Index b = task / parts, part = task % parts;
+        const Index first = part * part_keys, last = std::min(lk, first + part_keys);
+        ws.q.resize(rows, dk);
+        for (Index h = 0; h < heads; ++h) ws.q.middleRows(h * n, n) = q.block(b, h, 0, n) * scale;
+        if (bf16) ws.q = ws.q.unaryExpr(c2f::cpu::RoundBf16<Scalar>());
+        ws.s.resize(by_row ? rows : n, std::min(bk, last - first));
+        ws.alpha.resize(n);
+        if (by_row) ws.guarded.assign(static_cast<std::size_t>(heads), 0);
+        Eigen::Map<RowMatrix<Scalar>> acc(acc_all.data() + task * rows * dv, rows, dv);
+        Eigen::Map<Vector<Scalar>> m(max_all.data() + task * rows, rows), l(sum_all.data() + task * rows, rows);
+        acc.setZero();
+        m.setConstant(kNegInf);
+        l.setZero();
+        for (Index j0 = first; j0 < last; j0 += bk) {
+          const Index nj = std::min(bk, last - j0);
+          const BlockMask status = mask.classify(b, 0, n, j0, nj);
+          if (status == BlockMask::Skip) continue;
+          // A bfloat16 cache is read in place by the row-by-row kernels (widened in registers: exact, the bits
+          // of the converted block) where the mask does not cut through the block; elsewhere a narrow cache
+          // converts the block of every head at once (one sequential read), into kb / vb.
+          constexpr bool kWidenInPlace = std::is_same<Scalar, float>::value && std::is_same<KV, Eigen::bfloat16>::value;
+          const bool in_place = kWidenInPlace && by_row && status == BlockMask::Clear;
+          const bool copies = !in_place && (bf16 || !std::is_same<KV, Scalar>::value);
+          if (copies) {
+            detail::convert_block<Scalar>(k.rows(b, j0, nj), ws.kb);
+            detail::convert_block<Scalar>(v.rows(b, j0, nj), ws.vb);
+            if (bf16 && !std::is_same<KV, Eigen::bfloat16>::value) {  // a half value is not a bfloat16 one
+              ws.kb = ws.kb.unaryExpr(c2f::cpu::RoundBf16<Scalar>());
+              ws.vb = ws.vb.unaryExpr(c2f::cpu::RoundBf16<Scalar>());
+            }
+          }
+          // The block's key and value rows, every head side by side: the cache's, or the converted copies.
+          const Scalar *key_rows = nullptr, *value_rows = nullptr;
+          Index key_stride = 0, value_stride = 0;
+          if constexpr (std::is_same<KV, Scalar>::value) {
+            if (!copies) {
+              key_rows = k.rows(b, j0, nj).data(), key_stride = k.row_stride;
+              value_rows = v.rows(b, j0, nj).data(), value_stride = v.row_stride;
+            }
+          }
+          if (copies) {
+            key_rows = ws.kb.data(), key_stride = ws.kb.outerStride();
+            value_rows = ws.vb.data(), value_stride = ws.vb.outerStride();
+          }
+          if (by_row && in_place) {
+            if constexpr (kWidenInPlace) {
+              c2f::cpu::head_scores_by_row<Scalar, KV>(ws.q.data(), heads, n, dk, k.rows(b, j0, nj).data(),
+                                                       k.row_stride, nj, ws.s.data(), ws.s.outerStride());
+            }
+          } else if (by_row) {
+            c2f::cpu::head_scores_by_row(ws.q.data(), heads, n, dk, key_rows, key_stride, nj, ws.s.data(),
+                                         ws.s.outerStride());
+          }
+          for (Index h = 0; h < heads; ++h) {
+            Eigen::Block<RowMatrix<Scalar>> s = ws.s.block(by_row ? h * n : 0, 0, n, nj);
+            if (!by_row) {
+              const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> kb(key_rows + h * dk, nj, dk,
+                                                                                    Eigen::OuterStride<>(key_stride));
+              s.noalias() = ws.q.middleRows(h * n, n) * kb.transpose();
+            }
+            if (status == BlockMask::Partial) mask.apply(b, h, 0, j0, s);
+            Eigen::VectorBlock<Eigen::Map<Vector<Scalar>>> mh = m.segment(h * n, n), lh = l.segment(h * n, n);
+            typename Eigen::Map<RowMatrix<Scalar>>::RowsBlockXpr ah = acc.middleRows(h * n, n);
+            // Null when a bfloat16 cache's values are read in place (below, after the heads): then unused.
+            const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> vblock(
+                detail::offset_or_null(value_rows, h * dv), nj, dv, Eigen::OuterStride<>(value_stride));
+            const bool guard = status == BlockMask::Partial && ws.masked.find(vblock);  // masked_values.hpp
+            if (guard) ws.masked.remember_hidden(s);
+            if (c2f::cpu::online_softmax_step(s, mh, lh, ws.alpha)) ah = ws.alpha.asDiagonal() * ah;
+            if (bf16) c2f::cpu::round_bf16_rows(s.data(), n, nj, s.outerStride());
+            if (by_row) ws.guarded[static_cast<std::size_t>(h)] = guard;
+            if (guard && by_row) {  // this head's row pass, on the block with the hidden non-finite rows zeroed
+              ws.masked.product_add_with(ah, s, vblock, [&](const RowMatrix<Scalar>& clean) {
+                c2f::cpu::head_values_by_row(s.data(), s.outerStride(), 1, n, clean.data(), clean.outerStride(), nj, dv,
+                                             ah.data());
+              });
+            } else if (guard) {
+              ws.masked.template product<true>(ah, s, vblock);
+            } else if (!by_row) {
+              ah.noalias() += s * vblock;
+            }
+          }
+          if (by_row && in_place) {  // (no head is guarded: the block is not cut by the mask)
+            if constexpr (kWidenInPlace) {
+              c2f::cpu::head_values_by_row<Scalar, KV>(ws.s.data(), ws.s.outerStride(), heads, n,
+                                                       v.rows(b, j0, nj).data(), v.row_stride, nj, dv, acc.data());
+            }
+          } else if (by_row) {  // every other head's weighted values, one pass over the value rows
+            c2f::cpu::head_values_by_row(ws.s.data(), ws.s.outerStride(), heads, n, value_rows, value_stride, nj, dv,
+                                         acc.data(), ws.guarded.data());
+          }
         }
-      }
-      // The block's key and value rows, every head side by side: the cache's, or the converted copies.
-      const Scalar *key_rows = nullptr, *value_rows = nullptr;
-      Index key_stride = 0, value_stride = 0;
-      if constexpr (std::is_same<KV, Scalar>::value) {
-        if (!copies) {
-          key_rows = k.rows(b, j0, nj).data(), key_stride = k.row_stride;
-          value_rows = v.rows(b, j0, nj).data(), value_stride = v.row_stride;
-        }
-      }
-      if (copies) {
-        key_rows = ws.kb.data(), key_stride = ws.kb.outerStride();
-        value_rows = ws.vb.data(), value_stride = ws.vb.outerStride();
-      }
-      if (by_row && in_place) {
-        if constexpr (kWidenInPlace) {
-          c2f::cpu::head_scores_by_row<Scalar, KV>(ws.q.data(), heads, n, dk, k.rows(b, j0, nj).data(), k.row_stride, nj,
-                                                      ws.s.data(), ws.s.outerStride());
-        }
-      } else if (by_row) {
-        c2f::cpu::head_scores_by_row(ws.q.data(), heads, n, dk, key_rows, key_stride, nj, ws.s.data(), ws.s.outerStride());
-      }
-      for (Index h = 0; h < heads; ++h) {
-        Eigen::Block<RowMatrix<Scalar>> s = ws.s.block(by_row ? h * n : 0, 0, n, nj);
-        if (!by_row) {
-          const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> kb(key_rows + h * dk, nj, dk,
-                                                                                 Eigen::OuterStride<>(key_stride));
-          s.noalias() = ws.q.middleRows(h * n, n) * kb.transpose();
-        }
-        if (status == BlockMask::Partial) mask.apply(b, h, 0, j0, s);
-        Eigen::VectorBlock<Eigen::Map<Vector<Scalar>>> mh = m.segment(h * n, n), lh = l.segment(h * n, n);
-        typename Eigen::Map<RowMatrix<Scalar>>::RowsBlockXpr ah = acc.middleRows(h * n, n);
-        // Null when a bfloat16 cache's values are read in place (below, after the heads): then unused.
-        const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> vblock(
-            detail::offset_or_null(value_rows, h * dv), nj, dv, Eigen::OuterStride<>(value_stride));
-        const bool guard = status == BlockMask::Partial && ws.masked.find(vblock);  // masked_values.hpp
-        if (guard) ws.masked.remember_hidden(s);
-        if (c2f::cpu::online_softmax_step(s, mh, lh, ws.alpha)) ah = ws.alpha.asDiagonal() * ah;
-        if (bf16) c2f::cpu::round_bf16_rows(s.data(), n, nj, s.outerStride());
-        if (by_row) ws.guarded[static_cast<std::size_t>(h)] = guard;
-        if (guard && by_row) {  // this head's row pass, on the block with the hidden non-finite rows zeroed
-          ws.masked.product_add_with(ah, s, vblock, [&](const RowMatrix<Scalar>& clean) {
-            c2f::cpu::head_values_by_row(s.data(), s.outerStride(), 1, n, clean.data(), clean.outerStride(), nj, dv,
-                                            ah.data());
-          });
-        } else if (guard) {
-          ws.masked.template product<true>(ah, s, vblock);
-        } else if (!by_row) {
-          ah.noalias() += s * vblock;
-        }
-      }
-      if (by_row && in_place) {  // (no head is guarded: the block is not cut by the mask)
-        if constexpr (kWidenInPlace) {
-          c2f::cpu::head_values_by_row<Scalar, KV>(ws.s.data(), ws.s.outerStride(), heads, n, v.rows(b, j0, nj).data(),
-                                                      v.row_stride, nj, dv, acc.data());
-        }
-      } else if (by_row) {  // every other head's weighted values, one pass over the value rows
-        c2f::cpu::head_values_by_row(ws.s.data(), ws.s.outerStride(), heads, n, value_rows, value_stride, nj, dv,
-                                        acc.data(), ws.guarded.data());
-      }
-    }
-  });
+      });
   // Merge the parts of every (batch, head, query) row: out = Σ e^(m_p − M) acc_p / Σ e^(m_p − M) l_p.
-  detail::parallel_for(q.batch * heads, options.num_threads(),
-                            double(q.batch * heads * n * parts * (dv + 2)), [&](Index bh, int) {
-    const Index b = bh / heads, h = bh % heads;
-    typename HeadsView<Scalar>::Block dst = out.block(b, h, 0, n);
-    for (Index i = 0; i < n; ++i) {
-      const Index row = h * n + i;
-      Scalar top = kNegInf;
-      bool nan = false;  // a NaN score leaves the running max alone but makes the sum NaN: propagate it
-      for (Index p = 0; p < parts; ++p) {
-        const std::size_t at = static_cast<std::size_t>((b * parts + p) * rows + row);
-        top = std::max(top, max_all[at]);
-        nan = nan || std::isnan(sum_all[at]);
-      }
-      if (nan) {
-        dst.row(i).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
-        continue;
-      }
-      dst.row(i).setZero();
-      if (top == kNegInf) continue;  // no visible key: zeros
-      Scalar total = 0;
-      for (Index p = 0; p < parts; ++p) {
-        const Index t = b * parts + p;
-        const Scalar mp = max_all[static_cast<std::size_t>(t * rows + row)];
-        if (mp == kNegInf) continue;
-        const Scalar w = std::exp(mp - top);
-        total += w * sum_all[static_cast<std::size_t>(t * rows + row)];
-        dst.row(i) += w * Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(acc_all.data() + (t * rows + row) * dv, dv);
-      }
-      dst.row(i) /= total;
-    }
-  });
+  detail::parallel_for(
+      q.batch * heads, options.num_threads(), double(q.batch * heads * n * parts * (dv + 2)), [&](Index bh, int) {
+        const Index b = bh / heads, h = bh % heads;
+        typename HeadsView<Scalar>::Block dst = out.block(b, h, 0, n);
+        for (Index i = 0; i < n; ++i) {
+          const Index row = h * n + i;
+          Scalar top = kNegInf;
+          bool nan = false;  // a NaN score leaves the running max alone but makes the sum NaN: propagate it
+          for (Index p = 0; p < parts; ++p) {
+            const std::size_t at = static_cast<std::size_t>((b * parts + p) * rows + row);
+            top = std::max(top, max_all[at]);
+            nan = nan || std::isnan(sum_all[at]);
+          }
+          if (nan) {
+            dst.row(i).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+            continue;
+          }
+          dst.row(i).setZero();
+          if (top == kNegInf) continue;  // no visible key: zeros
+          Scalar total = 0;
+          for (Index p = 0; p < parts; ++p) {
+            const Index t = b * parts + p;
+            const Scalar mp = max_all[static_cast<std::size_t>(t * rows + row)];
+            if (mp == kNegInf) continue;
+            const Scalar w = std::exp(mp - top);
+            total += w * sum_all[static_cast<std::size_t>(t * rows + row)];
+            dst.row(i) += w * Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(
+                                  acc_all.data() + (t * rows + row) * dv, dv);
+          }
+          dst.row(i) /= total;
+        }
+      });
 }
 
 }  // namespace kernels

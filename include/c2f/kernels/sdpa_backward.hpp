@@ -18,11 +18,11 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/detail/checks.hpp"
 #include "c2f/cpu/masked_values.hpp"
 #include "c2f/cpu/packed_gemm.hpp"
-#include "c2f/detail/parallel.hpp"
 #include "c2f/cpu/softmax.hpp"
+#include "c2f/detail/checks.hpp"
+#include "c2f/detail/parallel.hpp"
 #include "c2f/kernels/heads_view.hpp"
 #include "c2f/kernels/kernel_options.hpp"
 #include "c2f/kernels/sdpa.hpp"
@@ -90,125 +90,130 @@ void sdpa_backward(const HeadsView<const Scalar>& q, const HeadsView<const Scala
     cpu::PackedB<Scalar> kt, vt, kp, gp, qp;  // kᵀ, vᵀ, k of the head; dout, scale · q of the query block
   };
   const double work = 2.5 * detail::attention_work(pairs, lq, lk, dqk, ddv);
-  detail::parallel_for_each_worker<Workspace>(pairs * parts, options.num_threads(), work, [&](Index task, Workspace& ws) {
-    const Index bh = task / parts, part = task % parts, b = bh / q.heads, h = bh % q.heads;
-    if (ws.qs.size() == 0) {
-      ws.qs.resize(bq, dqk);
-      ws.s.resize(bq, bk);
-      ws.t.resize(bq, bk);
-      ws.dq.resize(bq, dqk);
-      ws.rowdot.resize(bq);
-      ws.keep.resize(static_cast<std::size_t>(bq * bk));
-    }
-    if (packed) {
-      ws.kt.pack(k.block(b, h, 0, lk).transpose());
-      ws.vt.pack(v.block(b, h, 0, lk).transpose());
-      ws.kp.pack(k.block(b, h, 0, lk));
-    }
-    RowMatrix<Scalar>* buffer = part > 0 ? &partial[static_cast<std::size_t>(bh * (parts - 1) + part - 1)] : nullptr;
-    if (buffer != nullptr) buffer->setZero(lk, dqk + ddv);
-    Target dk_sum = buffer != nullptr ? Target(buffer->data(), lk, dqk, Eigen::OuterStride<>(dqk + ddv)) : dk.block(b, h, 0, lk);
-    Target dv_sum = buffer != nullptr ? Target(buffer->data() + dqk, lk, ddv, Eigen::OuterStride<>(dqk + ddv))
-                                      : dv.block(b, h, 0, lk);
-    if (buffer == nullptr) {
-      dk_sum.setZero();
-      dv_sum.setZero();
-    }
-    const Index first = part * query_blocks / parts, last = (part + 1) * query_blocks / parts;
-    for (Index qb = first; qb < last; ++qb) {
-      const Index i0 = qb * bq, ni = std::min(bq, lq - i0);
-      typename RowMatrix<Scalar>::RowsBlockXpr qs = ws.qs.topRows(ni), dq_acc = ws.dq.topRows(ni);
-      qs = q.block(b, h, i0, ni) * scale;
-      dq_acc.setZero();
-      const typename HeadsView<const Scalar>::Block g = dout.block(b, h, i0, ni);
-      Eigen::VectorBlock<Vector<Scalar>> rowdot = ws.rowdot.head(ni);  // D = rowsum(dout ∘ out)
-      rowdot = g.cwiseProduct(out.block(b, h, i0, ni)).rowwise().sum();
-      if (packed) {
-        ws.gp.pack(g);
-        ws.qp.pack(qs);
-      }
-      for (Index j0 = 0; j0 < lk; j0 += bk) {
-        const Index nj = std::min(bk, lk - j0);
-        const BlockMask status = mask.classify(b, i0, ni, j0, nj);
-        if (status == BlockMask::Skip) continue;
-        const typename HeadsView<const Scalar>::Block kb = k.block(b, h, j0, nj), vb = v.block(b, h, j0, nj);
-        Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj), t = ws.t.topLeftCorner(ni, nj);
+  detail::parallel_for_each_worker<Workspace>(
+      pairs * parts, options.num_threads(), work, [&](Index task, Workspace& ws) {
+        const Index bh = task / parts, part = task % parts, b = bh / q.heads, h = bh % q.heads;
+        if (ws.qs.size() == 0) {
+          ws.qs.resize(bq, dqk);
+          ws.s.resize(bq, bk);
+          ws.t.resize(bq, bk);
+          ws.dq.resize(bq, dqk);
+          ws.rowdot.resize(bq);
+          ws.keep.resize(static_cast<std::size_t>(bq * bk));
+        }
         if (packed) {
-          cpu::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, ws.kt, 0, dqk, j0, nj, nullptr, false, s.data(),
-                                       s.outerStride());
-        } else {
-          s.noalias() = qs * kb.transpose();
+          ws.kt.pack(k.block(b, h, 0, lk).transpose());
+          ws.vt.pack(v.block(b, h, 0, lk).transpose());
+          ws.kp.pack(k.block(b, h, 0, lk));
         }
-        bool guard_k = false, guard_v = false;  // non-finite keys or values a mask hides (masked_values.hpp)
-        if (status == BlockMask::Partial) {
-          mask.apply(b, h, i0, j0, s);
-          guard_k = ws.hidden_k.find(kb);
-          if (guard_k) ws.hidden_k.remember_hidden(s);
-          guard_v = ws.hidden_v.find(vb);
-          if (guard_v) ws.hidden_v.remember_hidden(s);
+        RowMatrix<Scalar>* buffer =
+            part > 0 ? &partial[static_cast<std::size_t>(bh * (parts - 1) + part - 1)] : nullptr;
+        if (buffer != nullptr) buffer->setZero(lk, dqk + ddv);
+        Target dk_sum = buffer != nullptr ? Target(buffer->data(), lk, dqk, Eigen::OuterStride<>(dqk + ddv))
+                                          : dk.block(b, h, 0, lk);
+        Target dv_sum = buffer != nullptr ? Target(buffer->data() + dqk, lk, ddv, Eigen::OuterStride<>(dqk + ddv))
+                                          : dv.block(b, h, 0, lk);
+        if (buffer == nullptr) {
+          dk_sum.setZero();
+          dv_sum.setZero();
         }
-        // P = exp(s − lse); a row with no visible key has lse = −inf and P = 0.
-        for (Index r = 0; r < ni; ++r) {
-          const Scalar shift = lse(bh, i0 + r);
-          if (shift == kNegInf) {
-            s.row(r).setZero();
-          } else {
-            cpu::exp_shifted(s.row(r), shift);
+        const Index first = part * query_blocks / parts, last = (part + 1) * query_blocks / parts;
+        for (Index qb = first; qb < last; ++qb) {
+          const Index i0 = qb * bq, ni = std::min(bq, lq - i0);
+          typename RowMatrix<Scalar>::RowsBlockXpr qs = ws.qs.topRows(ni), dq_acc = ws.dq.topRows(ni);
+          qs = q.block(b, h, i0, ni) * scale;
+          dq_acc.setZero();
+          const typename HeadsView<const Scalar>::Block g = dout.block(b, h, i0, ni);
+          Eigen::VectorBlock<Vector<Scalar>> rowdot = ws.rowdot.head(ni);  // D = rowsum(dout ∘ out)
+          rowdot = g.cwiseProduct(out.block(b, h, i0, ni)).rowwise().sum();
+          if (packed) {
+            ws.gp.pack(g);
+            ws.qp.pack(qs);
           }
-        }
-        if (drop) {
-          t = s;
-          impl::apply_dropout(dropout, bh, i0, j0, t, kept_scale, ws.keep.data());
-          dv_sum.middleRows(j0, nj).noalias() += t.transpose() * g;
-        } else if (packed) {  // dv += Pᵀ dout (Pᵀ read in place from P)
-          cpu::packed_gemm_range<Scalar, true>(s.data(), s.outerStride(), nj, ws.gp, 0, ni, 0, ddv, nullptr, true,
-                                             &dv_sum.coeffRef(j0, 0), dv_sum.outerStride());
-        } else {
-          dv_sum.middleRows(j0, nj).noalias() += s.transpose() * g;
-        }
-        if (packed) {  // dP = dout vᵀ
-          cpu::packed_gemm_range<Scalar>(g.data(), g.outerStride(), ni, ws.vt, 0, ddv, j0, nj, nullptr, false, t.data(),
-                                       t.outerStride());
-        } else {
-          t.noalias() = g * vb.transpose();  // dP (of the dropped probabilities)
-        }
-        if (drop) {
-          for (Index r = 0; r < ni; ++r) {
-            for (Index c = 0; c < nj; ++c) t(r, c) = ws.keep[static_cast<std::size_t>(r * nj + c)] ? t(r, c) * kept_scale : 0;
+          for (Index j0 = 0; j0 < lk; j0 += bk) {
+            const Index nj = std::min(bk, lk - j0);
+            const BlockMask status = mask.classify(b, i0, ni, j0, nj);
+            if (status == BlockMask::Skip) continue;
+            const typename HeadsView<const Scalar>::Block kb = k.block(b, h, j0, nj), vb = v.block(b, h, j0, nj);
+            Eigen::Block<RowMatrix<Scalar>> s = ws.s.topLeftCorner(ni, nj), t = ws.t.topLeftCorner(ni, nj);
+            if (packed) {
+              cpu::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), ni, ws.kt, 0, dqk, j0, nj, nullptr, false,
+                                             s.data(), s.outerStride());
+            } else {
+              s.noalias() = qs * kb.transpose();
+            }
+            bool guard_k = false, guard_v = false;  // non-finite keys or values a mask hides (masked_values.hpp)
+            if (status == BlockMask::Partial) {
+              mask.apply(b, h, i0, j0, s);
+              guard_k = ws.hidden_k.find(kb);
+              if (guard_k) ws.hidden_k.remember_hidden(s);
+              guard_v = ws.hidden_v.find(vb);
+              if (guard_v) ws.hidden_v.remember_hidden(s);
+            }
+            // P = exp(s − lse); a row with no visible key has lse = −inf and P = 0.
+            for (Index r = 0; r < ni; ++r) {
+              const Scalar shift = lse(bh, i0 + r);
+              if (shift == kNegInf) {
+                s.row(r).setZero();
+              } else {
+                cpu::exp_shifted(s.row(r), shift);
+              }
+            }
+            if (drop) {
+              t = s;
+              impl::apply_dropout(dropout, bh, i0, j0, t, kept_scale, ws.keep.data());
+              dv_sum.middleRows(j0, nj).noalias() += t.transpose() * g;
+            } else if (packed) {  // dv += Pᵀ dout (Pᵀ read in place from P)
+              cpu::packed_gemm_range<Scalar, true>(s.data(), s.outerStride(), nj, ws.gp, 0, ni, 0, ddv, nullptr, true,
+                                                   &dv_sum.coeffRef(j0, 0), dv_sum.outerStride());
+            } else {
+              dv_sum.middleRows(j0, nj).noalias() += s.transpose() * g;
+            }
+            if (packed) {  // dP = dout vᵀ
+              cpu::packed_gemm_range<Scalar>(g.data(), g.outerStride(), ni, ws.vt, 0, ddv, j0, nj, nullptr, false,
+                                             t.data(), t.outerStride());
+            } else {
+              t.noalias() = g * vb.transpose();  // dP (of the dropped probabilities)
+            }
+            if (drop) {
+              for (Index r = 0; r < ni; ++r) {
+                for (Index c = 0; c < nj; ++c)
+                  t(r, c) = ws.keep[static_cast<std::size_t>(r * nj + c)] ? t(r, c) * kept_scale : 0;
+              }
+            }
+            t = s.cwiseProduct((t.colwise() - rowdot));  // dS = P ∘ (dP − D)
+            if (guard_v) ws.hidden_v.zero_hidden(t);
+            if (guard_k && packed) {  // the packed product's bits for the rows that hide the non-finite keys
+              ws.hidden_k.product_packed_add(dq_acc, t, kb, j0);
+            } else if (guard_k) {
+              ws.hidden_k.template product<true>(dq_acc, t, kb);
+            } else if (packed) {
+              cpu::packed_gemm_range<Scalar>(t.data(), t.outerStride(), ni, ws.kp, j0, j0 + nj, 0, dqk, nullptr, true,
+                                             dq_acc.data(), dq_acc.outerStride());
+            } else {
+              dq_acc.noalias() += t * kb;
+            }
+            if (packed) {  // dk += dSᵀ (scale · q) (dSᵀ read in place from dS)
+              cpu::packed_gemm_range<Scalar, true>(t.data(), t.outerStride(), nj, ws.qp, 0, ni, 0, dqk, nullptr, true,
+                                                   &dk_sum.coeffRef(j0, 0), dk_sum.outerStride());
+            } else {
+              dk_sum.middleRows(j0, nj).noalias() += t.transpose() * qs;  // qs = scale · q
+            }
           }
+          dq.block(b, h, i0, ni) = dq_acc * scale;
         }
-        t = s.cwiseProduct((t.colwise() - rowdot));  // dS = P ∘ (dP − D)
-        if (guard_v) ws.hidden_v.zero_hidden(t);
-        if (guard_k && packed) {  // the packed product's bits for the rows that hide the non-finite keys
-          ws.hidden_k.product_packed_add(dq_acc, t, kb, j0);
-        } else if (guard_k) {
-          ws.hidden_k.template product<true>(dq_acc, t, kb);
-        } else if (packed) {
-          cpu::packed_gemm_range<Scalar>(t.data(), t.outerStride(), ni, ws.kp, j0, j0 + nj, 0, dqk, nullptr, true,
-                                       dq_acc.data(), dq_acc.outerStride());
-        } else {
-          dq_acc.noalias() += t * kb;
-        }
-        if (packed) {  // dk += dSᵀ (scale · q) (dSᵀ read in place from dS)
-          cpu::packed_gemm_range<Scalar, true>(t.data(), t.outerStride(), nj, ws.qp, 0, ni, 0, dqk, nullptr, true,
-                                             &dk_sum.coeffRef(j0, 0), dk_sum.outerStride());
-        } else {
-          dk_sum.middleRows(j0, nj).noalias() += t.transpose() * qs;  // qs = scale · q
-        }
-      }
-      dq.block(b, h, i0, ni) = dq_acc * scale;
-    }
-  });
+      });
   if (parts > 1) {
-    detail::parallel_for(pairs, options.num_threads(), detail::kElementWork * double(pairs * (parts - 1) * lk * (dqk + ddv)),
-                    [&](Index bh, int) {
-                      const Index b = bh / q.heads, h = bh % q.heads;
-                      for (Index p = 1; p < parts; ++p) {
-                        const RowMatrix<Scalar>& buffer = partial[static_cast<std::size_t>(bh * (parts - 1) + p - 1)];
-                        dk.block(b, h, 0, lk) += buffer.leftCols(dqk);
-                        dv.block(b, h, 0, lk) += buffer.rightCols(ddv);
-                      }
-                    });
+    detail::parallel_for(pairs, options.num_threads(),
+                         detail::kElementWork * double(pairs * (parts - 1) * lk * (dqk + ddv)), [&](Index bh, int) {
+                           const Index b = bh / q.heads, h = bh % q.heads;
+                           for (Index p = 1; p < parts; ++p) {
+                             const RowMatrix<Scalar>& buffer =
+                                 partial[static_cast<std::size_t>(bh * (parts - 1) + p - 1)];
+                             dk.block(b, h, 0, lk) += buffer.leftCols(dqk);
+                             dv.block(b, h, 0, lk) += buffer.rightCols(ddv);
+                           }
+                         });
   }
 }
 

@@ -62,7 +62,8 @@ class WeightCache {
     bool tiles = false;  ///< the bfloat16 engine it was made for
   };
   template <class P, class Make>
-  std::shared_ptr<const P> get(std::vector<Slot<P>>& slots, std::size_t slot, std::uint64_t stamp, bool tiles, Make& make) const {
+  std::shared_ptr<const P> get(std::vector<Slot<P>>& slots, std::size_t slot, std::uint64_t stamp, bool tiles,
+                               Make& make) const {
     const std::lock_guard<std::mutex> lock(mutex_);
     if (slots.size() <= slot) slots.resize(slot + 1);
     Slot<P>& s = slots[slot];

@@ -95,8 +95,8 @@ class C2FAttention : public detail::LayerBase<C2FAttention<Scalar>, Scalar> {
   std::size_t workspace_bytes(Index batch, Index seq) const {
     const kernels::ChunkGrid grid{batch, seq, chunk_};
     const std::size_t means = 2 * sizeof(Scalar) * static_cast<std::size_t>(grid.chunks() * embed_dim());
-    return means + std::max(coarse_.workspace_bytes(batch, grid.chunks_per_batch()),
-                            fine_.workspace_bytes(batch, seq, chunk_));
+    return means +
+           std::max(coarse_.workspace_bytes(batch, grid.chunks_per_batch()), fine_.workspace_bytes(batch, seq, chunk_));
   }
 
  private:
@@ -113,9 +113,10 @@ class C2FAttention : public detail::LayerBase<C2FAttention<Scalar>, Scalar> {
                      std::uint64_t step, Saved& saved) const {
     const Tensor3<Scalar> summaries = coarse_input(x);
     Tensor3<Scalar> context(summaries.dimension(0), summaries.dimension(1), embed_dim());
-    detail::TrainAccess::train(coarse_, ConstTensor3Ref<Scalar>(summaries),
-                               Eigen::Map<RowMatrix<Scalar>>(context.data(), summaries.dimension(0) * summaries.dimension(1), embed_dim()),
-                               Masks<Scalar>().attn_mask(masks.attn_mask()), step, saved.coarse);
+    detail::TrainAccess::train(
+        coarse_, ConstTensor3Ref<Scalar>(summaries),
+        Eigen::Map<RowMatrix<Scalar>>(context.data(), summaries.dimension(0) * summaries.dimension(1), embed_dim()),
+        Masks<Scalar>().attn_mask(masks.attn_mask()), step, saved.coarse);
     detail::TrainAccess::train(fine_, x, chunk_, ConstTensor3Ref<Scalar>(context), out,
                                Masks<Scalar>().attn_mask(masks.fine_attn_mask()), step, saved.fine);
   }
@@ -126,13 +127,13 @@ class C2FAttention : public detail::LayerBase<C2FAttention<Scalar>, Scalar> {
     Grads<Scalar> fine_g, coarse_g;
     detail::TrainAccess::backward(fine_, saved.fine, dy, fine_g, grad.fine_);
     const kernels::ChunkGrid grid{saved.fine.grid.batch, saved.fine.grid.length, chunk_};
-    detail::TrainAccess::backward(coarse_, saved.coarse,
-                                  Eigen::Map<const RowMatrix<Scalar>>(fine_g.context.data(), grid.chunks(), embed_dim()),
-                                  coarse_g, grad.coarse_);
+    detail::TrainAccess::backward(
+        coarse_, saved.coarse, Eigen::Map<const RowMatrix<Scalar>>(fine_g.context.data(), grid.chunks(), embed_dim()),
+        coarse_g, grad.coarse_);
     g.input = std::move(fine_g.input);
-    kernels::chunk_mean_backward_add<Scalar>(Eigen::Map<const RowMatrix<Scalar>>(coarse_g.input.data(), grid.chunks(), embed_dim()),
-                                             grid, Eigen::Map<RowMatrix<Scalar>>(g.input.data(), grid.tokens(), embed_dim()),
-                                             detail::kernel_options(options_));
+    kernels::chunk_mean_backward_add<Scalar>(
+        Eigen::Map<const RowMatrix<Scalar>>(coarse_g.input.data(), grid.chunks(), embed_dim()), grid,
+        Eigen::Map<RowMatrix<Scalar>>(g.input.data(), grid.tokens(), embed_dim()), detail::kernel_options(options_));
   }
 
   detail::HeadShape shape_;  // first: checked before the stages are built

@@ -36,11 +36,11 @@
 #pragma once
 
 #include "c2f/detail/huge_pages.hpp"
-#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/block2d.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/layers/c2f_attention.hpp"
+#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/mask.hpp"
 #include "c2f/options.hpp"
 
@@ -173,10 +173,9 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
       detail::check_train_compute(type_name, options_.compute());
       const kernels::BlockGrid2D grid = checked_grid(x, height, width);
       detail::check_mask_fields(masks, type_name, mask_fields);
-      return detail::train_output<Scalar, Saved>(*this, {x.batch(), x.seq(), embed_dim()},
-                                                 [&](RowMatrixRef<Scalar> out, Saved& saved) {
-                                                   run(x, grid, out, step, &saved);
-                                                 });
+      return detail::train_output<Scalar, Saved>(
+          *this, {x.batch(), x.seq(), embed_dim()},
+          [&](RowMatrixRef<Scalar> out, Saved& saved) { run(x, grid, out, step, &saved); });
     });
   }
   /// The gradients of a loss given dy = dL/dy of forward_train()'s output: g.input = dL/dx, g.params under
@@ -187,9 +186,11 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
 
   /// The coarse stage's input: the mean of each block's real tokens, [B, Mh·Mw, embed_dim].
   Tensor3<Scalar> coarse_input(ConstTensor3Ref<Scalar> x, Index height, Index width) const {
-    const kernels::BlockGrid2D grid = detail::with_layer_name(type_name, [&] { return checked_grid(x, height, width); });
+    const kernels::BlockGrid2D grid =
+        detail::with_layer_name(type_name, [&] { return checked_grid(x, height, width); });
     Tensor3<Scalar> summaries(x.batch(), grid.blocks_per_batch(), embed_dim());
-    kernels::chunk_mean<Scalar>(x.rows(), grid, Eigen::Map<RowMatrix<Scalar>>(summaries.data(), grid.blocks(), embed_dim()),
+    kernels::chunk_mean<Scalar>(x.rows(), grid,
+                                Eigen::Map<RowMatrix<Scalar>>(summaries.data(), grid.blocks(), embed_dim()),
                                 detail::kernel_options(options_));
     return summaries;
   }
@@ -203,7 +204,8 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
                    " blocks (Mh x Mw) exceeds the relative position bias table's max_blocks_h x max_blocks_w = ",
                    options_.max_blocks_h(), " x ", options_.max_blocks_w());
     }
-    return AttnMask<Scalar>::relative_position(table_, blocks_h, blocks_w, options_.max_blocks_h(), options_.max_blocks_w());
+    return AttnMask<Scalar>::relative_position(table_, blocks_h, blocks_w, options_.max_blocks_h(),
+                                               options_.max_blocks_w());
   }
 
   /// Bytes of temporary memory one forward() holds at its peak besides x and the returned output: the
@@ -212,8 +214,8 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   std::size_t workspace_bytes(Index batch, Index height, Index width) const {
     const kernels::BlockGrid2D grid{batch, height, width, block_h_, block_w_};
     const Index m = grid.blocks(), d = embed_dim();
-    const std::size_t coarse = sizeof(Scalar) * static_cast<std::size_t>(2 * m * d) +
-                               coarse_.workspace_bytes(batch, grid.blocks_per_batch());
+    const std::size_t coarse =
+        sizeof(Scalar) * static_cast<std::size_t>(2 * m * d) + coarse_.workspace_bytes(batch, grid.blocks_per_batch());
     // forward_blocks: q [m, d] (counted by folded_workspace_bytes), then the folded fine stage.
     return coarse + fine_.folded_workspace_bytes(m, block_w_);
   }
@@ -245,8 +247,8 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     const kernels::BlockGrid2D grid{x.batch(), height, width, block_h_, block_w_};
     if (options_.relative_position_bias() &&
         (grid.blocks_h() > options_.max_blocks_h() || grid.blocks_w() > options_.max_blocks_w())) {
-      detail::fail("C2FAttention2D: a ", height, " x ", width, " grid in blocks of ", block_h_, " x ", block_w_, " has ",
-                   grid.blocks_h(), " x ", grid.blocks_w(),
+      detail::fail("C2FAttention2D: a ", height, " x ", width, " grid in blocks of ", block_h_, " x ", block_w_,
+                   " has ", grid.blocks_h(), " x ", grid.blocks_w(),
                    " blocks (Mh x Mw), more than the relative position bias table's max_blocks_h x max_blocks_w = ",
                    options_.max_blocks_h(), " x ", options_.max_blocks_w());
     }
@@ -266,7 +268,8 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
     const Masks<Scalar> coarse_masks = Masks<Scalar>().attn_mask(coarse_mask(grid.blocks_h(), grid.blocks_w()));
     if (saved == nullptr) {
       const Tensor3<Scalar> context = coarse_.forward(summaries, coarse_masks);
-      fine_.forward_blocks(x.rows(), grid, Eigen::Map<const RowMatrix<Scalar>>(context.data(), grid.blocks(), d), out, fresh_out);
+      fine_.forward_blocks(x.rows(), grid, Eigen::Map<const RowMatrix<Scalar>>(context.data(), grid.blocks(), d), out,
+                           fresh_out);
       return;
     }
     RowMatrix<Scalar> context(grid.blocks(), d);
@@ -296,16 +299,18 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
       // per table entry.
       const typename CoarseAttention<Scalar>::Saved& c = saved.coarse;
       RowMatrix<Scalar> dattn(blocks, d);
-      kernels::matmul_rows<Scalar>(dcontext, coarse_.as_multihead_attention().out_proj().weight(), nullptr, dattn, threads);
+      kernels::matmul_rows<Scalar>(dcontext, coarse_.as_multihead_attention().out_proj().weight(), nullptr, dattn,
+                                   threads);
       const MaskView<Scalar> mask(c.masks, grid.batch, h, m, m);
       kernels::relative_position_bias_backward<Scalar>(
           kernels::heads_view(c.q, grid.batch, m, h), kernels::heads_view(c.k, grid.batch, m, h),
           kernels::heads_view(c.v, grid.batch, m, h), kernels::heads_view(c.attn, grid.batch, m, h), c.lse,
           kernels::heads_view(std::as_const(dattn), grid.batch, m, h), mask, grid.blocks_h(), grid.blocks_w(),
-          options_.max_blocks_h(), options_.max_blocks_w(), kernels::default_scale<Scalar>(head_dim()), grad.table_, threads);
+          options_.max_blocks_h(), options_.max_blocks_w(), kernels::default_scale<Scalar>(head_dim()), grad.table_,
+          threads);
     }
-    kernels::chunk_mean_backward_add<Scalar>(Eigen::Map<const RowMatrix<Scalar>>(coarse_g.input.data(), blocks, d), grid, dx,
-                                             threads);
+    kernels::chunk_mean_backward_add<Scalar>(Eigen::Map<const RowMatrix<Scalar>>(coarse_g.input.data(), blocks, d),
+                                             grid, dx, threads);
   }
 
   detail::HeadShape shape_;  // first: checked before the stages are built

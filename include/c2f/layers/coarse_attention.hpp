@@ -25,7 +25,9 @@ template <class Scalar>
 class CoarseAttention : public detail::LayerBase<CoarseAttention<Scalar>, Scalar> {
  public:
   /// seed: Xavier-uniform qkv_proj.weight, nn.Linear's default out_proj.weight, zero biases.
-  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public DropoutOption<Options>,
+  class Options : public RuntimeOptions<Options>,
+                  public AttnKernelOptions<Options>,
+                  public DropoutOption<Options>,
                   public ComputeOption<Options> {};
 
   /// attn_mask [m, m] or [n, m, m] (n = 1, B or B·H), key_padding_mask [B, m].

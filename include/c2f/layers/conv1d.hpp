@@ -2,9 +2,9 @@
 // C3K2Projection.
 #pragma once
 
-#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/conv1d.hpp"
+#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/mask.hpp"
 #include "c2f/options.hpp"
 
@@ -23,7 +23,9 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
   /// seed: init like PyTorch, weight and bias U(±1/sqrt(in/groups · kernel_size)).
   /// causal: pad kernel_size − 1 zeros on the left only (output i reads x[i − kernel_size + 1 … i]);
   /// padding must be 0. PyTorch: conv(F.pad(x, (kernel_size − 1, 0))) on a Conv1d with padding 0.
-  class Options : public RuntimeOptions<Options>, public BiasOption<Options>, public CausalOption<Options>,
+  class Options : public RuntimeOptions<Options>,
+                  public BiasOption<Options>,
+                  public CausalOption<Options>,
                   public ComputeOption<Options> {
     C2F_ARG(Index, padding) = 0;
     C2F_ARG(Index, groups) = 1;
@@ -79,9 +81,9 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
     detail::check_features(x, shape_.in_channels, "Conv1d", "x", "in_channels");
     return {x.batch(), out_length(x.seq()), shape_.out_channels};
   }
-  /// The same on rows (forward_into(x, out, masks) is this on x's rows): x [B·L, in] → y [B·L_out, out] (y may be a column block of a wider matrix).
-  void forward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length,
-                    RowMatrixRef<Scalar> y) const {
+  /// The same on rows (forward_into(x, out, masks) is this on x's rows): x [B·L, in] → y [B·L_out, out] (y may be a
+  /// column block of a wider matrix).
+  void forward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length, RowMatrixRef<Scalar> y) const {
     if (out_length(length) == 0) return;  // nothing to write (an input shorter than the kernel)
     kernels::conv1d<Scalar>(x, batch, length, shape_, taps_, options_.bias() ? bias_.data() : nullptr, y,
                             detail::kernel_options(options_));
@@ -101,9 +103,8 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
   /// out] (a column block of a wider matrix too): dx (overwritten, or added to with add_dx), and grad's
   /// weight and bias, for `grad` a copy of this layer (backward() passes one with zero parameters). An input
   /// shorter than the kernel (L_out = 0) has zero gradients.
-  void backward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length,
-                     const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx, Conv1d& grad,
-                     bool add_dx) const {
+  void backward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length, const ConstRowMatrixRef<Scalar>& dy,
+                     RowMatrixRef<Scalar> dx, Conv1d& grad, bool add_dx) const {
     if (out_length(length) == 0) {
       if (!add_dx) dx.setZero();
       grad.taps_.setZero();
@@ -111,7 +112,8 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
       return;
     }
     kernels::conv1d_backward<Scalar>(x, batch, length, shape_, taps_, dy, dx, grad.taps_,
-                                     options_.bias() ? grad.bias_.data() : nullptr, detail::kernel_options(options_), add_dx);
+                                     options_.bias() ? grad.bias_.data() : nullptr, detail::kernel_options(options_),
+                                     add_dx);
   }
 
  private:
@@ -168,9 +170,9 @@ class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scala
     fn("conv2.", self.conv2_);
   }
 
-  /// x [B·L, E] → y [B·L, E] (forward_into(x, out, masks) is this on x's rows): conv3 into channels [0, E/2), conv2 into [E/2, E).
-  void forward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length,
-                    RowMatrixRef<Scalar> y) const {
+  /// x [B·L, E] → y [B·L, E] (forward_into(x, out, masks) is this on x's rows): conv3 into channels [0, E/2), conv2
+  /// into [E/2, E).
+  void forward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length, RowMatrixRef<Scalar> y) const {
     const Index e = embed_dim();
     conv3_.forward_rows(x, batch, length, detail::cols_of(y, 0, e / 2));
     conv2_.forward_rows(x, batch, length, detail::cols_of(y, e / 2, e - e / 2));
@@ -191,9 +193,8 @@ class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scala
   /// The gradients on rows of an input x [batch·length, E] for dy [batch·length, E]: conv3's (dy's channels
   /// [0, E/2)) then conv2's ([E/2, E)) input gradients summed into dx (overwritten, or added to with
   /// add_dx), their parameters' into grad's (Conv1d::backward_rows).
-  void backward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length,
-                     const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
-                     C3K2Projection& grad, bool add_dx) const {
+  void backward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length, const ConstRowMatrixRef<Scalar>& dy,
+                     RowMatrixRef<Scalar> dx, C3K2Projection& grad, bool add_dx) const {
     const Index e = embed_dim();
     conv3_.backward_rows(x, batch, length, detail::cols_of(dy, 0, e / 2), dx, grad.conv3_, add_dx);
     conv2_.backward_rows(x, batch, length, detail::cols_of(dy, e / 2, e - e / 2), dx, grad.conv2_, /*add_dx=*/true);

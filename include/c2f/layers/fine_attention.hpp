@@ -110,8 +110,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     return detail::with_layer_name(type_name, [&] {
       const Index b = x.dimension(0), m = x.dimension(1), k = x.dimension(2), f = x.dimension(3);
       if (coarse_context.batch() != b || coarse_context.seq() != m) {
-        detail::fail("FineAttention: coarse_context must be [batch, chunks, d] = ",
-                     detail::shape_string({b, m, d_}), " for x ", detail::shape_string({b, m, k, f}), ", got ",
+        detail::fail("FineAttention: coarse_context must be [batch, chunks, d] = ", detail::shape_string({b, m, d_}),
+                     " for x ", detail::shape_string({b, m, k, f}), ", got ",
                      detail::shape_string({coarse_context.batch(), coarse_context.seq(), coarse_context.features()}));
       }
       if (k == 0 && m > 0) detail::fail("FineAttention: chunks of length 0 in x ", detail::shape_string({b, m, k, f}));
@@ -129,9 +129,9 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                                   const Masks<Scalar>& masks = {}) const {
     return detail::with_layer_name(type_name, [&] {
       detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
-      return detail::fresh_output<Scalar>(type_name, {x.batch(), x.seq(), d_}, options_.num_threads(), [&](RowMatrixRef<Scalar> out) {
-        forward_chunked_into(x, chunk, coarse_context, out, masks);
-      });
+      return detail::fresh_output<Scalar>(
+          type_name, {x.batch(), x.seq(), d_}, options_.num_threads(),
+          [&](RowMatrixRef<Scalar> out) { forward_chunked_into(x, chunk, coarse_context, out, masks); });
     });
   }
 
@@ -170,7 +170,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// product and kernels::fine_folded_workspace_bytes.
   std::size_t folded_workspace_bytes(Index blocks, Index longest_run) const {
     return sizeof(Scalar) * static_cast<std::size_t>(blocks * d_) + q_proj_.rows_workspace_bytes(blocks, true) +
-           kernels::fine_folded_workspace_bytes<Scalar>(blocks, longest_run, d_, heads_, detail::kernel_options(options_));
+           kernels::fine_folded_workspace_bytes<Scalar>(blocks, longest_run, d_, heads_,
+                                                        detail::kernel_options(options_));
   }
   /// Bytes of temporary memory one forward_chunked_into() holds at its peak, besides the output (and
   /// Eigen's GEMM packing buffers, which Eigen keeps on the stack below 128 KiB). On the folded path —
@@ -185,7 +186,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const std::size_t lengths = 2 * sizeof(Index) * c;  // the real keys of every chunk, and their mask
     if (general || options_.fine_path() == FinePath::General) {
       const std::size_t k = static_cast<std::size_t>(chunk), padded = grid.length % chunk == 0 ? 0 : c * k * d;
-      const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), grid.chunks() * heads_));
+      const std::size_t workers =
+          static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), grid.chunks() * heads_));
       // + the largest packed projection weight (micro-kernel builds; one projection runs at a time).
       const std::size_t packed = std::max({q_proj_.rows_workspace_bytes(grid.chunks(), true),
                                            kv_proj_.rows_workspace_bytes(grid.chunks() * chunk, true),
@@ -206,17 +208,19 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// log-sum-exp — O(L·d) values, no [L, L] term.
   struct Saved : detail::SavedBase {
     detail::ScratchRowMatrix<Scalar> x, context, q;  ///< tokens [B·L, d], coarse context [chunks, d], q_proj(context)
-    AttnMask<Scalar> mask;            ///< the fine mask over the grid (cropped to k when the chunk exceeds L)
-    kernels::ChunkGrid grid;          ///< the chunks (forward_train's form)
-    bool general = false;             ///< which path ran
+    AttnMask<Scalar> mask;                    ///< the fine mask over the grid (cropped to k when the chunk exceeds L)
+    kernels::ChunkGrid grid;                  ///< the chunks (forward_train's form)
+    bool general = false;                     ///< which path ran
     kernels::FineFoldedState<Scalar> folded;  ///< the folded path's (kernels::fine_folded_forward)
-    detail::ScratchRowMatrix<Scalar> kv, attn, lse;  ///< the general path's: [chunks·k, 2d], [chunks·k, d], [chunks·H, k]
+    detail::ScratchRowMatrix<Scalar> kv, attn,
+        lse;  ///< the general path's: [chunks·k, 2d], [chunks·k, d], [chunks·H, k]
   };
 
   /// forward_chunked() in train mode (FineAttention has no dropout: its output has forward_chunked()'s
   /// bits) and what backward() needs. `step` is the contract's (it keys no mask here).
-  TrainOutput<Scalar, Saved> forward_train(ConstTensor3Ref<Scalar> x, Index chunk, ConstTensor3Ref<Scalar> coarse_context,
-                                           const Masks<Scalar>& masks = {}, std::uint64_t step = 0) const {
+  TrainOutput<Scalar, Saved> forward_train(ConstTensor3Ref<Scalar> x, Index chunk,
+                                           ConstTensor3Ref<Scalar> coarse_context, const Masks<Scalar>& masks = {},
+                                           std::uint64_t step = 0) const {
     return detail::with_layer_name(type_name, [&] {
       detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
       detail::check_train_compute("FineAttention", options_.compute());
@@ -243,8 +247,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// The folded path on a block grid (C2FAttention2D's) in train mode: forward_blocks() and its state.
   template <class Grid>
   void compute_train(const ConstRowMatrixRef<Scalar>& x, const Grid& grid,
-                     const ConstRowMatrixRef<Scalar>& coarse_context, RowMatrixRef<Scalar> out,
-                     Saved& saved) const {
+                     const ConstRowMatrixRef<Scalar>& coarse_context, RowMatrixRef<Scalar> out, Saved& saved) const {
     run_blocks(x, grid, coarse_context, out, &saved);
   }
   void compute_backward(const Saved& saved, const ConstRowMatrixRef<Scalar>& dy, Grads<Scalar>& g,
@@ -259,14 +262,16 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     } else {
       const KeyPaddingMask<Scalar> padding = padding_of(grid);
       const MaskView<Scalar> plan = chunk_plan(saved.mask, padding, grid);
-      backward_blocks(saved, grid, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, dy, dx, dcontext, grad);
+      backward_blocks(
+          saved, grid, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, dy, dx, dcontext, grad);
     }
   }
   /// The folded path's backward on a block grid without a mask (forward_blocks()'s, C2FAttention2D's).
   template <class Grid>
   void compute_backward(const Saved& saved, const Grid& grid, const ConstRowMatrixRef<Scalar>& dy,
                         RowMatrixRef<Scalar> dx, RowMatrixRef<Scalar> dcontext, FineAttention& grad) const {
-    backward_blocks(saved, grid, [](Index, Index, Index) { return Scalar(0); }, dy, dx, dcontext, grad);
+    backward_blocks(
+        saved, grid, [](Index, Index, Index) { return Scalar(0); }, dy, dx, dcontext, grad);
   }
   /// The folded path's backward on a block grid (bias(c, h, j) as in the forward): dx [rows, d] (every
   /// real token's row overwritten), dcontext [blocks, d] (overwritten) and the parameters' gradients into
@@ -293,7 +298,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const kernels::KernelOptions threads = detail::kernel_options(options_);
     const RowMatrix<Scalar> tokens = padded_tokens(saved.x, grid);  // the padded grid's rows (padded rows zero)
     RowMatrix<Scalar> dprojected = RowMatrix<Scalar>::Zero(chunks * k, d_), dattn(chunks * k, d_);
-    for (Index c = 0; c < chunks; ++c) dprojected.middleRows(c * k, grid.count(c)) = dy.middleRows(grid.row(c), grid.count(c));
+    for (Index c = 0; c < chunks; ++c)
+      dprojected.middleRows(c * k, grid.count(c)) = dy.middleRows(grid.row(c), grid.count(c));
     kernels::linear_backward<Scalar>(saved.attn, out_proj_.weight(), dprojected, dattn, grad.out_proj_.weight(),
                                      grad.out_proj_.bias().data(), threads);
     dprojected.resize(0, 0);
@@ -301,10 +307,13 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     {
       const KeyPaddingMask<Scalar> padding = padding_of(grid);
       const MaskView<Scalar> plan = chunk_plan(saved.mask, padding, grid);
-      const kernels::HeadsView<const Scalar> kview = kernels::heads_view<const Scalar>(saved.kv.data(), chunks, k, 2 * d_, 0, heads_, dk);
-      const kernels::HeadsView<const Scalar> vview = kernels::heads_view<const Scalar>(saved.kv.data(), chunks, k, 2 * d_, d_, heads_, dk);
+      const kernels::HeadsView<const Scalar> kview =
+          kernels::heads_view<const Scalar>(saved.kv.data(), chunks, k, 2 * d_, 0, heads_, dk);
+      const kernels::HeadsView<const Scalar> vview =
+          kernels::heads_view<const Scalar>(saved.kv.data(), chunks, k, 2 * d_, d_, heads_, dk);
       kernels::sdpa_backward<Scalar>(chunk_queries(saved.q, chunks, k), kview, vview,
-                                     kernels::heads_view<const Scalar>(saved.attn.data(), chunks, k, d_, 0, heads_, dk), saved.lse,
+                                     kernels::heads_view<const Scalar>(saved.attn.data(), chunks, k, d_, 0, heads_, dk),
+                                     saved.lse,
                                      kernels::heads_view<const Scalar>(dattn.data(), chunks, k, d_, 0, heads_, dk),
                                      kernels::heads_view<Scalar>(dq_rows.data(), chunks, k, d_, 0, heads_, dk),
                                      kernels::heads_view<Scalar>(dkv.data(), chunks, k, 2 * d_, 0, heads_, dk),
@@ -316,7 +325,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     for (Index c = 0; c < chunks; ++c) dq.row(c) = dq_rows.middleRows(c * k, k).colwise().sum();
     kernels::linear_backward<Scalar>(tokens, kv_proj_.weight(), dkv, dtokens, grad.kv_proj_.weight(),
                                      grad.kv_proj_.bias().data(), threads);
-    for (Index c = 0; c < chunks; ++c) dx.middleRows(grid.row(c), grid.count(c)) = dtokens.middleRows(c * k, grid.count(c));
+    for (Index c = 0; c < chunks; ++c)
+      dx.middleRows(grid.row(c), grid.count(c)) = dtokens.middleRows(c * k, grid.count(c));
     kernels::linear_backward<Scalar>(saved.context, q_proj_.weight(), dq, dcontext, grad.q_proj_.weight(),
                                      grad.q_proj_.bias().data(), threads);
   }
@@ -334,7 +344,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   }
   /// The queries of the general path: every token of chunk c reads the chunk's q row (a row stride of 0).
   kernels::HeadsView<const Scalar> chunk_queries(const ConstRowMatrixRef<Scalar>& q, Index chunks, Index k) const {
-    kernels::HeadsView<const Scalar> qv = kernels::heads_view<const Scalar>(q.data(), chunks, k, d_, 0, heads_, head_dim());
+    kernels::HeadsView<const Scalar> qv =
+        kernels::heads_view<const Scalar>(q.data(), chunks, k, d_, 0, heads_, head_dim());
     qv.row_stride = 0;
     qv.batch_stride = d_;
     return qv;
@@ -345,13 +356,14 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const Index k = grid.chunk;
     if (grid.length % k == 0) return x;
     RowMatrix<Scalar> padded = RowMatrix<Scalar>::Zero(grid.chunks() * k, x.cols());
-    for (Index c = 0; c < grid.chunks(); ++c) padded.middleRows(c * k, grid.count(c)) = x.middleRows(grid.row(c), grid.count(c));
+    for (Index c = 0; c < grid.chunks(); ++c)
+      padded.middleRows(c * k, grid.count(c)) = x.middleRows(grid.row(c), grid.count(c));
     return padded;
   }
 
   void run_chunked(const ConstTensor3Ref<Scalar>& x, Index chunk, Index sequence_length,
-                   const ConstTensor3Ref<Scalar>& coarse_context, RowMatrixRef<Scalar> out,
-                   const Masks<Scalar>& masks, Saved* saved = nullptr) const {
+                   const ConstTensor3Ref<Scalar>& coarse_context, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks,
+                   Saved* saved = nullptr) const {
     detail::check_mask_fields(masks, "FineAttention", mask_fields);
     if (chunk < 1) detail::fail("FineAttention: chunk size must be >= 1, got ", chunk);
     detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
@@ -392,8 +404,9 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     if (general) {
       forward_general(x, grid, q, plan, out, saved);
     } else {
-      forward_folded(x.rows(), grid, q, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, out,
-                     saved != nullptr ? &saved->folded : nullptr);
+      forward_folded(
+          x.rows(), grid, q, [&](Index c, Index h, Index j) { return plan.bias(c, h, 0, j); }, out,
+          saved != nullptr ? &saved->folded : nullptr);
     }
     if (saved != nullptr) {
       saved->general = general;
@@ -408,18 +421,21 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     const MaskKind kind = mask.kind();
     if (kind == MaskKind::None || kind == MaskKind::Causal) return mask;
     const std::array<Index, 3>& d = mask.dims();
-    const bool n_ok = d[0] == 1 || d[0] == chunks || d[0] == detail::checked_mul(chunks, heads_, "FineAttention: B·m·H");
+    const bool n_ok =
+        d[0] == 1 || d[0] == chunks || d[0] == detail::checked_mul(chunks, heads_, "FineAttention: B·m·H");
     if (kind == MaskKind::RelativePosition || !n_ok || d[1] != chunk || d[2] != chunk) {
-      detail::fail("FineAttention: the fine attention mask must be [chunk, chunk] = ", detail::shape_string({chunk, chunk}),
-                   " or [n, chunk, chunk] with n = 1, B·m (", chunks, " chunks) or B·m·H (", chunks * heads_,
-                   "), got ", d[0] == 1 ? detail::shape_string({d[1], d[2]}) : detail::shape_string({d[0], d[1], d[2]}));
+      detail::fail(
+          "FineAttention: the fine attention mask must be [chunk, chunk] = ", detail::shape_string({chunk, chunk}),
+          " or [n, chunk, chunk] with n = 1, B·m (", chunks, " chunks) or B·m·H (", chunks * heads_, "), got ",
+          d[0] == 1 ? detail::shape_string({d[1], d[2]}) : detail::shape_string({d[0], d[1], d[2]}));
     }
     if (k == chunk) return mask;
     if (kind == MaskKind::Additive) {
       Tensor3<Scalar> cropped(d[0], k, k);
       for (Index n = 0; n < d[0]; ++n) {
         for (Index i = 0; i < k; ++i) {
-          for (Index j = 0; j < k; ++j) cropped(n, i, j) = mask.additive_values()[static_cast<std::size_t>((n * chunk + i) * chunk + j)];
+          for (Index j = 0; j < k; ++j)
+            cropped(n, i, j) = mask.additive_values()[static_cast<std::size_t>((n * chunk + i) * chunk + j)];
         }
       }
       return AttnMask<Scalar>::additive(cropped);
@@ -427,21 +443,22 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     BoolTensor3 keep(d[0], k, k);
     for (Index n = 0; n < d[0]; ++n) {
       for (Index i = 0; i < k; ++i) {
-        for (Index j = 0; j < k; ++j) keep(n, i, j) = mask.keep_flags()[static_cast<std::size_t>((n * chunk + i) * chunk + j)] != 0;
+        for (Index j = 0; j < k; ++j)
+          keep(n, i, j) = mask.keep_flags()[static_cast<std::size_t>((n * chunk + i) * chunk + j)] != 0;
       }
     }
     return AttnMask<Scalar>::keep(keep);
   }
 
   template <class Grid>
-  void run_blocks(const ConstRowMatrixRef<Scalar>& x, const Grid& grid,
-                  const ConstRowMatrixRef<Scalar>& coarse_context, RowMatrixRef<Scalar> out,
-                  Saved* saved = nullptr, bool fresh_out = false) const {
+  void run_blocks(const ConstRowMatrixRef<Scalar>& x, const Grid& grid, const ConstRowMatrixRef<Scalar>& coarse_context,
+                  RowMatrixRef<Scalar> out, Saved* saved = nullptr, bool fresh_out = false) const {
     if (x.cols() != d_ || out.cols() != d_ || out.rows() != x.rows() || coarse_context.rows() != grid.blocks() ||
         coarse_context.cols() != d_) {
-      detail::fail("FineAttention: forward_blocks needs x [rows, embed_dim=", d_, "], coarse_context [blocks=",
-                   grid.blocks(), ", ", d_, "] and out of x's shape, got x ", detail::shape_string({x.rows(), x.cols()}),
-                   ", coarse_context ", detail::shape_string({coarse_context.rows(), coarse_context.cols()}), " and out ",
+      detail::fail("FineAttention: forward_blocks needs x [rows, embed_dim=", d_,
+                   "], coarse_context [blocks=", grid.blocks(), ", ", d_, "] and out of x's shape, got x ",
+                   detail::shape_string({x.rows(), x.cols()}), ", coarse_context ",
+                   detail::shape_string({coarse_context.rows(), coarse_context.cols()}), " and out ",
                    detail::shape_string({out.rows(), out.cols()}));
     }
     if (saved != nullptr) {
@@ -451,8 +468,9 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     if (grid.blocks() == 0) return;
     detail::ScratchRowMatrix<Scalar> q(grid.blocks(), d_);
     q_proj_.forward_rows_independent(coarse_context, q);
-    forward_folded(x, grid, q, [](Index, Index, Index) { return Scalar(0); }, out, saved != nullptr ? &saved->folded : nullptr,
-                   fresh_out);
+    forward_folded(
+        x, grid, q, [](Index, Index, Index) { return Scalar(0); }, out, saved != nullptr ? &saved->folded : nullptr,
+        fresh_out);
     if (saved != nullptr) saved->q = std::move(q);
   }
 
@@ -495,8 +513,9 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// The article's formula: k, v = kv_proj(tokens); per token, softmax(q_chunk kᵀ / sqrt(dk) + mask) v.
   /// `saved`: nullptr, or training's state, which then holds k, v, the heads' output and the log-sum-exp
   /// (sdpa_train: the same output bits).
-  void forward_general(const ConstTensor3Ref<Scalar>& x, const kernels::ChunkGrid& grid, const ConstRowMatrixRef<Scalar>& q,
-                       const MaskView<Scalar>& plan, RowMatrixRef<Scalar> out, Saved* saved = nullptr) const {
+  void forward_general(const ConstTensor3Ref<Scalar>& x, const kernels::ChunkGrid& grid,
+                       const ConstRowMatrixRef<Scalar>& q, const MaskView<Scalar>& plan, RowMatrixRef<Scalar> out,
+                       Saved* saved = nullptr) const {
     const Index chunks = grid.chunks(), k = grid.chunk, dk = head_dim();
     // Tokens on the padded grid [chunks·k, d]; padded rows are zeros (their keys are masked).
     RowMatrix<Scalar> padded;
@@ -510,8 +529,10 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
     kv_proj_.forward_rows_independent(tokens, kv);
     // Every token of chunk c reads the chunk's one query: a row stride of 0.
     const kernels::HeadsView<const Scalar> qv = chunk_queries(q, chunks, k);
-    const kernels::HeadsView<const Scalar> kview = kernels::heads_view<const Scalar>(kv.data(), chunks, k, 2 * d_, 0, heads_, dk);
-    const kernels::HeadsView<const Scalar> vview = kernels::heads_view<const Scalar>(kv.data(), chunks, k, 2 * d_, d_, heads_, dk);
+    const kernels::HeadsView<const Scalar> kview =
+        kernels::heads_view<const Scalar>(kv.data(), chunks, k, 2 * d_, 0, heads_, dk);
+    const kernels::HeadsView<const Scalar> vview =
+        kernels::heads_view<const Scalar>(kv.data(), chunks, k, 2 * d_, d_, heads_, dk);
     const kernels::HeadsView<Scalar> oview = kernels::heads_view<Scalar>(attn.data(), chunks, k, d_, 0, heads_, dk);
     if (saved != nullptr) {
       saved->lse.resize(chunks * heads_, k);
@@ -524,7 +545,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
 
     detail::ScratchRowMatrix<Scalar> projected(chunks * k, d_);
     out_proj_.forward_rows_independent(attn, projected);
-    for (Index c = 0; c < chunks; ++c) out.middleRows(grid.row(c), grid.count(c)) = projected.middleRows(c * k, grid.count(c));
+    for (Index c = 0; c < chunks; ++c)
+      out.middleRows(grid.row(c), grid.count(c)) = projected.middleRows(c * k, grid.count(c));
     if (saved != nullptr) {
       saved->kv = std::move(kv);
       saved->attn = std::move(attn);

@@ -2,8 +2,8 @@
 // definition (the article's code does not run).
 //
 // q, k, v = three C3K2Projections (q_proj, k_proj, v_proj) of x [B, L, E], split into H heads of
-// width dh = E / H (E = embed_dim, H = num_heads). Windows: m = ceil(L / W); window j holds positions [jW, min((j+1)W, L)). Per head,
-// with scores q·k / sqrt(dh):
+// width dh = E / H (E = embed_dim, H = num_heads). Windows: m = ceil(L / W); window j holds positions [jW, min((j+1)W,
+// L)). Per head, with scores q·k / sqrt(dh):
 //   level 1, local:   o1_i = softmax_t(q_i·k_t) v_t over t in the window of i;
 //   level 2, cross:   q̄_j, k̄_j, v̄_j = means over the real tokens of window j;
 //                     c_j = Σ_j' softmax_j'(q̄_j·k̄_j') v̄_j' over all m windows; o2_i = c_(window of i);
@@ -23,8 +23,6 @@
 // State dict: q_proj.conv3.*, q_proj.conv2.*, k_proj.*, v_proj.*, out_proj.weight, out_proj.bias.
 #pragma once
 
-#include "c2f/layers/support/decoding.hpp"
-#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/detail/scratch.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/heads_view.hpp"
@@ -33,6 +31,8 @@
 #include "c2f/kernels/sdpa_backward.hpp"
 #include "c2f/layers/conv1d.hpp"
 #include "c2f/layers/linear.hpp"
+#include "c2f/layers/support/decoding.hpp"
+#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/mask.hpp"
 #include "c2f/mask_view.hpp"
 #include "c2f/options.hpp"
@@ -68,8 +68,7 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
         q_proj_(embed_dim, num_heads, projection_options(options, 0)),
         k_proj_(embed_dim, num_heads, projection_options(options, 2)),
         v_proj_(embed_dim, num_heads, projection_options(options, 4)),
-        out_proj_(embed_dim, embed_dim,
-                  detail::inner_options<typename Linear<Scalar>::Options>(options, 6)) {
+        out_proj_(embed_dim, embed_dim, detail::inner_options<typename Linear<Scalar>::Options>(options, 6)) {
     detail::check_scalar<Scalar>();
   }
 
@@ -128,7 +127,8 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
     const kernels::ChunkGrid windows{batch, seq, window_};
     const std::size_t s = sizeof(Scalar), e = static_cast<std::size_t>(shape_.embed_dim);
     const std::size_t h = static_cast<std::size_t>(shape_.num_heads), dh = e / h;
-    const std::size_t tokens = static_cast<std::size_t>(batch * seq), chunks = static_cast<std::size_t>(windows.chunks());
+    const std::size_t tokens = static_cast<std::size_t>(batch * seq),
+                      chunks = static_cast<std::size_t>(windows.chunks());
     const Index m = windows.chunks_per_batch();
     const std::size_t w = static_cast<std::size_t>(std::min(window_, std::max<Index>(seq, 1)));
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), batch * seq));
@@ -144,8 +144,9 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
     if (on.cross && options_.causal()) {
       level = std::max(level, s * (2 * chunks * e + workers * (w * ms + (bf16 ? (w + ms) * dh : 0))));
     } else if (on.cross) {
-      level = std::max(level, s * 4 * chunks * e + workers * kernels::sdpa_streaming_workspace_bytes<Scalar>(ko, dh, dh, m, m) +
-                                  kernels::sdpa_streaming_shared_bytes<Scalar>(ko, batch * shape_.num_heads, dh, dh, m, m));
+      level = std::max(
+          level, s * 4 * chunks * e + workers * kernels::sdpa_streaming_workspace_bytes<Scalar>(ko, dh, dh, m, m) +
+                     kernels::sdpa_streaming_shared_bytes<Scalar>(ko, batch * shape_.num_heads, dh, dh, m, m));
     }
     if (on.global) {
       const std::size_t offsets = kernels::sparse_offsets(seq, options_.causal()).size();
@@ -166,7 +167,8 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
     const bool causal = options_.causal();
     const HMHALevels& levels = options_.levels();
     const Scalar scale = kernels::default_scale<Scalar>(head_dim());
-    if (levels.local) kernels::window_attention_add<Scalar>(q, k, v, windows, shape_.num_heads, o, causal, scale, threads);
+    if (levels.local)
+      kernels::window_attention_add<Scalar>(q, k, v, windows, shape_.num_heads, o, causal, scale, threads);
     if (levels.cross && windows.chunks() > 0) {
       const Index chunks = windows.chunks();
       RowMatrix<Scalar> km(chunks, shape_.embed_dim), vm(chunks, shape_.embed_dim);
@@ -203,15 +205,16 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   /// level 2 through the window means: causal window_summary_attention_backward_add, else sdpa_backward on
   /// the means with chunk_sum of dout; sparse_global_attention_backward_add).
   void attend_backward(const ConstRowMatrixRef<Scalar>& q, const ConstRowMatrixRef<Scalar>& k,
-                       const ConstRowMatrixRef<Scalar>& v, const ConstRowMatrixRef<Scalar>& dout,
-                       Index batch, Index length, RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk,
-                       RowMatrixRef<Scalar> dv, const HMHALevels& levels) const {
+                       const ConstRowMatrixRef<Scalar>& v, const ConstRowMatrixRef<Scalar>& dout, Index batch,
+                       Index length, RowMatrixRef<Scalar> dq, RowMatrixRef<Scalar> dk, RowMatrixRef<Scalar> dv,
+                       const HMHALevels& levels) const {
     const kernels::ChunkGrid windows{batch, length, window_};
     const kernels::KernelOptions threads = detail::kernel_options(options_);
     const bool causal = options_.causal();
     const Index h = shape_.num_heads, e = shape_.embed_dim;
     const Scalar scale = kernels::default_scale<Scalar>(head_dim());
-    if (levels.local) kernels::window_attention_backward_add<Scalar>(q, k, v, dout, windows, h, dq, dk, dv, causal, scale, threads);
+    if (levels.local)
+      kernels::window_attention_backward_add<Scalar>(q, k, v, dout, windows, h, dq, dk, dv, causal, scale, threads);
     if (levels.cross && windows.chunks() > 0) {
       const Index chunks = windows.chunks(), m = windows.chunks_per_batch();
       RowMatrix<Scalar> km(chunks, e), vm(chunks, e), dkm(chunks, e), dvm(chunks, e);
@@ -220,7 +223,8 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
       if (causal) {
         dkm.setZero();
         dvm.setZero();
-        kernels::window_summary_attention_backward_add<Scalar>(q, km, vm, dout, windows, h, dq, dkm, dvm, scale, threads);
+        kernels::window_summary_attention_backward_add<Scalar>(q, km, vm, dout, windows, h, dq, dkm, dvm, scale,
+                                                               threads);
       } else {
         // c = attention of the window means (the forward's), its gradient the window sums of dout.
         RowMatrix<Scalar> qm(chunks, e), c(chunks, e), lse(batch * h, m), dc(chunks, e), dqm(chunks, e);
@@ -228,20 +232,22 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
         const kernels::HeadsView<const Scalar> qv = kernels::heads_view(std::as_const(qm), batch, m, h),
                                                kv = kernels::heads_view(std::as_const(km), batch, m, h),
                                                vv = kernels::heads_view(std::as_const(vm), batch, m, h);
-        kernels::sdpa_streaming_lse<Scalar>(qv, kv, vv, kernels::heads_view(c, batch, m, h), lse, MaskView<Scalar>(), scale,
-                                            threads);
+        kernels::sdpa_streaming_lse<Scalar>(qv, kv, vv, kernels::heads_view(c, batch, m, h), lse, MaskView<Scalar>(),
+                                            scale, threads);
         kernels::chunk_sum<Scalar>(dout, windows, dc, threads);
         kernels::sdpa_backward<Scalar>(qv, kv, vv, kernels::heads_view(std::as_const(c), batch, m, h), lse,
-                                       kernels::heads_view(std::as_const(dc), batch, m, h), kernels::heads_view(dqm, batch, m, h),
-                                       kernels::heads_view(dkm, batch, m, h), kernels::heads_view(dvm, batch, m, h),
-                                       MaskView<Scalar>(), kernels::AttnDropout(), scale, threads);
+                                       kernels::heads_view(std::as_const(dc), batch, m, h),
+                                       kernels::heads_view(dqm, batch, m, h), kernels::heads_view(dkm, batch, m, h),
+                                       kernels::heads_view(dvm, batch, m, h), MaskView<Scalar>(),
+                                       kernels::AttnDropout(), scale, threads);
         kernels::chunk_mean_backward_add<Scalar>(dqm, windows, dq, threads);
       }
       kernels::chunk_mean_backward_add<Scalar>(dkm, windows, dk, threads);
       kernels::chunk_mean_backward_add<Scalar>(dvm, windows, dv, threads);
     }
     if (levels.global) {
-      kernels::sparse_global_attention_backward_add<Scalar>(q, k, v, dout, batch, length, h, dq, dk, dv, causal, scale, threads);
+      kernels::sparse_global_attention_backward_add<Scalar>(q, k, v, dout, batch, length, h, dq, dk, dv, causal, scale,
+                                                            threads);
     }
   }
 
@@ -254,8 +260,8 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
     run(x, q, k, v, o, out);
   }
   /// The forward into q, k, v, o [B·L, E] (the projections and the summed levels) and out.
-  void run(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> q, RowMatrixRef<Scalar> k,
-           RowMatrixRef<Scalar> v, RowMatrixRef<Scalar> o, RowMatrixRef<Scalar> out) const {
+  void run(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> q, RowMatrixRef<Scalar> k, RowMatrixRef<Scalar> v,
+           RowMatrixRef<Scalar> o, RowMatrixRef<Scalar> out) const {
     const Index batch = x.batch(), length = x.seq();
     q_proj_.forward_rows(x.rows(), batch, length, q);
     k_proj_.forward_rows(x.rows(), batch, length, k);
@@ -345,13 +351,15 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
       const ConstRowMatrixRef<Scalar> qb = q.middleRows(b * outputs, outputs);
       const ConstRowMatrixRef<Cache> kb = state.cache_.keys(b, 0, total), vb = state.cache_.values(b, 0, total);
       RowMatrixRef<Scalar> ob = o.middleRows(b * outputs, outputs);
-      if (levels.local) kernels::window_attention_add<Scalar, Cache>(qb, kb, vb, grid, shape_.num_heads, ob, true, scale, threads);
+      if (levels.local)
+        kernels::window_attention_add<Scalar, Cache>(qb, kb, vb, grid, shape_.num_heads, ob, true, scale, threads);
       if (levels.cross) {
         kernels::window_summary_attention_add<Scalar>(qb, state.windows_.keys(b), state.windows_.values(b), grid,
                                                       shape_.num_heads, ob, scale, threads);
       }
       if (levels.global) {
-        kernels::sparse_global_attention_add<Scalar, Cache>(qb, kb, vb, 1, total, shape_.num_heads, ob, true, scale, threads);
+        kernels::sparse_global_attention_add<Scalar, Cache>(qb, kb, vb, 1, total, shape_.num_heads, ob, true, scale,
+                                                            threads);
       }
     }
     return detail::fresh_output<Scalar>(type_name, {batch, outputs, e}, options_.num_threads(),

@@ -1,9 +1,9 @@
 // c2f layers — Linear: y = x Wᵀ + b with torch.nn.Linear's state-dict names and layout.
 #pragma once
 
-#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/kernels/linear.hpp"
+#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/mask.hpp"
 #include "c2f/options.hpp"
 
@@ -114,8 +114,8 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
   /// and bias = Σ dy, for `grad` a copy of this layer (backward() passes one with zero parameters).
   void backward_rows(const Saved& saved, const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
                      Linear& grad) const {
-    kernels::linear_backward<Scalar>(saved.x, weight_, dy, dx, grad.weight_, options_.bias() ? grad.bias_.data() : nullptr,
-                                     detail::kernel_options(options_));
+    kernels::linear_backward<Scalar>(saved.x, weight_, dy, dx, grad.weight_,
+                                     options_.bias() ? grad.bias_.data() : nullptr, detail::kernel_options(options_));
   }
 
  private:

@@ -2,7 +2,6 @@
 #pragma once
 
 #include "c2f/detail/huge_pages.hpp"
-#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/detail/random.hpp"
 #include "c2f/detail/scratch.hpp"
 #include "c2f/kernels/heads_view.hpp"
@@ -10,6 +9,7 @@
 #include "c2f/kernels/sdpa.hpp"
 #include "c2f/kernels/sdpa_backward.hpp"
 #include "c2f/layers/linear.hpp"
+#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/mask.hpp"
 #include "c2f/mask_view.hpp"
 #include "c2f/options.hpp"
@@ -55,8 +55,12 @@ template <class Scalar>
 class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<Scalar>, Scalar> {
  public:
   /// causal: query i attends only to keys j <= i.
-  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public BiasOption<Options>,
-                  public CausalOption<Options>, public DropoutOption<Options>, public ComputeOption<Options> {
+  class Options : public RuntimeOptions<Options>,
+                  public AttnKernelOptions<Options>,
+                  public BiasOption<Options>,
+                  public CausalOption<Options>,
+                  public DropoutOption<Options>,
+                  public ComputeOption<Options> {
     /// Key features; 0 = embed_dim.
     C2F_ARG(Index, kdim) = 0;
     /// Value features; 0 = embed_dim.
@@ -180,8 +184,9 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
                           const Masks<Scalar>& masks = {}) const {
     return detail::with_layer_name(type_name, [&] {
       check_inputs(query, key, value);
-      return detail::fresh_output<Scalar>(type_name, {query.batch(), query.seq(), embed_dim()}, options_.num_threads(),
-                                          [&](RowMatrixRef<Scalar> out) { run(query, key, value, masks, out, nullptr); });
+      return detail::fresh_output<Scalar>(
+          type_name, {query.batch(), query.seq(), embed_dim()}, options_.num_threads(),
+          [&](RowMatrixRef<Scalar> out) { run(query, key, value, masks, out, nullptr); });
     });
   }
   /// forward(query, key, value, masks) into caller memory: out [B·Lq, E] (overwritten).
@@ -212,10 +217,9 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
                                            std::uint64_t step = 0) const {
     return detail::with_layer_name(type_name, [&] {
       check_inputs(query, key, value);
-      return detail::train_output<Scalar, Saved>(*this, {query.batch(), query.seq(), embed_dim()},
-                                                 [&](RowMatrixRef<Scalar> out, Saved& saved) {
-                                                   compute_train(query, key, value, out, masks, step, saved);
-                                                 });
+      return detail::train_output<Scalar, Saved>(
+          *this, {query.batch(), query.seq(), embed_dim()},
+          [&](RowMatrixRef<Scalar> out, Saved& saved) { compute_train(query, key, value, out, masks, step, saved); });
     });
   }
 
@@ -230,8 +234,9 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
                                       {query.batch(), num_heads(), query.seq(), key.seq()});
       AttnOutput<Scalar> result;
       WeightsRequest request{mode, &result.weights};
-      result.output = detail::fresh_output<Scalar>(type_name, {query.batch(), query.seq(), embed_dim()}, options_.num_threads(),
-                                                   [&](RowMatrixRef<Scalar> out) { run(query, key, value, masks, out, &request); });
+      result.output =
+          detail::fresh_output<Scalar>(type_name, {query.batch(), query.seq(), embed_dim()}, options_.num_threads(),
+                                       [&](RowMatrixRef<Scalar> out) { run(query, key, value, masks, out, &request); });
       return result;
     });
   }
@@ -254,15 +259,16 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   /// project() into the caller's qp [B·Lq, E], kp and vp [B·Lk, E] (e.g. scratch memory; a wrong shape is
   /// refused).
   void project_into(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
-                    const ConstTensor3Ref<Scalar>& value, RowMatrixRef<Scalar> qp,
-                    RowMatrixRef<Scalar> kp, RowMatrixRef<Scalar> vp) const {
+                    const ConstTensor3Ref<Scalar>& value, RowMatrixRef<Scalar> qp, RowMatrixRef<Scalar> kp,
+                    RowMatrixRef<Scalar> vp) const {
     check_inputs(query, key, value);
     const Index e = embed_dim();
     const kernels::KernelOptions threads = kernel_options();
     const Scalar* bias = options_.bias() ? b_.data() : nullptr;
     kernels::linear_cached<Scalar>(query.rows(), w_[0], bias, qp, threads, packed_, 0, w_stamp_);
     kernels::linear_cached<Scalar>(key.rows(), w_[1], bias ? bias + e : nullptr, kp, threads, packed_, 1, w_stamp_);
-    kernels::linear_cached<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads, packed_, 2, w_stamp_);
+    kernels::linear_cached<Scalar>(value.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads, packed_, 2,
+                                   w_stamp_);
   }
 
   /// Incremental decoding state of a causal layer (new_decode_state(), decode(), prefill(): see
@@ -295,7 +301,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     kernels::linear_cached<Scalar>(x.rows(), w_[2], bias ? bias + 2 * e : nullptr, vp, threads, packed_, 2, w_stamp_);
     for (Index b = 0; b < batch; ++b) {
       kernels::linear_cached<Scalar>(x.rows().middleRows(b * n + n - outputs, outputs), w_[0], bias,
-                                    qp.middleRows(b * outputs, outputs), threads, packed_, 0, w_stamp_);
+                                     qp.middleRows(b * outputs, outputs), threads, packed_, 0, w_stamp_);
     }
   }
 
@@ -311,17 +317,19 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     const bool ri = options_.rows_independent();
     const Compute c = options_.compute();
     const int t = options_.num_threads();
-    const std::size_t packed_weights = std::max({kernels::matmul_rows_workspace_bytes<Scalar>(batch * lq, e, e, ri, c, t, true),
-                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, kdim_, e, ri, c, t, true),
-                                                 kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, vdim_, e, ri, c, t, true),
-                                                 out_proj_.rows_workspace_bytes(batch * lq, ri)});
+    const std::size_t packed_weights =
+        std::max({kernels::matmul_rows_workspace_bytes<Scalar>(batch * lq, e, e, ri, c, t, true),
+                  kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, kdim_, e, ri, c, t, true),
+                  kernels::matmul_rows_workspace_bytes<Scalar>(batch * lk, vdim_, e, ri, c, t, true),
+                  out_proj_.rows_workspace_bytes(batch * lq, ri)});
     std::size_t attention;
     if (options_.kernel() == AttnKernel::Naive) {
       attention = sizeof(Scalar) * static_cast<std::size_t>(lq * lk) * static_cast<std::size_t>(threads_for(batch));
     } else {
       attention = kernels::sdpa_streaming_workspace_bytes<Scalar>(kernel_options(), head_dim(), head_dim(), lq, lk) *
                       static_cast<std::size_t>(threads_for(batch * num_heads() * lq)) +
-                  kernels::sdpa_streaming_shared_bytes<Scalar>(kernel_options(), batch * num_heads(), head_dim(), head_dim(), lq, lk);
+                  kernels::sdpa_streaming_shared_bytes<Scalar>(kernel_options(), batch * num_heads(), head_dim(),
+                                                               head_dim(), lq, lk);
     }
     // A packed weight the scratch cache keeps after the in-projection stays allocated during the attention.
     return proj + std::max(packed_weights, attention + detail::scratch_kept_bytes(packed_weights));
@@ -368,9 +376,9 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   }
   /// run() in train mode: the same arithmetic (sdpa_train is sdpa_streaming with the log-sum-exp, and
   /// dropout when it is on), into heap buffers the saved state keeps. Self-attention keeps its input once.
-  void train(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key, const ConstTensor3Ref<Scalar>& value,
-             RowMatrixRef<Scalar> out, const Masks<Scalar>& masks, std::uint64_t step, Saved& saved,
-             bool self_attention) const {
+  void train(const ConstTensor3Ref<Scalar>& query, const ConstTensor3Ref<Scalar>& key,
+             const ConstTensor3Ref<Scalar>& value, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks,
+             std::uint64_t step, Saved& saved, bool self_attention) const {
     check_inputs(query, key, value);
     const Index batch = query.batch(), lq = query.seq(), lk = key.seq(), e = embed_dim(), h = num_heads();
     detail::check_call(type_name, masks, mask_fields, {batch, lq, e}, out);
@@ -424,13 +432,14 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
                                              kv = kernels::heads_view(saved.k, batch, lk, h),
                                              vv = kernels::heads_view(saved.v, batch, lk, h),
                                              gv = kernels::heads_view(std::as_const(dattn), batch, lq, h);
-      const kernels::HeadsView<Scalar> dqv = kernels::heads_view(dq, batch, lq, h), dkv = kernels::heads_view(dk, batch, lk, h),
+      const kernels::HeadsView<Scalar> dqv = kernels::heads_view(dq, batch, lq, h),
+                                       dkv = kernels::heads_view(dk, batch, lk, h),
                                        dvv = kernels::heads_view(dv, batch, lk, h);
       if (options_.kernel() == AttnKernel::Naive) {
         kernels::sdpa_backward_naive<Scalar>(qv, kv, vv, gv, dqv, dkv, dvv, mask, saved.dropout, scale, opts);
       } else {
-        kernels::sdpa_backward<Scalar>(qv, kv, vv, kernels::heads_view(saved.attn, batch, lq, h), saved.lse, gv, dqv, dkv,
-                                       dvv, mask, saved.dropout, scale, opts);
+        kernels::sdpa_backward<Scalar>(qv, kv, vv, kernels::heads_view(saved.attn, batch, lq, h), saved.lse, gv, dqv,
+                                       dkv, dvv, mask, saved.dropout, scale, opts);
       }
     }
     dattn = detail::ScratchRowMatrix<Scalar>();  // its block back to the cache
@@ -453,8 +462,9 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
         continue;
       }
       *targets[i] = Tensor3<Scalar>(batch, lengths[i], cols);
-      kernels::linear_backward<Scalar>(*inputs[i], w_[i], *dproj[i], Eigen::Map<RowMatrix<Scalar>>(targets[i]->data(), rows, cols),
-                                       grad.w_[i], bias_grad, opts);
+      kernels::linear_backward<Scalar>(*inputs[i], w_[i], *dproj[i],
+                                       Eigen::Map<RowMatrix<Scalar>>(targets[i]->data(), rows, cols), grad.w_[i],
+                                       bias_grad, opts);
     }
   }
   /// out = attn W_oᵀ + b_o, row-independent when the options ask (CoarseAttention's).
@@ -473,7 +483,8 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   }
   /// What shapes a decoding state: a state made by another configuration is refused.
   std::string decode_config() const {
-    return "MultiHeadAttention(embed_dim=" + std::to_string(embed_dim()) + ", num_heads=" + std::to_string(num_heads()) + ")";
+    return "MultiHeadAttention(embed_dim=" + std::to_string(embed_dim()) +
+           ", num_heads=" + std::to_string(num_heads()) + ")";
   }
 
   /// decode() steps of at most this many new tokens (and every prefill()) attend with sdpa_split_keys.
@@ -501,7 +512,8 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
     const auto attend = outputs <= kSplitKeysMaxQueries ? &kernels::sdpa_split_keys<Scalar, Cache>
                                                         : &kernels::sdpa_streaming<Scalar, Cache>;
     attend(kernels::heads_view(std::as_const(q), batch, outputs, h), state.cache_.key_heads(h),
-           state.cache_.value_heads(h), kernels::heads_view(attn, batch, outputs, h), mask, kernels::default_scale<Scalar>(head_dim()), kernel_options());
+           state.cache_.value_heads(h), kernels::heads_view(attn, batch, outputs, h), mask,
+           kernels::default_scale<Scalar>(head_dim()), kernel_options());
     return detail::fresh_output<Scalar>(type_name, {batch, outputs, e}, options_.num_threads(),
                                         [&](RowMatrixRef<Scalar> out) { out_proj_.forward_rows(attn, out); });
   }
@@ -566,7 +578,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   Vector<Scalar> b_;        ///< [b_q; b_k; b_v], empty without bias
   Linear<Scalar> out_proj_;
   std::uint64_t w_stamp_ = detail::fresh_parameters_id();  ///< new whenever w_ may change (reset_parameters, load)
-  kernels::WeightCache<Scalar> packed_;                     ///< W_q, W_k, W_v transposed, packed
+  kernels::WeightCache<Scalar> packed_;                    ///< W_q, W_k, W_v transposed, packed
 };
 
 }  // namespace c2f

@@ -28,12 +28,12 @@
 // values (kernels::sparse_attention_backward), and none through the gating's chunk means and scores.
 #pragma once
 
-#include "c2f/layers/support/decoding.hpp"
-#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/detail/scratch.hpp"
 #include "c2f/kernels/chunk_sparse.hpp"
 #include "c2f/kernels/linear.hpp"
 #include "c2f/layers/multihead_attention.hpp"
+#include "c2f/layers/support/decoding.hpp"
+#include "c2f/layers/support/layer_base.hpp"
 #include "c2f/options.hpp"
 
 #include <algorithm>
@@ -61,8 +61,11 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
  public:
   /// seed: PyTorch's MultiheadAttention init. The kernel options serve as_multihead_attention(). causal:
   /// token t attends only to keys <= t, chosen from the chunks before its own (per-token gating).
-  class Options : public RuntimeOptions<Options>, public AttnKernelOptions<Options>, public BiasOption<Options>,
-                  public CausalOption<Options>, public ComputeOption<Options> {
+  class Options : public RuntimeOptions<Options>,
+                  public AttnKernelOptions<Options>,
+                  public BiasOption<Options>,
+                  public CausalOption<Options>,
+                  public ComputeOption<Options> {
     /// PerChunk cannot be causal.
     C2F_ARG(Gating, gating) = Gating::Auto;
   };
@@ -82,8 +85,9 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
                  (detail::check_compute_option<Scalar>("SparseC2FAttention", options.compute()), options))
                  .bias(options.bias())) {
     if (options.causal() && gating_ == Gating::PerChunk) {
-      detail::fail("SparseC2FAttention: per-chunk gating reads every query of a chunk, so it cannot be causal; "
-                   "use Gating::PerToken (or Auto) with causal = true");
+      detail::fail(
+          "SparseC2FAttention: per-chunk gating reads every query of a chunk, so it cannot be causal; "
+          "use Gating::PerToken (or Auto) with causal = true");
     }
   }
 
@@ -91,7 +95,8 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   Index num_heads() const { return mha_.num_heads(); }
   /// The positional `causal`: the same as Options().causal(causal).
   [[deprecated("use Options().causal(causal)")]] SparseC2FAttention(Index embed_dim, Index num_heads, Index chunk_size,
-                                                                   Index top_k, bool causal, Options options = Options())
+                                                                    Index top_k, bool causal,
+                                                                    Options options = Options())
       : SparseC2FAttention(embed_dim, num_heads, chunk_size, top_k, options.causal(causal)) {}
 
   Index head_dim() const { return mha_.head_dim(); }
@@ -150,9 +155,9 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
       const std::array<Index, 3> dims = this->output_shape(x);
       detail::check_mask_fields(masks, type_name, mask_fields);
       SparseAttnOutput<Scalar> result;
-      result.output = detail::fresh_output<Scalar>(type_name, dims, options_.num_threads(), [&](RowMatrixRef<Scalar> out) {
-        result.selection = run(x, out, masks);
-      });
+      result.output =
+          detail::fresh_output<Scalar>(type_name, dims, options_.num_threads(),
+                                       [&](RowMatrixRef<Scalar> out) { result.selection = run(x, out, masks); });
       return result;
     });
   }
@@ -175,16 +180,17 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
     if (gating_ == Gating::PerToken) {
       selection = ix * tokens * h * top_k;
       gating = s * (chunks * e + workers * k * m) + top_picks;
-      fine = kernels::impl::token_sparse_workspace_bytes<Scalar>(grid, num_heads(), head_dim(), top_k_, detail::kernel_options(options_));
+      fine = kernels::impl::token_sparse_workspace_bytes<Scalar>(grid, num_heads(), head_dim(), top_k_,
+                                                                 detail::kernel_options(options_));
     } else {
       selection = ix * chunks * h * top_k;
       gating = s * (2 * chunks * e + workers * m * m) + top_picks;
-      fine = kernels::impl::chunk_sparse_workspace_bytes<Scalar>(grid, num_heads(), head_dim(), top_k_, detail::kernel_options(options_));
+      fine = kernels::impl::chunk_sparse_workspace_bytes<Scalar>(grid, num_heads(), head_dim(), top_k_,
+                                                                 detail::kernel_options(options_));
     }
     // + a packed [E, E] projection weight (micro-kernel builds; the in- and out-projections').
-    const std::size_t packed =
-        kernels::matmul_rows_workspace_bytes<Scalar>(batch * seq, embed_dim(), embed_dim(), false, options_.compute(),
-                                                     options_.num_threads());
+    const std::size_t packed = kernels::matmul_rows_workspace_bytes<Scalar>(
+        batch * seq, embed_dim(), embed_dim(), false, options_.compute(), options_.num_threads());
     return s * 4 * tokens * e + selection + gating + fine + packed;
   }
 
@@ -219,8 +225,8 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
     RowMatrix<Scalar> dq(rows, e), dk(rows, e), dv(rows, e);
     {
       const MaskView<Scalar> mask(saved.masks, batch, heads, length, length);
-      kernels::sparse_attention_backward<Scalar>(saved.q, saved.k, saved.v, kernels::ChunkGrid{batch, length, chunk_}, heads,
-                                                 saved.selection, dattn, dq, dk, dv, options_.causal(), mask,
+      kernels::sparse_attention_backward<Scalar>(saved.q, saved.k, saved.v, kernels::ChunkGrid{batch, length, chunk_},
+                                                 heads, saved.selection, dattn, dq, dk, dv, options_.causal(), mask,
                                                  kernels::default_scale<Scalar>(head_dim()), threads);
     }
     dattn.resize(0, 0);
@@ -239,11 +245,12 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
 
   /// The forward pass into out, after the checks; returns the selection. `saved`: nullptr, or training's
   /// state, which then holds q, k, v and the heads' output (moved there at the end: the same arithmetic).
-  kernels::ChunkSelection run(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out,
-                              const Masks<Scalar>& masks, Saved* saved = nullptr) const {
+  kernels::ChunkSelection run(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks,
+                              Saved* saved = nullptr) const {
     const Index batch = x.batch(), length = x.seq(), e = embed_dim(), heads = num_heads();
     // The large temporaries live in reused scratch memory (detail/scratch.hpp): no fresh pages per call.
-    detail::ScratchRowMatrix<Scalar> q(batch * length, e), k(batch * length, e), v(batch * length, e), attn(batch * length, e);
+    detail::ScratchRowMatrix<Scalar> q(batch * length, e), k(batch * length, e), v(batch * length, e),
+        attn(batch * length, e);
     mha_.project_into(x, x, x, q, k, v);
     const kernels::KernelOptions threads = detail::kernel_options(options_);
     const bool causal = options_.causal();
@@ -291,8 +298,8 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   }
   /// What shapes a decoding state: a state made by another configuration is refused.
   std::string decode_config() const {
-    return "SparseC2FAttention(embed_dim=" + std::to_string(embed_dim()) + ", num_heads=" + std::to_string(num_heads()) +
-           ", chunk_size=" + std::to_string(chunk_) + ")";
+    return "SparseC2FAttention(embed_dim=" + std::to_string(embed_dim()) +
+           ", num_heads=" + std::to_string(num_heads()) + ", chunk_size=" + std::to_string(chunk_) + ")";
   }
 
   template <class Cache>
@@ -312,8 +319,9 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
       const ConstRowMatrixRef<Scalar> qb = q.middleRows(b * outputs, outputs);
       const kernels::ChunkSelection selection = kernels::select_chunks_per_token<Scalar>(
           qb, state.means_.keys(b), grid, heads, top_k_, /*causal=*/true, threads);
-      kernels::token_sparse_attention<Scalar, Cache>(qb, state.cache_.keys(b, 0, total), state.cache_.values(b, 0, total),
-                                                     grid, heads, selection, attn.middleRows(b * outputs, outputs),
+      kernels::token_sparse_attention<Scalar, Cache>(qb, state.cache_.keys(b, 0, total),
+                                                     state.cache_.values(b, 0, total), grid, heads, selection,
+                                                     attn.middleRows(b * outputs, outputs),
                                                      /*causal=*/true, MaskView<Scalar>(), scale, threads);
     }
     return detail::fresh_output<Scalar>(type_name, {batch, outputs, e}, options_.num_threads(),

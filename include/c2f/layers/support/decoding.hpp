@@ -70,7 +70,8 @@ class DecodeStateBase {
    public:
     Use(const char* layer, std::atomic<bool>& busy) : busy_(busy) {
       if (busy_.exchange(true, std::memory_order_acquire)) {
-        throw std::logic_error(std::string("c2f: ") + layer + "::decode: this state is in use by another call (a state "
+        throw std::logic_error(std::string("c2f: ") + layer +
+                               "::decode: this state is in use by another call (a state "
                                "serves one call at a time; give each thread its own)");
       }
     }
@@ -106,7 +107,8 @@ class Decoder {
   template <class Cache = Scalar, class L = Layer>  // L: Layer, looked up when the function is used
   typename L::template DecodeStateOf<Cache> new_decode_state(Index batch, Index reserve = 0) const {
     return with_layer_name(L::type_name, [&] {
-      if (batch < 0 || reserve < 0) fail("new_decode_state: batch and reserve must be >= 0, got ", batch, " and ", reserve);
+      if (batch < 0 || reserve < 0)
+        fail("new_decode_state: batch and reserve must be >= 0, got ", batch, " and ", reserve);
       check_buffer_of<Cache>("new_decode_state: the keys (and as many values) of [batch, reserve, embed_dim]",
                              {batch, reserve, layer().embed_dim()});
       typename L::template DecodeStateOf<Cache> state = layer().template make_decode_state<Cache>(batch);
@@ -142,7 +144,6 @@ class Decoder {
   }
 };
 
-
 /// Means of the complete chunks of a KVCache's keys (and, with `values`, values) per batch item, kept up
 /// to date as tokens arrive — the chunk summaries a decoding step scores without re-reading the keys.
 /// A mean is kernels::chunk_mean of the cached rows (converted to Scalar).
@@ -150,7 +151,9 @@ template <class Scalar>
 class ChunkSummaries {
  public:
   ChunkSummaries(Index batch, Index width, Index chunk, bool values)
-      : chunk_(chunk), values_(values), k_(checked_count(batch), RowMatrix<Scalar>(0, width)),
+      : chunk_(chunk),
+        values_(values),
+        k_(checked_count(batch), RowMatrix<Scalar>(0, width)),
         v_(values ? k_ : std::vector<RowMatrix<Scalar>>()) {
     if (chunk < 1) detail::fail("ChunkSummaries: chunk must be >= 1, got ", chunk);
   }
@@ -185,7 +188,8 @@ class ChunkSummaries {
 
  private:
   static std::size_t checked_count(Index batch) {
-    check_buffer("decode state: the chunk means of every sequence", std::max<Index>(batch, 0), 2 * sizeof(RowMatrix<Scalar>));
+    check_buffer("decode state: the chunk means of every sequence", std::max<Index>(batch, 0),
+                 2 * sizeof(RowMatrix<Scalar>));
     return static_cast<std::size_t>(std::max<Index>(batch, 0));
   }
   static std::size_t index(Index b) { return static_cast<std::size_t>(b); }

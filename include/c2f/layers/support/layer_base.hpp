@@ -19,11 +19,11 @@
 #pragma once
 
 #include "c2f/core.hpp"
-#include "c2f/layers/support/decoding.hpp"
 #include "c2f/detail/fresh_pages.hpp"
-#include "c2f/layers/support/module.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/kernels/kernel_options.hpp"
+#include "c2f/layers/support/decoding.hpp"
+#include "c2f/layers/support/module.hpp"
 #include "c2f/mask.hpp"
 #include "c2f/options.hpp"
 #include "c2f/train.hpp"
@@ -57,9 +57,10 @@ HeadShape checked_heads(const char* layer, Index embed_dim, Index num_heads, Ind
   if (embed_dim % num_heads != 0) {
     fail(layer, ": embed_dim (", embed_dim, ") must be divisible by num_heads (", num_heads, ")");
   }
-  check_buffer_of<Scalar>((std::string(layer) + ": its weights (about " + std::to_string(matrices) +
-                           " x embed_dim x embed_dim values)").c_str(),
-                          {matrices, embed_dim, embed_dim});
+  check_buffer_of<Scalar>(
+      (std::string(layer) + ": its weights (about " + std::to_string(matrices) + " x embed_dim x embed_dim values)")
+          .c_str(),
+      {matrices, embed_dim, embed_dim});
   return {embed_dim, num_heads};
 }
 
@@ -118,7 +119,7 @@ To inner_options(const From& from, std::uint64_t seed_offset = 0) {
 
 /// The contract's static members of a layer: its name (the one its messages use) and the fields of
 /// c2f::Masks it takes.
-#define C2F_LAYER_TRAITS(name, fields)          \
+#define C2F_LAYER_TRAITS(name, fields)           \
   static constexpr const char* type_name = name; \
   static constexpr ::c2f::MaskFields mask_fields = fields
 
@@ -127,8 +128,8 @@ To inner_options(const From& from, std::uint64_t seed_offset = 0) {
 template <class Scalar>
 void check_out(const char* layer, const RowMatrixRef<Scalar>& out, const std::array<Index, 3>& dims) {
   if (out.rows() != dims[0] * dims[1] || out.cols() != dims[2]) {
-    fail(layer, ": out must be [batch·seq, features] = ", shape_string({dims[0] * dims[1], dims[2]}),
-         " for an output ", shape_string({dims[0], dims[1], dims[2]}), ", got ", shape_string({out.rows(), out.cols()}));
+    fail(layer, ": out must be [batch·seq, features] = ", shape_string({dims[0] * dims[1], dims[2]}), " for an output ",
+         shape_string({dims[0], dims[1], dims[2]}), ", got ", shape_string({out.rows(), out.cols()}));
   }
 }
 
@@ -227,7 +228,8 @@ Layer zeroed_copy(const Layer& layer) {
 template <class Scalar, class Saved, class Layer, class Fill>
 TrainOutput<Scalar, Saved> train_output(const Layer& layer, const std::array<Index, 3>& dims, Fill&& fill) {
   TrainOutput<Scalar, Saved> result;
-  result.output = fresh_output<Scalar>(Layer::type_name, dims, layer.options().num_threads(), [&](RowMatrixRef<Scalar> out) { fill(out, result.saved); });
+  result.output = fresh_output<Scalar>(Layer::type_name, dims, layer.options().num_threads(),
+                                       [&](RowMatrixRef<Scalar> out) { fill(out, result.saved); });
   result.saved.made_by = layer.parameters_id();
   result.saved.output_dims = dims;
   return result;
@@ -243,8 +245,9 @@ Grads<Scalar> run_backward(const Layer& layer, const Saved& saved, const ConstTe
                 "backward() takes the Saved state of this layer type's forward_train()");
   if (saved.made_by == 0) fail("backward: the saved state is empty (default-constructed or moved from)");
   if (saved.made_by != layer.parameters_id()) {
-    fail("backward: the saved state was made by another layer object, or before this layer's parameters changed "
-         "(load_state_dict, an optimizer step): run forward_train again");
+    fail(
+        "backward: the saved state was made by another layer object, or before this layer's parameters changed "
+        "(load_state_dict, an optimizer step): run forward_train again");
   }
   const std::array<Index, 3>& d = saved.output_dims;
   if (dy.batch() != d[0] || dy.dimension(1) != d[1] || dy.features() != d[2]) {
@@ -282,7 +285,8 @@ class LayerBase : public Module<Derived> {
     return with_layer_name(Derived::type_name, [&] {
       const std::array<Index, 3> dims = derived().output_shape(x);
       check_mask_fields(masks, Derived::type_name, Derived::mask_fields);
-      return fresh_output<Scalar>(Derived::type_name, dims, derived().options().num_threads(), [&](RowMatrixRef<Scalar> out) { derived().compute(x, out, masks); });
+      return fresh_output<Scalar>(Derived::type_name, dims, derived().options().num_threads(),
+                                  [&](RowMatrixRef<Scalar> out) { derived().compute(x, out, masks); });
     });
   }
   /// Into the caller's out [batch·seq, features] (overwritten; nothing outside it is written).
@@ -310,9 +314,10 @@ class LayerBase : public Module<Derived> {
       if constexpr (std::is_base_of<ComputeOption<Options>, Options>::value) {
         check_train_compute(Derived::type_name, derived().options().compute());
       }
-      return train_output<Scalar, typename D::Saved>(derived(), dims, [&](RowMatrixRef<Scalar> out, typename D::Saved& saved) {
-        TrainAccess::train(derived(), x, out, masks, step, saved);
-      });
+      return train_output<Scalar, typename D::Saved>(derived(), dims,
+                                                     [&](RowMatrixRef<Scalar> out, typename D::Saved& saved) {
+                                                       TrainAccess::train(derived(), x, out, masks, step, saved);
+                                                     });
     });
   }
   /// The gradients of a loss L given dy = dL/dy of the output forward_train() returned with `saved`:
@@ -349,8 +354,8 @@ class RowLayerBase : public LayerBase<Derived, Scalar> {
   void compute(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out, const Masks<Scalar>&) const {
     derived().forward_rows(x.rows(), x.batch(), x.seq(), out);
   }
-  void compute_train(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks, std::uint64_t,
-                     RowSaved<Scalar>& saved) const {
+  void compute_train(const ConstTensor3Ref<Scalar>& x, RowMatrixRef<Scalar> out, const Masks<Scalar>& masks,
+                     std::uint64_t, RowSaved<Scalar>& saved) const {
     saved.x = x.rows();
     saved.batch = x.batch();
     saved.seq = x.seq();
@@ -359,7 +364,8 @@ class RowLayerBase : public LayerBase<Derived, Scalar> {
   void compute_backward(const RowSaved<Scalar>& saved, const ConstRowMatrixRef<Scalar>& dy, Grads<Scalar>& g,
                         Derived& grad) const {
     g.input = Tensor3<Scalar>(saved.batch, saved.seq, saved.x.cols());
-    derived().backward_rows(saved, dy, Eigen::Map<RowMatrix<Scalar>>(g.input.data(), saved.x.rows(), saved.x.cols()), grad);
+    derived().backward_rows(saved, dy, Eigen::Map<RowMatrix<Scalar>>(g.input.data(), saved.x.rows(), saved.x.cols()),
+                            grad);
   }
 };
 
@@ -369,7 +375,6 @@ class DecodingLayerBase : public LayerBase<Derived, Scalar>, public Decoder<Deri
  protected:
   DecodingLayerBase() = default;
 };
-
 
 }  // namespace detail
 }  // namespace c2f

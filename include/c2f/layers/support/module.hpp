@@ -51,7 +51,8 @@ class Module {
   /// Initialises child i (in the order children() names them) afresh from seed + i.
   void reset_parameters(std::uint64_t seed) {
     std::uint64_t i = 0;
-    Derived::children(static_cast<Derived&>(*this), [&](const char*, auto& module) { module.reset_parameters(seed + i++); });
+    Derived::children(static_cast<Derived&>(*this),
+                      [&](const char*, auto& module) { module.reset_parameters(seed + i++); });
   }
 
   /// Strict load (PyTorch's strict=True): a missing key, a wrong shape, a dtype that is not floating
