@@ -23,8 +23,9 @@ PACKAGES=(
   python3-onnx
   # the machine's rooflines (bench_machine): oneDNN's matmul as a GEMM reference point (it runs on OpenMP)
   libdnnl-dev
-  # hardening: clang with libFuzzer (the sanitizer runtimes of g++ come with it)
-  clang libclang-rt-14-dev
+  # hardening: clang with libFuzzer (the sanitizer runtimes of g++ come with it); clang-format 14 for the
+  # format check (docs.format: scripts/check_format.py)
+  clang libclang-rt-14-dev clang-format-14
   # c2f::dist (sequence-parallel layers) and its tests under mpirun: Open MPI
   libopenmpi-dev openmpi-bin
   # the Python module `c2f` (python/, CMake option C2F_PYTHON): Python's headers, pybind11, and pytest for

@@ -31,6 +31,7 @@ DESCRIPTIONS = {
     "tests/consumers/": "downstream CMake projects: find_package (core, safetensors, dist), add_subdirectory",
     "tests/dist/": "the c2f::dist tests, run under mpirun by ctest, and their GoogleTest main (the result reduced over the ranks)",
     "tests/data/": "committed PyTorch fixtures, one folder per family, with manifest.json",
+    "tests/format/": "unformatted.cpp: the control of the format check (docs.format_catches_unformatted)",
     "tests/fuzz/": "libFuzzer targets for the safetensors reader, seed corpus, regressions",
     "tests/include_levels/": "a header tree with three planted include-level violations: the level check must find exactly those",
     "tests/odr/": "two translation units that include every header (one-definition rule)",
