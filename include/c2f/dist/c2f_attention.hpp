@@ -34,7 +34,6 @@ namespace dist {
 template <class Scalar>
 class C2FAttention : public detail::DistLayer<C2FAttention<Scalar>, c2f::C2FAttention<Scalar>, Scalar> {
   C2F_DIST_LAYER_BASICS(C2FAttention);
-  using Options = typename Module::Options;
   using Base::Base;  // (comm, sizes…, options = {}) or (comm, module): detail::DistLayer
 
   // comm(), module() and forward(x, masks) → this rank's output rows [B, n_r, d] (detail::DistLayer).

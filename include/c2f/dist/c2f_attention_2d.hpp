@@ -31,7 +31,6 @@ namespace dist {
 template <class Scalar>
 class C2FAttention2D : public detail::DistLayer<C2FAttention2D<Scalar>, c2f::C2FAttention2D<Scalar>, Scalar> {
   C2F_DIST_LAYER_BASICS(C2FAttention2D);
-  using Options = typename Module::Options;
   using Base::Base;  // (comm, sizes…, options = {}) or (comm, module): detail::DistLayer
 
   // comm() and module() (detail::DistLayer); forward takes the grid's rows and width.

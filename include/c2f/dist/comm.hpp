@@ -189,6 +189,9 @@ template <class Derived, class ModuleType, class Scalar>
 class DistLayer {
  public:
   using Module = ModuleType;
+  /// The single-process layer's options (a layer with options of its own, as dist::MultiHeadAttention,
+  /// declares its own Options).
+  using Options = typename Module::Options;
 
   /// Wraps a built (e.g. loaded) single-process layer.
   DistLayer(Comm comm, Module module) : comm_(comm), module_(std::move(module)) {}

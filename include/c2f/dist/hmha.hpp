@@ -82,7 +82,6 @@ RowMatrix<Scalar> join_rows(const RowMatrix<Scalar>& before, const ConstRowMatri
 template <class Scalar>
 class HMHA : public detail::DistLayer<HMHA<Scalar>, c2f::HMHA<Scalar>, Scalar> {
   C2F_DIST_LAYER_BASICS(HMHA);
-  using Options = typename Module::Options;
   using Base::Base;  // (comm, sizes…, options = {}) or (comm, module): detail::DistLayer
 
   // comm(), module() and forward(x, masks) → this rank's output rows [B, n_r, E] (detail::DistLayer).

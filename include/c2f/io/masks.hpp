@@ -38,6 +38,24 @@ Eigen::Tensor<Scalar, Rank, Eigen::RowMajor> value_tensor(const TensorData& t, c
   return m;
 }
 
+/// A mask of type Mask (AttnMask or KeyPaddingMask) of `dims` from the tensor t: Keep and Ignore read its
+/// BOOL/U8 elements, Additive its floating-point ones; "<loader> takes MaskKind Keep, Ignore or Additive"
+/// for another kind.
+template <class Mask, class Scalar, std::size_t Rank>
+Mask mask_of_kind(const char* loader, MaskKind kind, const TensorData& t, const std::array<Index, Rank>& dims) {
+  constexpr int kRank = static_cast<int>(Rank);
+  switch (kind) {
+    case MaskKind::Keep:
+      return Mask::keep(bool_tensor<kRank>(t, dims));
+    case MaskKind::Ignore:
+      return Mask::ignore(bool_tensor<kRank>(t, dims));
+    case MaskKind::Additive:
+      return Mask::additive(value_tensor<Scalar, kRank>(t, dims));
+    default:
+      fail(loader, " takes MaskKind Keep, Ignore or Additive");
+  }
+}
+
 }  // namespace detail
 
 /// An attention mask from a tensor: `kind` Keep or Ignore reads a BOOL/U8 tensor, Additive a
@@ -54,16 +72,7 @@ AttnMask<Scalar> attn_mask_from_tensor(MaskKind kind, const TensorData& t) {
   for (std::size_t i = 0; i + 2 < s.size(); ++i)
     n = detail::checked_mul(n, s[i], "attn_mask_from_tensor: the leading dimensions");
   const std::array<Index, 3> dims{n, s[s.size() - 2], s[s.size() - 1]};
-  switch (kind) {
-    case MaskKind::Keep:
-      return AttnMask<Scalar>::keep(detail::bool_tensor<3>(t, dims));
-    case MaskKind::Ignore:
-      return AttnMask<Scalar>::ignore(detail::bool_tensor<3>(t, dims));
-    case MaskKind::Additive:
-      return AttnMask<Scalar>::additive(detail::value_tensor<Scalar, 3>(t, dims));
-    default:
-      detail::fail("attn_mask_from_tensor takes MaskKind Keep, Ignore or Additive");
-  }
+  return detail::mask_of_kind<AttnMask<Scalar>, Scalar>("attn_mask_from_tensor", kind, t, dims);
 }
 
 /// A key padding mask from a tensor [batch, keys]: Keep/Ignore read BOOL/U8, Additive floating point.
@@ -73,16 +82,7 @@ KeyPaddingMask<Scalar> key_padding_mask_from_tensor(MaskKind kind, const TensorD
     detail::fail("a key padding mask is [batch, keys], got ", detail::shape_string(t.shape()));
   }
   const std::array<Index, 2> dims{t.shape()[0], t.shape()[1]};
-  switch (kind) {
-    case MaskKind::Keep:
-      return KeyPaddingMask<Scalar>::keep(detail::bool_tensor<2>(t, dims));
-    case MaskKind::Ignore:
-      return KeyPaddingMask<Scalar>::ignore(detail::bool_tensor<2>(t, dims));
-    case MaskKind::Additive:
-      return KeyPaddingMask<Scalar>::additive(detail::value_tensor<Scalar, 2>(t, dims));
-    default:
-      detail::fail("key_padding_mask_from_tensor takes MaskKind Keep, Ignore or Additive");
-  }
+  return detail::mask_of_kind<KeyPaddingMask<Scalar>, Scalar>("key_padding_mask_from_tensor", kind, t, dims);
 }
 
 }  // namespace c2f

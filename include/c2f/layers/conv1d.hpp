@@ -95,16 +95,12 @@ class Conv1d : public detail::RowLayerBase<Conv1d<Scalar>, Scalar> {
 
   /// Training (forward_train, backward: detail::RowLayerBase): the saved input x.
   using Saved = detail::RowSaved<Scalar>;
-  void backward_rows(const Saved& saved, const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
-                     Conv1d& grad) const {
-    backward_rows(saved.x, saved.batch, saved.seq, dy, dx, grad, /*add_dx=*/false);
-  }
   /// The gradients on rows (kernels::conv1d_backward) of an input x [batch·length, in] for dy [batch·L_out,
   /// out] (a column block of a wider matrix too): dx (overwritten, or added to with add_dx), and grad's
   /// weight and bias, for `grad` a copy of this layer (backward() passes one with zero parameters). An input
   /// shorter than the kernel (L_out = 0) has zero gradients.
   void backward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length, const ConstRowMatrixRef<Scalar>& dy,
-                     RowMatrixRef<Scalar> dx, Conv1d& grad, bool add_dx) const {
+                     RowMatrixRef<Scalar> dx, Conv1d& grad, bool add_dx = false) const {
     if (out_length(length) == 0) {
       if (!add_dx) dx.setZero();
       grad.taps_.setZero();
@@ -186,15 +182,11 @@ class C3K2Projection : public detail::RowLayerBase<C3K2Projection<Scalar>, Scala
 
   /// Training (forward_train, backward: detail::RowLayerBase): the saved input x.
   using Saved = detail::RowSaved<Scalar>;
-  void backward_rows(const Saved& saved, const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
-                     C3K2Projection& grad) const {
-    backward_rows(saved.x, saved.batch, saved.seq, dy, dx, grad, /*add_dx=*/false);
-  }
   /// The gradients on rows of an input x [batch·length, E] for dy [batch·length, E]: conv3's (dy's channels
   /// [0, E/2)) then conv2's ([E/2, E)) input gradients summed into dx (overwritten, or added to with
   /// add_dx), their parameters' into grad's (Conv1d::backward_rows).
   void backward_rows(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length, const ConstRowMatrixRef<Scalar>& dy,
-                     RowMatrixRef<Scalar> dx, C3K2Projection& grad, bool add_dx) const {
+                     RowMatrixRef<Scalar> dx, C3K2Projection& grad, bool add_dx = false) const {
     const Index e = embed_dim();
     conv3_.backward_rows(x, batch, length, detail::cols_of(dy, 0, e / 2), dx, grad.conv3_, add_dx);
     conv2_.backward_rows(x, batch, length, detail::cols_of(dy, e / 2, e - e / 2), dx, grad.conv2_, /*add_dx=*/true);

@@ -110,12 +110,13 @@ class Linear : public detail::RowLayerBase<Linear<Scalar>, Scalar> {
 
   /// Training (forward_train, backward: detail::RowLayerBase): the saved input x.
   using Saved = detail::RowSaved<Scalar>;
-  /// The gradients on rows (kernels::linear_backward): dx = dy W (overwritten), and grad's weight = dyᵀ x
-  /// and bias = Σ dy, for `grad` a copy of this layer (backward() passes one with zero parameters).
-  void backward_rows(const Saved& saved, const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx,
-                     Linear& grad) const {
-    kernels::linear_backward<Scalar>(saved.x, weight_, dy, dx, grad.weight_,
-                                     options_.bias() ? grad.bias_.data() : nullptr, detail::kernel_options(options_));
+  /// The gradients on the rows x [n, in] (kernels::linear_backward; batch and length do not matter to a
+  /// Linear): dx = dy W (overwritten), and grad's weight = dyᵀ x and bias = Σ dy, for `grad` a copy of this
+  /// layer (backward() passes one with zero parameters).
+  void backward_rows(const ConstRowMatrixRef<Scalar>& x, Index /*batch*/, Index /*length*/,
+                     const ConstRowMatrixRef<Scalar>& dy, RowMatrixRef<Scalar> dx, Linear& grad) const {
+    kernels::linear_backward<Scalar>(x, weight_, dy, dx, grad.weight_, options_.bias() ? grad.bias_.data() : nullptr,
+                                     detail::kernel_options(options_));
   }
 
  private:

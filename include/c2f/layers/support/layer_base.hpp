@@ -340,8 +340,9 @@ class LayerBase : public Module<Derived> {
 /// Derived::forward_rows(x rows, batch, seq, out), straight into out — no activation-sized temporary
 /// (each defines workspace_bytes: its packed weights on the micro-kernel path).
 /// Training: a RowLayerBase layer declares `using Saved = detail::RowSaved<Scalar>;` and provides
-///   void backward_rows(const RowSaved<Scalar>& saved, dy rows, RowMatrixRef<Scalar> dx, Derived& grad) const
-/// (dx [batch·seq, in] of saved.x, overwritten; grad as TrainAccess says): forward_train saves x.
+///   void backward_rows(x rows, Index batch, Index length, dy rows, RowMatrixRef<Scalar> dx, Derived& grad) const
+/// (dx [batch·length, in] of x, overwritten; grad as TrainAccess says): forward_train saves x, and a layer
+/// that runs a row layer inside it (HMHA its projections) calls the same member on its own rows.
 template <class Derived, class Scalar>
 class RowLayerBase : public LayerBase<Derived, Scalar> {
  protected:
@@ -364,8 +365,8 @@ class RowLayerBase : public LayerBase<Derived, Scalar> {
   void compute_backward(const RowSaved<Scalar>& saved, const ConstRowMatrixRef<Scalar>& dy, Grads<Scalar>& g,
                         Derived& grad) const {
     g.input = Tensor3<Scalar>(saved.batch, saved.seq, saved.x.cols());
-    derived().backward_rows(saved, dy, Eigen::Map<RowMatrix<Scalar>>(g.input.data(), saved.x.rows(), saved.x.cols()),
-                            grad);
+    derived().backward_rows(saved.x, saved.batch, saved.seq, dy,
+                            Eigen::Map<RowMatrix<Scalar>>(g.input.data(), saved.x.rows(), saved.x.cols()), grad);
   }
 };
 
