@@ -110,7 +110,8 @@ TYPED_TEST(C2F2DFixtureTest, MatchesPyTorchReference) {
   EXPECT_GE(layers, 10);
 }
 
-// The grids issue 14 asks for are in the fixture set, each with and without the bias, batch 2.
+// The grids the 2-D layer is tested on (CONTRIBUTING.md, "Testing": 1 × 1, 1 × 37, 7 × 5, 16 × 16, 9 × 13)
+// are in the fixture set, each with and without the bias, batch 2.
 TEST(C2F2DFixtureCoverage, CoversTheRequiredGrids) {
   struct Want {
     Index H, W, bh, bw;

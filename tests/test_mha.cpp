@@ -144,13 +144,13 @@ TEST(MhaLoading, AcceptsMultiHeadArticleNames) {
     else if (key.rfind("mha.out_proj.", 0) == 0)
       renamed.set(key.substr(4), t);
   }
-  MultiHeadAttention<float> torch_names(16, 4), seed_names(16, 4);
+  MultiHeadAttention<float> torch_names(16, 4), article_names(16, 4);
   torch_names.load_state_dict(sd, "mha");
-  seed_names.load_state_dict(renamed);
+  article_names.load_state_dict(renamed);
   const Tensor3<float> x = c2f_test::tensor3<float>(sd, "query");
-  const Tensor3<float> a = torch_names.forward(x), b = seed_names.forward(x);
+  const Tensor3<float> a = torch_names.forward(x), b = article_names.forward(x);
   EXPECT_EQ(0, std::memcmp(a.data(), b.data(), sizeof(float) * static_cast<std::size_t>(a.size())));
-  expect_matches_torch(b.data(), c2f_test::values<float>(sd, "output"), "seed-000 names",
+  expect_matches_torch(b.data(), c2f_test::values<float>(sd, "output"), "the multi-head article's qkv_proj names",
                        [](std::size_t, float) { return false; });
 }
 

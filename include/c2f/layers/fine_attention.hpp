@@ -203,7 +203,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   }
 
   /// Training. What forward_train() keeps for backward(): the tokens, the coarse context and its query
-  /// projection, the fine mask and the chunk grid; on the folded path the per-chunk FoldedState, on the
+  /// projection, the fine mask and the chunk grid; on the folded path the per-chunk FineFoldedState, on the
   /// general path the article's keys and values [L, 2d], the heads' output and each attention row's
   /// log-sum-exp — O(L·d) values, no [L, L] term.
   struct Saved : detail::SavedBase {
