@@ -37,7 +37,7 @@ FORCING = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 # The allocators a peer can be preloaded with: the Debian package that ships the library, the library's file
 # name, and the variables set with it. Measured on 2026-12-07 (2-vCPU AMD EPYC Zen 5, Debian bookworm; PyTorch
 # nn.MultiheadAttention at L = 1024 / 2048 / 4096, libtorch's at the same L, the article's C2F module at 4096;
-# benchmarks/README.md, "The PyTorch peers, OpenBLAS and the allocator"): jemalloc 5.3 helps only when it
+# benchmarks/README.md, "The PyTorch peers: OpenBLAS and the allocator"): jemalloc 5.3 helps only when it
 # never purges (dirty_decay_ms:-1, muzzy_decay_ms:-1; any finite decay, even 10 minutes, still returned the
 # freed scores to the kernel between calls here) and with its dedicated arena for blocks above 8 MiB turned
 # off (oversize_threshold:0: that arena purges at once whatever the decay). PyTorch's guide's
