@@ -84,11 +84,12 @@ def attention_part(out):
     if libtorch:
         c = libtorch["context"]
         lines.append(f"- libtorch {c.get('torch_version', '?')}: "
-                     f"{blas.kernel_text(c.get('openblas_config'), c.get('openblas_threads'), env=libtorch.get('openblas_env'))}.")
+                     f"{blas.kernel_text(c.get('openblas_config'), c.get('openblas_threads'), env=libtorch.get('openblas_env'), allocator=libtorch.get('allocator'))}.")
     if ort:
         lines.append(f"- ONNX Runtime {ort['setup']['onnxruntime_node']} (its own kernels, "
                      f"{ort['setup']['intra_op_threads']} threads).")
-    for note in {blas.forced_note(s.get("openblas_env")), blas.forced_note((libtorch or {}).get("openblas_env"))}:
+    for note in {blas.forced_note(s.get("openblas_env")), blas.forced_note((libtorch or {}).get("openblas_env")),
+                 blas.allocator_note(s.get("allocator")), blas.allocator_note((libtorch or {}).get("allocator"))}:
         if note:
             lines.append(f"- **{note}**")
     ctx = attn["context"]
@@ -116,8 +117,8 @@ def train_part(out):
     return ["## Training step: c2f against torch.autograd (train_default/torch_train_peer.md)", "",
             table(["layer", "L", "c2f forward ms", "c2f step ms (forward_train + backward)", "backward / forward",
                    "torch step ms", "speed-up"], rows), "",
-            f"Gradients checked equal first. PyTorch {s['torch_version']}: {s.get('blas_kernel', '?')}; glibc's "
-            f"default malloc; c2f's figures are the mean of its runs right before and after torch's steps."]
+            f"Gradients checked equal first. PyTorch {s['torch_version']}: {s.get('blas_kernel', '?')}; c2f on "
+            f"glibc's default malloc; c2f's figures are the mean of its runs right before and after torch's steps."]
 
 
 def python_part(out):

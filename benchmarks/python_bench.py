@@ -23,8 +23,11 @@
 --quick: MHA at L = 1024 and 2048, C2F at 4096. --headline (scripts/run.sh's default): MHA at L = 2048 only.
 
 Threads: C2F_BENCH_THREADS (default 2) for c2f, torch.set_num_threads and OpenBLAS alike (torch_peer.py's
-setup; the OpenBLAS kernel torch ran is reported — scripts/run.sh starts this script with OPENBLAS_CORETYPE
-and OPENBLAS_L2_SIZE unset, report/blas.py). The module comes from <build>/python (C2F_PYTHON, built by the
+setup). PyTorch's side runs in its own process, in the peers' environment (report/blas.py's peer_env():
+OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset, jemalloc preloaded), on the modules' weights and the input this
+process writes; it sends back its output (checked here) and its time, and reports its OpenBLAS kernel and
+allocator. c2f's side (the module and bench_attention) runs in this process's environment as it is: never with
+the peers' allocator. The module comes from <build>/python (C2F_PYTHON, built by the
 same preset). Writes python_bench.json
 and python_bench.md to --out and prints the tables. Exit code 1 when an output differs from torch's.
 """
@@ -35,6 +38,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,7 +68,8 @@ def google_benchmark(binary, pattern, extra=()):
     cmd = [str(binary), f"--benchmark_filter={pattern}", "--benchmark_format=json", "--benchmark_repetitions=5",
            "--benchmark_report_aggregates_only=true", *extra]
     print("== " + " ".join(cmd), flush=True)
-    doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    from report import blas
+    doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=blas.c2f_env()).stdout)
     scale = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
     def entry(run_name):  # "mha_streaming/1024/process_time/real_time" -> "mha_streaming/1024"
         name, *args = run_name.split("/")
@@ -82,22 +87,60 @@ def check(name, L, ours, theirs):
         sys.exit(f"python_bench: c2f's {name} differs from PyTorch's at L = {L}")
 
 
-def speedups(torch, c2f, threads, build, reps, quick, headline=False):
+def torch_module(torch, key):
+    """The PyTorch module of `key` ("mha" or "c2f") and the call this script times."""
     import torch.nn as nn
     from c2f_reference import C2FAttention
+    if key == "mha":
+        mha = nn.MultiheadAttention(EMBED, HEADS, batch_first=True).eval()
+        return mha, lambda x: mha(x, x, x, need_weights=False)[0]
+    article = C2FAttention(EMBED, HEADS, CHUNK).eval()
+    return article, article
+
+
+def torch_side(spec_file):
+    """--torch-side FILE: PyTorch's side of one (layer, L), in the process the peers' environment started
+    (jemalloc preloaded, OpenBLAS unforced): loads the layer's weights and x from FILE (torch.save), checks
+    nothing itself, and writes its output, its median time and its setup to FILE + ".out"."""
+    from torch_peer import bench_threads, setup_torch
+    torch, setup = setup_torch(bench_threads())
+    spec = torch.load(spec_file)
+    module, call = torch_module(torch, spec["layer"])
+    module.load_state_dict(spec["state"])
+    x = spec["x"]
+    with torch.inference_mode():
+        y = call(x)
+        seconds = median_time(lambda: call(x), spec["reps"])
+    torch.save({"y": y, "seconds": seconds, "setup": setup}, spec_file + ".out")
+    return 0
+
+
+def run_torch_side(torch, key, module, x, reps):
+    """PyTorch's output and median time for (module, x), run by `--torch-side` in the peers' environment
+    (report/blas.py); returns (output, seconds, that process's setup)."""
+    from report import blas
+    with tempfile.TemporaryDirectory(prefix="c2f-python-bench-") as tmp:
+        spec = os.path.join(tmp, "spec.pt")
+        torch.save({"layer": key, "state": module.state_dict(), "x": x, "reps": reps}, spec)
+        subprocess.run(["/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable,
+                        str(Path(__file__).resolve()), "--torch-side", spec], check=True, env=blas.peer_env())
+        out = torch.load(spec + ".out")
+    return out["y"], out["seconds"], out["setup"]
+
+
+def speedups(torch, c2f, threads, build, reps, quick, headline=False):
     torch.manual_seed(0)
     mha_lengths = [2048] if headline else MHA_LENGTHS[:2] if quick else MHA_LENGTHS
     c2f_lengths = [] if headline else C2F_LENGTHS[:1] if quick else C2F_LENGTHS
-    mha = nn.MultiheadAttention(EMBED, HEADS, batch_first=True).eval()
-    article = C2FAttention(EMBED, HEADS, CHUNK).eval()
+    mha, _ = torch_module(torch, "mha")
+    article, _ = torch_module(torch, "c2f")
     layers = {
-        "mha": (mha, lambda x: mha(x, x, x, need_weights=False)[0],
-                c2f.MultiHeadAttention(EMBED, HEADS, num_threads=threads), mha_lengths, "mha_streaming/{L}"),
-        "c2f": (article, article, c2f.C2FAttention(EMBED, HEADS, CHUNK, num_threads=threads), c2f_lengths,
+        "mha": (mha, c2f.MultiHeadAttention(EMBED, HEADS, num_threads=threads), mha_lengths, "mha_streaming/{L}"),
+        "c2f": (article, c2f.C2FAttention(EMBED, HEADS, CHUNK, num_threads=threads), c2f_lengths,
                 "c2f/{L}/" + str(CHUNK)),
     }
-    rows = []
-    for key, (module, torch_call, layer, lengths, entry) in layers.items():
+    rows, torch_setup = [], None
+    for key, (module, layer, lengths, entry) in layers.items():
         layer.load_state_dict(module.state_dict())
         for L in lengths:
             # The C++ entry right before the Python runs of the same L: a load that comes and goes on the
@@ -105,18 +148,18 @@ def speedups(torch, c2f, threads, build, reps, quick, headline=False):
             name = entry.format(L=L)
             cpp_s = google_benchmark(build / "benchmarks" / "bench_attention", f"^{name}/")[name] / 1e3
             x = torch.randn(1, L, EMBED, generator=torch.Generator().manual_seed(L))
+            # PyTorch's side in its own process (the peers' environment), then c2f's in this one.
+            theirs, torch_s, torch_setup = run_torch_side(torch, key, module, x, reps)
             with torch.inference_mode():
-                theirs = torch_call(x)
                 ours = torch.from_numpy(layer(x))
                 check(key, L, ours, theirs)
-                torch_s = median_time(lambda: torch_call(x), reps)
                 python_s = median_time(lambda: torch.from_numpy(layer(x)), reps)
             rows.append(dict(layer=key, L=L, torch_ms=1e3 * torch_s, c2f_python_ms=1e3 * python_s,
                              c2f_cpp_ms=1e3 * cpp_s, speedup_python=torch_s / python_s, speedup_cpp=torch_s / cpp_s))
             r = rows[-1]
-            print(f"  {key} L = {L}: torch {r['torch_ms']:.2f} ms, c2f from Python {r['c2f_python_ms']:.2f} ms, "
-                  f"c2f in C++ {r['c2f_cpp_ms']:.2f} ms", flush=True)
-    return rows
+            print(f"  {key} L = {L}: torch {r['torch_ms']:.2f} ms ({torch_setup['blas_kernel']}), c2f from Python "
+                  f"{r['c2f_python_ms']:.2f} ms, c2f in C++ {r['c2f_cpp_ms']:.2f} ms", flush=True)
+    return rows, torch_setup
 
 
 def overhead(torch, c2f, threads, build, reps):
@@ -163,11 +206,18 @@ def overhead(torch, c2f, threads, build, reps):
     return results
 
 
+def c2f_allocator_text(setup):
+    """The allocator of the process that ran c2f's side."""
+    from report import blas
+    return blas.allocator_text(setup.get("c2f_process", {}).get("allocator") or blas.allocator_here())
+
+
 def markdown(setup, rows, over):
     lines = ["### c2f from Python against PyTorch (benchmarks/python_bench.py)", "",
              f"Batch 1, d = {EMBED}, {HEADS} heads, float32, {setup['c2f_threads']} threads for c2f and torch "
-             f"({setup['torch_version']}, its sgemm from {setup['blas_library']}: {setup['blas_kernel']}); median "
-             "wall-clock times. "
+             f"({setup['torch_version']}, its sgemm from {setup['blas_library']}: {setup['blas_kernel']}; in its own "
+             "process, the peers' environment); c2f in this script's process (allocator "
+             f"{c2f_allocator_text(setup)}); median wall-clock times. "
              "Speed-up = torch time / c2f time; \"Python / C++\" = the Python speed-up over the C++ one "
              "(target ≥ 0.90). Load average (1 min) before and after the run: "
              f"{setup['load_average_before_after'][0]:.2f}, {setup['load_average_before_after'][1]:.2f}.", "",
@@ -201,21 +251,27 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="two MHA lengths and one C2F length")
     p.add_argument("--headline", action="store_true", help="MHA at L = 2048 only (scripts/run.sh's default)")
     p.add_argument("--long", action="store_true", help="accepted for scripts/run.sh; changes nothing")
+    p.add_argument("--torch-side", metavar="FILE", help=argparse.SUPPRESS)  # PyTorch's side (run_torch_side)
     args = p.parse_args(argv)
+    if args.torch_side:
+        return torch_side(args.torch_side)
     build = Path(args.build).resolve()
     sys.path.insert(0, str(build / "python"))
     from torch_peer import bench_threads, blas, setup_torch
     threads = bench_threads()
-    torch, setup = setup_torch(threads)
+    torch, setup = setup_torch(threads)  # this process's torch: the weights and inputs, not timed
     import c2f
     if not Path(c2f.__file__).is_relative_to(build):
         sys.exit(f"python_bench: imported c2f from {c2f.__file__}, not from {build}/python (build it with C2F_PYTHON)")
-    print(f"python_bench: c2f {c2f.__file__}, torch {torch.__version__} ({setup['blas_kernel']}), {threads} threads",
-          flush=True)
-    if blas.forced_note(setup["openblas_env"]):
-        print(f"python_bench: {blas.forced_note(setup['openblas_env'])}", flush=True)
+    print(f"python_bench: c2f {c2f.__file__} (allocator {blas.allocator_text(blas.allocator_here())}), torch "
+          f"{torch.__version__}, {threads} threads; PyTorch's side runs in the peers' environment", flush=True)
     load_before = os.getloadavg()
-    rows = speedups(torch, c2f, threads, build, args.reps, args.quick, args.headline)
+    rows, torch_setup = speedups(torch, c2f, threads, build, args.reps, args.quick, args.headline)
+    if torch_setup is not None:  # the setup PyTorch's side was timed with (its kernel and allocator)
+        setup = dict(torch_setup, c2f_process={"allocator": blas.allocator_here()})
+    for note in (blas.forced_note(setup["openblas_env"]), blas.allocator_note(setup.get("allocator"))):
+        if note:
+            print(f"python_bench: PyTorch's side: {note}", flush=True)
     over = overhead(torch, c2f, threads, build, args.reps)
     # Other processes on the cores blur every comparison: the load average before and after says if they did.
     setup["load_average_before_after"] = [load_before[0], os.getloadavg()[0]]

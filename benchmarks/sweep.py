@@ -28,7 +28,11 @@ ort_peer.py's two MHA graphs and the exported C2F module at HEADLINE_C2F_LENGTH;
 
 The PyTorch, libtorch and ONNX Runtime peers run with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset in
 their own command (report/blas.py: a machine that sets them pins OpenBLAS to an older kernel family), and
-each reports the OpenBLAS kernel it ran.
+each reports the OpenBLAS kernel it ran. The PyTorch and libtorch peers also run with jemalloc preloaded
+(report/blas.py's PEER_ALLOCATOR; glibc's malloc, with a note, when libjemalloc2 is missing): with glibc's
+malloc their large per-call buffers are mapped and page-faulted in again on every call. Each reports the
+allocator it ran with. c2f's binaries never get it: bench_libtorch runs twice, its libtorch entries in the
+peer's environment and its c2f entries in this script's own (merged into bench_libtorch.json).
 
 This script runs the binaries and writes the files; the tables, targets and plots are built by the
 package benchmarks/report/ (one module per part: attention, runtime, c2f2d, decode; plots; common).
@@ -58,7 +62,7 @@ HEADLINE_FILTERS = {
     # the FMA and bf16 peaks (1 and n threads) and STREAM copy; the GEMM reference points at L = 2048
     "bench_machine": r"^(peak_[a-z0-9_]+/[0-9]+|copy/[0-9]+|gemm_(eigen|c2f_layer|onednn_packed)/2048/[0-9]+)/",
     "bench_attention": rf"^(copy|triad)/|^(gemm|mha_streaming)/({_LS})/|^c2f/({_LS})/32/",
-    "bench_libtorch": rf"^(libtorch|c2f)_mha/({_LS})/",
+    "bench_libtorch": rf"_mha/({_LS})/",  # after ^libtorch or ^c2f: the two runs of bench_libtorch
 }
 
 
@@ -123,16 +127,28 @@ def run_attention(build, out_dir, extra, fma_peak=None, headline=False):
     torch_bin = build / "benchmarks" / "bench_libtorch"
     torch_result = None
     if torch_bin.exists():
-        # The lengths of the peer table (1024 … 8192), whatever the sweep; libtorch links OpenBLAS, so it runs
-        # with the variables that force OpenBLAS's kernel family unset, like the PyTorch peer.
+        # The lengths of the peer table (1024 … 8192), whatever the sweep. libtorch's entries run in the peer's
+        # environment: the variables that force OpenBLAS's kernel family unset, like the PyTorch peer, and the
+        # peers' allocator preloaded; c2f's entries of the same binary run in a second process, in this
+        # script's environment (c2f never runs with the peers' allocator).
         env = blas.peer_env()
+        args = [a for a in extra if not a.startswith("--c2f_sweep")] + ["--c2f_sweep=peers"]
+        lengths = HEADLINE_FILTERS["bench_libtorch"] if headline else "_mha/"
+        allocator = blas.probe_allocator(env)
+        print(f"== bench_libtorch: libtorch's entries with {', '.join(blas.FORCING)} unset and allocator "
+              f"{blas.allocator_text(allocator)}; c2f's entries in a second run, in this script's environment",
+              flush=True)
         torch_result = run_benchmark(torch_bin, out_dir / "bench_libtorch.json",
-                                     [a for a in extra if not a.startswith("--c2f_sweep")] + ["--c2f_sweep=peers"] +
-                                     ([f"--benchmark_filter={HEADLINE_FILTERS['bench_libtorch']}"] if headline else []),
-                                     env=env)
+                                     args + [f"--benchmark_filter=^libtorch{lengths}"], env=env)
+        c2f_part = run_benchmark(torch_bin, out_dir / "bench_libtorch_c2f.json",
+                                 args + [f"--benchmark_filter=^c2f{lengths}"], env=blas.c2f_env(env))
+        torch_result["benchmarks"] += c2f_part["benchmarks"]
         torch_result["openblas_env"] = blas.env_state(env)  # read by the peer table (torch_peer.py)
+        torch_result["allocator"] = allocator  # libtorch's entries; c2f's: c2f_mha_context
+        torch_result["c2f_mha_context"] = {"file": "bench_libtorch_c2f.json", "allocator": blas.probe_allocator(
+            blas.c2f_env(env)), "load_avg": c2f_part["context"].get("load_avg")}
         (out_dir / "bench_libtorch.json").write_text(json.dumps(torch_result, indent=2) + "\n")
-        written.append("bench_libtorch.json")
+        written += ["bench_libtorch.json", "bench_libtorch_c2f.json"]
     else:
         print("bench_libtorch was not built (libtorch-dev not installed): skipping the libtorch peer")
     lengths = ",".join(map(str, HEADLINE_LENGTHS))
@@ -149,10 +165,12 @@ def run_attention(build, out_dir, extra, fma_peak=None, headline=False):
 
 def run_torch_peer(build, out_dir, more=()):
     """Runs benchmarks/torch_peer.py (with the arguments `more`), OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset
-    in its command; returns its JSON, or None when that Python has no torch."""
+    and the peers' allocator preloaded in its command (report/blas.py); returns its JSON, or None when that
+    Python has no torch."""
     # The PyTorch peer runs under Debian's python3 (python3-torch), whichever Python runs this script.
     torch_python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
-    print(f"== torch_peer.py ({torch_python}; {', '.join(blas.FORCING)} unset)", flush=True)
+    print(f"== torch_peer.py ({torch_python}; {', '.join(blas.FORCING)} unset; allocator "
+          f"{blas.allocator_text(blas.probe_allocator(blas.peer_env()))})", flush=True)
     r = subprocess.run([torch_python, str(REPO / "benchmarks" / "torch_peer.py"), "--build", str(build),
                         "--out", str(out_dir), *more], env=blas.peer_env())
     if r.returncode == 77:
@@ -169,10 +187,12 @@ def run_ort_peer(build, out_dir, more=()):
     missing; it says which)."""
     # The graphs are written with Debian's python3-onnx and python3-torch, like the PyTorch peer's modules;
     # ORT's kernels are its own, the variables that pin OpenBLAS's kernels are unset as for the other peers.
+    # No preloaded allocator: ORT's CPU arena (on by default) keeps its buffers, and that script times c2f's
+    # forwards (bench_attention --c2f_peer_time) in its rounds.
     python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
     print(f"== ort_peer.py ({python})", flush=True)
     r = subprocess.run([python, str(REPO / "benchmarks" / "ort_peer.py"), "--build", str(build),
-                        "--out", str(out_dir), *more], env=blas.peer_env())
+                        "--out", str(out_dir), *more], env=blas.peer_env(allocator=False))
     if r.returncode == 77:
         print("skipping the ONNX Runtime peer (scripts/install-deps.sh installs python3-onnx, and onnxruntime-node "
               "into benchmarks/ort/ when npm is there)")

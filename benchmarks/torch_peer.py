@@ -13,7 +13,12 @@ runs: OpenBLAS's version and the kernel family it chose for this CPU (openblas_g
 openblas_get_corename), e.g. "OpenBLAS 0.3.21 Cooperlake kernels, 2 threads". OPENBLAS_CORETYPE in the
 environment forces an older family: sweep.py and scripts/run.sh start this script with OPENBLAS_CORETYPE and
 OPENBLAS_L2_SIZE unset (`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE /usr/bin/python3 ...` by hand); the
-script prints a note, and the table says so, when they are set (report/blas.py).
+script prints a note, and the table says so, when they are set (report/blas.py). The same commands preload
+jemalloc (report/blas.py's PEER_ALLOCATOR, with MALLOC_CONF keeping freed memory): with glibc's malloc the
+[8, L, L] scores of every call are mapped and page-faulted in again. The allocator the peer ran with is
+reported next to the kernel, e.g. "...; allocator jemalloc 5.3.0 (MALLOC_CONF=...)"; a note when it is not
+jemalloc. bench_attention (c2f), which this script runs for the check, gets the environment as it was before
+(blas.c2f_env()).
 
 Modules (PyTorch's default initialisation, seeded; the same tensors are loaded into c2f):
     mha      torch.nn.MultiheadAttention(512, 8, batch_first=True), called (x, x, x, need_weights=False)
@@ -143,15 +148,18 @@ def setup_torch(threads):
         openblas_config = lib.openblas_get_config().decode()
         lib.openblas_get_corename.restype = ctypes.c_char_p  # the kernel family OpenBLAS runs on this CPU
         openblas_corename = lib.openblas_get_corename().decode()
+    allocator = blas.allocator_here()  # jemalloc when the peer's command preloads it (report/blas.py)
     found = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
     blas_info = f"built with BLAS_INFO={found.group(1) if found else '?'}"
     setup = {
         "python": sys.executable, "torch_version": torch.__version__, "torch_path": os.path.dirname(torch.__file__),
         "torch_build_blas": blas_info, "blas_library": sgemm_from, "mapped_blas": mapped,
         "openblas_threads": openblas_threads, "openblas_config": openblas_config,
-        "openblas_corename": openblas_corename, "openblas_env": blas.env_state(),
-        "blas_kernel": (blas.kernel_text(openblas_config, openblas_threads, openblas_corename, blas.env_state())
-                        if engine else f"not OpenBLAS: sgemm_ from {sgemm_from}"),
+        "openblas_corename": openblas_corename, "openblas_env": blas.env_state(), "allocator": allocator,
+        "blas_kernel": (blas.kernel_text(openblas_config, openblas_threads, openblas_corename, blas.env_state(),
+                                         allocator)
+                        if engine else f"not OpenBLAS: sgemm_ from {sgemm_from}; allocator "
+                                       f"{blas.allocator_text(allocator)}"),
         "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
         "c2f_threads": threads, "cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
     }
@@ -260,7 +268,9 @@ def run_c2f_peer(binary, weights, x_file, out_file, timed=0):
     cmd = [str(binary), f"--c2f_peer_weights={weights}", f"--c2f_peer_input={x_file}", f"--c2f_peer_output={out_file}"]
     if timed > 0:
         cmd.append(f"--c2f_peer_time={timed}")
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    # c2f's binary runs in the environment as it was before the peer's command changed it (no preloaded
+    # allocator: bench_attention interposes malloc itself, tools/malloc_counter.hpp; report/blas.py).
+    r = subprocess.run(cmd, capture_output=True, text=True, env=blas.c2f_env())
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
     return json.loads(r.stdout.strip().splitlines()[-1])["runs_ms"] if timed > 0 else []
@@ -315,8 +325,9 @@ def run(args):
     print(f"peer: mapped BLAS libraries: {', '.join(setup['mapped_blas']) or 'none'}; OpenBLAS config: "
           f"{setup['openblas_config']}", flush=True)
     print(f"peer: BLAS kernel: {setup['blas_kernel']}", flush=True)
-    if blas.forced_note(setup["openblas_env"]):
-        print(f"peer: {blas.forced_note(setup['openblas_env'])}", flush=True)
+    for note in (blas.forced_note(setup["openblas_env"]), blas.allocator_note(setup["allocator"])):
+        if note:
+            print(f"peer: {note}", flush=True)
 
     lengths = CHECK_LENGTHS if args.check_only else [int(v) for v in args.lengths.split(",")]
     budget, cap = args.budget, args.max_gib * 2**30
@@ -453,17 +464,23 @@ def peer_table(peers, attn, libtorch=None):
                  f"**{kernel}**; BLAS (sgemm_ from) `{s['blas_library']}`, torch threads {s['torch_threads']}, "
                  f"OpenBLAS threads {s['openblas_threads']} (`{s['openblas_config']}`); torch.inference_mode(), "
                  f"float32, median of {peers['reps']} wall-clock runs after a warm-up.")
-    if blas.forced_note(s.get("openblas_env")):
-        lines.append(f"- **{blas.forced_note(s['openblas_env'])}**: not PyTorch at its best.")
+    for note in (blas.forced_note(s.get("openblas_env")), blas.allocator_note(s.get("allocator"))):
+        if note:
+            lines.append(f"- **{note}**: not PyTorch at its best.")
     if libtorch:
         c = libtorch["context"]
         env = libtorch.get("openblas_env")  # set by sweep.py, which starts bench_libtorch
+        alloc = libtorch.get("allocator")
         lines.append(f"- libtorch {c.get('torch_version', '?')} (bench_libtorch, torch::nn::MultiheadAttention): "
-                     f"**{blas.kernel_text(c.get('openblas_config'), c.get('openblas_threads'), env=env)}**; "
+                     f"**{blas.kernel_text(c.get('openblas_config'), c.get('openblas_threads'), env=env, allocator=alloc)}**; "
                      f"BLAS (sgemm_ from) `{c.get('blas_library', '?')}`, torch threads {c.get('torch_threads', '?')}, "
                      f"OpenBLAS threads {c.get('openblas_threads', '?')}.")
+        for note in (blas.forced_note(env), blas.allocator_note(alloc)):
+            if note:
+                lines.append(f"- **libtorch: {note}**: not libtorch at its best.")
     lines.append(f"- c2f: bench_attention, {attn['context'].get('c2f_threads')} threads, Eigen SIMD "
-                 f"{attn['context'].get('c2f_isa')}.")
+                 f"{attn['context'].get('c2f_isa')}, in the job's own environment (its malloc is glibc's; never the "
+                 f"peers' preloaded allocator).")
     loads = (attn["context"].get("load_avg", []), peers.get("load_avg_start", []), peers.get("load_avg_end", []))
     load = [", ".join(f"{v:.2f}" for v in x) for x in loads]
     lines.append(f"- Noise: load average {load[0] or '?'} when bench_attention started, {load[1] or '?'} when the "

@@ -5,8 +5,10 @@ same weights, x and dy, gradients checked against c2f's before timing.
     /usr/bin/python3 benchmarks/torch_train_peer.py --build build/release-native --out results/latest
 
 Setup: torch_peer.py's (Debian's python3-torch, float32, batch 1, d = 512, 8 heads, torch and OpenBLAS on
-n threads, n = C2F_BENCH_THREADS, default 2; the OpenBLAS kernel that ran is reported — scripts/run.sh starts
-this script with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset, report/blas.py), in training mode with autograd:
+n threads, n = C2F_BENCH_THREADS, default 2; the OpenBLAS kernel and the allocator that ran are reported —
+scripts/run.sh starts this script with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset and jemalloc preloaded,
+report/blas.py; bench_train, c2f's binary, is started with the environment as it was before, blas.c2f_env()),
+in training mode with autograd:
     mha    torch.nn.MultiheadAttention(512, 8, batch_first=True), (x, x, x, need_weights=False),
            L = 1024 … 8192 — against bench_train's train_mha/L
     c2f    the article's C2FAttention (tests/reference/c2f_reference.py), chunk 32, dropout 0 (c2f's default;
@@ -80,7 +82,8 @@ def c2f_entry(binary, layer, L):
     with tempfile.TemporaryDirectory(prefix="c2f-train-entry-") as tmp:
         out = Path(tmp) / "entry.json"
         r = subprocess.run([str(binary), f"--benchmark_filter=^{entry_name(layer, L)}/", f"--benchmark_out={out}",
-                            "--benchmark_out_format=json"], capture_output=True, text=True)
+                            "--benchmark_out_format=json"], capture_output=True, text=True,
+                           env=torch_peer.blas.c2f_env())  # c2f's environment: no peer allocator (report/blas.py)
         runs = json.loads(out.read_text()).get("benchmarks", []) if r.returncode == 0 and out.exists() else []
     if len(runs) != 1:
         raise RuntimeError(f"bench_train --benchmark_filter=^{entry_name(layer, L)}/ gave {len(runs)} entries: "
@@ -177,8 +180,9 @@ def main(argv=None):
     print(f"train peer: PyTorch {setup['torch_version']}, BLAS {setup['blas_library']} ({setup['blas_kernel']}), "
           f"torch threads {setup['torch_threads']}, OpenBLAS threads {setup['openblas_threads']}, c2f threads {threads}",
           flush=True)
-    if torch_peer.blas.forced_note(setup["openblas_env"]):
-        print(f"train peer: {torch_peer.blas.forced_note(setup['openblas_env'])}", flush=True)
+    for note in (torch_peer.blas.forced_note(setup["openblas_env"]), torch_peer.blas.allocator_note(setup["allocator"])):
+        if note:
+            print(f"train peer: {note}", flush=True)
     rows = []
     for index, (layer, L) in enumerate(CASES):
         if (args.only and layer not in args.only) or (args.max_length and L > args.max_length):
@@ -195,7 +199,8 @@ def main(argv=None):
             torch_peer.save_tensors(Path(tmp) / "weights.safetensors", dict(module.state_dict()),
                                     dict(meta, layer=layer, embed_dim=str(EMBED), num_heads=str(HEADS)))
             torch_peer.save_tensors(Path(tmp) / "input.safetensors", {"x": x, "dy": dy}, {})
-            r = subprocess.run([str(binary), f"--c2f_train_check={tmp}"], capture_output=True, text=True)
+            r = subprocess.run([str(binary), f"--c2f_train_check={tmp}"], capture_output=True, text=True,
+                               env=torch_peer.blas.c2f_env())
             if r.returncode != 0:
                 print(f"torch_train_peer: bench_train's check mode failed: {r.stderr.strip()}", file=sys.stderr)
                 return 1

@@ -16,6 +16,12 @@ PACKAGES=(
   # (pthread build): Debian makes it the libblas.so.3 alternative, so libtorch and python3-torch — the
   # peers — run their GEMMs on an optimised BLAS instead of the reference one (libblas3)
   libbenchmark-dev python3-matplotlib libtorch-dev libopenblas0-pthread
+  # jemalloc, preloaded into the PyTorch and libtorch peers' commands only (benchmarks/report/blas.py): with
+  # glibc's malloc, PyTorch maps its large per-call buffers (nn.MultiheadAttention's scores: 128 MiB at
+  # L = 2048) afresh and page-faults them in on every call — most of its time on a small VM; PyTorch's and
+  # Intel's CPU tuning guides run it with jemalloc or tcmalloc. Without it the peers fall back to glibc's
+  # malloc, with a note
+  libjemalloc2
   # comparing two benchmark runs: Google Benchmark's compare.py (/usr/share/benchmark/), which needs scipy
   libbenchmark-tools python3-scipy
   # the ONNX Runtime peer (benchmarks/ort_peer.py): python3-onnx writes its graphs; the runtime itself is

@@ -19,8 +19,9 @@
 #     --full      every part at full size — hours on 2 cores: the examples; the whole benchmark sweep
 #                 (machine, attention with the one-thread run and every peer, runtime, c2f2d, decode) with
 #                 the long lengths (L = 256 … 16384 in powers of two, HMHA to 32768, the naive kernel to
-#                 4096); training at every length with glibc's default malloc and with large blocks kept
-#                 (train_default/, train_kept/) and examples/train_c2f against its PyTorch twin; the
+#                 4096); training at every length, bench_train with glibc's default malloc and with large
+#                 blocks kept (train_default/, train_kept/; torch.autograd on jemalloc in both), and
+#                 examples/train_c2f against its PyTorch twin; the
 #                 Python example and benchmark at every length; bench_dist at 1 and 2 ranks and
 #                 examples/dist_c2f
 #     --only PART run only this part (repeatable), short unless --full. Parts: examples, machine,
@@ -34,8 +35,11 @@
 #
 # The PyTorch, libtorch and numpy peers run with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset in their own
 # command (a machine may set them to pin OpenBLAS to an older kernel family; then the peer is not PyTorch at
-# its best); each reports the OpenBLAS kernel it ran (benchmarks/report/blas.py). The rest of the job, and
-# the tests, keep the environment as it is.
+# its best), and with jemalloc preloaded (LD_PRELOAD, MALLOC_CONF keeping freed memory; Debian's
+# libjemalloc2): with glibc's malloc, PyTorch's large per-call buffers are mapped and page-faulted in again
+# on every call. Without libjemalloc2 they run on glibc's malloc, with a note. Each reports the OpenBLAS
+# kernel and the allocator it ran with (benchmarks/report/blas.py). The rest of the job — every c2f binary,
+# the c2f Python module — and the tests keep the environment as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -85,9 +89,6 @@ else
 fi
 has() { local p; for p in "${parts[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
 
-# The command prefix of every PyTorch / libtorch / numpy peer: the variables that pin OpenBLAS's kernel
-# family unset for that command alone (sweep.py does the same for the peers it starts).
-peer=(env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # mpirun as root (containers, CI)
 
 mkdir -p "$out"
@@ -106,6 +107,17 @@ step() {  # step NAME: record the time since the last step and the load average 
 
 scripts/install-deps.sh
 step "install-deps (not counted)"
+
+# The command prefix of every PyTorch / libtorch peer: the variables that pin OpenBLAS's kernel family unset
+# and jemalloc preloaded, for that command alone (benchmarks/report/blas.py --env-args, one argument of `env`
+# a line; it prints a note when libjemalloc2 is missing; sweep.py starts its peers the same way). The peer
+# scripts give the c2f binaries they start the environment as it was (blas.c2f_env()).
+peer_args=$(/usr/bin/python3 benchmarks/report/blas.py --env-args)
+mapfile -t peer_args <<< "$peer_args"
+[ -n "${peer_args[0]}" ] || peer_args=()
+peer=(env "${peer_args[@]}")
+# A command that runs c2f and PyTorch in one process (examples/python/accelerate.py): OpenBLAS unforced only.
+peer_blas=(env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE)
 build="build/$preset"
 
 # ---- build: the targets of the chosen parts (the full job with every part builds everything)
@@ -167,8 +179,9 @@ fi
 
 if has train; then
   if [ "$full" = 1 ]; then
-    echo "== training: bench_train and torch.autograd (torch_train_peer.py) at every length, with glibc's default"
-    echo "   malloc and with large blocks kept between steps (GLIBC_TUNABLES); then examples/train_c2f"
+    echo "== training: bench_train and torch.autograd (torch_train_peer.py) at every length, bench_train with glibc's"
+    echo "   default malloc and with large blocks kept between steps (GLIBC_TUNABLES; torch runs on its preloaded"
+    echo "   allocator in both, on glibc's only when libjemalloc2 is missing); then examples/train_c2f"
     modes=(default kept)
   else
     echo "== training: MultiHeadAttention at L = 2048, bench_train against torch.autograd (torch_train_peer.py)"
@@ -196,11 +209,14 @@ fi
 if has python; then
   if [ "$full" = 1 ]; then
     echo "== Python: examples/python/accelerate.py, then benchmarks/python_bench.py"
-    PYTHONPATH="$build/python" "${peer[@]}" /usr/bin/python3 examples/python/accelerate.py
-    "${peer[@]}" /usr/bin/python3 benchmarks/python_bench.py --build "$build" --out "$out"
+    echo "   (accelerate.py runs PyTorch and c2f in one process: glibc's malloc for both, so its 'before' is not"
+    echo "   PyTorch at its best; python_bench.py times PyTorch in its own process with the peers' allocator)"
+    PYTHONPATH="$build/python" "${peer_blas[@]}" /usr/bin/python3 examples/python/accelerate.py
+    /usr/bin/python3 benchmarks/python_bench.py --build "$build" --out "$out"
   else
     echo "== Python: benchmarks/python_bench.py --headline (MultiHeadAttention at L = 2048, the cost of a call)"
-    "${peer[@]}" /usr/bin/python3 benchmarks/python_bench.py --build "$build" --out "$out" --headline
+    # It starts its PyTorch side itself in the peers' environment (report/blas.py); c2f's side runs here.
+    /usr/bin/python3 benchmarks/python_bench.py --build "$build" --out "$out" --headline
   fi
   step "python"
 fi

@@ -7,6 +7,7 @@ JSON (benchmarks/sweep.py runs the binaries and writes the files).
     c2f2d       bench_c2f2d: c2f2d_section()
     decode      bench_decode: decode_section()
     plots       the PNG plots of the attention and decode parts (matplotlib, when installed)
-    blas        the OpenBLAS kernel a torch / libtorch / numpy peer ran, and the environment its command
-                runs in (OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset)
+    blas        the OpenBLAS kernel and the allocator a torch / libtorch / numpy peer ran, and the environment
+                its command runs in (OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset, jemalloc preloaded); the
+                environment of the c2f binaries a peer script starts (c2f_env)
 """

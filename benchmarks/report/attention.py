@@ -182,9 +182,14 @@ def libtorch_table(torch_result):
         rows.append([L, f"{lt:.1f}", f"{cm:.1f}", f"{lt / cm:.1f}×", f"{t[('c2f_mha', L)]['max_abs_diff']:.2g}"])
     out = ["", f"### c2f MultiHeadAttention vs libtorch {c.get('torch_version', '')} "
                "torch::nn::MultiheadAttention (same weights and input, same binary)", ""]
-    kernel = blas.kernel_text(c.get("openblas_config"), c.get("openblas_threads"), env=torch_result.get("openblas_env"))
+    kernel = blas.kernel_text(c.get("openblas_config"), c.get("openblas_threads"), env=torch_result.get("openblas_env"),
+                              allocator=torch_result.get("allocator"))
     out.append(f"libtorch's BLAS (sgemm_ from): `{c.get('blas_library', '? (not reported)')}`: {kernel}; "
                f"torch threads {c.get('torch_threads', '?')}, c2f threads {c.get('c2f_threads', '?')}.")
+    c2f_ctx = torch_result.get("c2f_mha_context")
+    if c2f_ctx:  # sweep.py runs c2f's entries in a second process, without the peer's allocator
+        out.append(f"c2f's entries ran in a second run of the binary ({c2f_ctx.get('file')}), allocator "
+                   f"{blas.allocator_text(c2f_ctx.get('allocator') or {})}.")
     out.append("")
     out.append(table(["L", "libtorch ms", "c2f ms", "c2f speedup", "max |diff|"], rows))
     return out
