@@ -307,9 +307,11 @@ void BM_C2F(benchmark::State& state, bool into, c2f::Compute compute) {
   state.counters["chunk"] = double(chunk);
 }
 
-void BM_HMHA(benchmark::State& state) {
+// HMHA::forward(), its products in fp32 or (hmha_bf16) bfloat16.
+void BM_HMHA(benchmark::State& state, c2f::Compute compute) {
   const Index length = state.range(0), window = state.range(1);
-  const c2f::HMHA<float> hmha(kEmbed, kHeads, window, c2f::HMHA<float>::Options().num_threads(bench_threads()));
+  const c2f::HMHA<float> hmha(kEmbed, kHeads, window,
+                              c2f::HMHA<float>::Options().num_threads(bench_threads()).compute(compute));
   const c2f::Tensor3<float> x = random_input(length);
   const double L = double(length), E = double(kEmbed), W = double(window);
   const double n = double((length + window - 1) / window);
@@ -354,7 +356,8 @@ const SparseReference& sparse_reference(const c2f::MultiHeadAttention<float>& mh
 // Sparse gating modes of the benchmark entries.
 enum SparseMode : Index { kPerChunk = 0, kPerToken = 1, kPerTokenCausal = 2 };
 
-void BM_Sparse(benchmark::State& state) {
+// SparseC2FAttention::forward() in one gating, its products in fp32 or (sparse…_bf16) bfloat16.
+void BM_Sparse(benchmark::State& state, c2f::Compute compute) {
   const Index length = state.range(0), chunk = state.range(1), top_k = state.range(2), mode = state.range(3);
   const bool causal = mode == kPerTokenCausal;
   const c2f::SparseC2FAttention<float> sparse(
@@ -362,7 +365,8 @@ void BM_Sparse(benchmark::State& state) {
       c2f::SparseC2FAttention<float>::Options()
           .num_threads(bench_threads())
           .causal(causal)
-          .gating(mode == kPerChunk ? c2f::Gating::PerChunk : c2f::Gating::PerToken));
+          .gating(mode == kPerChunk ? c2f::Gating::PerChunk : c2f::Gating::PerToken)
+          .compute(compute));
   const SparseReference& ref = sparse_reference(sparse.as_multihead_attention(), length, causal);
   const Index m = (length + chunk - 1) / chunk;
   const double L = double(length), E = double(kEmbed), keys = double(std::min(top_k, m) * chunk);
@@ -424,12 +428,20 @@ void register_sweep(bool long_sweep) {
       timed(benchmark::RegisterBenchmark("c2f_bf16_into", BM_C2F, true, c2f::Compute::BFloat16)->Args({L, Index(32)}));
     }
   }
-  for (Index L : hmha_lengths) timed(benchmark::RegisterBenchmark("hmha", BM_HMHA)->Args({L, kWindow}));
+  for (Index L : hmha_lengths) {
+    timed(benchmark::RegisterBenchmark("hmha", BM_HMHA, c2f::Compute::Float32)->Args({L, kWindow}));
+    timed(benchmark::RegisterBenchmark("hmha_bf16", BM_HMHA, c2f::Compute::BFloat16)->Args({L, kWindow}));
+  }
   for (Index L : {Index(4096), Index(16384)}) {
     for (Index top_k : {1, 2, 4, 8, 16, 32}) {
       for (Index mode : {kPerChunk, kPerToken, kPerTokenCausal}) {
-        const char* name = mode == kPerChunk ? "sparse" : (mode == kPerToken ? "sparse_token" : "sparse_token_causal");
-        timed(benchmark::RegisterBenchmark(name, BM_Sparse)->Args({L, 64, top_k, mode}));
+        const std::string name =
+            mode == kPerChunk ? "sparse" : (mode == kPerToken ? "sparse_token" : "sparse_token_causal");
+        timed(benchmark::RegisterBenchmark(name.c_str(), BM_Sparse, c2f::Compute::Float32)->Args({L, 64, top_k, mode}));
+        if (top_k == 8) {
+          timed(benchmark::RegisterBenchmark((name + "_bf16").c_str(), BM_Sparse, c2f::Compute::BFloat16)
+                    ->Args({L, 64, top_k, mode}));
+        }
       }
     }
   }

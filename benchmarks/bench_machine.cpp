@@ -19,6 +19,9 @@
 //                       Linear layer (its packing kept between calls, as in every c2f layer) and oneDNN's
 //                       matmul on W reordered once into the layout its primitive picks (format_tag::any)
 //   gemm_onednn_bf16/L/threads   oneDNN's bf16 matmul (bf16 inputs, fp32 output) where it has a kernel
+//   gemm_c2f_layer_bf16_<engine>/L/threads   c2f's Linear layer in Compute::BFloat16 on each bfloat16 engine
+//                       the CPU has (fallback, dot, tiles; docs/bf16.md#engines), W packed once; the label
+//                       says whether it is the engine the rule picks on this CPU
 //
 // Every GEMM entry first checks its output against a double-precision product on a few rows.
 #include <benchmark/benchmark.h>
@@ -137,6 +140,24 @@ void BM_GemmC2FLayer(benchmark::State& state) {
   timed_gemm(state, d, length, threads, [&] { layer.forward_rows(d.x, d.y); });
 }
 
+// c2f's Linear layer in bfloat16 on `engine` (forced for the entry, then back to the caller's choice).
+void BM_GemmC2FLayerBf16(benchmark::State& state, c2f::Bf16Engine engine) {
+  const Index length = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
+  GemmData d(length);
+  const c2f::Bf16Engine asked = c2f::get_bf16_engine();
+  c2f::set_bf16_engine(engine);
+  c2f::Linear<float> layer(
+      kEmbed, kEmbed, c2f::Linear<float>::Options().bias(false).num_threads(threads).compute(c2f::Compute::BFloat16));
+  layer.weight() = d.w;
+  // bf16 operands: the rounding (2^-9 relative per operand) bounds the error, not the fp32 tolerance.
+  timed_gemm(
+      state, d, length, threads, [&] { layer.forward_rows(d.x, d.y); }, 0.5);
+  state.SetLabel(std::string(c2f::bf16_engine_name(engine)) +
+                 (engine == c2f::bf16_engine_rule() ? " (the rule's pick)" : " (forced)"));
+  c2f::set_bf16_engine(asked);
+}
+
 #if C2F_BENCH_ONEDNN
 // oneDNN's matmul primitive, as a user who cares would run it: the primitive built once, weights in their
 // [out, in] layout described as the transposed operand (format tag ba) — or, `packed`, in the layout the
@@ -209,6 +230,11 @@ int main(int argc, char** argv) {
       timed(benchmark::RegisterBenchmark("gemm_eigen", BM_GemmEigen)->Args({L, t}));
       timed(benchmark::RegisterBenchmark("gemm_c2f", BM_GemmC2F)->Args({L, t}));
       timed(benchmark::RegisterBenchmark("gemm_c2f_layer", BM_GemmC2FLayer)->Args({L, t}));
+      for (c2f::Bf16Engine e : {c2f::Bf16Engine::Fallback, c2f::Bf16Engine::Dot, c2f::Bf16Engine::Tiles}) {
+        if (!c2f::bf16_engine_available(e)) continue;
+        const std::string name = std::string("gemm_c2f_layer_bf16_") + c2f::bf16_engine_name(e);
+        timed(benchmark::RegisterBenchmark(name.c_str(), BM_GemmC2FLayerBf16, e)->Args({L, t}));
+      }
 #if C2F_BENCH_ONEDNN
       timed(benchmark::RegisterBenchmark("gemm_onednn", BM_GemmOneDnn, false, false)->Args({L, t}));
       timed(benchmark::RegisterBenchmark("gemm_onednn_packed", BM_GemmOneDnn, false, true)->Args({L, t}));

@@ -438,7 +438,7 @@ TEST(C2FMultiHeadArticle, CoarseAttentionIsMultiHeadAttentionWithQkvProjNames) {
 // --- Compute::BFloat16 (docs/bf16.md) -------------------------------------------------------------------
 
 // The article's C2FAttention in fp32 and under torch.autocast("cpu", bfloat16) (tests/data/bf16): c2f's
-// bfloat16 layer within 2e-2 · max|y| of both on the folded and the general fine path, on both engines,
+// bfloat16 layer within 2e-2 · max|y| of both on the folded and the general fine path, on every engine the CPU has,
 // the same bits for 1 and 2 threads; the printed figures are docs/bf16.md's.
 TEST(C2fBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
   const StateDict sd = c2f::load_safetensors(c2f_test::data_path("bf16/c2f_chunk8_l64_f32.safetensors"));
@@ -446,9 +446,9 @@ TEST(C2fBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
   const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"),
                            autocast = c2f_test::values<float>(sd, "output_autocast");
   for (FinePath path : {FinePath::Folded, FinePath::General}) {
-    for (bool tiles : {true, false}) {
-      const auto engine_setting = c2f_test::scoped_bf16_tiles(tiles);
-      const char* engine = tiles && c2f::cpu::cpu_has_amx_bf16() ? "tiles" : "fallback";
+    for (c2f::Bf16Engine e : c2f_test::available_bf16_engines()) {
+      const auto engine_setting = c2f_test::scoped_bf16_engine(e);
+      const char* engine = c2f::bf16_engine_name(e);
       C2FAttention<float> m(
           meta_index(sd, "d_model"), meta_index(sd, "num_heads"), meta_index(sd, "chunk_size"),
           C2FAttention<float>::Options().fine_path(path).compute(c2f::Compute::BFloat16).num_threads(2));

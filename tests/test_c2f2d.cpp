@@ -750,9 +750,9 @@ TEST(C2f2dBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
   const std::vector<float> fp32 = c2f_test::values<float>(sd, "output"),
                            autocast = c2f_test::values<float>(sd, "output_autocast");
   const Index height = meta_index(sd, "height"), width = meta_index(sd, "width");
-  for (bool tiles : {true, false}) {
-    const auto engine_setting = c2f_test::scoped_bf16_tiles(tiles);
-    const char* engine = tiles && c2f::cpu::cpu_has_amx_bf16() ? "tiles" : "fallback";
+  for (c2f::Bf16Engine e : c2f_test::available_bf16_engines()) {
+    const auto engine_setting = c2f_test::scoped_bf16_engine(e);
+    const char* engine = c2f::bf16_engine_name(e);
     C2FAttention2D<float> m(meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"), meta_index(sd, "block_h"),
                             meta_index(sd, "block_w"),
                             options_of<float>(true, meta_index(sd, "max_blocks_h"), meta_index(sd, "max_blocks_w"), 2)

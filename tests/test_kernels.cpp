@@ -1199,13 +1199,16 @@ TEST(Bf16Gemm, MatchesTheRoundedProductOnAwkwardShapes) {
   });
 }
 
-// The tile engine's packing of B from contiguous columns (a transposed row-major weight, keys) and from
+// The blocked engines' packing of B from contiguous columns (a transposed row-major weight, keys) and from
 // contiguous rows (values) shuffles whole vectors; an expression without direct access is packed value
 // by value. Both must give the same VNNI blocks, bit for bit, on awkward shapes with NaN, ±Inf and
 // values that round up, and the padding past k and n must be zero. A transposition or interleaving
 // error moves values between blocks or lanes and fails here.
 TEST(Bf16Gemm, VectorPackingEqualsTheValueByValuePacking) {
-  if (!c2f::cpu::bf16_tiles()) GTEST_SKIP() << "no tile engine on this CPU";
+  const c2f::Bf16Engine blocked =
+      c2f::bf16_engine_available(c2f::Bf16Engine::Tiles) ? c2f::Bf16Engine::Tiles : c2f::Bf16Engine::Dot;
+  if (!c2f::bf16_engine_available(blocked)) GTEST_SKIP() << "neither AMX-BF16 nor AVX512_BF16 on this CPU";
+  const auto engine_setting = c2f_test::scoped_bf16_engine(blocked);
   TestRng rng(0xbf18);
   for (const Index k : {1, 2, 15, 31, 32, 33, 64, 97}) {
     for (const Index n : {1, 15, 16, 17, 31, 33, 64}) {
@@ -1223,7 +1226,7 @@ TEST(Bf16Gemm, VectorPackingEqualsTheValueByValuePacking) {
           fast.pack(v, 2);
           slow.pack(v.unaryExpr(same), 1);
         }
-        ASSERT_TRUE(fast.tiles() && slow.tiles());
+        ASSERT_TRUE(fast.engine() == blocked && slow.engine() == blocked);
         bool equal = true;
         for (Index p = 0; p < (n + 31) / 32; ++p) {
           for (Index t = 0; t < (k + 31) / 32; ++t) {
@@ -1236,12 +1239,96 @@ TEST(Bf16Gemm, VectorPackingEqualsTheValueByValuePacking) {
   }
 }
 
+// The engine choice: Auto follows the rule (Tiles with AMX, Dot on AMD with AVX512_BF16, else the fallback);
+// a forced engine is the one a packing and a layer's products then use; an engine the CPU lacks, or a name
+// that is none, is refused with what was asked and what is missing.
+TEST(Bf16Engines, ForcedChoiceIsUsedAndUnavailableOnesAreRefused) {
+  const c2f::Bf16Engine rule = c2f::bf16_engine_rule();
+  if (c2f::cpu::cpu_has_amx_bf16()) {
+    EXPECT_EQ(rule, c2f::Bf16Engine::Tiles);
+  } else if (c2f::cpu::cpu_has_avx512_bf16() && c2f::cpu::cpu_is_amd()) {
+    EXPECT_EQ(rule, c2f::Bf16Engine::Dot);
+  } else {
+    EXPECT_EQ(rule, c2f::Bf16Engine::Fallback);
+  }
+  {
+    const auto setting = c2f_test::scoped_bf16_engine(c2f::Bf16Engine::Auto);
+    EXPECT_EQ(c2f::bf16_engine(), rule);
+  }
+  TestRng rng(0xbf19);
+  const RowMatrix<float> w = rng.matrix<float>(40, 70);
+  for (c2f::Bf16Engine e : {c2f::Bf16Engine::Fallback, c2f::Bf16Engine::Dot, c2f::Bf16Engine::Tiles}) {
+    if (!c2f::bf16_engine_available(e)) {
+      std::printf("[bf16] engine %s: not on this CPU, its refusal checked instead\n", c2f::bf16_engine_name(e));
+      try {
+        c2f::set_bf16_engine(e);
+        ADD_FAILURE() << c2f::bf16_engine_name(e) << ": no exception";
+      } catch (const std::invalid_argument& err) {
+        EXPECT_NE(std::string(err.what()).find(c2f::bf16_engine_name(e)), std::string::npos) << err.what();
+        EXPECT_NE(std::string(err.what()).find("lacks"), std::string::npos) << err.what();
+      }
+      continue;
+    }
+    const auto setting = c2f_test::scoped_bf16_engine(e);
+    EXPECT_EQ(c2f::bf16_engine(), e);
+    c2f::cpu::Bf16PackedB packed;
+    packed.pack(w.transpose());
+    EXPECT_EQ(packed.engine(), e);
+    packed.pack(w.transpose(), 1, /*allow_blocked=*/false);
+    EXPECT_EQ(packed.engine(), c2f::Bf16Engine::Fallback);
+  }
+  EXPECT_THROW(c2f::detail::parse_bf16_engine("amx", "C2F_BF16_ENGINE"), std::invalid_argument);
+  EXPECT_EQ(c2f::detail::parse_bf16_engine("fallback", "C2F_BF16_ENGINE"), c2f::Bf16Engine::Fallback);
+  EXPECT_EQ(c2f::detail::parse_bf16_engine("auto", "C2F_BF16_ENGINE"), c2f::Bf16Engine::Auto);
+}
+
+// The Dot engine's product, block by block, on awkward shapes and k ranges (the key blocks of attention:
+// k_begin a multiple of 32, k_end one or B's last row), accumulating and with a bias, against a double
+// product of the rounded operands within 1e-5 · Σ|a b|; skipped without AVX512_BF16.
+TEST(Bf16Engines, DotProductsOnAwkwardRangesMatchTheRoundedProduct) {
+  if (!c2f::bf16_engine_available(c2f::Bf16Engine::Dot)) GTEST_SKIP() << "no AVX512_BF16 on this CPU";
+  const auto setting = c2f_test::scoped_bf16_engine(c2f::Bf16Engine::Dot);
+  TestRng rng(0xbf1a);
+  for (int rep = 0; rep < 40; ++rep) {
+    const Index rows = rng.pick(std::vector<Index>{1, 7, 8, 9, 31, 33, 64, 97});
+    const Index k = rng.pick(std::vector<Index>{1, 2, 31, 32, 33, 64, 95, 160});
+    const Index n = rng.pick(std::vector<Index>{1, 15, 16, 17, 31, 32, 33, 64, 97});
+    const Index k_begin = rng.pick(std::vector<Index>{0, 32, 64}) % (((k - 1) / 32) * 32 + 32);
+    const Index k_end = rng.coin() ? k : std::min(k, k_begin + 32);
+    const Index c0 = n > 32 && rng.coin() ? 32 : 0, cols = n - c0;
+    const bool accumulate = rng.coin(), with_bias = !accumulate && rng.coin();
+    const RowMatrix<float> a = rng.matrix<float>(rows, k_end - k_begin), b = rng.matrix<float>(k, n);
+    const Eigen::VectorXf bias = rng.matrix<float>(n, 1);
+    RowMatrix<float> c = rng.matrix<float>(rows, cols);
+    const RowMatrix<float> c_in = c;
+    c2f::cpu::Bf16PackedB packed;
+    packed.pack(b);
+    ASSERT_EQ(packed.engine(), c2f::Bf16Engine::Dot);
+    c2f::cpu::Bf16A pa;
+    pa.prepare(a.data(), a.outerStride(), rows, k_end - k_begin, c2f::Bf16Engine::Dot);
+    c2f::cpu::bf16_gemm(pa, packed, k_begin, k_end, c0, cols, with_bias ? bias.data() + c0 : nullptr, accumulate,
+                        c.data(), c.outerStride());
+    const Eigen::MatrixXd ar = a.unaryExpr(c2f::cpu::RoundBf16<float>()).cast<double>();
+    const Eigen::MatrixXd br =
+        b.block(k_begin, c0, k_end - k_begin, cols).unaryExpr(c2f::cpu::RoundBf16<float>()).cast<double>();
+    Eigen::MatrixXd want = ar * br;
+    if (accumulate) want += c_in.cast<double>();
+    if (with_bias) want.rowwise() += bias.segment(c0, cols).cast<double>().transpose();
+    const Eigen::MatrixXd bound = (ar.cwiseAbs() * br.cwiseAbs()).array() * 1e-5 + 1e-6 +
+                                  c_in.cast<double>().cwiseAbs().array() * (accumulate ? 1e-6 : 0.0);
+    const Eigen::MatrixXd err = (c.cast<double>() - want).cwiseAbs();
+    EXPECT_TRUE((err.array() <= bound.array()).all())
+        << "rows=" << rows << " k=" << k << " [" << k_begin << ", " << k_end << ") n=" << n << " c0=" << c0
+        << (accumulate ? " accumulate" : "") << (with_bias ? " bias" : "") << ": max error " << err.maxCoeff();
+  }
+}
+
 // sdpa_streaming in bfloat16 against sdpa_naive in bfloat16 on random problems (masks, padding, awkward
 // lengths), with one key block and with several. Both round q·scale, k, v and the unnormalised
 // probabilities exp(s − running max); the running max differs between key blocks, and the two exps
 // differ in their last bits, so a probability may round to the neighbouring bfloat16 value: 2^-8 of it.
 // Bound per element: 2^-8 · (P|V|) + 1e-5 (P the probabilities, |V| the rounded values' magnitudes).
-// The tile engine against the fallback: the same roundings, only the fp32 sums' order differs (1e-5).
+// Every engine against the first: the same roundings, only the fp32 sums' order differs (1e-5).
 TEST(Bf16Sdpa, StreamingMatchesNaiveAndTheEnginesAgree) {
   TestRng rng(0xbf17);
   for (int rep = 0; rep < 40; ++rep) {
@@ -1255,10 +1342,12 @@ TEST(Bf16Sdpa, StreamingMatchesNaiveAndTheEnginesAgree) {
     c2f::kernels::sdpa_naive<float>(p.qv(), p.kv(), p.view(abs_v, p.lk, p.dv), p.out_view(magnitude), mask, p.scale(),
                                     c2f::kernels::KernelOptions());
     for (Index key_block : {Index(32), Index(4096)}) {
-      RowMatrix<float> engines[2];
-      int e = 0;
+      std::vector<RowMatrix<float>> engines;
+      std::vector<std::string> names;
       c2f_test::on_each_bf16_engine([&](const char* engine) {
-        RowMatrix<float>& out = engines[e++];
+        engines.emplace_back();
+        names.emplace_back(engine);
+        RowMatrix<float>& out = engines.back();
         out.resize(naive.rows(), naive.cols());
         c2f::kernels::sdpa_streaming<float>(p.qv(), p.kv(), p.vv(), p.out_view(out), mask, p.scale(),
                                             o.key_block(key_block));
@@ -1271,11 +1360,11 @@ TEST(Bf16Sdpa, StreamingMatchesNaiveAndTheEnginesAgree) {
         o.num_threads(2);
         EXPECT_TRUE(bitwise_equal(out, one)) << engine << ": 1 and 2 threads differ, " << p.description;
       });
-      if (e == 2) {
+      for (std::size_t e = 1; e < engines.size(); ++e) {
         const RowMatrix<float> bound = magnitude.array() * 1e-5f + 1e-6f;
-        EXPECT_TRUE(((engines[0] - engines[1]).cwiseAbs().array() <= bound.array()).all())
-            << "tiles vs fallback, key_block " << key_block << ", " << p.description << ": max difference "
-            << (engines[0] - engines[1]).cwiseAbs().maxCoeff();
+        EXPECT_TRUE(((engines[0] - engines[e]).cwiseAbs().array() <= bound.array()).all())
+            << names[e] << " vs " << names[0] << ", key_block " << key_block << ", " << p.description
+            << ": max difference " << (engines[0] - engines[e]).cwiseAbs().maxCoeff();
       }
     }
   }

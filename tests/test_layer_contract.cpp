@@ -17,6 +17,7 @@
 #include "support/eigen_assert_throws.hpp"
 
 #include "c2f/c2f.hpp"
+#include "support/bf16.hpp"
 #include "support/compare.hpp"
 #include "support/layer_entries.hpp"
 #include "support/random.hpp"
@@ -611,11 +612,10 @@ TEST(WeightCache, LinearSeesAChangedWeightAndAnotherEngine) {
     lin.weight() = rng.matrix<float>(40, 48);
     lin.forward_rows_independent(x, y);
     EXPECT_TRUE(equal(y, fresh_output(lin)));
-    const bool allowed = c2f::get_bf16_tiles();
-    for (bool tiles : {!allowed, allowed}) {  // the packing of the engine in use
-      const auto engine_setting = c2f_test::scoped_bf16_tiles(tiles);
+    for (c2f::Bf16Engine e : c2f_test::available_bf16_engines()) {  // the packing of the engine in use
+      const auto engine_setting = c2f_test::scoped_bf16_engine(e);
       lin.forward_rows_independent(x, y);
-      EXPECT_TRUE(equal(y, fresh_output(lin))) << "tiles allowed: " << tiles;
+      EXPECT_TRUE(equal(y, fresh_output(lin))) << "engine " << c2f::bf16_engine_name(e);
     }
   }
 }

@@ -277,9 +277,9 @@ TEST(MhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
                                   MultiHeadAttention<float>::Options().causal(causal).compute(c2f::Compute::BFloat16));
     mha.load_state_dict(sd, "mha.");
     std::vector<Tensor3<float>> outputs;
-    for (bool tiles : {true, false}) {
-      const auto engine_setting = c2f_test::scoped_bf16_tiles(tiles);
-      const char* engine = tiles && c2f::cpu::cpu_has_amx_bf16() ? "tiles" : "fallback";
+    for (c2f::Bf16Engine e : c2f_test::available_bf16_engines()) {
+      const auto engine_setting = c2f_test::scoped_bf16_engine(e);
+      const char* engine = c2f::bf16_engine_name(e);
       mha.set_num_threads(2);
       const Tensor3<float> y = mha.forward(x);
       mha.set_num_threads(1);
@@ -290,7 +290,8 @@ TEST(MhaBf16, MatchesTorchAutocastAndFp32WithinTheStatedBound) {
       outputs.push_back(y);
     }
     const std::vector<float> first(outputs[0].data(), outputs[0].data() + outputs[0].size());
-    EXPECT_LE(relative_error(outputs[1].data(), first), 1e-3) << name << ": tile engine vs fallback";
+    for (std::size_t e = 1; e < outputs.size(); ++e)
+      EXPECT_LE(relative_error(outputs[e].data(), first), 1e-3) << name << ": engine " << e << " vs the first";
   }
 }
 

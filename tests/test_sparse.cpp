@@ -475,9 +475,8 @@ TEST(SparseBf16, FineStagesMatchTheNaiveTwinOnCoveringSelections) {
 
 // Compute::BFloat16 (docs/bf16.md): with top_k covering every chunk the layer is MultiHeadAttention, so
 // torch's nn.MultiheadAttention under torch.autocast("cpu", bfloat16) is its reference (tests/data/bf16):
-// each gating, not causal and causal, on both bf16 engines, within the bound docs/bf16.md states.
+// each gating, not causal and causal, on every bf16 engine the CPU has, within the bound docs/bf16.md states.
 TEST(SparseBf16, CoveringTopKMatchesTorchAutocastWithinTheStatedBound) {
-  const bool allowed = c2f::get_bf16_tiles();
   for (const char* name : {"mha_self_l128", "mha_causal_l128"}) {
     const StateDict sd = c2f::load_safetensors(c2f_test::data_path(std::string("bf16/") + name + "_f32.safetensors"));
     const Tensor3<float> x = c2f_test::tensor3<float>(sd, "query");
@@ -487,9 +486,9 @@ TEST(SparseBf16, CoveringTopKMatchesTorchAutocastWithinTheStatedBound) {
     const Index chunk = 16, top_k = (x.dimension(1) + chunk - 1) / chunk;
     for (c2f::Gating gating : {c2f::Gating::PerChunk, c2f::Gating::PerToken}) {
       if (causal && gating == c2f::Gating::PerChunk) continue;
-      for (bool tiles : {true, false}) {
-        c2f::set_bf16_tiles(tiles);
-        const char* engine = tiles && c2f::cpu::cpu_has_amx_bf16() ? "tiles" : "fallback";
+      for (c2f::Bf16Engine e : c2f_test::available_bf16_engines()) {
+        const auto engine_setting = c2f_test::scoped_bf16_engine(e);
+        const char* engine = c2f::bf16_engine_name(e);
         SparseC2FAttention<float> m(
             meta_index(sd, "embed_dim"), meta_index(sd, "num_heads"), chunk, top_k,
             SparseC2FAttention<float>::Options().causal(causal).gating(gating).num_threads(2).compute(
@@ -505,7 +504,6 @@ TEST(SparseBf16, CoveringTopKMatchesTorchAutocastWithinTheStatedBound) {
       }
     }
   }
-  c2f::set_bf16_tiles(allowed);
   try {
     SparseC2FAttention<double> bad(8, 2, 4, 2, SparseC2FAttention<double>::Options().compute(c2f::Compute::BFloat16));
     ADD_FAILURE() << "no exception";

@@ -29,6 +29,15 @@ enum class Compute {
   BFloat16,  ///< operands of the products rounded to bfloat16, sums, softmax and biases in fp32
 };
 
+/// The engine that runs Compute::BFloat16's products (docs/bf16.md#engines); all give the same rounded
+/// operands and differ only in the order of the fp32 additions.
+enum class Bf16Engine {
+  Auto,      ///< the rule: Tiles where the CPU has AMX, Dot on AMD CPUs with AVX512_BF16, else Fallback
+  Fallback,  ///< the rounded operands as fp32 values on the fp32 micro-kernel (every CPU)
+  Dot,       ///< vdpbf16ps (AVX512_BF16): pairs of bfloat16 along the depth into fp32 accumulators
+  Tiles,     ///< the AMX tile unit (tdpbf16ps)
+};
+
 /// Options every layer has. `Derived` is the layer's options type (its setters return it).
 template <class Derived>
 class RuntimeOptions {

@@ -201,19 +201,4 @@ inline void set_num_threads(int n) { detail::Runtime::get().set_num_threads(n); 
 inline double get_min_parallel_work() { return detail::Runtime::get().min_parallel_work(); }
 inline void set_min_parallel_work(double flop) { detail::Runtime::get().set_min_parallel_work(flop); }
 
-namespace detail {
-/// The switch behind set_bf16_tiles(); starts on unless C2F_BF16_TILES=0.
-inline std::atomic<bool>& bf16_tiles_allowed() {
-  static std::atomic<bool> allowed{env_number("C2F_BF16_TILES", 0, 1, true) != 0};
-  return allowed;
-}
-}  // namespace detail
-
-/// Whether Compute::BFloat16 products may run on the CPU's tile unit (AMX) where it has one (default:
-/// yes, unless C2F_BF16_TILES=0). Off, they run as fp32 multiply-adds of the same bfloat16 values on
-/// every CPU: the results then differ from the tile unit's only in the order of the fp32 additions
-/// (docs/bf16.md). Takes effect for the calls that start after it.
-inline void set_bf16_tiles(bool allowed) { detail::bf16_tiles_allowed().store(allowed, std::memory_order_relaxed); }
-inline bool get_bf16_tiles() { return detail::bf16_tiles_allowed().load(std::memory_order_relaxed); }
-
 }  // namespace c2f

@@ -13,8 +13,8 @@ The API: docs/python.md; what each layer computes: docs/layers.md.
 """
 
 from . import _c2f
-from ._c2f import (KeepMask, get_num_threads, keep, load_safetensors, load_safetensors_metadata, save_safetensors,
-                   set_num_threads)
+from ._c2f import (KeepMask, bf16_engine, get_bf16_engine, get_num_threads, keep, load_safetensors,
+                   load_safetensors_metadata, save_safetensors, set_bf16_engine, set_num_threads)
 
 __version__ = getattr(_c2f, "__version__", "unknown")
 
@@ -58,4 +58,5 @@ LAYERS = tuple(sorted(n[: -len("_float32")] for n in dir(_c2f) if n.endswith("_f
 globals().update({name: Layer(name) for name in LAYERS})
 
 __all__ = list(LAYERS) + ["KeepMask", "keep", "load_safetensors", "load_safetensors_metadata", "save_safetensors",
-                          "get_num_threads", "set_num_threads", "LAYERS", "DTYPES"]
+                          "get_num_threads", "set_num_threads", "bf16_engine", "get_bf16_engine", "set_bf16_engine",
+                          "LAYERS", "DTYPES"]

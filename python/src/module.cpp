@@ -141,6 +141,25 @@ PYBIND11_MODULE(_c2f, m) {
       "set_num_threads", [](int n) { c2f::set_num_threads(n); }, py::arg("n"),
       "sets get_num_threads() for the process (0 restores the default); a layer's num_threads caps it further");
 
+  m.def(
+      "set_bf16_engine",
+      [](const std::string& name) {
+        try {
+          c2f::set_bf16_engine(c2f::detail::parse_bf16_engine(name, "set_bf16_engine"));
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+      },
+      py::arg("engine"),
+      "runs compute='bfloat16' products on 'auto', 'fallback', 'dot' (AVX512_BF16) or 'tiles' (AMX); "
+      "ValueError for a name that is none or an engine this CPU lacks");
+  m.def(
+      "get_bf16_engine", [] { return std::string(c2f::bf16_engine_name(c2f::get_bf16_engine())); },
+      "the engine asked for ('auto' unless set_bf16_engine or C2F_BF16_ENGINE named one)");
+  m.def(
+      "bf16_engine", [] { return std::string(c2f::bf16_engine_name(c2f::bf16_engine())); },
+      "the engine bfloat16 products run on now: 'fallback', 'dot' or 'tiles'");
+
   py::module_ dbg = m.def_submodule("_debug", "switches the tests use to show that a property's test can fail");
   dbg.def(
       "set_force_copy", [](bool on) { debug().force_copy = on; }, "copy every input (breaks zero-copy)");

@@ -134,6 +134,36 @@ def test_mha_bfloat16_compute():
         c2f.MultiHeadAttention(E, H, compute="fp8")
 
 
+def test_bf16_engines():
+    """set_bf16_engine (docs/bf16.md#engines): each engine this CPU has gives outputs within 1e-3 · max|y| of
+    the fallback's; "auto" runs the rule's pick; a name that is none is a ValueError naming the choices, and
+    an engine the CPU lacks one naming what is missing."""
+    ref, _ = mha_pair("float32")
+    x = tokens(2, 70, E)
+    layer = c2f_layer("MultiHeadAttention", ref, "float32", E, H, compute="bfloat16")
+    assert c2f.get_bf16_engine() == "auto"
+    auto = c2f.bf16_engine()
+    assert auto in ("fallback", "dot", "tiles")
+    outs = {}
+    try:
+        for name in ("fallback", "dot", "tiles"):
+            try:
+                c2f.set_bf16_engine(name)
+            except ValueError as e:
+                assert name != "fallback" and "lacks" in str(e)
+                continue
+            assert c2f.bf16_engine() == name and c2f.get_bf16_engine() == name
+            outs[name] = layer(x)
+        with pytest.raises(ValueError, match="auto, fallback, dot, tiles"):
+            c2f.set_bf16_engine("amx")
+    finally:
+        c2f.set_bf16_engine("auto")
+    assert c2f.bf16_engine() == auto and auto in outs
+    scale = np.abs(outs["fallback"]).max()
+    for name, y in outs.items():
+        assert np.abs(y - outs["fallback"]).max() <= 1e-3 * scale, name
+
+
 @pytest.mark.parametrize("name, args, call", [
     ("Conv1d", (E, 6, 3), ()), ("C3K2Projection", (E, H), ()), ("HMHA", (E, H, 8), ()),
     ("SparseC2FAttention", (E, H, 8, 2), ()), ("C2FAttention2D", (E, H, 2, 3), (5, 14))])

@@ -4,6 +4,7 @@
 #include "c2f/cpu/bf16_gemm.hpp"
 #include "c2f/runtime.hpp"
 #include "support/compare.hpp"
+#include "support/settings.hpp"
 
 #include <gtest/gtest.h>
 
@@ -13,17 +14,23 @@
 
 namespace c2f_test {
 
-/// Runs fn(engine name) once on each bf16 engine this machine has: the tile unit (where the CPU has AMX)
-/// and the fallback; restores the caller's setting afterwards.
+/// The bf16 engines this machine has: the fallback, Dot (AVX512_BF16) and Tiles (AMX) where the CPU has them.
+inline std::vector<c2f::Bf16Engine> available_bf16_engines() {
+  std::vector<c2f::Bf16Engine> engines;
+  for (c2f::Bf16Engine e : {c2f::Bf16Engine::Tiles, c2f::Bf16Engine::Dot, c2f::Bf16Engine::Fallback}) {
+    if (c2f::bf16_engine_available(e)) engines.push_back(e);
+  }
+  return engines;
+}
+
+/// Runs fn(engine name) once on each bf16 engine this machine has (available_bf16_engines()); restores
+/// the caller's setting afterwards.
 template <class Fn>
 void on_each_bf16_engine(Fn&& fn) {
-  const bool allowed = c2f::get_bf16_tiles();
-  for (bool tiles : {true, false}) {
-    if (tiles && !c2f::cpu::cpu_has_amx_bf16()) continue;
-    c2f::set_bf16_tiles(tiles);
-    fn(tiles ? "tiles" : "fallback");
+  for (c2f::Bf16Engine e : available_bf16_engines()) {
+    const auto setting = scoped_bf16_engine(e);
+    fn(c2f::bf16_engine_name(e));
   }
-  c2f::set_bf16_tiles(allowed);
 }
 
 /// c2f's bfloat16 output y against torch's fp32 output and its torch.autocast("cpu", bfloat16) output on

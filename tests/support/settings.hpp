@@ -5,6 +5,7 @@
 //   const auto threads = c2f_test::scoped_threads(4);
 #pragma once
 
+#include "c2f/cpu/bf16_gemm.hpp"
 #include "c2f/detail/scratch.hpp"
 #include "c2f/runtime.hpp"
 
@@ -32,9 +33,9 @@ inline SettingGuard<int> scoped_threads(int n) { return {c2f::get_num_threads, c
 inline SettingGuard<double> scoped_min_parallel_work(double flop) {
   return {c2f::get_min_parallel_work, c2f::set_min_parallel_work, flop};
 }
-/// c2f::set_bf16_tiles(allowed) for the scope.
-inline SettingGuard<bool> scoped_bf16_tiles(bool allowed) {
-  return {c2f::get_bf16_tiles, c2f::set_bf16_tiles, allowed};
+/// c2f::set_bf16_engine(engine) for the scope.
+inline SettingGuard<c2f::Bf16Engine> scoped_bf16_engine(c2f::Bf16Engine engine) {
+  return {c2f::get_bf16_engine, c2f::set_bf16_engine, engine};
 }
 /// c2f::set_scratch_cache_limit(bytes) for the scope.
 inline SettingGuard<std::size_t> scoped_scratch_cache_limit(std::size_t bytes) {

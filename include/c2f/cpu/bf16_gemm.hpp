@@ -2,20 +2,24 @@
 // round(A) [m, k] · round(B) [k, n] (+ bias), where round() is the nearest bfloat16 (ties to even) and
 // every sum is accumulated in fp32.
 //
-// Two engines with one contract:
-//   tiles     AMX (Sapphire Rapids on): B packed once into the tile unit's VNNI layout (pairs of k
+// Three engines (Bf16Engine) with one contract:
+//   Tiles     AMX (Sapphire Rapids on): B packed once into the tile unit's VNNI layout (pairs of k
 //             interleaved, 32 columns × 32 k per 2 KiB block), A rounded into bf16 rows, and a 32 × 32
 //             block of C in four 16 × 16 fp32 accumulator tiles per tdpbf16ps step (16384 FLOP each);
-//   fallback  every other CPU, and where c2f::set_bf16_tiles(false) asks: the same rounded operands as
-//             fp32 values on detail::packed_gemm. The product of two bfloat16 values is exact in fp32,
-//             so the two engines differ only in the order of the fp32 additions.
-// The engine is chosen at run time (CPUID + Linux's permission for the tile registers, asked once per
-// process) — a portable build uses the tiles where the CPU has them. Each element is the same sum
-// whatever rows, task or thread surround it, so the bits do not depend on the thread count.
+//   Dot       AVX512_BF16 (vdpbf16ps): the same packed B and A; a block of kDotRows × 32 of C in
+//             2·kDotRows vector accumulators, each step one broadcast pair of A times one row of B's
+//             block (16 columns × a pair of k);
+//   Fallback  every CPU: the same rounded operands as fp32 values on cpu::packed_gemm.
+// The product of two bfloat16 values is exact in fp32, so the engines differ only in the order of the
+// fp32 additions. The engine is chosen at run time (bf16_engine(): CPUID, Linux's permission for the
+// tile registers, and set_bf16_engine / C2F_BF16_ENGINE) — a portable build uses what the CPU has.
+// Each element is the same sum whatever rows, task or thread surround it, so the bits do not depend on
+// the thread count.
 #pragma once
 
 #include "c2f/core.hpp"
 #include "c2f/cpu/packed_gemm.hpp"
+#include "c2f/cpu/softmax.hpp"
 #include "c2f/detail/convert.hpp"
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/scratch.hpp"
@@ -23,10 +27,14 @@
 #include "c2f/runtime.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -101,9 +109,122 @@ inline bool cpu_has_amx_bf16() {
 #endif
 }
 
-/// Whether the bf16 products of a call run on the tile unit: the CPU has it and c2f::set_bf16_tiles()
-/// has not turned it off.
-inline bool bf16_tiles() { return detail::bf16_tiles_allowed().load(std::memory_order_relaxed) && cpu_has_amx_bf16(); }
+/// Whether this CPU has AVX512_BF16 (vdpbf16ps) with AVX-512F and BW, and the OS saves the vector state.
+inline bool cpu_has_avx512_bf16() {
+#if C2F_AMX_POSSIBLE
+  static const bool ok = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || ((ecx >> 27) & 1u) == 0) return false;  // OSXSAVE
+    unsigned lo = 0, hi = 0;
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 0xe6u) != 0xe6u) return false;  // SSE, AVX, opmask and both halves of the zmm registers
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool f = ((ebx >> 16) & 1u) != 0, bw = ((ebx >> 30) & 1u) != 0;
+    if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+    return f && bw && ((eax >> 5) & 1u) != 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+/// Whether the CPU's vendor is AMD ("AuthenticAMD"; asked once: CPUID traps to the hypervisor in a VM).
+inline bool cpu_is_amd() {
+#if C2F_AMX_POSSIBLE
+  static const bool amd = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid(0, &eax, &ebx, &ecx, &edx) && ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;
+  }();
+  return amd;
+#else
+  return false;
+#endif
+}
+
+}  // namespace cpu
+
+/// The name of an engine: "auto", "fallback", "dot", "tiles".
+inline const char* bf16_engine_name(Bf16Engine engine) {
+  switch (engine) {
+    case Bf16Engine::Fallback:
+      return "fallback";
+    case Bf16Engine::Dot:
+      return "dot";
+    case Bf16Engine::Tiles:
+      return "tiles";
+    default:
+      return "auto";
+  }
+}
+
+/// Whether this machine can run `engine` (Auto and Fallback: always).
+inline bool bf16_engine_available(Bf16Engine engine) {
+  if (engine == Bf16Engine::Tiles) return cpu::cpu_has_amx_bf16();
+  if (engine == Bf16Engine::Dot) return cpu::cpu_has_avx512_bf16();
+  return engine == Bf16Engine::Auto || engine == Bf16Engine::Fallback;
+}
+
+/// The engine Auto picks on this machine: Tiles where the CPU has AMX; Dot on AMD CPUs with AVX512_BF16
+/// (Zen 4 and 5 retire vdpbf16ps at twice the fp32 FMA's FLOP rate; Intel's Xeons measured at half,
+/// docs/bf16.md#engines); else Fallback.
+inline Bf16Engine bf16_engine_rule() {
+  static const Bf16Engine rule = [] {
+    if (cpu::cpu_has_amx_bf16()) return Bf16Engine::Tiles;
+    if (cpu::cpu_has_avx512_bf16() && cpu::cpu_is_amd()) return Bf16Engine::Dot;
+    return Bf16Engine::Fallback;
+  }();
+  return rule;
+}
+
+namespace detail {
+/// The engine named `text` ("auto", "fallback", "dot", "tiles"); `what` names the source in the error.
+inline Bf16Engine parse_bf16_engine(const std::string& text, const char* what) {
+  for (Bf16Engine e : {Bf16Engine::Auto, Bf16Engine::Fallback, Bf16Engine::Dot, Bf16Engine::Tiles}) {
+    if (text == bf16_engine_name(e)) {
+      if (!bf16_engine_available(e)) {
+        throw std::invalid_argument(std::string("c2f: ") + what + " asks for the bfloat16 engine '" + text +
+                                    "', which this CPU lacks (" +
+                                    (e == Bf16Engine::Tiles ? "AMX-BF16" : "AVX512_BF16 with AVX-512F/BW") + ")");
+      }
+      return e;
+    }
+  }
+  throw std::invalid_argument(std::string("c2f: ") + what + " must be one of auto, fallback, dot, tiles, got '" + text +
+                              "'");
+}
+/// The engine asked for: set_bf16_engine's last value, else C2F_BF16_ENGINE (unset or empty: auto),
+/// read on first use.
+inline std::atomic<Bf16Engine>& bf16_engine_request() {
+  static std::atomic<Bf16Engine> request{[] {
+    const char* text = std::getenv("C2F_BF16_ENGINE");
+    return text == nullptr || *text == '\0' ? Bf16Engine::Auto
+                                            : parse_bf16_engine(text, "environment variable C2F_BF16_ENGINE");
+  }()};
+  return request;
+}
+}  // namespace detail
+
+/// Runs Compute::BFloat16's products on `engine` from the calls that start after it (Auto: the rule,
+/// bf16_engine_rule()); std::invalid_argument for an engine this CPU lacks.
+inline void set_bf16_engine(Bf16Engine engine) {
+  if (!bf16_engine_available(engine)) {
+    detail::parse_bf16_engine(bf16_engine_name(engine), "set_bf16_engine");  // throws, naming what is missing
+  }
+  detail::bf16_engine_request().store(engine, std::memory_order_relaxed);
+}
+/// The engine asked for (Auto unless set_bf16_engine or C2F_BF16_ENGINE named one).
+inline Bf16Engine get_bf16_engine() { return detail::bf16_engine_request().load(std::memory_order_relaxed); }
+/// The engine Compute::BFloat16's products run on now (never Auto).
+inline Bf16Engine bf16_engine() {
+  const Bf16Engine asked = get_bf16_engine();
+  return asked == Bf16Engine::Auto ? bf16_engine_rule() : asked;
+}
+
+namespace cpu {
+
+/// Whether `engine` reads the packed operands in VNNI blocks (Dot and Tiles) rather than as floats.
+inline bool bf16_blocked(Bf16Engine engine) { return engine == Bf16Engine::Dot || engine == Bf16Engine::Tiles; }
 
 /// The tile engine's blocking: a tile holds 16 rows of 64 bytes (32 bfloat16 or 16 floats); a block of
 /// C is 2 × 2 tiles.
@@ -221,20 +342,21 @@ __attribute__((target("avx512f"))) inline void vnni_from_rows(const float* src, 
 
 #endif
 
-/// B [k, n] rounded to bfloat16 for bf16_gemm_range: on the tile engine in VNNI blocks — for each panel
-/// of 32 columns and each k-step of 32 rows, two 16-column tiles of 16 rows, row r holding (B[2r, j],
-/// B[2r + 1, j]) for each column j, zero past k and n; on the fallback as rounded floats in a PackedB.
+/// B [k, n] rounded to bfloat16 for bf16_gemm_range: on the Dot and Tiles engines in VNNI blocks — for
+/// each panel of 32 columns and each k-step of 32 rows, two 16-column tiles of 16 rows, row r holding
+/// (B[2r, j], B[2r + 1, j]) for each column j, zero past k and n (a tile row is the vector vdpbf16ps
+/// reads); on the fallback as rounded floats in a PackedB.
 class Bf16PackedB {
  public:
-  /// Packs `rhs` [k, n] (any Eigen expression of floats) for the engine bf16_tiles() names now (the
-  /// fallback when not `allow_tiles`: the caller's ranges would not start on the tile steps), the panels
-  /// split over `threads` (a copy: the bits do not depend on it); `work` as PackedB::pack's.
+  /// Packs `rhs` [k, n] (any Eigen expression of floats) for the engine bf16_engine() names now (the
+  /// fallback when not `allow_blocked`: the caller's ranges would not start on the blocks' k-steps), the
+  /// panels split over `threads` (a copy: the bits do not depend on it); `work` as PackedB::pack's.
   template <class Rhs>
-  void pack(const Rhs& rhs, int threads = 1, bool allow_tiles = true, double work = -1) {
+  void pack(const Rhs& rhs, int threads = 1, bool allow_blocked = true, double work = -1) {
     k_ = rhs.rows();
     n_ = rhs.cols();
-    tiles_ = allow_tiles && bf16_tiles();
-    if (!tiles_) {
+    engine_ = allow_blocked ? bf16_engine() : Bf16Engine::Fallback;
+    if (!bf16_blocked(engine_)) {
       fallback_.pack(rhs.unaryExpr([](float x) { return round_bf16(x); }), threads, work);
       return;
     }
@@ -256,7 +378,7 @@ class Bf16PackedB {
                 const float* src = rhs.data();
                 const Index rs = rhs.rowStride(), cs = rhs.colStride();
 #if C2F_AMX_POSSIBLE
-                // The tile engine runs on CPUs with AVX-512: contiguous columns (a weight's rows, keys) or
+                // The blocked engines run on CPUs with AVX-512: contiguous columns (a weight's rows, keys) or
                 // rows (values) rounded 16 at a time and placed as 32-bit words by vector shuffles.
                 if (rs == 1) {
                   vnni_from_columns(src, cs, row0, rows, col0, cols, tile);
@@ -286,23 +408,24 @@ class Bf16PackedB {
 
   Index rows() const { return k_; }
   Index cols() const { return n_; }
-  bool tiles() const { return tiles_; }
-  /// Tile engine: the block of k-step t and panel p (two tiles of 16 × 32 bf16, 512 apart).
+  Bf16Engine engine() const { return engine_; }
+  /// Dot and Tiles: the block of k-step t and panel p (two tiles of 16 × 32 bf16, 512 apart).
   const std::uint16_t* block(Index t, Index p) const { return vnni_.data() + (p * ksteps_ + t) * kBlock; }
   /// Fallback: the rounded floats.
   const PackedB<float>& fallback() const { return fallback_; }
 
-  /// Bytes pack() holds for a [k, n] operand on the engine `tiles`.
-  static std::size_t bytes(Index k, Index n, bool tiles) {
-    return tiles ? sizeof(std::uint16_t) *
-                       static_cast<std::size_t>(detail::ceil_div(k, kTileK) * detail::ceil_div(n, kTileMN) * kBlock)
-                 : PackedB<float>::bytes(k, n);
+  /// Bytes pack() holds for a [k, n] operand on `engine`.
+  static std::size_t bytes(Index k, Index n, Bf16Engine engine) {
+    return bf16_blocked(engine)
+               ? sizeof(std::uint16_t) *
+                     static_cast<std::size_t>(detail::ceil_div(k, kTileK) * detail::ceil_div(n, kTileMN) * kBlock)
+               : PackedB<float>::bytes(k, n);
   }
 
  private:
   static constexpr Index kBlock = kTileK * kTileMN;  ///< bf16 of one (k-step, panel) block
   Index k_ = 0, n_ = 0, ksteps_ = 0, panels_ = 0;
-  bool tiles_ = false;
+  Bf16Engine engine_ = Bf16Engine::Fallback;
   detail::ScratchArray<std::uint16_t> vnni_;
   PackedB<float> fallback_;
 };
@@ -366,15 +489,15 @@ __attribute__((target("amx-tile"))) inline void amx_configure() {
 __attribute__((target("amx-tile"))) inline void amx_release() { _tile_release(); }
 #endif
 
-/// An A operand of bf16_gemm: rows × depth values rounded to bfloat16 — on the tile engine as bf16 in
-/// whole 32-row blocks and 32-value steps (zero past rows and depth), on the fallback as floats. Its
-/// storage comes from the scratch cache (detail/scratch.hpp) and grows with the largest operand.
+/// An A operand of bf16_gemm: rows × depth values rounded to bfloat16 — on the Dot and Tiles engines as
+/// bf16 in whole 32-row blocks and 32-value steps (zero past rows and depth), on the fallback as floats.
+/// Its storage comes from the scratch cache (detail/scratch.hpp) and grows with the largest operand.
 class Bf16A {
  public:
-  /// Rounds a [rows, depth] (rows `lda` apart) for the engine `tiles`.
-  void prepare(const float* a, Index lda, Index rows, Index depth, bool tiles) {
-    rows_ = rows, depth_ = depth, tiles_ = tiles;
-    if (!tiles) {
+  /// Rounds a [rows, depth] (rows `lda` apart) for `engine`.
+  void prepare(const float* a, Index lda, Index rows, Index depth, Bf16Engine engine) {
+    rows_ = rows, depth_ = depth, engine_ = engine;
+    if (!bf16_blocked(engine)) {
       a32_.reserve(static_cast<std::size_t>(std::max<Index>(1, rows * depth)));
       float* dst = a32_.data();
       for (Index i = 0; i < rows; ++i) {
@@ -394,12 +517,28 @@ class Bf16A {
     std::fill(a16_.data() + rows * ld_, a16_.data() + padded * ld_, std::uint16_t(0));
 #endif
   }
+#if C2F_AMX_POSSIBLE
+  /// The blocked form (Dot, Tiles) of a [rows, depth] operand for the caller to write: rows bf16_stride()
+  /// apart, the padding past rows and depth zeroed here; the values are the caller's to fill, rounded.
+  std::uint16_t* blocked(Index rows, Index depth, Bf16Engine engine) {
+    rows_ = rows, depth_ = depth, engine_ = engine;
+    ld_ = detail::ceil_div(depth, kTileK) * kTileK;
+    const Index padded = detail::ceil_div(rows, kTileMN) * kTileMN;
+    a16_.reserve(static_cast<std::size_t>(std::max<Index>(1, padded * ld_)));
+    if (ld_ > depth) {
+      for (Index i = 0; i < rows; ++i)
+        std::fill(a16_.data() + i * ld_ + depth, a16_.data() + (i + 1) * ld_, std::uint16_t(0));
+    }
+    std::fill(a16_.data() + rows * ld_, a16_.data() + padded * ld_, std::uint16_t(0));
+    return a16_.data();
+  }
+#endif
   Index rows() const { return rows_; }
   Index depth() const { return depth_; }
-  bool tiles() const { return tiles_; }
-  /// Bytes prepare() holds for rows × depth on the engine `tiles` (its storage keeps the largest).
-  static std::size_t bytes(Index rows, Index depth, bool tiles) {
-    if (!tiles) return sizeof(float) * static_cast<std::size_t>(std::max<Index>(1, rows * depth));
+  Bf16Engine engine() const { return engine_; }
+  /// Bytes prepare() holds for rows × depth on `engine` (its storage keeps the largest).
+  static std::size_t bytes(Index rows, Index depth, Bf16Engine engine) {
+    if (!bf16_blocked(engine)) return sizeof(float) * static_cast<std::size_t>(std::max<Index>(1, rows * depth));
     return sizeof(std::uint16_t) *
            static_cast<std::size_t>(std::max<Index>(
                1, detail::ceil_div(rows, kTileMN) * kTileMN * detail::ceil_div(depth, kTileK) * kTileK));
@@ -410,38 +549,119 @@ class Bf16A {
 
  private:
   Index rows_ = 0, depth_ = 0, ld_ = 0;
-  bool tiles_ = false;
+  Bf16Engine engine_ = Bf16Engine::Fallback;
   detail::ScratchArray<std::uint16_t> a16_;  ///< from the scratch cache (detail/scratch.hpp), as the packed operands
   detail::ScratchArray<float> a32_;
 };
+
+#if C2F_AMX_POSSIBLE
+/// Rows of C per block of the Dot engine: 12 (24 accumulators, 2 registers of B, one broadcast), then
+/// blocks of 8 and 4 for the rest of A's rows padded to 32.
+constexpr Index kDotRows = 12;
+/// Rows of A per run of the Dot engine's blocks (a multiple of 4).
+constexpr Index kDotRunRows = 96;
+
+/// The Dot engine's block: C's rows [0, ni) (ni ≤ MR) × the columns of `m0`, `m1` (the first and second
+/// 16 of panel p) = init + A's MR rows (bf16, `lda` apart, from the first k-step; rows past ni are read,
+/// zero in a prepared A) · B's panel p over k-steps [t0, t1). Every element is the sum, in k order, of
+/// vdpbf16ps's pair steps (odd k, then even k of each pair, in fp32, denormals flushed), whatever MR.
+/// `init` (floats, `ldi` apart; ldi = 0 repeats one row: a bias) or nullptr for zeros; the result to `c`.
+template <int MR>
+__attribute__((target("avx512f,avx512bf16"))) inline void dot_block(const std::uint16_t* a, Index lda, Index ni,
+                                                                    const Bf16PackedB& b, Index t0, Index t1, Index p,
+                                                                    __mmask16 m0, __mmask16 m1, const float* init,
+                                                                    Index ldi, float* c, Index ldc) {
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; ++i) {
+    if (init != nullptr && i < ni) {
+      acc[i][0] = _mm512_maskz_loadu_ps(m0, init + i * ldi);
+      acc[i][1] = _mm512_maskz_loadu_ps(m1, init + i * ldi + 16);
+    } else {
+      acc[i][0] = _mm512_setzero_ps();
+      acc[i][1] = _mm512_setzero_ps();
+    }
+  }
+  for (Index t = t0; t < t1; ++t) {
+    const std::uint16_t* at = a + (t - t0) * kTileK;
+    const std::uint16_t* bt = b.block(t, p);
+    for (Index r = 0; r < kTileK / 2; ++r) {
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bt + 32 * r);
+      const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bt + kTileK * kTileMN / 2 + 32 * r);
+      for (int i = 0; i < MR; ++i) {
+        std::int32_t pair = 0;
+        std::memcpy(&pair, at + i * lda + 2 * r, sizeof pair);
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], av, b0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], av, b1);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    if (i >= ni) break;
+    _mm512_mask_storeu_ps(c + i * ldc, m0, acc[i][0]);
+    _mm512_mask_storeu_ps(c + i * ldc + 16, m1, acc[i][1]);
+  }
+}
+#endif
 
 /// packed_gemm_range in bfloat16 (the same contract, A and B rounded, sums in fp32), A prepared: for
 /// i < a.rows(), j < cols
 ///   c[i·ldc + j] (= or +=) Σ_{kk ∈ [k_begin, k_end)} A[i, kk − k_begin] · B[kk, c0 + j] (+ bias[j])
 /// — "=" (with the bias, if not nullptr) unless `accumulate`; a.depth() = k_end − k_begin and a and b on
-/// one engine. c0 is a multiple of 32; on the tile engine k_begin is a multiple of 32 and k_end one or
-/// B's last row (the callers' key blocks), and the tile registers are configured on this thread
-/// (Bf16Tiles).
+/// one engine. On the Dot and Tiles engines c0 and k_begin are multiples of 32 and k_end one or B's last
+/// row (the callers' key blocks); on Tiles the tile registers are configured on this thread (Bf16Tiles).
 inline void bf16_gemm(const Bf16A& a, const Bf16PackedB& b, Index k_begin, Index k_end, Index c0, Index cols,
                       const float* bias, bool accumulate, float* c, Index ldc) {
-  if (a.depth() != k_end - k_begin || a.tiles() != b.tiles()) {
-    detail::fail("bf16_gemm: A of depth ", a.depth(), " on the ", a.tiles() ? "tile" : "fallback", " engine for rows [",
-                 k_begin, ", ", k_end, ") of B on the ", b.tiles() ? "tile" : "fallback", " engine");
+  if (a.depth() != k_end - k_begin || a.engine() != b.engine()) {
+    detail::fail("bf16_gemm: A of depth ", a.depth(), " on the ", bf16_engine_name(a.engine()), " engine for rows [",
+                 k_begin, ", ", k_end, ") of B on the ", bf16_engine_name(b.engine()), " engine");
   }
   const Index rows = a.rows();
-  if (!b.tiles()) {
+  if (!bf16_blocked(b.engine())) {
     packed_gemm_range<float>(a.floats(), a.depth(), rows, b.fallback(), k_begin, k_end, c0, cols, bias, accumulate, c,
                              ldc);
     return;
   }
 #if C2F_AMX_POSSIBLE
   if (k_begin % kTileK != 0 || (k_end % kTileK != 0 && k_end != b.rows()) || c0 % kTileMN != 0) {
-    detail::fail("bf16_gemm: the tile engine needs k_begin and c0 multiples of 32 and k_end one or B's rows, got ",
-                 k_begin, ", ", c0, ", ", k_end);
+    detail::fail("bf16_gemm: the ", bf16_engine_name(b.engine()),
+                 " engine needs k_begin and c0 multiples of 32 and k_end one or B's rows, got ", k_begin, ", ", c0,
+                 ", ", k_end);
   }
   const Index t0 = k_begin / kTileK, t1 = detail::ceil_div(k_end, kTileK);
-  const Index lda = a.bf16_stride(), row_blocks = detail::ceil_div(rows, kTileMN);
+  const Index lda = a.bf16_stride();
   const Index p0 = c0 / kTileMN, p1 = detail::ceil_div(c0 + cols, kTileMN);
+  if (b.engine() == Bf16Engine::Dot) {
+    const Index padded = detail::ceil_div(rows, kTileMN) * kTileMN;
+    // A's rows in runs of kDotRunRows (at depth 512, 96 KiB of bf16: in L2), each run panel by panel: a
+    // panel's blocks (2 KiB per k-step) stay in L1 while the run's row blocks pass.
+    for (Index r0 = 0; r0 < rows; r0 += kDotRunRows) {
+      const Index r1 = std::min(rows, r0 + kDotRunRows);
+      for (Index p = p0; p < p1; ++p) {
+        const Index j = p * kTileMN - c0, nj = std::min(kTileMN, cols - j);
+        const __mmask16 m0 = first_lanes(nj), m1 = first_lanes(nj - 16);
+        for (Index i0 = r0; i0 < r1;) {
+          float* cb = c + i0 * ldc + j;
+          const float* init = accumulate ? cb : bias != nullptr ? bias + j : nullptr;
+          const std::uint16_t* ab = a.bf16() + i0 * lda;
+          const Index ldi = accumulate ? ldc : 0, left = r1 - i0;
+          // A's rows are padded to 32 with zeros: a block may read past r1, never past the padding.
+          if (left >= kDotRows || i0 + kDotRows <= padded) {
+            dot_block<kDotRows>(ab, lda, std::min(kDotRows, left), b, t0, t1, p, m0, m1, init, ldi, cb, ldc);
+            i0 += kDotRows;
+          } else if (left > 4) {
+            dot_block<8>(ab, lda, std::min<Index>(8, left), b, t0, t1, p, m0, m1, init, ldi, cb, ldc);
+            i0 += 8;
+          } else {
+            dot_block<4>(ab, lda, left, b, t0, t1, p, m0, m1, init, ldi, cb, ldc);
+            i0 += 4;
+          }
+        }
+      }
+    }
+    return;
+  }
+  const Index row_blocks = detail::ceil_div(rows, kTileMN);
   alignas(64) float tmp[kTileMN * kTileMN];
   alignas(64) float bias_row[kTileMN];
   for (Index rb = 0; rb < row_blocks; ++rb) {
@@ -475,7 +695,7 @@ inline void bf16_gemm(const Bf16A& a, const Bf16PackedB& b, Index k_begin, Index
     }
   }
 #else
-  detail::fail("bf16_gemm: no tile engine in this build");
+  detail::fail("bf16_gemm: no ", bf16_engine_name(b.engine()), " engine in this build");
 #endif
 }
 
@@ -483,8 +703,82 @@ inline void bf16_gemm(const Bf16A& a, const Bf16PackedB& b, Index k_begin, Index
 inline void bf16_gemm_range(const float* a, Index lda, Index rows, const Bf16PackedB& b, Index k_begin, Index k_end,
                             Index c0, Index cols, const float* bias, bool accumulate, float* c, Index ldc) {
   Bf16A scratch;  // from the scratch cache: a task's rows, counted per worker by the workspace_bytes formulas
-  scratch.prepare(a, lda, rows, k_end - k_begin, b.tiles());
+  scratch.prepare(a, lda, rows, k_end - k_begin, b.engine());
   bf16_gemm(scratch, b, k_begin, k_end, c0, cols, bias, accumulate, c, ldc);
+}
+
+#if C2F_AMX_POSSIBLE && C2F_EXP_SIMD == 16
+/// Where online_softmax_step_bf16 puts the exponentials: rounded to bfloat16 into rows `ld` apart.
+struct ExpToBf16 {
+  std::uint16_t* dst;
+  Index ld;
+  __attribute__((target("avx512f,avx512bw"))) void operator()(int r, Index j, __m512 e) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ld + j),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_lanes(_mm512_castps_si512(e)), 16)));
+  }
+  __attribute__((target("avx512f,avx512bw,avx512vl"))) void operator()(int r, Index j, __m512 e, __mmask16 k) const {
+    _mm256_mask_storeu_epi16(dst + r * ld + j, k,
+                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_lanes(_mm512_castps_si512(e)), 16)));
+  }
+};
+#define C2F_BF16_FUSED_SOFTMAX 1
+#else
+#define C2F_BF16_FUSED_SOFTMAX 0
+#endif
+
+/// online_softmax_step on the scores s (float rows, contiguous) with the exponentials written, rounded to
+/// bfloat16, into `p` (the blocked form of A for the PV product on `engine`, Dot or Tiles) instead of back
+/// into s: the same running maxima, sums and factors, and p holds the bits p.prepare(s) would after
+/// online_softmax_step — one pass over the block instead of two. Where the build lacks AVX-512's exp
+/// kernel (C2F_BF16_FUSED_SOFTMAX 0): online_softmax_step, then p.prepare.
+template <class Scores, class Max, class Sum, class Alpha>
+bool online_softmax_step_bf16(Scores& s, Max&& m, Sum&& l, Alpha&& alpha, Bf16A& p, Bf16Engine engine) {
+#if C2F_BF16_FUSED_SOFTMAX
+  std::uint16_t* dst = p.blocked(s.rows(), s.cols(), engine);
+  const Index ld = p.bf16_stride();
+  bool rescale = false;
+  const auto sink_of = [&](Index r0) { return ExpToBf16{dst + r0 * ld, ld}; };
+  Index r =
+      impl::online_softmax_rows<kExpRows>(s.data(), s.outerStride(), s.rows(), s.cols(), m, l, alpha, rescale, sink_of);
+  for (; r < s.rows(); ++r) {
+    impl::online_softmax_rows<1>(s.data() + r * s.outerStride(), s.outerStride(), 1, s.cols(), m.segment(r, 1),
+                                 l.segment(r, 1), alpha.segment(r, 1), rescale, [&](Index) { return sink_of(r); });
+  }
+  return rescale;
+#else
+  const bool rescale = online_softmax_step(s, m, l, alpha);
+  p.prepare(s.data(), s.outerStride(), s.rows(), s.cols(), engine);
+  return rescale;
+#endif
+}
+
+/// A worker's operands of bf16_product: its packing of B and its rounded A, reused from call to call.
+struct Bf16Operands {
+  Bf16PackedB b;
+  Bf16A a;
+};
+
+/// Bytes a Bf16Operands holds after bf16_product on [rows, k] · [k, n] and then on [rows2, k2] · [k2, n2]
+/// (a task's QKᵀ and PV) on `engine`: each operand's storage keeps the larger; counted as both, since
+/// growing takes the new block before the scratch cache has the old one back.
+inline std::size_t bf16_operands_bytes(Index rows, Index k, Index n, Index rows2, Index k2, Index n2,
+                                       Bf16Engine engine) {
+  return Bf16PackedB::bytes(k, n, engine) + Bf16PackedB::bytes(k2, n2, engine) + Bf16A::bytes(rows, k, engine) +
+         Bf16A::bytes(rows2, k2, engine);
+}
+
+/// c (= or, when `accumulate`, +=) round(a) · round(rhs) for a [rows, k] (rows `lda` apart) and `rhs`
+/// any Eigen expression of floats [k, n], on the engine in use (bf16_engine()): the products of the
+/// attention kernels whose blocks are made per task (the HMHA levels, the sparse fine stages). B is
+/// packed into `ops` (one task's, at most a few hundred keys), then one bf16_gemm over the whole depth;
+/// on Tiles the caller's task holds a Bf16Tiles. Each element is one sum whatever the task.
+template <class Rhs>
+void bf16_product(const float* a, Index lda, Index rows, const Rhs& rhs, bool accumulate, float* c, Index ldc,
+                  Bf16Operands& ops) {
+  if (rows == 0 || rhs.cols() == 0) return;
+  ops.b.pack(rhs, 1);
+  ops.a.prepare(a, lda, rows, rhs.rows(), ops.b.engine());
+  bf16_gemm(ops.a, ops.b, 0, rhs.rows(), 0, rhs.cols(), nullptr, accumulate, c, ldc);
 }
 
 /// A packet of floats rounded to bfloat16 values (round_bf16 on each lane), in registers.
@@ -518,6 +812,17 @@ inline Packet round_bf16_packet(const Packet& x) {
   for (int i = 0; i < kP; ++i) lanes[i] = round_bf16(lanes[i]);
   return Eigen::internal::pload<Packet>(lanes);
 }
+
+/// A float rounded to the nearest bfloat16 value, as an Eigen functor that rounds a packet at a time where
+/// the expression vectorises (RoundBf16 rounds value by value, from any input type): for operands rounded
+/// inside an expression instead of into a copy.
+struct RoundBf16Floats {
+  float operator()(float x) const { return round_bf16(x); }
+  template <class Packet>
+  Packet packetOp(const Packet& x) const {
+    return round_bf16_packet(x);
+  }
+};
 
 /// out = x rounded to bfloat16 values, rows × cols values (x's rows `ldx` apart, out's `ldo`), a packet
 /// of floats at a time, in one pass; out may be x (ldo = ldx).
@@ -581,7 +886,7 @@ inline void bf16_gemm_rows(const float* a, Index lda, Index rows, const float* w
   using Packet = typename GemmBlocking<float>::Packet;
   constexpr Index kP = GemmBlocking<float>::kP;
   Bf16A rounded;  // A's rows rounded as floats, rows `depth` apart (the fallback's form)
-  rounded.prepare(a, lda, rows, depth, false);
+  rounded.prepare(a, lda, rows, depth, Bf16Engine::Fallback);
   const float* ar = rounded.floats();
   for (Index i0 = 0; i0 < rows; i0 += 4) {
     const Index ni = std::min<Index>(4, rows - i0);
@@ -605,11 +910,11 @@ inline void bf16_gemm_rows(const float* a, Index lda, Index rows, const float* w
   }
 }
 
-/// Configures this thread's tile registers for bf16_gemm_range while it lives (where the engine is the
-/// tile unit; else nothing), and releases them after: construct one in each task that calls it.
+/// Configures this thread's tile registers for bf16_gemm_range while it lives (where the engine is
+/// Tiles; else nothing), and releases them after: construct one in each task that calls it.
 class Bf16Tiles {
  public:
-  explicit Bf16Tiles(bool tiles) : on_(tiles) {
+  explicit Bf16Tiles(Bf16Engine engine) : on_(engine == Bf16Engine::Tiles) {
 #if C2F_AMX_POSSIBLE
     if (on_) amx_configure();
 #endif
@@ -628,3 +933,12 @@ class Bf16Tiles {
 
 }  // namespace cpu
 }  // namespace c2f
+
+namespace Eigen {
+namespace internal {
+template <>
+struct functor_traits<c2f::cpu::RoundBf16Floats> {
+  enum { Cost = 6, PacketAccess = true };
+};
+}  // namespace internal
+}  // namespace Eigen

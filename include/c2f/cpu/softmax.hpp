@@ -163,12 +163,22 @@ constexpr int kExpRows = 2;
 #undef C2F_EXP2_POLY
 
 #if C2F_EXP_SIMD
-/// For the R rows p + r·ld (r < R): p[r·ld + j] ← exp(p[r·ld + j] − shift[r]) for j < n, and sum[r] ←
-/// their sum (one accumulator per row, lanes added at the end), on the build's ExpVec. Each row gets the
-/// same operations in the same order as alone (R = 1); the R rows' independent chains overlap the exp's
-/// latency.
-template <int R>
-inline void exp_shifted_sum_rows_simd(float* p, Index ld, Index n, const float* shift, float* sum) {
+/// Where exp_shifted_sum_rows_simd puts the exponentials: back into the rows (p + r·ld).
+struct ExpInPlace {
+  float* p;
+  Index ld;
+  void operator()(int r, Index j, ExpVec::V e) const { ExpVec::store(p + r * ld + j, e); }
+  void operator()(int r, Index j, ExpVec::V e, ExpVec::Mask k) const { ExpVec::store(k, p + r * ld + j, e); }
+};
+
+/// For the R rows p + r·ld (r < R): e = exp(p[r·ld + j] − shift[r]) for j < n, handed to `sink` a vector
+/// at a time (sink(r, j, e) for whole vectors, sink(r, j, e, tail mask) for the last one; ExpInPlace
+/// stores them back), and sum[r] ← their sum (one accumulator per row, lanes added at the end), on the
+/// build's ExpVec. Each row gets the same operations in the same order as alone (R = 1); the R rows'
+/// independent chains overlap the exp's latency.
+template <int R, class Sink>
+inline void exp_shifted_sum_rows_simd(const float* p, Index ld, Index n, const float* shift, float* sum,
+                                      const Sink& sink) {
   using V = ExpVec::V;
   V s[R], acc[R];
   for (int r = 0; r < R; ++r) {
@@ -179,7 +189,7 @@ inline void exp_shifted_sum_rows_simd(float* p, Index ld, Index n, const float* 
   for (; j + ExpVec::kLanes <= n; j += ExpVec::kLanes) {
     for (int r = 0; r < R; ++r) {
       const V e = ExpVec::exp(ExpVec::sub(ExpVec::load(p + r * ld + j), s[r]));
-      ExpVec::store(p + r * ld + j, e);
+      sink(r, j, e);
       acc[r] = ExpVec::add(acc[r], e);
     }
   }
@@ -187,11 +197,16 @@ inline void exp_shifted_sum_rows_simd(float* p, Index ld, Index n, const float* 
     const ExpVec::Mask k = ExpVec::tail(n - j);
     for (int r = 0; r < R; ++r) {
       const V e = ExpVec::exp(ExpVec::sub(ExpVec::load(k, p + r * ld + j), s[r]));
-      ExpVec::store(k, p + r * ld + j, e);
+      sink(r, j, e, k);
       acc[r] = ExpVec::add(acc[r], ExpVec::keep(k, e));
     }
   }
   for (int r = 0; r < R; ++r) sum[r] = ExpVec::sum(acc[r]);
+}
+/// exp_shifted_sum_rows_simd with the exponentials stored back into the rows.
+template <int R>
+inline void exp_shifted_sum_rows_simd(float* p, Index ld, Index n, const float* shift, float* sum) {
+  exp_shifted_sum_rows_simd<R>(p, ld, n, shift, sum, ExpInPlace{p, ld});
 }
 
 /// p[j] ← exp(p[j] − shift) for j < n; returns their sum (one accumulator, lanes added at the end).
@@ -255,6 +270,44 @@ Scalar exp_shifted_sum(Row&& row, Scalar shift) {
   return row.sum();
 }
 
+namespace impl {
+/// Row r's shift for an online-softmax step whose block max is `block_max`: updates its running max
+/// m[r] and sets alpha[r], the factor earlier accumulations are scaled by (`rescale` ← true when it is
+/// not 1).
+template <class Scalar, class Max, class Alpha>
+Scalar softmax_shift(Index r, Scalar block_max, Max& m, Alpha& alpha, bool& rescale) {
+  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+  const Scalar m_new = std::max(m[r], block_max);
+  // All keys so far hidden: shift by 0, not by -inf (which would give exp(-inf + inf) = NaN).
+  const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;
+  // A max that did not move (most blocks after the first few) needs no exp: exp(0) is 1 exactly
+  // (+inf − +inf is NaN, not 0, and keeps its exp).
+  const Scalar moved = m[r] - shift;
+  alpha[r] = moved == Scalar(0) ? Scalar(1) : std::exp(moved);
+  rescale = rescale || alpha[r] != Scalar(1);
+  m[r] = m_new;
+  return shift;
+}
+#if C2F_EXP_SIMD
+/// The online-softmax step on the float rows p + r·ld, r < rows, R rows at a time through the exp kernel:
+/// each group's exponentials go to sink_of(first row of the group) (exp_shifted_sum_rows_simd's sink).
+/// Returns the rows done (a multiple of R); the caller does the rest.
+template <int R, class Max, class Sum, class Alpha, class SinkOf>
+Index online_softmax_rows(const float* p, Index ld, Index rows, Index cols, Max&& m, Sum&& l, Alpha&& alpha,
+                          bool& rescale, const SinkOf& sink_of) {
+  Index r = 0;
+  for (; r + R <= rows; r += R) {
+    float block_max[R], shift[R], sum[R];
+    row_max_rows<R>(p + r * ld, ld, cols, block_max);
+    for (int i = 0; i < R; ++i) shift[i] = softmax_shift(r + i, block_max[i], m, alpha, rescale);
+    exp_shifted_sum_rows_simd<R>(p + r * ld, ld, cols, shift, sum, sink_of(r));
+    for (int i = 0; i < R; ++i) l[r + i] = std::fma(alpha[r + i], l[r + i], sum[i]);
+  }
+  return r;
+}
+#endif
+}  // namespace impl
+
 /// One online-softmax step over a block of scores s [rows, cols] (−inf = masked): updates each row's
 /// running max m and sum l, turns s into exp(s − the new max) and sets alpha to the factor earlier
 /// accumulations of the row must be scaled by. Returns whether any alpha differs from 1. Each row gets
@@ -264,22 +317,7 @@ template <class Scores, class Max, class Sum, class Alpha>
 bool online_softmax_step(Scores& s, Max&& m, Sum&& l, Alpha&& alpha) {
   using S = std::decay_t<Scores>;
   using Scalar = typename S::Scalar;
-  constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
   bool rescale = false;
-  // Row r's new max m[r] from the block's `block_max`, its factor alpha[r], and the shift of its
-  // exponentials.
-  const auto shift_of = [&](Index r, Scalar block_max) {
-    const Scalar m_new = std::max(m[r], block_max);
-    // All keys so far hidden: shift by 0, not by -inf (which would give exp(-inf + inf) = NaN).
-    const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;
-    // A max that did not move (most blocks after the first few) needs no exp: exp(0) is 1 exactly
-    // (+inf − +inf is NaN, not 0, and keeps its exp).
-    const Scalar moved = m[r] - shift;
-    alpha[r] = moved == Scalar(0) ? Scalar(1) : std::exp(moved);
-    rescale = rescale || alpha[r] != Scalar(1);
-    m[r] = m_new;
-    return shift;
-  };
   Index r = 0;
 #if C2F_EXP_SIMD
   // Float blocks of contiguous rows: kExpRows rows at a time through the exp kernel, whose independent
@@ -289,17 +327,16 @@ bool online_softmax_step(Scores& s, Max&& m, Sum&& l, Alpha&& alpha) {
                                 (Eigen::internal::traits<S>::Flags & Eigen::DirectAccessBit) != 0 &&
                                 (Eigen::internal::traits<S>::Flags & Eigen::RowMajorBit) != 0;
   if constexpr (kRowsInPlace) {
-    for (; r + kExpRows <= s.rows() && s.innerStride() == 1; r += kExpRows) {
-      float block_max[kExpRows], shift[kExpRows], sum[kExpRows];
-      row_max_rows<kExpRows>(s.data() + r * s.outerStride(), s.outerStride(), s.cols(), block_max);
-      for (int i = 0; i < kExpRows; ++i) shift[i] = shift_of(r + i, block_max[i]);
-      exp_shifted_sum_rows_simd<kExpRows>(s.data() + r * s.outerStride(), s.outerStride(), s.cols(), shift, sum);
-      for (int i = 0; i < kExpRows; ++i) l[r + i] = std::fma(alpha[r + i], l[r + i], sum[i]);
+    if (s.innerStride() == 1) {
+      r = impl::online_softmax_rows<kExpRows>(s.data(), s.outerStride(), s.rows(), s.cols(), m, l, alpha, rescale,
+                                              [&](Index r0) {
+                                                return ExpInPlace{s.data() + r0 * s.outerStride(), s.outerStride()};
+                                              });
     }
   }
 #endif
   for (; r < s.rows(); ++r) {
-    const Scalar shift = shift_of(r, row_max(s.row(r)));
+    const Scalar shift = impl::softmax_shift(r, row_max(s.row(r)), m, alpha, rescale);
     l[r] = std::fma(alpha[r], l[r], exp_shifted_sum(s.row(r), shift));
   }
   return rescale;

@@ -337,7 +337,11 @@ std::size_t chunk_sparse_workspace_bytes(const kernels::ChunkGrid& grid, Index h
   const std::size_t k = static_cast<std::size_t>(grid.chunk);
   const std::size_t picks = std::min(static_cast<std::size_t>(top_k),
                                      std::max<std::size_t>(static_cast<std::size_t>(grid.chunks_per_batch()), 1));
-  return s * workers * (2 * picks * k * d + k * picks * k + (compute == Compute::BFloat16 ? k * d : 0));
+  // Compute::BFloat16: the scaled queries and the engine's operands of the task's two products.
+  const Index keys = static_cast<Index>(picks * k), rows = static_cast<Index>(width);
+  const std::size_t ops =
+      compute == Compute::BFloat16 ? cpu::bf16_operands_bytes(rows, dh, keys, rows, keys, dh, bf16_engine()) : 0;
+  return workers * (s * (2 * picks * k * d + k * picks * k + (compute == Compute::BFloat16 ? k * d : 0)) + ops);
 }
 
 /// Bytes token_sparse_attention holds at its peak for a forward pass (n = T queries): per worker the
@@ -356,10 +360,14 @@ std::size_t token_sparse_workspace_bytes(const kernels::ChunkGrid& grid, Index h
   const std::size_t workers =
       static_cast<std::size_t>(detail::resolve_threads(options.num_threads(), grid.batch * heads));
   const bool bf16 = options.compute() == Compute::BFloat16;
+  // Compute::BFloat16: a converted or rounded block of the chunk, its keys and values packed for the engine,
+  // and a group's queries and probabilities rounded.
   const std::size_t chunk_copy =
       token_sparse_packed<Scalar, KV>(options, grid.length)
           ? cpu::PackedB<Scalar>::bytes(dh, grid.chunk) + cpu::PackedB<Scalar>::bytes(grid.chunk, dh)
-          : (bf16 ? s * k * d : 0);
+          : (bf16 ? s * k * d + cpu::bf16_operands_bytes(static_cast<Index>(g), dh, grid.chunk, static_cast<Index>(g),
+                                                         grid.chunk, dh, bf16_engine())
+                  : 0);
   return workers * (s * (len * d + 2 * g * d + g * k + 2 * len + g) + chunk_copy + ix * (2 * m + 1 + len * picks));
 }
 
@@ -399,8 +407,9 @@ void chunk_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const ConstRowMa
   }
   const Index m = grid.chunks_per_batch(), dh = q.cols() / heads, top_k = selection.top_k;
   struct Workspace {
-    RowMatrix<Scalar> kg, vg, s, qs;  // qs: Compute::BFloat16's scaled, rounded queries
+    RowMatrix<Scalar> kg, vg, s, qs;  // qs: Compute::BFloat16's scaled queries
     cpu::MaskedValues<Scalar> masked;
+    cpu::Bf16Operands ops;  // Compute::BFloat16: the gathered keys, then values packed for the engine
   };
   const Index tasks = grid.batch * heads * m;
   const double work = detail::attention_work(grid.batch * heads, grid.length, std::min(top_k, m) * grid.chunk, dh, dh);
@@ -420,15 +429,16 @@ void chunk_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const ConstRowMa
       filled += count;
     }
     ws.s.resize(rows, n);
-    if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale, the keys and values rounded
-      ws.qs = q.block(q_row, h * dh, rows, dh) * scale;
-      cpu::round_bf16_matrix(ws.qs);
-      cpu::round_bf16_matrix(ws.kg);
-      cpu::round_bf16_matrix(ws.vg);
-      ws.s.noalias() = ws.qs * ws.kg.transpose();
-    } else {
-      ws.s.noalias() = (q.block(q_row, h * dh, rows, dh) * scale) * ws.kg.transpose();
+    const cpu::Bf16Tiles tile_registers(bf16 ? bf16_engine() : Bf16Engine::Fallback);
+    if constexpr (std::is_same<Scalar, float>::value) {
+      if (bf16) {  // Compute::BFloat16: q·scale, the keys and values rounded, the products on the engine
+        ws.qs = q.block(q_row, h * dh, rows, dh) * scale;
+        cpu::round_bf16_matrix(ws.vg);  // a value beyond bfloat16's range is infinite there (the guard below)
+        cpu::bf16_product(ws.qs.data(), ws.qs.outerStride(), rows, ws.kg.transpose(), false, ws.s.data(),
+                          ws.s.outerStride(), ws.ops);
+      }
     }
+    if (!bf16) ws.s.noalias() = (q.block(q_row, h * dh, rows, dh) * scale) * ws.kg.transpose();
     if (!mask.empty()) {
       filled = 0;
       for (Index t = 0; t < top_k && chosen[t] >= 0; ++t) {
@@ -442,6 +452,13 @@ void chunk_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const ConstRowMa
     const bool guard = !mask.empty() && ws.masked.find(ws.vg);
     if (guard) ws.masked.remember_hidden(ws.s);
     for (Index r = 0; r < rows; ++r) cpu::softmax_row(ws.s.row(r));
+    if constexpr (std::is_same<Scalar, float>::value) {
+      if (bf16 && !guard) {  // the probabilities rounded, their product with the values on the engine
+        cpu::bf16_product(ws.s.data(), ws.s.outerStride(), rows, ws.vg, false, &out(q_row, h * dh), out.outerStride(),
+                          ws.ops);
+        return;
+      }
+    }
     if (bf16) cpu::round_bf16_matrix(ws.s);  // the probabilities
     if (guard) {
       ws.masked.template product<false>(out.block(q_row, h * dh, rows, dh), ws.s, ws.vg);
@@ -483,6 +500,8 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const detail::No
     Vector<Scalar> run_max, run_sum, alpha;
     cpu::MaskedValues<Scalar> masked;
     cpu::PackedB<Scalar> keys, values;  // the packed path's chunk
+    cpu::Bf16PackedB keys16, values16;  // Compute::BFloat16: the chunk's keys and values packed for the engine
+    cpu::Bf16A q16, p16;                // Compute::BFloat16: a group's queries and probabilities, rounded
   };
   const Index tasks = grid.batch * heads;
   const double work = detail::attention_work(grid.batch * heads, n, std::min(top_k, m) * grid.chunk, dh, dh);
@@ -508,6 +527,8 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const detail::No
     ws.run_sum.setZero(n);
     ws.qg.resize(G, dh);
     ws.alpha.resize(G);
+    ws.pv.resize(G, dh);
+    const cpu::Bf16Tiles tile_registers(bf16 ? bf16_engine() : Bf16Engine::Fallback);
     for (Index j = 0; j < m; ++j) {
       const Index first = ws.start[static_cast<std::size_t>(j)], last = ws.start[static_cast<std::size_t>(j + 1)];
       if (first == last) continue;
@@ -516,6 +537,13 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const detail::No
         if (packed) {
           ws.keys.pack(k.block(key_row, h * dh, count, dh).transpose());
           ws.values.pack(v.block(key_row, h * dh, count, dh));
+        }
+      }
+      if constexpr (std::is_same<Scalar, float>::value) {
+        if (bf16) {  // Compute::BFloat16: the chunk's keys and values rounded and packed once for its groups
+          detail::as_scalar(k.block(key_row, h * dh, count, dh), ws.kv,
+                            [&](const auto& kb) { ws.keys16.pack(kb.transpose()); });
+          detail::as_scalar(v.block(key_row, h * dh, count, dh), ws.kv, [&](const auto& vb) { ws.values16.pack(vb); });
         }
       }
       for (Index g0 = first; g0 < last; g0 += G) {
@@ -528,11 +556,15 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const detail::No
           cpu::packed_gemm_range<Scalar>(ws.qg.data(), ws.qg.outerStride(), rows, ws.keys, 0, dh, 0, count, nullptr,
                                          false, ws.s.data(), ws.s.outerStride());
           if (rows < G) ws.s.bottomRows(G - rows).setZero();
+        } else if (bf16) {  // Compute::BFloat16: q·scale and the keys rounded, their product on the engine
+          if constexpr (std::is_same<Scalar, float>::value) {
+            ws.q16.prepare(ws.qg.data(), ws.qg.outerStride(), rows, dh, ws.keys16.engine());
+            cpu::bf16_gemm(ws.q16, ws.keys16, 0, dh, 0, count, nullptr, false, ws.s.data(), ws.s.outerStride());
+            if (rows < G) ws.s.bottomRows(G - rows).setZero();
+          }
         } else {
-          // Compute::BFloat16 (float only, checked above): q·scale and the keys rounded.
-          if (bf16) cpu::round_bf16_matrix(ws.qg);
-          cpu::as_scalar_rounded(k.block(key_row, h * dh, count, dh), ws.kv, bf16,
-                                 [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
+          detail::as_scalar(k.block(key_row, h * dh, count, dh), ws.kv,
+                            [&](const auto& kb) { ws.s.noalias() = ws.qg * kb.transpose(); });
         }
         for (Index r = 0; r < rows; ++r) {
           const Index qi = queries[r], t = p0 + qi;
@@ -557,6 +589,13 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const detail::No
             ws.run_max[qi] = m_new;
           }
           if (rows < G) ws.s.bottomRows(G - rows).setZero();
+          if constexpr (std::is_same<Scalar, float>::value) {
+            if (bf16 && !guard) {  // the unnormalised probabilities rounded (as sdpa_streaming's), PV on the engine
+              ws.p16.prepare(ws.s.data(), ws.s.outerStride(), rows, count, ws.values16.engine());
+              cpu::bf16_gemm(ws.p16, ws.values16, 0, count, 0, dh, nullptr, false, ws.pv.data(), ws.pv.outerStride());
+              return;
+            }
+          }
           if (bf16) cpu::round_bf16_matrix(ws.s);  // the unnormalised probabilities, as sdpa_streaming's
           if (packed) {  // added to zeros on both branches: the same bits for a row that hides no bad key
             ws.pv.setZero(G, dh);

@@ -90,10 +90,10 @@ std::size_t conv1d_workspace_bytes(Index length, const Conv1dShape& s, Compute c
   if (compute == Compute::BFloat16) {
     const Index out_len = s.out_length(length);
     if (out_len < c2f::cpu::kBf16PackedMinRows) return 0;
-    const bool tiles = c2f::cpu::bf16_tiles();
+    const Bf16Engine engine = bf16_engine();
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(threads, out_len));
-    return taps * c2f::cpu::Bf16PackedB::bytes(s.in_per_group(), s.out_per_group(), tiles) +
-           workers * c2f::cpu::Bf16A::bytes(std::min(out_len, kConv1dTaskRows), s.in_per_group(), tiles);
+    return taps * c2f::cpu::Bf16PackedB::bytes(s.in_per_group(), s.out_per_group(), engine) +
+           workers * c2f::cpu::Bf16A::bytes(std::min(out_len, kConv1dTaskRows), s.in_per_group(), engine);
   }
   const bool packed = c2f::cpu::kPackedGemm && s.out_length(length) >= c2f::cpu::kPackedGemmMinRows;
   return packed ? taps * c2f::cpu::PackedB<Scalar>::bytes(s.in_per_group(), s.out_per_group()) : 0;
@@ -135,7 +135,7 @@ void conv1d(const ConstRowMatrixRef<Scalar>& x, Index batch, Index length, const
     }
   }
   detail::parallel_for(batch * tasks_per_batch, options.num_threads(), work, [&](Index task, int) {
-    const c2f::cpu::Bf16Tiles tile_registers(packed16 && packed_taps16.front().tiles());
+    const c2f::cpu::Bf16Tiles tile_registers(packed16 ? packed_taps16.front().engine() : Bf16Engine::Fallback);
     const Index b = task / tasks_per_batch;
     const Index r0 = (task % tasks_per_batch) * kConv1dTaskRows, r1 = std::min(out_len, r0 + kConv1dTaskRows);
     typename RowMatrixRef<Scalar>::RowsBlockXpr out = y.middleRows(b * out_len + r0, r1 - r0);

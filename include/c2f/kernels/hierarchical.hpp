@@ -48,6 +48,7 @@ void window_attention_add(const ConstRowMatrixRef<Scalar>& q, const detail::NoDe
   struct Workspace {
     RowMatrix<Scalar> s, kv, qs;  // qs: Compute::BFloat16's q·scale
     cpu::MaskedValues<Scalar> masked;
+    cpu::Bf16Operands ops;  // Compute::BFloat16: a head's keys or values packed for the engine, q or p rounded
   };
   const Index tasks = grid.batch * windows.count;
   const double work = detail::attention_work(grid.batch * heads, n, std::min(grid.chunk, T), dh, dh);
@@ -58,13 +59,18 @@ void window_attention_add(const ConstRowMatrixRef<Scalar>& q, const detail::NoDe
     const Index nq = w1 - p0, nk = w1 - w0;
     const Index q_row = b * n + p0 - windows.first_position, k_row = b * T + w0;
     ws.s.resize(nq, nk);
+    const cpu::Bf16Tiles tile_registers(bf16 ? bf16_engine() : Bf16Engine::Fallback);
     for (Index h = 0; h < heads; ++h) {
-      if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale and the keys rounded
-        ws.qs = q.block(q_row, h * dh, nq, dh) * scale;
-        cpu::round_bf16_matrix(ws.qs);
-        cpu::round_bf16_copy(k.block(k_row, h * dh, nk, dh), ws.kv);
-        ws.s.noalias() = ws.qs * ws.kv.transpose();
-      } else {
+      if constexpr (std::is_same<Scalar, float>::value) {
+        if (bf16) {  // Compute::BFloat16: q·scale and the keys rounded, their product on the engine
+          ws.qs = q.block(q_row, h * dh, nq, dh) * scale;
+          detail::as_scalar(k.block(k_row, h * dh, nk, dh), ws.kv, [&](const auto& kb) {
+            cpu::bf16_product(ws.qs.data(), ws.qs.outerStride(), nq, kb.transpose(), false, ws.s.data(),
+                              ws.s.outerStride(), ws.ops);
+          });
+        }
+      }
+      if (!bf16) {
         detail::as_scalar(k.block(k_row, h * dh, nk, dh), ws.kv, [&](const auto& kb) {
           ws.s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * kb.transpose();
         });
@@ -80,6 +86,13 @@ void window_attention_add(const ConstRowMatrixRef<Scalar>& q, const detail::NoDe
         const bool guard = causal && ws.masked.find(vb);
         if (guard) ws.masked.remember_hidden(ws.s);
         for (Index i = 0; i < nq; ++i) cpu::softmax_row(ws.s.row(i));
+        if (bf16 && !guard) {  // the probabilities and values rounded, their product on the engine
+          if constexpr (std::is_same<Scalar, float>::value) {
+            cpu::bf16_product(ws.s.data(), ws.s.outerStride(), nq, vb, true, &out(q_row, h * dh), out.outerStride(),
+                              ws.ops);
+          }
+          return;
+        }
         if (bf16) cpu::round_bf16_matrix(ws.s);  // the probabilities
         if (guard) {
           ws.masked.template product<true>(out.block(q_row, h * dh, nq, dh), ws.s, vb);
@@ -117,7 +130,8 @@ void window_summary_attention_add(const ConstRowMatrixRef<Scalar>& q, const Cons
   const Index tasks = grid.batch * windows.count;
   const double work = detail::attention_work(grid.batch * heads, n, m, dh, dh);
   struct Workspace {
-    RowMatrix<Scalar> s, qs, rounded;  // qs, rounded: Compute::BFloat16's q·scale, key means, then value means
+    RowMatrix<Scalar> s, qs;  // qs: Compute::BFloat16's q·scale
+    cpu::Bf16Operands ops;    // Compute::BFloat16: the key means, then the value means packed for the engine
   };
   detail::parallel_for_each_worker<Workspace>(tasks, options.num_threads(), work, [&](Index task, Workspace& ws) {
     const Index b = task / windows.count, c = windows.first + task % windows.count;
@@ -127,17 +141,18 @@ void window_summary_attention_add(const ConstRowMatrixRef<Scalar>& q, const Cons
     const Index q_row = b * n + p0 - windows.first_position, first = b * m;
     RowMatrix<Scalar>& s = ws.s;
     s.resize(nq, c);
+    const cpu::Bf16Tiles tile_registers(bf16 ? bf16_engine() : Bf16Engine::Fallback);
     for (Index h = 0; h < heads; ++h) {
-      if (bf16) {  // Compute::BFloat16 (float only, checked above): every operand rounded
-        ws.qs = q.block(q_row, h * dh, nq, dh) * scale;
-        cpu::round_bf16_matrix(ws.qs);
-        cpu::round_bf16_copy(k_mean.block(first, h * dh, c, dh), ws.rounded);
-        s.noalias() = ws.qs * ws.rounded.transpose();
-        for (Index i = 0; i < nq; ++i) cpu::softmax_row(s.row(i));
-        cpu::round_bf16_matrix(s);
-        cpu::round_bf16_copy(v_mean.block(first, h * dh, c, dh), ws.rounded);
-        out.block(q_row, h * dh, nq, dh).noalias() += s * ws.rounded;
-        continue;
+      if constexpr (std::is_same<Scalar, float>::value) {
+        if (bf16) {  // Compute::BFloat16: every operand rounded, the two products on the engine
+          ws.qs = q.block(q_row, h * dh, nq, dh) * scale;
+          cpu::bf16_product(ws.qs.data(), ws.qs.outerStride(), nq, k_mean.block(first, h * dh, c, dh).transpose(),
+                            false, s.data(), s.outerStride(), ws.ops);
+          for (Index i = 0; i < nq; ++i) cpu::softmax_row(s.row(i));
+          cpu::bf16_product(s.data(), s.outerStride(), nq, v_mean.block(first, h * dh, c, dh), true,
+                            &out(q_row, h * dh), out.outerStride(), ws.ops);
+          continue;
+        }
       }
       s.noalias() = (q.block(q_row, h * dh, nq, dh) * scale) * k_mean.block(first, h * dh, c, dh).transpose();
       for (Index i = 0; i < nq; ++i) cpu::softmax_row(s.row(i));
@@ -250,8 +265,12 @@ void sparse_global_attention_rows_add(const ConstRowMatrixRef<Scalar>& q, Index 
       const Index rows = i1 - i0;
       const Rows kb(s.k + key_row(s, delta, i0) * s.k_stride, rows, dim, Eigen::OuterStride<>(s.k_stride));
       if (bf16) {
-        cpu::round_bf16_copy(kb, kv);
-        prod.topRows(rows) = qs.middleRows(i0, rows).cwiseProduct(kv);
+        if constexpr (std::is_same<KV, float>::value && std::is_same<Scalar, float>::value) {
+          prod.topRows(rows) = qs.middleRows(i0, rows).cwiseProduct(kb.unaryExpr(cpu::RoundBf16Floats()));
+        } else {
+          cpu::round_bf16_copy(kb, kv);
+          prod.topRows(rows) = qs.middleRows(i0, rows).cwiseProduct(kv);
+        }
         scores.col(o).segment(i0 * heads, rows * heads) =
             Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum();
         continue;
@@ -271,6 +290,14 @@ void sparse_global_attention_rows_add(const ConstRowMatrixRef<Scalar>& q, Index 
       // out rows as [rows·heads, dh]: each (query, head) row gains weight · its value row.
       Eigen::Map<RowMatrix<Scalar>> dst(out.row(q_base + i0).data(), rows * heads, dh);
       const Rows vb(s.v + key_row(s, delta, i0) * s.v_stride, rows, dim, Eigen::OuterStride<>(s.v_stride));
+      if constexpr (std::is_same<KV, float>::value && std::is_same<Scalar, float>::value) {
+        if (bf16) {  // the value rows rounded in registers (contiguous: v_stride = dim, checked above)
+          const Eigen::Map<const RowMatrix<Scalar>> src(vb.data(), rows * heads, dh);
+          dst.noalias() +=
+              scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src.unaryExpr(cpu::RoundBf16Floats());
+          continue;
+        }
+      }
       cpu::as_scalar_rounded(vb, kv, bf16, [&](const auto& v) {
         const Eigen::Map<const RowMatrix<Scalar>> src(v.data(), rows * heads, dh);
         dst.noalias() += scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src;

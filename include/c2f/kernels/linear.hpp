@@ -145,7 +145,7 @@ inline void matmul_rows_packed_bf16(const ConstRowMatrixRef<float>& x, const cpu
   const auto tasks = [&](auto&& fn) {
     detail::parallel_for(split.row_tasks * split.col_tasks, options.num_threads(), work, [&](Index task, int) {
       const Index r = task / split.col_tasks, r0 = r * split.task_rows, c0 = (task % split.col_tasks) * split.task_cols;
-      const cpu::Bf16Tiles tile_registers(packed.tiles());
+      const cpu::Bf16Tiles tile_registers(packed.engine());
       fn(r, r0, std::min(split.task_rows, n - r0), c0, std::min(split.task_cols, out_cols - c0));
     });
   };
@@ -156,7 +156,7 @@ inline void matmul_rows_packed_bf16(const ConstRowMatrixRef<float>& x, const cpu
         detail::kElementWork * static_cast<double>(n) * static_cast<double>(x.cols()), [&](Index r, int) {
           const Index r0 = r * split.task_rows;
           rounded[static_cast<std::size_t>(r)].prepare(x.data() + r0 * x.outerStride(), x.outerStride(),
-                                                       std::min(split.task_rows, n - r0), x.cols(), packed.tiles());
+                                                       std::min(split.task_rows, n - r0), x.cols(), packed.engine());
         });
     tasks([&](Index r, Index r0, Index, Index c0, Index cols) {
       cpu::bf16_gemm(rounded[static_cast<std::size_t>(r)], packed, 0, x.cols(), c0, cols,
@@ -250,17 +250,18 @@ std::size_t matmul_rows_workspace_bytes(Index n, Index k, Index out, bool rows_i
     if (n == 0) return 0;
     // The few rows of a decode step read a weight's transpose in place: the case this formula assumes.
     const bool few = !impl::bf16_packs(n, rows_independent, /*b_in_place=*/true);
-    const bool tiles = !few && cpu::bf16_tiles();
+    const Bf16Engine engine = few ? Bf16Engine::Fallback : bf16_engine();
     const int workers = detail::resolve_threads(threads, n);
     const impl::Bf16Split split = impl::bf16_split(n, k, out, workers);
     if (!few && split.rows_shared()) {  // every row task's rows rounded at once
       const Index full = n / split.task_rows, rest = n - full * split.task_rows;
-      return static_cast<std::size_t>(full) * cpu::Bf16A::bytes(split.task_rows, k, tiles) +
-             (rest > 0 ? cpu::Bf16A::bytes(rest, k, tiles) : 0) + (cached ? 0 : cpu::Bf16PackedB::bytes(k, out, tiles));
+      return static_cast<std::size_t>(full) * cpu::Bf16A::bytes(split.task_rows, k, engine) +
+             (rest > 0 ? cpu::Bf16A::bytes(rest, k, engine) : 0) +
+             (cached ? 0 : cpu::Bf16PackedB::bytes(k, out, engine));
     }
     const std::size_t rows = static_cast<std::size_t>(workers) *
-                             cpu::Bf16A::bytes(std::min(n, few ? kBf16TaskRows : split.task_rows), k, tiles);
-    return few || cached ? rows : rows + cpu::Bf16PackedB::bytes(k, out, tiles);
+                             cpu::Bf16A::bytes(std::min(n, few ? kBf16TaskRows : split.task_rows), k, engine);
+    return few || cached ? rows : rows + cpu::Bf16PackedB::bytes(k, out, engine);
   }
   return cpu::packed_gemm_for(n, rows_independent) && !cached ? cpu::PackedB<Scalar>::bytes(k, out) : 0;
 }

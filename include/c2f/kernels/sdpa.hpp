@@ -216,10 +216,11 @@ bool streaming_packed(const kernels::KernelOptions& options, Index lq, Index lk)
   return (cpu::kPackedGemm || ri) && std::is_same<KV, Scalar>::value && (lq >= kPackedAttentionMinQueries || ri) &&
          (bk % cpu::GemmBlocking<Scalar>::kNR == 0 || bk >= lk);
 }
-/// Whether sdpa_streaming's bfloat16 products run on the tile engine for key blocks of bk over lk keys: the
-/// CPU has it (and set_bf16_tiles allows it), and every key block starts on a 32-row tile step.
-inline bool streaming_bf16_tiles(Index bk, Index lk) {
-  return cpu::bf16_tiles() && (bk % cpu::kTileK == 0 || bk >= lk);
+/// The engine of sdpa_streaming's bfloat16 products for key blocks of bk over lk keys: bf16_engine() where
+/// every key block starts on a 32-row k-step of the blocked engines, else the fallback.
+inline Bf16Engine streaming_bf16_engine(Index bk, Index lk) {
+  const Bf16Engine engine = bf16_engine();
+  return cpu::bf16_blocked(engine) && !(bk % cpu::kTileK == 0 || bk >= lk) ? Bf16Engine::Fallback : engine;
 }
 /// From this many bytes of one head's keys and values on, a task of sdpa_streaming's packed path takes
 /// two query blocks (streaming_query_group).
@@ -281,7 +282,7 @@ void sdpa_streaming_impl(const char* kernel, const HeadsView<const Scalar>& q, c
   // Compute::BFloat16: each head's keys and values packed once for bf16_gemm_range, on the tile engine
   // where key blocks start on its 32-row steps.
   std::vector<c2f::cpu::Bf16PackedB> packed_k16, packed_v16;
-  const bool tiles = bf16 && impl::streaming_bf16_tiles(bk, lk);
+  const bool blocked = bf16 && cpu::bf16_blocked(impl::streaming_bf16_engine(bk, lk));
   if (packed) {
     packed_k.resize(static_cast<std::size_t>(pairs));
     packed_v.resize(packed_k.size());
@@ -300,8 +301,8 @@ void sdpa_streaming_impl(const char* kernel, const HeadsView<const Scalar>& q, c
     if constexpr (std::is_same<Scalar, float>::value && !std::is_same<KV, double>::value) {
       if (bf16) {
         packed_k16[static_cast<std::size_t>(bh)].pack(k.block(b, h, 0, lk).template cast<float>().transpose(), 1,
-                                                      tiles);
-        packed_v16[static_cast<std::size_t>(bh)].pack(v.block(b, h, 0, lk).template cast<float>(), 1, tiles);
+                                                      blocked);
+        packed_v16[static_cast<std::size_t>(bh)].pack(v.block(b, h, 0, lk).template cast<float>(), 1, blocked);
       }
     }
     if constexpr (std::is_same<KV, Scalar>::value) {
@@ -327,7 +328,8 @@ void sdpa_streaming_impl(const char* kernel, const HeadsView<const Scalar>& q, c
         const Index task_blocks = std::min(group, query_blocks - first_block);
         order.prepare(bh, pack_pair);
         const Index b = bh / q.heads, h = bh % q.heads;
-        const c2f::cpu::Bf16Tiles tile_registers(bf16 && packed_k16[static_cast<std::size_t>(bh)].tiles());
+        const c2f::cpu::Bf16Tiles tile_registers(bf16 ? packed_k16[static_cast<std::size_t>(bh)].engine()
+                                                      : Bf16Engine::Fallback);
         // Query block g of the task: its first query, its rows, and its rows of the workspace from g·bq on.
         const auto first_query = [&](Index g) { return (first_block + g) * bq; };
         const auto rows_of = [&](Index g) { return std::min(bq, lq - first_query(g)); };
@@ -341,7 +343,7 @@ void sdpa_streaming_impl(const char* kernel, const HeadsView<const Scalar>& q, c
         if constexpr (std::is_same<Scalar, float>::value) {  // bf16: one block per task
           if (bf16)
             ws.q16.prepare(ws.q.data(), ws.q.outerStride(), rows_of(0), dk,
-                           packed_k16[static_cast<std::size_t>(bh)].tiles());
+                           packed_k16[static_cast<std::size_t>(bh)].engine());
         }
 
         for (Index j0 = 0; j0 < lk; j0 += bk) {
@@ -365,14 +367,21 @@ void sdpa_streaming_impl(const char* kernel, const HeadsView<const Scalar>& q, c
                     v.block(b, h, j0, nj).unaryExpr(c2f::cpu::RoundBf16<Scalar>());
                 const bool guard = status == BlockMask::Partial && ws.masked.find(vr);
                 if (guard) ws.masked.remember_hidden(s);
+                const c2f::cpu::Bf16PackedB& pv = packed_v16[static_cast<std::size_t>(bh)];
+                if (!guard && !drop && c2f::cpu::bf16_blocked(pv.engine())) {
+                  // The exponentials rounded straight into the PV product's operand (one pass).
+                  if (c2f::cpu::online_softmax_step_bf16(s, m, l, alpha, ws.p16, pv.engine()))
+                    acc = alpha.asDiagonal() * acc;
+                  c2f::cpu::bf16_gemm(ws.p16, pv, j0, j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
+                  continue;
+                }
                 if (c2f::cpu::online_softmax_step(s, m, l, alpha)) acc = alpha.asDiagonal() * acc;
                 if (drop) impl::apply_dropout(*dropout, bh, i0, j0, s, Scalar(1));
                 if (guard) {
                   c2f::cpu::round_bf16_rows(s.data(), ni, nj, s.outerStride());
                   ws.masked.template product<true>(acc, s, vr);
                 } else {
-                  const c2f::cpu::Bf16PackedB& pv = packed_v16[static_cast<std::size_t>(bh)];
-                  ws.p16.prepare(s.data(), s.outerStride(), ni, nj, pv.tiles());
+                  ws.p16.prepare(s.data(), s.outerStride(), ni, nj, pv.engine());
                   c2f::cpu::bf16_gemm(ws.p16, pv, j0, j0 + nj, 0, dv, nullptr, true, acc.data(), acc.outerStride());
                 }
                 continue;
@@ -468,7 +477,7 @@ void sdpa_naive_train(const HeadsView<const Scalar>& q, const HeadsView<const Sc
 /// Bytes of scratch memory one worker of sdpa_streaming uses for lq queries over lk keys: at most
 /// query_block × key_block scores, whatever the lengths.
 /// Compute::BFloat16 adds the query block and a block of probabilities rounded (bf16 in whole 32-row,
-/// 32-column tiles on the tile engine, floats on the fallback).
+/// 32-column steps on the Dot and Tiles engines, floats on the fallback).
 template <class Scalar>
 std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index qk_dim, Index v_dim, Index lq,
                                            Index lk) {
@@ -478,7 +487,7 @@ std::size_t sdpa_streaming_workspace_bytes(const KernelOptions& options, Index q
     using c2f::cpu::kTileK;
     using detail::ceil_div;
     rounded =
-        impl::streaming_bf16_tiles(bk, lk)
+        cpu::bf16_blocked(impl::streaming_bf16_engine(bk, lk))
             ? 2 * static_cast<std::size_t>(ceil_div(bq, cpu::kTileK) * cpu::kTileK *
                                            (ceil_div(qk_dim, cpu::kTileK) + ceil_div(bk, cpu::kTileK)) * cpu::kTileK)
             : 4 * static_cast<std::size_t>(bq * (qk_dim + bk));
@@ -497,9 +506,9 @@ template <class Scalar>
 std::size_t sdpa_streaming_shared_bytes(const KernelOptions& options, Index pairs, Index qk_dim, Index v_dim, Index lq,
                                         Index lk) {
   if (options.compute() == Compute::BFloat16) {  // every head's keys and values packed for bf16_gemm
-    const bool tiles = impl::streaming_bf16_tiles(impl::streaming_blocks(options, lq, lk).second, lk);
+    const Bf16Engine engine = impl::streaming_bf16_engine(impl::streaming_blocks(options, lq, lk).second, lk);
     return static_cast<std::size_t>(pairs) *
-           (c2f::cpu::Bf16PackedB::bytes(qk_dim, lk, tiles) + c2f::cpu::Bf16PackedB::bytes(lk, v_dim, tiles));
+           (c2f::cpu::Bf16PackedB::bytes(qk_dim, lk, engine) + c2f::cpu::Bf16PackedB::bytes(lk, v_dim, engine));
   }
   if (!impl::streaming_packed<Scalar>(options, lq, lk)) return 0;
   return static_cast<std::size_t>(pairs) *

@@ -22,8 +22,8 @@ namespace kernels {
 /// — for fp32 compute the micro-kernel's (PackedB<Scalar>), for Compute::BFloat16 the engine's
 /// (Bf16PackedB) — each made by the first product that needs it and reused while the `stamp` the layer
 /// passes (a number that changes whenever the weight may have: Linear::weight_stamp()) and, for bfloat16,
-/// the engine (set_bf16_tiles) stay the same. A packing holds as many bytes as the weight (half on the
-/// tile engine). Thread-safe — the const forwards of several threads share it; a mutex guards the making
+/// the engine (bf16_engine()) stay the same. A packing holds as many bytes as the weight (half on the
+/// Dot and Tiles engines). Thread-safe — the const forwards of several threads share it; a mutex guards the making
 /// — and a copy starts empty (the copy packs its own).
 template <class Scalar>
 class WeightCache {
@@ -40,12 +40,12 @@ class WeightCache {
   /// empty or stale. The packing stays alive while the returned pointer does.
   template <class Make>
   std::shared_ptr<const cpu::PackedB<Scalar>> packed(std::size_t slot, std::uint64_t stamp, Make&& make) const {
-    return get(packed_, slot, stamp, false, make);
+    return get(packed_, slot, stamp, Bf16Engine::Fallback, make);
   }
   /// Slot `slot`'s bfloat16 packing for `stamp` on the current engine, as packed().
   template <class Make>
   std::shared_ptr<const cpu::Bf16PackedB> bf16(std::size_t slot, std::uint64_t stamp, Make&& make) const {
-    return get(bf16_, slot, stamp, cpu::bf16_tiles(), make);
+    return get(bf16_, slot, stamp, bf16_engine(), make);
   }
   /// Drops every packing.
   void clear() noexcept {
@@ -59,21 +59,21 @@ class WeightCache {
   struct Slot {
     std::shared_ptr<const P> packed;
     std::uint64_t stamp = 0;
-    bool tiles = false;  ///< the bfloat16 engine it was made for
+    Bf16Engine engine = Bf16Engine::Fallback;  ///< the bfloat16 engine it was made for
   };
   template <class P, class Make>
-  std::shared_ptr<const P> get(std::vector<Slot<P>>& slots, std::size_t slot, std::uint64_t stamp, bool tiles,
+  std::shared_ptr<const P> get(std::vector<Slot<P>>& slots, std::size_t slot, std::uint64_t stamp, Bf16Engine engine,
                                Make& make) const {
     const std::lock_guard<std::mutex> lock(mutex_);
     if (slots.size() <= slot) slots.resize(slot + 1);
     Slot<P>& s = slots[slot];
-    if (s.packed == nullptr || s.stamp != stamp || s.tiles != tiles) {
+    if (s.packed == nullptr || s.stamp != stamp || s.engine != engine) {
       s.packed.reset();  // the stale packing's memory back first
       std::shared_ptr<P> fresh = std::make_shared<P>();
       make(*fresh);
       s.packed = std::move(fresh);
       s.stamp = stamp;
-      s.tiles = tiles;
+      s.engine = engine;
     }
     return s.packed;
   }

@@ -134,15 +134,22 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
     const std::size_t workers = static_cast<std::size_t>(detail::resolve_threads(options_.num_threads(), batch * seq));
     const HMHALevels& on = options_.levels();
     const kernels::KernelOptions ko = detail::kernel_options(options_);
-    // Compute::BFloat16: the rounded copies of the operands (per worker): level 1 the scaled queries and a
-    // key or value block of a window, level 2 (causal) the scaled queries and the key or value means, level
-    // 3 the scaled queries and a key or value block of a row block.
+    // Compute::BFloat16 (per worker): level 1 the scaled queries, a window's values rounded and the
+    // engine's operands of its two products; level 2 (causal) the scaled queries and the operands of its
+    // products with the means; level 3 the scaled queries and a key or value block of a row block.
     const bool bf16 = options_.compute() == Compute::BFloat16;
+    const Bf16Engine engine = bf16_engine();
     const std::size_t ms = static_cast<std::size_t>(m);
+    const Index wi = static_cast<Index>(w), di = static_cast<Index>(dh);
     std::size_t level = 0;
-    if (on.local) level = std::max(level, s * workers * (w * w + (bf16 ? 2 * w * dh : 0)));
+    if (on.local) {
+      level = std::max(level, workers * (s * (w * w + (bf16 ? 2 * w * dh : 0)) +
+                                         (bf16 ? cpu::bf16_operands_bytes(wi, di, wi, wi, wi, di, engine) : 0)));
+    }
     if (on.cross && options_.causal()) {
-      level = std::max(level, s * (2 * chunks * e + workers * (w * ms + (bf16 ? (w + ms) * dh : 0))));
+      level = std::max(
+          level, s * 2 * chunks * e + workers * (s * (w * ms + (bf16 ? w * dh : 0)) +
+                                                 (bf16 ? cpu::bf16_operands_bytes(wi, di, m, wi, m, di, engine) : 0)));
     } else if (on.cross) {
       level = std::max(
           level, s * 4 * chunks * e + workers * kernels::sdpa_streaming_workspace_bytes<Scalar>(ko, dh, dh, m, m) +
