@@ -191,8 +191,11 @@ namespace impl {
 /// and runs two Eigen products.
 template <class Scalar>
 bool chunk_sparse_packed(const kernels::ChunkGrid& grid, const kernels::KernelOptions& options) {
+  if (options.compute() == Compute::BFloat16) {  // on the blocked engines, chunks on their 32-key steps
+    return std::is_same<Scalar, float>::value && cpu::bf16_blocked(bf16_engine()) &&
+           (grid.chunk % cpu::kTileK == 0 || grid.chunk >= grid.length);
+  }
   return (cpu::kPackedGemm || cpu::honoured_rows_independent(options.rows_independent())) &&
-         options.compute() != Compute::BFloat16 &&
          (grid.chunk % cpu::GemmBlocking<Scalar>::kNR == 0 || grid.chunk >= grid.length);
 }
 
@@ -232,15 +235,28 @@ void chunk_sparse_attention_packed(const ConstRowMatrixRef<Scalar>& q, const Con
   const Index pairs = grid.batch * heads, tasks = pairs * m, width = std::min(grid.chunk, length);
   const Index step = sparse_step_chunks(grid);
   if (tasks == 0) return;
-  std::vector<cpu::PackedB<Scalar>> packed_k(static_cast<std::size_t>(pairs)), packed_v(packed_k.size());
+  // Compute::BFloat16 (on the blocked engines: chunk_sparse_packed): the same steps with the products on
+  // the engine — q·scale, the keys, the values and the unnormalised probabilities rounded, as
+  // sdpa_streaming's.
+  const bool bf16 = options.compute() == Compute::BFloat16;
+  std::vector<cpu::PackedB<Scalar>> packed_k(bf16 ? 0 : static_cast<std::size_t>(pairs)), packed_v(packed_k.size());
+  std::vector<cpu::Bf16PackedB> packed_k16(bf16 ? static_cast<std::size_t>(pairs) : 0), packed_v16(packed_k16.size());
   // Each pair packed by its first task, inside the loop (as sdpa_streaming's).
   const detail::GroupBlockTasks order(pairs, m, true);
   const auto pack_pair = [&](Index bh) {
     const Index b = bh / heads, h = bh % heads, row0 = b * length;
+    if (bf16) {
+      if constexpr (std::is_same<Scalar, float>::value) {
+        packed_k16[static_cast<std::size_t>(bh)].pack(k.block(row0, h * dh, length, dh).transpose());
+        packed_v16[static_cast<std::size_t>(bh)].pack(v.block(row0, h * dh, length, dh));
+      }
+      return;
+    }
     packed_k[static_cast<std::size_t>(bh)].pack(k.block(row0, h * dh, length, dh).transpose());
     packed_v[static_cast<std::size_t>(bh)].pack(v.block(row0, h * dh, length, dh));
   };
   struct Workspace {
+    cpu::Bf16A q16, p16;  // Compute::BFloat16: the scaled queries and a chunk's probabilities, rounded
     RowMatrix<Scalar> q, s, acc;
     Vector<Scalar> max, sum, alpha;
     std::vector<cpu::MaskedValues<Scalar>> masked;  // one per chunk of a step
@@ -263,10 +279,25 @@ void chunk_sparse_attention_packed(const ConstRowMatrixRef<Scalar>& q, const Con
     const Index bh = at.first, i = at.second, b = bh / heads, h = bh % heads;
     order.prepare(bh, pack_pair);
     const Index c = b * m + i, rows = grid.count(c), q_row = grid.row(c), i0 = grid.first(c);
-    const cpu::PackedB<Scalar>& pk = packed_k[static_cast<std::size_t>(bh)];
-    const cpu::PackedB<Scalar>& pv = packed_v[static_cast<std::size_t>(bh)];
+    const Bf16Engine engine = bf16 ? packed_k16[static_cast<std::size_t>(bh)].engine() : Bf16Engine::Fallback;
+    const cpu::Bf16Tiles tile_registers(engine);
     typename RowMatrix<Scalar>::RowsBlockXpr qs = ws.q.topRows(rows), acc = ws.acc.topRows(rows);
     qs = q.block(q_row, h * dh, rows, dh) * scale;
+    if constexpr (std::is_same<Scalar, float>::value) {
+      if (bf16) ws.q16.prepare(qs.data(), qs.outerStride(), rows, dh, engine);
+    }
+    // The product of the task's queries (or probabilities) with rows [j0, j0 + count) of a pair's packing.
+    const auto scores_of = [&](Index j0, Index count, Eigen::Block<RowMatrix<Scalar>>& s) {
+      if constexpr (std::is_same<Scalar, float>::value) {
+        if (bf16) {
+          cpu::bf16_gemm(ws.q16, packed_k16[static_cast<std::size_t>(bh)], 0, dh, j0, count, nullptr, false, s.data(),
+                         s.outerStride());
+          return;
+        }
+      }
+      cpu::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), rows, packed_k[static_cast<std::size_t>(bh)], 0, dh,
+                                     j0, count, nullptr, false, s.data(), s.outerStride());
+    };
     acc.setZero();
     Eigen::VectorBlock<Vector<Scalar>> mx = ws.max.head(rows), l = ws.sum.head(rows), alpha = ws.alpha.head(rows);
     mx.setConstant(-std::numeric_limits<Scalar>::infinity());
@@ -282,15 +313,16 @@ void chunk_sparse_attention_packed(const ConstRowMatrixRef<Scalar>& q, const Con
       for (Index u = 0; u < n_step; ++u) {
         const Index kc = b * m + chosen[t0 + u], count = grid.count(kc), j0 = grid.first(kc);
         Eigen::Block<RowMatrix<Scalar>> s = ws.s.block(0, cols, rows, count);
-        cpu::packed_gemm_range<Scalar>(qs.data(), qs.outerStride(), rows, pk, 0, dh, j0, count, nullptr, false,
-                                       s.data(), s.outerStride());
+        scores_of(j0, count, s);
         unsigned char& guard = ws.guard[static_cast<std::size_t>(u)];
         guard = 0;
         if (!mask.empty()) {
           mask.apply(b, h, i0, j0, s);
-          // Keys the mask hides may hold non-finite values: leave them out (masked_values.hpp).
+          // Keys the mask hides may hold non-finite values (in bfloat16, also finite values beyond its
+          // range): leave them out (masked_values.hpp).
           cpu::MaskedValues<Scalar>& masked = ws.masked[static_cast<std::size_t>(u)];
-          guard = masked.find(ValueBlock(v.block(grid.row(kc), h * dh, count, dh)));
+          const ValueBlock vb(v.block(grid.row(kc), h * dh, count, dh));
+          guard = bf16 ? masked.find(vb.unaryExpr(cpu::RoundBf16<Scalar>())) : masked.find(vb);
           if (guard) masked.remember_hidden(s);
         }
         cols += count;
@@ -300,13 +332,29 @@ void chunk_sparse_attention_packed(const ConstRowMatrixRef<Scalar>& q, const Con
       cols = 0;
       for (Index u = 0; u < n_step; ++u) {
         const Index kc = b * m + chosen[t0 + u], count = grid.count(kc), j0 = grid.first(kc);
-        const Eigen::Block<RowMatrix<Scalar>> p = ws.s.block(0, cols, rows, count);
-        if (ws.guard[static_cast<std::size_t>(u)]) {
-          ws.masked[static_cast<std::size_t>(u)].product_packed_add(
-              acc, p, ValueBlock(v.block(grid.row(kc), h * dh, count, dh)), j0);
+        Eigen::Block<RowMatrix<Scalar>> p = ws.s.block(0, cols, rows, count);
+        const ValueBlock vb(v.block(grid.row(kc), h * dh, count, dh));
+        const bool guard = ws.guard[static_cast<std::size_t>(u)] != 0;
+        if constexpr (std::is_same<Scalar, float>::value) {
+          if (bf16 && guard) {  // the probabilities and values rounded, the hidden keys left out
+            cpu::round_bf16_rows(p.data(), rows, count, p.outerStride());
+            ws.masked[static_cast<std::size_t>(u)].template product<true>(acc, p,
+                                                                          vb.unaryExpr(cpu::RoundBf16<Scalar>()));
+          } else if (bf16) {
+            ws.p16.prepare(p.data(), p.outerStride(), rows, count, engine);
+            cpu::bf16_gemm(ws.p16, packed_v16[static_cast<std::size_t>(bh)], j0, j0 + count, 0, dh, nullptr, true,
+                           acc.data(), acc.outerStride());
+          }
+        }
+        if (bf16) {
+          cols += count;
+          continue;
+        }
+        if (guard) {
+          ws.masked[static_cast<std::size_t>(u)].product_packed_add(acc, p, vb, j0);
         } else {
-          cpu::packed_gemm_range<Scalar>(p.data(), p.outerStride(), rows, pv, j0, j0 + count, 0, dh, nullptr, true,
-                                         acc.data(), acc.outerStride());
+          cpu::packed_gemm_range<Scalar>(p.data(), p.outerStride(), rows, packed_v[static_cast<std::size_t>(bh)], j0,
+                                         j0 + count, 0, dh, nullptr, true, acc.data(), acc.outerStride());
         }
         cols += count;
       }
@@ -330,9 +378,20 @@ std::size_t chunk_sparse_workspace_bytes(const kernels::ChunkGrid& grid, Index h
   if (chunk_sparse_packed<Scalar>(grid, options)) {
     const std::size_t pairs = static_cast<std::size_t>(grid.batch * heads);
     const Index step_keys = sparse_step_chunks(grid) * static_cast<Index>(width);
-    return pairs * (cpu::PackedB<Scalar>::bytes(dh, grid.length) + cpu::PackedB<Scalar>::bytes(grid.length, dh)) +
-           s * workers *
-               (2 * width * d + width * static_cast<std::size_t>(cpu::score_stride<Scalar>(step_keys)) + 3 * width);
+    const Index w = static_cast<Index>(width);
+    // Compute::BFloat16: the packings on the engine, and per worker the rounded queries and a chunk's
+    // probabilities.
+    const std::size_t packs = compute == Compute::BFloat16 ? cpu::Bf16PackedB::bytes(dh, grid.length, bf16_engine()) +
+                                                                 cpu::Bf16PackedB::bytes(grid.length, dh, bf16_engine())
+                                                           : cpu::PackedB<Scalar>::bytes(dh, grid.length) +
+                                                                 cpu::PackedB<Scalar>::bytes(grid.length, dh);
+    const std::size_t rounded = compute == Compute::BFloat16
+                                    ? cpu::Bf16A::bytes(w, dh, bf16_engine()) + cpu::Bf16A::bytes(w, w, bf16_engine())
+                                    : 0;
+    return pairs * packs +
+           workers *
+               (rounded + s * (2 * width * d + width * static_cast<std::size_t>(cpu::score_stride<Scalar>(step_keys)) +
+                               3 * width));
   }
   const std::size_t k = static_cast<std::size_t>(grid.chunk);
   const std::size_t picks = std::min(static_cast<std::size_t>(top_k),
