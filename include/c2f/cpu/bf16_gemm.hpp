@@ -506,15 +506,8 @@ class Bf16A {
       return;
     }
 #if C2F_AMX_POSSIBLE
-    ld_ = detail::ceil_div(depth, kTileK) * kTileK;
-    const Index padded = detail::ceil_div(rows, kTileMN) * kTileMN;
-    a16_.reserve(static_cast<std::size_t>(std::max<Index>(1, padded * ld_)));
-    for (Index i = 0; i < rows; ++i) {
-      std::uint16_t* dst = a16_.data() + i * ld_;
-      bf16_bits_avx512(a + i * lda, depth, dst);
-      std::fill(dst + depth, dst + ld_, std::uint16_t(0));
-    }
-    std::fill(a16_.data() + rows * ld_, a16_.data() + padded * ld_, std::uint16_t(0));
+    std::uint16_t* dst = blocked(rows, depth, engine);
+    for (Index i = 0; i < rows; ++i) bf16_bits_avx512(a + i * lda, depth, dst + i * ld_);
 #endif
   }
 #if C2F_AMX_POSSIBLE
