@@ -8,6 +8,8 @@
 #   attention  the peer table: c2f against PyTorch, libtorch and ONNX Runtime — MultiHeadAttention at
 #              L = 1024, 2048, 4096 and C2FAttention chunk 32 (the article's module; ORT at 4096)
 #              (benchmarks/sweep.py --headline)
+#   loop       forward() in a user's loop against forward_into() into a reused buffer, every layer at its
+#              largest benchmark size (bench_forward_loop; the target is 1.15x at most)
 #   train      one training step, MultiHeadAttention at L = 2048: bench_train against torch.autograd
 #              (benchmarks/torch_train_peer.py, gradients checked first)
 #   python     the Python module against torch, MultiHeadAttention at L = 2048, and the binding's cost per
@@ -26,7 +28,7 @@
 #                 examples/dist_c2f
 #     --only PART run only this part (repeatable), short unless --full. Parts: examples, machine,
 #                 attention (or peers), runtime, c2f2d, decode, sweep (= machine attention runtime c2f2d
-#                 decode), train, python, dist. Short forms of runtime, c2f2d and decode: one repetition
+#                 decode), loop, train, python, dist. Short forms of runtime, c2f2d and decode: one repetition
 #                 of the runtime sweeps, the quick c2f2d and decode sweeps; examples has one form
 #     --portable  build without -march=native (preset `release`: SSE2 on x86-64). The default is
 #                 -march=native (preset `release-native`): the benchmarks measure the machine they run on.
@@ -44,7 +46,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage="usage: scripts/run.sh [--full] [--only PART]... [--portable] [--out DIR]
-  parts: examples machine attention (peers) runtime c2f2d decode sweep train python dist"
+  parts: examples machine attention (peers) runtime c2f2d decode sweep loop train python dist"
 preset=release-native
 out=results/latest
 full=0
@@ -55,7 +57,7 @@ while [ $# -gt 0 ]; do
     --only)
       [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
       case "$2" in
-        examples | machine | attention | runtime | c2f2d | decode | train | python | dist) only+=("$2") ;;
+        examples | machine | attention | runtime | c2f2d | decode | loop | train | python | dist) only+=("$2") ;;
         peers) only+=(attention) ;;
         sweep) only+=(machine attention runtime c2f2d decode) ;;
         *) echo "run: unknown part '$2'" >&2; echo "$usage" >&2; exit 2 ;;
@@ -80,9 +82,9 @@ esac
 
 if [ ${#only[@]} -eq 0 ]; then
   if [ "$full" = 1 ]; then
-    parts=(examples machine attention runtime c2f2d decode train python dist)
+    parts=(examples machine attention runtime c2f2d decode loop train python dist)
   else
-    parts=(machine attention train python dist)
+    parts=(machine attention loop train python dist)
   fi
 else
   parts=("${only[@]}")
@@ -128,6 +130,7 @@ has attention && targets+=(bench_attention bench_libtorch)
 has runtime && targets+=(bench_runtime bench_runtime_portable bench_runtime_omp bench_runtime_omploops)
 has c2f2d && targets+=(bench_c2f2d)
 has decode && targets+=(bench_decode)
+has loop && targets+=(bench_forward_loop)
 has train && targets+=(bench_train)
 has train && [ "$full" = 1 ] && targets+=(train_c2f)
 has python && targets+=(c2f_python bench_attention)
@@ -175,6 +178,12 @@ if [ ${#sweep_parts[@]} -gt 0 ]; then
       --runtime-repetitions 1 --c2f2d-sweep quick --decode-sweep quick
   fi
   step "sweep:$sweep_names"
+fi
+
+if has loop; then
+  echo "== forward() in a loop against forward_into(): bench_forward_loop (every layer at its largest benchmark size)"
+  "$build/benchmarks/bench_forward_loop" | tee "$out/forward_loop.md"
+  step "loop"
 fi
 
 if has train; then
@@ -257,7 +266,7 @@ if [ "$full" = 0 ]; then
   echo "This was the short run of each part (${parts[*]}). The rest:"
   echo "  scripts/run.sh --full                  every part at full size (hours on 2 cores)"
   echo "  scripts/run.sh [--full] --only PART    one part (repeatable); parts: examples machine attention runtime"
-  echo "                                         c2f2d decode sweep train python dist"
+  echo "                                         c2f2d decode sweep loop train python dist"
   echo "  benchmarks/README.md                   each binary and script alone"
 fi
 echo "run: results in $out/ (headline.md, run_times.md, and each part's tables and JSON)"

@@ -729,12 +729,14 @@ TEST(C2F2DMemory, ForwardHoldsTheOutputAndPerBlockRowsOnly) {
     c2f::release_scratch_cache();
     c2f_memory::reset();
     {
-      const Tensor3<float> y = m.forward(x, side, side);
+      const auto y = m.forward(x, side, side);  // a c2f::Output: no copy
       EXPECT_EQ(y.dimension(1), side * side);
     }
     c2f_memory::stop();
     const long long output = static_cast<long long>(side * side * d * sizeof(float));
-    EXPECT_EQ(c2f_memory::largest_allocation(), output) << side;
+    // The output is the largest block (the scratch cache adds its 64 bytes of alignment to the request).
+    EXPECT_GE(c2f_memory::largest_allocation(), output) << side;
+    EXPECT_LE(c2f_memory::largest_allocation(), output + static_cast<long long>(c2f::detail::kScratchAlign)) << side;
     EXPECT_LE(c2f_memory::peak_bytes(), output + static_cast<long long>(m.workspace_bytes(1, side, side)) + 64 * 1024)
         << side;
     // Working memory is per block: at most 10 % of input + output here.

@@ -210,6 +210,34 @@ TYPED_TEST_P(LayerContract, ForwardIntoWritesExactlyTheForwardOutput) {
       << TypeParam::name << ": a wrongly shaped out is refused";
 }
 
+// forward's output comes from the scratch cache (c2f/output.hpp): a loop gets back the buffer of the output
+// before it, values and all. A stale buffer of NaN handed to forward must come back fully overwritten, with
+// forward_into's bits (an output of at least the cache's smallest kept size, so that the cache keeps it).
+TYPED_TEST_P(LayerContract, ForwardOverwritesAReusedBuffer) {
+  using S = typename TestFixture::ScalarType;
+  if (c2f::scratch_cache_limit() == 0) GTEST_SKIP() << "the scratch cache is off (an AddressSanitizer build)";
+  TestRng rng(1014);
+  const typename TestFixture::LayerType layer = TestFixture::random_layer(12);
+  // As many batch items of kLength tokens as make the output that large.
+  const std::array<Index, 3> one = TypeParam::output_shape(layer, TestFixture::input(rng, 1, kLength));
+  const Index batch = c2f::detail::ceil_div(static_cast<Index>(c2f::detail::kScratchMinBytes),
+                                            one[1] * one[2] * static_cast<Index>(sizeof(S)));
+  const Tensor3<S> x = TestFixture::input(rng, batch, kLength);
+  const std::array<Index, 3> dims = TypeParam::output_shape(layer, x);
+  RowMatrix<S> want(dims[0] * dims[1], dims[2]);
+  TypeParam::forward_into(layer, x, want, {});
+  c2f::release_scratch_cache();
+  {
+    c2f::Output<S> stale(dims);
+    stale.setConstant(std::numeric_limits<S>::quiet_NaN());
+  }
+  ASSERT_GE(c2f::scratch_cache_bytes(), sizeof(S) * static_cast<std::size_t>(want.size())) << TypeParam::name;
+  const auto y = TypeParam::forward(layer, x, {});
+  EXPECT_TRUE(c2f_test::reused_output(y)) << TypeParam::name << ": forward's output is not from the output pool";
+  EXPECT_TRUE(c2f_test::same_bits(y.data(), want.data(), want.size()))
+      << TypeParam::name << ": forward left elements of a reused buffer unwritten";
+}
+
 // workspace_bytes is an upper bound of what forward_into holds on the heap at its peak (output excluded:
 // it is the caller's), and not a loose one.
 TYPED_TEST_P(LayerContract, WorkspaceBytesBoundTheMeasuredPeak) {
@@ -570,7 +598,7 @@ TYPED_TEST_P(LayerContract, BackwardRefusesAWrongDyOrAnotherSavedState) {
 REGISTER_TYPED_TEST_SUITE_P(LayerContract, ConcurrentCallersShareOneModule);
 #else
 REGISTER_TYPED_TEST_SUITE_P(LayerContract, OutputBitsDoNotDependOnThreadCount, ForwardIntoWritesExactlyTheForwardOutput,
-                            WorkspaceBytesBoundTheMeasuredPeak, StateDictRoundTrip,
+                            ForwardOverwritesAReusedBuffer, WorkspaceBytesBoundTheMeasuredPeak, StateDictRoundTrip,
                             ParametersChangedAfterAForwardAreUsed, StrictLoadingNamesTheKey,
                             EmptyBatchEmptySequenceAndLengthOne, WrongFeaturesNameBothShapes,
                             NanInAnInputReachesTheOutput, RefusesMaskFieldsItDoesNotTake,
@@ -696,6 +724,20 @@ struct IntoSkipsARowLayer : Mha {
   }
 };
 
+/// forward() leaves the last row of its output as the buffer held it (as a layer that counts on fresh
+/// memory being zero would).
+struct UnwrittenRowLayer : Mha {
+  using Mha::Mha;
+  c2f::Output<float> forward(c2f::ConstTensor3Ref<float> x, const Masks<float>& m = {}) const {
+    c2f::Output<float> y({x.batch(), x.seq(), embed_dim()});
+    Eigen::Map<RowMatrix<float>> rows(y.data(), x.batch() * x.seq(), embed_dim());
+    RowMatrix<float> all(rows.rows(), rows.cols());
+    Mha::forward_into(x, all, m);
+    rows.topRows(rows.rows() - 1) = all.topRows(rows.rows() - 1);
+    return y;
+  }
+};
+
 /// state_dict() saves out_proj.bias as zeros.
 struct LossyStateDictLayer : Mha {
   using Mha::Mha;
@@ -782,6 +824,7 @@ struct StaleParametersLayer : Mha {
 // clang-format off
 C2F_LAYER(ThreadDependent, ThreadDependentLayer, kWidth, 2, o);
 C2F_LAYER(IntoSkipsARow, IntoSkipsARowLayer, kWidth, 2, o);
+C2F_LAYER(UnwrittenRow, UnwrittenRowLayer, kWidth, 2, o);
 C2F_LAYER(LossyStateDict, LossyStateDictLayer, kWidth, 2, o);
 C2F_LAYER(IgnoresMasks, IgnoresMasksLayer, kWidth, 2, o);
 C2F_LAYER(SharedScratch, SharedScratchLayer, kWidth, 2, o);
@@ -790,8 +833,8 @@ C2F_LAYER(ThreadDependentGrads, ThreadDependentGradsLayer, kWidth, 2, o);
 C2F_LAYER(StaleParameters, StaleParametersLayer, kWidth, 2, o.compute(c2f::Compute::BFloat16));
 // clang-format on
 
-using Broken = ::testing::Types<ThreadDependent, IntoSkipsARow, LossyStateDict, IgnoresMasks, SharedScratch,
-                                DriftingDecode, ThreadDependentGrads, StaleParameters>;
+using Broken = ::testing::Types<ThreadDependent, IntoSkipsARow, UnwrittenRow, LossyStateDict, IgnoresMasks,
+                                SharedScratch, DriftingDecode, ThreadDependentGrads, StaleParameters>;
 INSTANTIATE_TYPED_TEST_SUITE_P(Broken, LayerContract, Broken, EntryNames);
 
 }  // namespace

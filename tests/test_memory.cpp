@@ -39,7 +39,7 @@ Measured measure_forward(c2f::MultiHeadAttention<float>& mha, const c2f::Tensor3
     const c2f::AttnOutput<float> out = mha.forward_with_weights(x, x, x);
     EXPECT_EQ(out.weights.dimension(2), x.dimension(1));
   } else {
-    const c2f::Tensor3<float> out = mha.forward(x);
+    const auto out = mha.forward(x);
     EXPECT_EQ(out.dimension(1), x.dimension(1));
   }
   c2f_memory::stop();
@@ -134,9 +134,9 @@ TEST_F(MemoryTest, ScratchCacheServesTheNextCallsTemporaries) {
   const auto second_call_peak = [&](std::size_t cache_limit) {
     c2f::set_scratch_cache_limit(cache_limit);
     c2f::release_scratch_cache();
-    const c2f::Tensor3<float> warm = mha.forward(x);
+    const auto warm = mha.forward(x);
     c2f_memory::reset();
-    const c2f::Tensor3<float> y = mha.forward(x);
+    const auto y = mha.forward(x);
     c2f_memory::stop();
     EXPECT_EQ(y.dimension(1), L);
     return c2f_memory::peak_bytes();
@@ -204,7 +204,7 @@ TEST_F(MemoryTest, C2FFoldedPathHasNoTokenLevelKeyValueTensor) {
       m.set_fine_path(path);
       c2f::release_scratch_cache();
       c2f_memory::reset();
-      const c2f::Tensor3<float> y = m.forward(x);
+      const auto y = m.forward(x);
       c2f_memory::stop();
       EXPECT_EQ(y.dimension(1), L);
       const long long kv_bytes = static_cast<long long>(L * 2 * d * sizeof(float));

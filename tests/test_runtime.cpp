@@ -5,9 +5,12 @@
 
 #include "c2f/detail/parallel.hpp"
 #include "c2f/detail/scratch.hpp"
+#include "c2f/output.hpp"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -260,6 +263,111 @@ TEST(Runtime, ScratchCacheServesConcurrentHolders) {
   }
   for (std::thread& th : threads) th.join();
   EXPECT_EQ(corrupted.load(), 0);
+  EXPECT_LE(c2f::scratch_cache_bytes(), c2f::scratch_cache_limit());
+}
+
+// c2f::Output (what forward returns): a TensorMap that owns a scratch block. Copies are deep, moves hand
+// the block over, assignment of an expression writes the values, and a dead Output's block serves the next
+// one of a size it fits.
+TEST(Output, CopiesAreDeepAndMovesHandTheBufferOver) {
+  c2f::Output<float> a({2, 3, 4});
+  for (Index i = 0; i < a.size(); ++i) a.data()[i] = static_cast<float>(i);
+  c2f::Output<float> b = a;
+  ASSERT_EQ(b.dimensions(), a.dimensions());
+  EXPECT_NE(b.data(), a.data());
+  EXPECT_EQ(b(1, 2, 3), 23.0f);
+  float* const data = a.data();
+  c2f::Output<float> c = std::move(a);
+  EXPECT_EQ(c.data(), data);
+  EXPECT_EQ(a.size(), 0);  // NOLINT(bugprone-use-after-move): a moved-from Output is empty
+  EXPECT_EQ(a.data(), nullptr);
+  c = c * 2.0f;  // an expression: written into c's own buffer
+  EXPECT_EQ(c.data(), data);
+  EXPECT_EQ(c(1, 2, 3), 46.0f);
+  const c2f::Tensor3<float> t = c + b;  // a plain tensor from an expression of Outputs
+  EXPECT_EQ(t(1, 2, 3), 69.0f);
+  c2f::Output<float> d({1, 1, 1});
+  d = c;  // copy-assignment takes the other's shape
+  EXPECT_EQ(d.dimensions(), c.dimensions());
+  EXPECT_EQ(d(0, 1, 2), c(0, 1, 2));
+  EXPECT_NE(d.data(), c.data());
+  d.swap(b);
+  EXPECT_EQ(d(1, 2, 3), 23.0f);
+  EXPECT_EQ(b(1, 2, 3), 46.0f);
+  const c2f::Output<float> empty;
+  EXPECT_EQ(empty.size(), 0);
+  EXPECT_THROW(c2f::Output<float>({-1, 2, 3}), std::invalid_argument);
+  EXPECT_THROW(c2f::Output<float>({Index(1) << 40, Index(1) << 40, 4}), std::invalid_argument);
+  EXPECT_THROW(c2f::Output<float>({Index(1) << 20, Index(1) << 20, 1 << 10}), std::invalid_argument);  // > 1 TiB
+}
+
+TEST(Output, ADeadOutputsBufferServesTheNext) {
+  if (c2f::scratch_cache_limit() == 0) GTEST_SKIP() << "the scratch cache is off (an AddressSanitizer build)";
+  c2f::release_scratch_cache();
+  const std::array<Index, 3> dims{1, 512, 256};  // 512 KiB, above kScratchMinBytes
+  const float* first = nullptr;
+  {
+    c2f::Output<float> y(dims);
+    EXPECT_FALSE(y.reused_buffer());
+    first = y.data();
+  }
+  EXPECT_GE(c2f::scratch_cache_bytes(), std::size_t(512) << 10);
+  {
+    const c2f::Output<float> y(dims);
+    EXPECT_TRUE(y.reused_buffer());
+    EXPECT_EQ(y.data(), first);
+    const c2f::Output<float> z(dims);  // the one block is taken: z's is new
+    EXPECT_FALSE(z.reused_buffer());
+  }
+  {  // the control: with the cache off, nothing comes back
+    const auto off = c2f_test::scoped_scratch_cache_limit(0);
+    { const c2f::Output<float> y(dims); }
+    EXPECT_EQ(c2f::scratch_cache_bytes(), 0u);
+    const c2f::Output<float> y(dims);
+    EXPECT_FALSE(y.reused_buffer());
+  }
+  c2f::release_scratch_cache();
+}
+
+// A block given back to a full cache evicts smaller ones kept before it, as far as it needs the room.
+TEST(Output, AFullCacheMakesRoomForTheLatestBlock) {
+  if (c2f::scratch_cache_limit() == 0) GTEST_SKIP() << "the scratch cache is off (an AddressSanitizer build)";
+  c2f::release_scratch_cache();
+  const auto limit = c2f_test::scoped_scratch_cache_limit(std::size_t(3) << 20);
+  { const c2f::Output<float> small({1, 256, 1024}), other({1, 256, 1024}); }  // 2 × 1 MiB kept
+  EXPECT_EQ(c2f::scratch_cache_bytes(), std::size_t(2) << 20);
+  { const c2f::Output<float> big({1, 512, 1024}); }  // 2 MiB: one of the small ones goes
+  EXPECT_EQ(c2f::scratch_cache_bytes(), std::size_t(3) << 20);
+  const c2f::Output<float> again({1, 512, 1024});
+  EXPECT_TRUE(again.reused_buffer());
+  { const c2f::Output<float> too_big({1, 1024, 1024}); }  // 4 MiB > the limit: freed, nothing evicted
+  EXPECT_EQ(c2f::scratch_cache_bytes(), std::size_t(1) << 20);
+  c2f::release_scratch_cache();
+}
+
+// Outputs made on one thread die on another while others make theirs (the TSan preset runs this suite).
+TEST(Output, OutputsLiveAndDieOnAnyThread) {
+  constexpr int kThreads = 4, kRounds = 100;
+  std::atomic<int> corrupted{0};
+  std::mutex handoff_mutex;
+  std::vector<c2f::Output<int>> handoff;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int r = 0; r < kRounds; ++r) {
+        c2f::Output<int> y({1, 256 + 64 * ((t + r) % 3), 256});
+        const int mark = t * kRounds + r;
+        std::fill(y.data(), y.data() + y.size(), mark);
+        if (y(0, y.dimension(1) - 1, 255) != mark || y(0, 0, 0) != mark) ++corrupted;
+        const std::lock_guard<std::mutex> lock(handoff_mutex);
+        handoff.push_back(std::move(y));
+        if (handoff.size() > 3) handoff.erase(handoff.begin());  // another thread's output dies here
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(corrupted.load(), 0);
+  handoff.clear();
   EXPECT_LE(c2f::scratch_cache_bytes(), c2f::scratch_cache_limit());
 }
 

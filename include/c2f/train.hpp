@@ -1,8 +1,7 @@
-// c2f — training: what a layer's forward_train() and backward() return (TrainOutput, Grads), and the
-// training utilities the coarse-to-fine attention article asks for — gradient norms per parameter,
-// clip_grad_norm (torch.nn.utils.clip_grad_norm_), and the optimizers SGD and AdamW, which match
-// torch.optim step for step and update a layer's parameters in place through its state dict.
-// docs/training.md.
+// c2f — training: what a layer's backward() returns (Grads; forward_train()'s TrainOutput is in
+// c2f/output.hpp), and the training utilities the coarse-to-fine attention article asks for — gradient norms per
+// parameter, clip_grad_norm (torch.nn.utils.clip_grad_norm_), and the optimizers SGD and AdamW, which match torch.optim
+// step for step and update a layer's parameters in place through its state dict. docs/training.md.
 //
 //   auto [y, saved] = layer.forward_train(x, masks);
 //   c2f::Grads<float> g = layer.backward(saved, dy);   // g.input = dL/dx, g.params = dL/dθ by name
@@ -40,14 +39,6 @@ struct Grads {
   /// dL/dθ: exactly the names, shapes and dtype of the layer's state_dict() — the gradients are written by
   /// the same walk over the layer's parameters that writes state_dict().
   StateDict params;
-};
-
-/// What forward_train() returns: `auto [output, saved] = layer.forward_train(x, masks);`. `saved` is the
-/// layer's Saved state, which its backward() takes.
-template <class Scalar, class Saved>
-struct TrainOutput {
-  Tensor3<Scalar> output;
-  Saved saved;
 };
 
 namespace detail {

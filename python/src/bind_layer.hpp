@@ -219,7 +219,7 @@ void bind_decode(Cls& cls) {
       [](const Held<Entry>& h, Index batch, Index reserve) { return h.layer.new_decode_state(batch, reserve); },
       py::arg("batch"), py::arg("reserve") = 0,
       "an empty decoding state for `batch` sequences (the layer must be causal)");
-  using Step = c2f::Tensor3<S> (Layer::*)(Ref3<S>, State&) const;
+  using Step = c2f::Output<S> (Layer::*)(Ref3<S>, State&) const;
   for (const auto& [name, step, doc] :
        {std::make_tuple("decode", static_cast<Step>(&Layer::template decode<State>),
                         "appends x [batch, n, features] to the state; returns their outputs [batch, n, features]"),

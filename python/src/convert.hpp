@@ -121,6 +121,17 @@ py::array to_numpy(Eigen::Tensor<S, Rank, Eigen::RowMajor>&& t) {
   return py::array_t<S>(shape, owned->data(), base);
 }
 
+/// A layer's output as a numpy array over the same memory: the array's base owns the Output, whose
+/// buffer goes back to c2f's output pool when the array dies (c2f/output.hpp).
+template <class S, int Rank>
+py::array to_numpy(c2f::Output<S, Rank>&& t) {
+  using T = c2f::Output<S, Rank>;
+  auto* owned = new T(std::move(t));
+  py::capsule base(owned, [](void* p) { delete static_cast<T*>(p); });
+  std::vector<py::ssize_t> shape(owned->dimensions().begin(), owned->dimensions().end());
+  return py::array_t<S>(shape, owned->data(), base);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Masks: what torch accepts — bool arrays (True = masked out, nn.MultiheadAttention's convention; wrapped
 // in c2f.keep(...): True = may attend), uint8 as bool, float arrays (added to the scores) — plus causal.

@@ -35,8 +35,8 @@ c2f::Tensor3<Scalar> tokens(Index b, Index l, Index d, std::uint64_t seed) {
 }
 
 /// Positions [begin, begin + length) of every batch item of x.
-template <class Scalar>
-c2f::Tensor3<Scalar> slice(const c2f::Tensor3<Scalar>& x, Index begin, Index length) {
+template <class T, class Scalar = typename T::Scalar>  // a Tensor3 or an Output
+c2f::Tensor3<Scalar> slice(const T& x, Index begin, Index length) {
   const Index b = x.dimension(0), l = x.dimension(1), d = x.dimension(2);
   c2f::Tensor3<Scalar> s(b, length, d);
   for (Index i = 0; i < b; ++i) {
@@ -45,8 +45,8 @@ c2f::Tensor3<Scalar> slice(const c2f::Tensor3<Scalar>& x, Index begin, Index len
   return s;
 }
 
-template <class Scalar>
-::testing::AssertionResult same_bits(const c2f::Tensor3<Scalar>& got, const c2f::Tensor3<Scalar>& want) {
+template <class Got, class Want, class Scalar = typename Got::Scalar>  // Tensor3s or Outputs
+::testing::AssertionResult same_bits(const Got& got, const Want& want) {
   if (got.dimensions() != want.dimensions()) return ::testing::AssertionFailure() << "shapes differ";
   for (Index i = 0; i < got.size(); ++i) {
     if (std::memcmp(got.data() + i, want.data() + i, sizeof(Scalar)) != 0) {
@@ -363,8 +363,8 @@ TEST(DistShard, EvenPlanCoversTheSequenceInChunks) {
 }
 
 /// Rows of x at the positions of `segments`, in that order.
-template <class Scalar>
-c2f::Tensor3<Scalar> rows_at(const c2f::Tensor3<Scalar>& x, const std::array<c2f::dist::Segment, 2>& segments) {
+template <class T, class Scalar = typename T::Scalar>  // a Tensor3 or an Output
+c2f::Tensor3<Scalar> rows_at(const T& x, const std::array<c2f::dist::Segment, 2>& segments) {
   const Index b = x.dimension(0), l = x.dimension(1), d = x.dimension(2);
   c2f::Tensor3<Scalar> out(b, segments[0].length + segments[1].length, d);
   for (Index i = 0; i < b; ++i) {
@@ -379,8 +379,8 @@ c2f::Tensor3<Scalar> rows_at(const c2f::Tensor3<Scalar>& x, const std::array<c2f
   return out;
 }
 
-template <class Scalar>
-::testing::AssertionResult near(const c2f::Tensor3<Scalar>& got, const c2f::Tensor3<Scalar>& want) {
+template <class Got, class Want, class Scalar = typename Got::Scalar>  // Tensor3s or Outputs
+::testing::AssertionResult near(const Got& got, const Want& want) {
   // fp32: atol = rtol = 1e-5; fp64: 1e-10 (the partial outputs are merged in another order).
   const double tol = std::is_same<Scalar, float>::value ? 1e-5 : 1e-10;
   if (got.dimensions() != want.dimensions()) return ::testing::AssertionFailure() << "shapes differ";

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "c2f/core.hpp"
+#include "c2f/output.hpp"
 #include "c2f/state_dict.hpp"
 #include "support/random.hpp"
 
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace c2f_test {
@@ -52,8 +54,20 @@ bool same_bits(const Scalar* a, const Scalar* b, c2f::Index n) {
   return n == 0 || std::memcmp(a, b, sizeof(Scalar) * static_cast<std::size_t>(n)) == 0;
 }
 
-template <class Scalar>
-bool same_bits(const c2f::Tensor3<Scalar>& a, const c2f::Tensor3<Scalar>& b) {
+/// Whether a forward's output came from a buffer the scratch cache kept (c2f/output.hpp); false for a
+/// layer whose forward returns a plain tensor.
+template <class Scalar, int Rank>
+bool reused_output(const c2f::Output<Scalar, Rank>& y) {
+  return y.reused_buffer();
+}
+template <class T>
+bool reused_output(const T&) {
+  return false;
+}
+
+/// Whether two tensors (Eigen::Tensor or c2f::Output, of the same rank) have the same sizes and bits.
+template <class A, class B, class = std::enable_if_t<!std::is_pointer<A>::value && !std::is_pointer<B>::value>>
+bool same_bits(const A& a, const B& b) {
   return a.dimensions() == b.dimensions() && same_bits(a.data(), b.data(), a.size());
 }
 

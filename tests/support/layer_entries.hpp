@@ -33,7 +33,7 @@ constexpr Index kWidth = 8;  // input features of every entry
 template <class L, class S>
 struct LayerCalls {
   static std::array<Index, 3> output_shape(const L& l, c2f::ConstTensor3Ref<S> x) { return l.output_shape(x); }
-  static Tensor3<S> forward(const L& l, c2f::ConstTensor3Ref<S> x, const Masks<S>& m) { return l.forward(x, m); }
+  static auto forward(const L& l, c2f::ConstTensor3Ref<S> x, const Masks<S>& m) { return l.forward(x, m); }
   static void forward_into(const L& l, c2f::ConstTensor3Ref<S> x, c2f::RowMatrixRef<S> out, const Masks<S>& m) {
     l.forward_into(x, out, m);
   }
@@ -70,7 +70,7 @@ struct LayerCalls<c2f::FineAttention<S>, S> {
     static const S one[1] = {S(0)};
     return c2f::ConstTensor3Ref<S>(one, {x.batch(), c2f::detail::ceil_div(x.seq(), kChunk), x.features()});
   }
-  static Tensor3<S> forward(const L& l, c2f::ConstTensor3Ref<S> x, const Masks<S>& m) {
+  static auto forward(const L& l, c2f::ConstTensor3Ref<S> x, const Masks<S>& m) {
     if (unreadable(x)) return l.forward_chunked(x, kChunk, placeholder(x), m);
     return l.forward_chunked(x, kChunk, context(x), m);
   }
@@ -106,7 +106,7 @@ struct LayerCalls<c2f::C2FAttention2D<S>, S> {
     const auto [h, w] = grid(x.dimension(1));
     return l.output_shape(x, h, w);
   }
-  static Tensor3<S> forward(const L& l, c2f::ConstTensor3Ref<S> x, const Masks<S>& m) {
+  static auto forward(const L& l, c2f::ConstTensor3Ref<S> x, const Masks<S>& m) {
     const auto [h, w] = grid(x.dimension(1));
     return l.forward(x, h, w, m);
   }

@@ -56,8 +56,8 @@ struct Comparison {
       }
     }
   }
-  template <class Scalar>
-  void check(const Tensor3<Scalar>& got, const StateDict& sd, const std::string& name, const std::string& what) {
+  template <class T, class Scalar = typename T::Scalar>  // a Tensor3 or an Output
+  void check(const T& got, const StateDict& sd, const std::string& name, const std::string& what) {
     check(got.data(), c2f_test::values<Scalar>(sd, name), got.size(), GradTolerance<Scalar>::atol,
           GradTolerance<Scalar>::rtol, what + " " + name);
   }

@@ -1,5 +1,5 @@
 // c2f — reused scratch memory for the large temporaries of a call (projected q/k/v, packed GEMM
-// panels, heads' outputs).
+// panels, heads' outputs) and for the outputs forward() returns (c2f/output.hpp).
 //
 // Without it, every forward mallocs and frees the same large buffers: glibc serves those above its mmap
 // threshold with fresh mappings (and trims its heap after the smaller ones), so each call faults its
@@ -8,20 +8,26 @@
 // frees and hands them to the next request of a size they fit (at most twice the request), the way ONNX
 // Runtime's arena and PyTorch's caching allocator do; blocks below kScratchMinBytes go straight to malloc,
 // which serves those well. The cache holds at most c2f::scratch_cache_limit() bytes (set_scratch_cache_limit(),
-// env C2F_SCRATCH_CACHE_BYTES, default 256 MiB; 0 turns it off) and c2f::release_scratch_cache() frees
-// what it holds. One mutex guards it: a call takes a few dozen blocks at most. Under AddressSanitizer the
-// cache is off, so that a use after free of a temporary is still caught.
+// env C2F_SCRATCH_CACHE_BYTES, default a quarter of the machine's memory and at least 256 MiB; 0 turns it
+// off) and c2f::release_scratch_cache() frees what it holds. One mutex guards it: a call takes a few dozen blocks at
+// most. Under AddressSanitizer the cache is off, so that a use after free of a temporary is still caught.
 #pragma once
 
 #include "c2f/core.hpp"
 #include "c2f/detail/huge_pages.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <new>
 #include <utility>
+#include <vector>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
 
 #if defined(__SANITIZE_ADDRESS__)
 #define C2F_SCRATCH_CACHE_DEFAULT_OFF 1
@@ -47,13 +53,19 @@ class ScratchCache {
     return *cache;
   }
 
-  /// A block of at least `bytes` (64-byte aligned) and its real capacity.
-  std::pair<void*, std::size_t> take(std::size_t bytes) {
+  /// A block of at least `bytes` (64-byte aligned), its real capacity, and whether it comes from the cache
+  /// (its pages mapped and written by an earlier holder) rather than from malloc.
+  struct Block {
+    void* data;
+    std::size_t capacity;
+    bool reused;
+  };
+  Block take(std::size_t bytes) {
     if (bytes >= kScratchMinBytes) {
       const std::lock_guard<std::mutex> lock(mutex_);
       const auto it = free_.lower_bound(bytes);
       if (it != free_.end() && it->first / 2 <= bytes) {
-        const std::pair<void*, std::size_t> block{it->second, it->first};
+        const Block block{it->second, it->first, true};
         cached_ -= it->first;
         free_.erase(it);
         return block;
@@ -66,24 +78,34 @@ class ScratchCache {
       if (p == nullptr) throw std::bad_alloc();
     }
     advise_huge_pages(p, bytes);
-    return {p, bytes};
+    return {p, bytes, false};
   }
 
-  /// Returns a block from take(): cached while the cache has room, freed otherwise.
+  /// Returns a block from take(): cached when it fits the limit — the blocks cached before it freed,
+  /// smallest first, as far as it needs the room — freed otherwise.
   void give(void* p, std::size_t capacity) noexcept {
     if (p == nullptr) return;
+    std::vector<void*> evicted;
+    bool kept = false;
     if (capacity >= kScratchMinBytes) {
       const std::lock_guard<std::mutex> lock(mutex_);
-      if (cached_ + capacity <= limit_) {
+      if (capacity <= limit_) {
         try {
+          evicted.reserve(free_.size());
+          while (cached_ + capacity > limit_ && !free_.empty()) {
+            cached_ -= free_.begin()->first;
+            evicted.push_back(free_.begin()->second);
+            free_.erase(free_.begin());
+          }
           free_.emplace(capacity, p);
           cached_ += capacity;
-          return;
-        } catch (...) {  // no memory for the map node: free the block instead
+          kept = true;
+        } catch (...) {  // no memory for the bookkeeping: free the block instead
         }
       }
     }
-    Eigen::internal::handmade_aligned_free(p);
+    for (void* e : evicted) Eigen::internal::handmade_aligned_free(e);
+    if (!kept) Eigen::internal::handmade_aligned_free(p);
   }
 
   /// Frees every cached block.
@@ -127,8 +149,19 @@ class ScratchCache {
       const unsigned long long v = std::strtoull(env, &end, 10);
       if (end != nullptr && *end == '\0') return static_cast<std::size_t>(v);
     }
-    return std::size_t(256) << 20;
+    return default_limit();
 #endif
+  }
+  /// A quarter of the machine's memory, at least 256 MiB: room for the largest outputs a loop reuses
+  /// (C2FAttention2D's at 1024², d = 512, is 2 GiB).
+  static std::size_t default_limit() {
+    std::size_t limit = std::size_t(256) << 20;
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0)
+      limit = std::max(limit, static_cast<std::size_t>(pages) / 4 * static_cast<std::size_t>(page));
+#endif
+    return limit;
   }
 
   mutable std::mutex mutex_;
@@ -150,12 +183,15 @@ class ScratchArray {
   ScratchArray() = default;
   explicit ScratchArray(std::size_t count) { reserve(count); }
   ScratchArray(ScratchArray&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), capacity_(std::exchange(o.capacity_, 0)) {}
+      : data_(std::exchange(o.data_, nullptr)),
+        capacity_(std::exchange(o.capacity_, 0)),
+        reused_(std::exchange(o.reused_, false)) {}
   ScratchArray& operator=(ScratchArray&& o) noexcept {
     if (this != &o) {
       reset();
       data_ = std::exchange(o.data_, nullptr);
       capacity_ = std::exchange(o.capacity_, 0);
+      reused_ = std::exchange(o.reused_, false);
     }
     return *this;
   }
@@ -167,20 +203,25 @@ class ScratchArray {
   void reserve(std::size_t count) {
     if (count <= capacity_ / sizeof(Scalar) && data_ != nullptr) return;
     reset();
-    const std::pair<void*, std::size_t> block = ScratchCache::instance().take(count * sizeof(Scalar));
-    data_ = static_cast<Scalar*>(block.first);
-    capacity_ = block.second;
+    const ScratchCache::Block block = ScratchCache::instance().take(count * sizeof(Scalar));
+    data_ = static_cast<Scalar*>(block.data);
+    capacity_ = block.capacity;
+    reused_ = block.reused;
   }
   void reset() noexcept {
     ScratchCache::instance().give(data_, capacity_);
     data_ = nullptr;
     capacity_ = 0;
+    reused_ = false;
   }
   Scalar* data() const { return data_; }
+  /// Whether the block came from the cache (mapped and written before) rather than from malloc.
+  bool reused() const { return reused_; }
 
  private:
   Scalar* data_ = nullptr;
   std::size_t capacity_ = 0;  ///< bytes
+  bool reused_ = false;
 };
 
 /// A row-major matrix that owns a scratch block: a layer's temporaries within one call, and what its
@@ -239,8 +280,9 @@ class ScratchRowMatrix : public Eigen::Map<RowMatrix<Scalar>, Eigen::Aligned64> 
 
 }  // namespace detail
 
-/// Bytes of freed scratch memory c2f keeps for the next calls (default 256 MiB, or the environment
-/// variable C2F_SCRATCH_CACHE_BYTES; 0 under AddressSanitizer). See detail/scratch.hpp.
+/// Bytes of freed scratch memory and outputs c2f keeps for the next calls (default a quarter of the
+/// machine's memory, at least 256 MiB, or the environment variable C2F_SCRATCH_CACHE_BYTES; 0 under
+/// AddressSanitizer). See detail/scratch.hpp.
 inline std::size_t scratch_cache_limit() { return detail::ScratchCache::instance().limit(); }
 /// Sets that limit; 0 turns the cache off. Blocks over the new limit are freed.
 inline void set_scratch_cache_limit(std::size_t bytes) { detail::ScratchCache::instance().set_limit(bytes); }

@@ -36,7 +36,7 @@ class C2FAttention2D : public detail::DistLayer<C2FAttention2D<Scalar>, c2f::C2F
   // comm() and module() (detail::DistLayer); forward takes the grid's rows and width.
 
   /// This rank's output rows [B, rows·width, d] for its image rows x [B, rows·width, d].
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, Index rows, Index width, const Masks<Scalar>& masks = {}) const {
+  Output<Scalar> forward(ConstTensor3Ref<Scalar> x, Index rows, Index width, const Masks<Scalar>& masks = {}) const {
     return detail::fresh_forward<Scalar>(x, module_.embed_dim(),
                                          [&](RowMatrixRef<Scalar> out) { forward_into(x, rows, width, out, masks); });
   }

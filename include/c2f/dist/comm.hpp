@@ -18,6 +18,7 @@
 
 #include "c2f/core.hpp"
 #include "c2f/mask.hpp"
+#include "c2f/output.hpp"
 
 #include <mpi.h>
 
@@ -172,9 +173,9 @@ std::vector<std::vector<std::int64_t>> exchange(const Comm& comm, const char* la
 /// forward_into), sized only for an x of that width (a wrong x is reported by forward_into on every
 /// rank, not here).
 template <class Scalar, class Fill>
-Tensor3<Scalar> fresh_forward(const ConstTensor3Ref<Scalar>& x, Index width, Fill&& fill) {
+Output<Scalar> fresh_forward(const ConstTensor3Ref<Scalar>& x, Index width, Fill&& fill) {
   const bool fits = x.features() == width;
-  Tensor3<Scalar> out(fits ? x.batch() : 0, fits ? x.seq() : 0, width);
+  Output<Scalar> out({fits ? x.batch() : 0, fits ? x.seq() : 0, width});
   fill(Eigen::Map<RowMatrix<Scalar>>(out.data(), out.dimension(0) * out.dimension(1), width));
   return out;
 }
@@ -205,7 +206,7 @@ class DistLayer {
   const Module& module() const { return module_; }
 
   /// This rank's output rows [B, n_r, width] for its input rows x.
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
+  Output<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
     return fresh_forward<Scalar>(x, module_.embed_dim(), [&](RowMatrixRef<Scalar> out) {
       static_cast<const Derived&>(*this).forward_into(x, out, masks);
     });

@@ -138,7 +138,7 @@ class C2FAttention2D : public detail::Module<C2FAttention2D<Scalar>> {
   }
   /// forward_into on a fresh buffer, whose pages (where transparent huge pages are on) the system maps and
   /// zeroes as the fine stage writes them, band by band in address order (detail::FreshPages::OnFirstWrite).
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, Index height, Index width, const Masks<Scalar>& masks = {}) const {
+  Output<Scalar> forward(ConstTensor3Ref<Scalar> x, Index height, Index width, const Masks<Scalar>& masks = {}) const {
     return detail::with_layer_name(type_name, [&] {
       const kernels::BlockGrid2D grid = checked_grid(x, height, width);
       detail::check_mask_fields(masks, type_name, mask_fields);

@@ -105,8 +105,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   }
 
   /// The module's interface: x [B, m, k, d], coarse_context [B, m, d] → [B, m, k, d].
-  Tensor4<Scalar> forward(ConstTensor4Ref<Scalar> x, ConstTensor3Ref<Scalar> coarse_context,
-                          const Masks<Scalar>& masks = {}) const {
+  Output<Scalar, 4> forward(ConstTensor4Ref<Scalar> x, ConstTensor3Ref<Scalar> coarse_context,
+                            const Masks<Scalar>& masks = {}) const {
     return detail::with_layer_name(type_name, [&] {
       const Index b = x.dimension(0), m = x.dimension(1), k = x.dimension(2), f = x.dimension(3);
       if (coarse_context.batch() != b || coarse_context.seq() != m) {
@@ -115,7 +115,7 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
                      detail::shape_string({coarse_context.batch(), coarse_context.seq(), coarse_context.features()}));
       }
       if (k == 0 && m > 0) detail::fail("FineAttention: chunks of length 0 in x ", detail::shape_string({b, m, k, f}));
-      Tensor4<Scalar> out(b, m, k, d_);
+      Output<Scalar, 4> out({b, m, k, d_});
       forward_chunked_into(ConstTensor3Ref<Scalar>(x.data(), {b, m * k, f}), std::max<Index>(k, 1), coarse_context,
                            Eigen::Map<RowMatrix<Scalar>>(out.data(), b * m * k, d_), masks);
       return out;
@@ -125,8 +125,8 @@ class FineAttention : public detail::Module<FineAttention<Scalar>> {
   /// Tokens x [B, L, d] cut into chunks of `chunk` (the last one may be partial), coarse_context
   /// [B, ceil(L / chunk), d], attn_mask over the padded grid ([chunk, chunk] or [n, chunk, chunk],
   /// n = 1, B·m or B·m·H; entries at padded positions are ignored) → [B, L, d].
-  Tensor3<Scalar> forward_chunked(ConstTensor3Ref<Scalar> x, Index chunk, ConstTensor3Ref<Scalar> coarse_context,
-                                  const Masks<Scalar>& masks = {}) const {
+  Output<Scalar> forward_chunked(ConstTensor3Ref<Scalar> x, Index chunk, ConstTensor3Ref<Scalar> coarse_context,
+                                 const Masks<Scalar>& masks = {}) const {
     return detail::with_layer_name(type_name, [&] {
       detail::check_features(x, d_, "FineAttention", "tokens", "embed_dim");
       return detail::fresh_output<Scalar>(

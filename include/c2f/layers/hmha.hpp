@@ -325,7 +325,7 @@ class HMHA : public detail::DecodingLayerBase<HMHA<Scalar>, Scalar> {
   }
 
   template <class Cache>
-  Tensor3<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
+  Output<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
     detail::check_decode("HMHA", options_.causal(), x, state.batch(), shape_.embed_dim);
     const Index batch = x.batch(), n = x.seq(), e = shape_.embed_dim, span = n + 2;
     // Each sequence's new inputs behind its last two: the causal convolutions read x[t − 2 … t].

@@ -33,7 +33,7 @@ enum class AttnWeights {
 
 template <class Scalar>
 struct AttnOutput {
-  Tensor3<Scalar> output;   ///< [batch, queries, embed_dim]
+  Output<Scalar> output;    ///< [batch, queries, embed_dim]
   Tensor4<Scalar> weights;  ///< [batch, 1 or heads, queries, keys]
 };
 
@@ -180,8 +180,8 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
 
   /// query [B, Lq, E], key [B, Lk, kdim], value [B, Lk, vdim] → [B, Lq, E]. Masks: attn_mask
   /// [Lq, Lk] or [n, Lq, Lk] (n = 1, B or B·H), key_padding_mask [B, Lk].
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key, ConstTensor3Ref<Scalar> value,
-                          const Masks<Scalar>& masks = {}) const {
+  Output<Scalar> forward(ConstTensor3Ref<Scalar> query, ConstTensor3Ref<Scalar> key, ConstTensor3Ref<Scalar> value,
+                         const Masks<Scalar>& masks = {}) const {
     return detail::with_layer_name(type_name, [&] {
       check_inputs(query, key, value);
       return detail::fresh_output<Scalar>(
@@ -493,7 +493,7 @@ class MultiHeadAttention : public detail::DecodingLayerBase<MultiHeadAttention<S
   /// decode()/prefill(): appends the n tokens of x to the state and returns the outputs of the last
   /// `outputs` of them.
   template <class Cache>
-  Tensor3<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
+  Output<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
     detail::check_decode("MultiHeadAttention", options_.causal(), x, state.batch(), embed_dim());
     if (kdim_ != embed_dim() || vdim_ != embed_dim()) {
       detail::fail("MultiHeadAttention::decode is self-attention: kdim and vdim must equal embed_dim");

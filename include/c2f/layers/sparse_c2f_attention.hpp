@@ -51,7 +51,7 @@ enum class Gating {
 
 template <class Scalar>
 struct SparseAttnOutput {
-  Tensor3<Scalar> output;  ///< [B, L, E]
+  Output<Scalar> output;  ///< [B, L, E]
   /// Selected key chunks per (batch, head, query chunk), or per (batch, head, token) with per-token gating.
   kernels::ChunkSelection selection;
 };
@@ -303,7 +303,7 @@ class SparseC2FAttention : public detail::DecodingLayerBase<SparseC2FAttention<S
   }
 
   template <class Cache>
-  Tensor3<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
+  Output<Scalar> run_decode(const ConstTensor3Ref<Scalar>& x, DecodeStateOf<Cache>& state, Index outputs) const {
     detail::check_decode("SparseC2FAttention", options_.causal(), x, state.batch(), embed_dim());
     const Index batch = x.batch(), n = x.seq(), e = embed_dim(), heads = num_heads();
     const kernels::KernelOptions threads = detail::kernel_options(options_);

@@ -7,6 +7,7 @@
 #include "c2f/detail/convert.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kv_cache.hpp"
+#include "c2f/output.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -122,21 +123,21 @@ class Decoder {
   /// tokens were split into calls. The layer must be causal, and the state made by a layer configured
   /// as this one (new_decode_state()); one call at a time per state.
   template <class State>
-  Tensor3<Scalar> decode(ConstTensor3Ref<Scalar> x_new, State& state) const {
+  Output<Scalar> decode(ConstTensor3Ref<Scalar> x_new, State& state) const {
     return run(x_new, state, x_new.seq());
   }
 
   /// Appends x [B, n, E] like decode() but returns only the last token's output [B, 1, E] (a prompt
   /// whose other outputs are not needed): the attention of the other n − 1 tokens is not computed.
   template <class State>
-  Tensor3<Scalar> prefill(ConstTensor3Ref<Scalar> x, State& state) const {
+  Output<Scalar> prefill(ConstTensor3Ref<Scalar> x, State& state) const {
     return run(x, state, std::min<Index>(1, x.seq()));
   }
 
  private:
   const Layer& layer() const { return static_cast<const Layer&>(*this); }
   template <class State>
-  Tensor3<Scalar> run(const ConstTensor3Ref<Scalar>& x, State& state, Index outputs) const {
+  Output<Scalar> run(const ConstTensor3Ref<Scalar>& x, State& state, Index outputs) const {
     return with_layer_name(Layer::type_name, [&] {
       const auto use = state.begin_use(Layer::type_name, layer().decode_config());
       return layer().run_decode(x, state, outputs);

@@ -26,6 +26,7 @@
 #include "c2f/layers/support/module.hpp"
 #include "c2f/mask.hpp"
 #include "c2f/options.hpp"
+#include "c2f/output.hpp"
 #include "c2f/train.hpp"
 
 #include <array>
@@ -143,16 +144,18 @@ std::array<Index, 3> check_call(const char* layer, const Masks<Scalar>& masks, M
   return dims;
 }
 
-/// A fresh [dims] output (prepare_fresh on `threads` threads, `pages` as asked) filled by fill(rows of
-/// it), or, with FreshPages::OnFirstWrite, by fill(rows of it, whether its pages were left to the first
-/// writes); refused before it is allocated when it would exceed kMaxBufferBytes.
+/// A [dims] output from the output pool (c2f/output.hpp) filled by fill(rows of it), or, with
+/// FreshPages::OnFirstWrite, by fill(rows of it, whether its pages were left to the first writes); a
+/// buffer new to the pool is readied first (prepare_fresh on `threads` threads, `pages` as asked), one the
+/// pool kept from an earlier output is warm already. Refused before it is allocated when it would exceed
+/// kMaxBufferBytes.
 template <class Scalar, class Fill>
-Tensor3<Scalar> fresh_output(const char* layer, const std::array<Index, 3>& dims, int threads, Fill&& fill,
-                             FreshPages pages = FreshPages::FaultIn) {
+Output<Scalar> fresh_output(const char* layer, const std::array<Index, 3>& dims, int threads, Fill&& fill,
+                            FreshPages pages = FreshPages::FaultIn) {
   check_buffer_of<Scalar>((std::string(layer) + ": an output " + shape_string({dims[0], dims[1], dims[2]})).c_str(),
                           {dims[0], dims[1], dims[2]});
-  Tensor3<Scalar> y(dims[0], dims[1], dims[2]);
-  const bool first_write = prepare_fresh(y, threads, pages);
+  Output<Scalar> y(dims);
+  const bool first_write = !y.reused_buffer() && prepare_fresh(y, threads, pages);
   RowMatrixRef<Scalar> out(Eigen::Map<RowMatrix<Scalar>>(y.data(), dims[0] * dims[1], dims[2]));
   if constexpr (std::is_invocable_v<Fill&, RowMatrixRef<Scalar>, bool>) {
     fill(out, first_write);
@@ -281,7 +284,7 @@ template <class Derived, class Scalar>
 class LayerBase : public Module<Derived> {
  public:
   /// x [batch, seq, features] → a fresh output of output_shape(x) (the same bits as forward_into).
-  Tensor3<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
+  Output<Scalar> forward(ConstTensor3Ref<Scalar> x, const Masks<Scalar>& masks = {}) const {
     return with_layer_name(Derived::type_name, [&] {
       const std::array<Index, 3> dims = derived().output_shape(x);
       check_mask_fields(masks, Derived::type_name, Derived::mask_fields);
