@@ -36,7 +36,7 @@ inline void populate_pages(unsigned char* data, std::size_t bytes) {
 /// Faults in the pages of a fresh buffer of kHugePageMinBytes or more before a layer computes into it.
 /// Each of `threads` threads (KernelOptions::num_threads convention; resolve_threads) takes one
 /// contiguous run of whole 2 MiB pages in address order, so that no two threads fault the same huge page
-/// and none hops between pages in the order of the layer's tasks (docs/benchmarks.md#the-fresh-page-cost-of-forward;
+/// and none hops between pages in the order of the layer's tasks (docs/benchmarks.md#forward-in-a-loop;
 /// the A/B: "Fresh outputs faulted in before the layer computes" in git show 9944106:docs/benchmarks.md). A run is
 /// populated by one madvise(MADV_POPULATE_WRITE) where the kernel has it (Linux 5.14 on), which maps its pages writable
 /// and writes nothing: no page fault per 4 KiB page of the buffer's ends, outside its whole 2 MiB pages

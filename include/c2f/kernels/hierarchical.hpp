@@ -242,68 +242,79 @@ void sparse_global_attention_rows_add(const ConstRowMatrixRef<Scalar>& q, Index 
   const Index blocks_per_batch = (n + kSparseRowBlock - 1) / kSparseRowBlock;
   const double work = detail::attention_work(batch * heads, n, noff, dh, dh);
   using Rows = Eigen::Map<const RowMatrix<KV>, 0, Eigen::OuterStride<>>;
-  detail::parallel_for(batch * blocks_per_batch, options.num_threads(), work, [&](Index task, int) {
-    const Index b = task / blocks_per_batch;
-    const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, n - a);
-    const Index q_base = b * n + a;
-    // Row of the key at offset o of query a + i.
-    const auto key_row = [&](const OffsetRows<KV>& s, Index delta, Index i) {
-      return b * s.batch_stride + a + i + delta + s.shift;
-    };
-    // scores(r·heads + h, o): query a + r, head h, key at offset offsets[o].
-    RowMatrix<Scalar> scores = RowMatrix<Scalar>::Constant(nb * heads, noff, kNegInf);
-    RowMatrix<Scalar> prod(nb, dim), kv, qs;
-    if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale, the keys, probabilities and values rounded
-      qs = q.middleRows(q_base, nb) * scale;
-      cpu::round_bf16_matrix(qs);
-    }
-    Index i0 = 0, i1 = 0;
-    for (Index o = 0; o < noff; ++o) {
-      const Index delta = offsets[static_cast<std::size_t>(o)];
-      if (!queries_with_key(delta, a, nb, i0, i1)) continue;
-      const OffsetRows<KV>& s = sources[static_cast<std::size_t>(o)];
-      const Index rows = i1 - i0;
-      const Rows kb(s.k + key_row(s, delta, i0) * s.k_stride, rows, dim, Eigen::OuterStride<>(s.k_stride));
-      if (bf16) {
-        if constexpr (std::is_same<KV, float>::value && std::is_same<Scalar, float>::value) {
-          prod.topRows(rows) = qs.middleRows(i0, rows).cwiseProduct(kb.unaryExpr(cpu::RoundBf16Floats()));
-        } else {
-          cpu::round_bf16_copy(kb, kv);
-          prod.topRows(rows) = qs.middleRows(i0, rows).cwiseProduct(kv);
+  // Per worker, kept across its tasks: a task's blocks (prod alone is 128 KiB at d = 512) allocated per
+  // task were fresh pages from glibc on every one.
+  struct Workspace {
+    RowMatrix<Scalar> scores, prod, kv, qs;
+  };
+  detail::parallel_for_each_worker<Workspace>(
+      batch * blocks_per_batch, options.num_threads(), work, [&](Index task, Workspace& ws) {
+        const Index b = task / blocks_per_batch;
+        const Index a = (task % blocks_per_batch) * kSparseRowBlock, nb = std::min(kSparseRowBlock, n - a);
+        const Index q_base = b * n + a;
+        // Row of the key at offset o of query a + i.
+        const auto key_row = [&](const OffsetRows<KV>& s, Index delta, Index i) {
+          return b * s.batch_stride + a + i + delta + s.shift;
+        };
+        // scores(r·heads + h, o): query a + r, head h, key at offset offsets[o].
+        RowMatrix<Scalar>& scores = ws.scores;
+        RowMatrix<Scalar>& prod = ws.prod;
+        RowMatrix<Scalar>& kv = ws.kv;
+        RowMatrix<Scalar>& qs = ws.qs;
+        scores.setConstant(nb * heads, noff, kNegInf);
+        prod.resize(nb, dim);
+        if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale, the keys, probabilities and values
+                     // rounded
+          qs = q.middleRows(q_base, nb) * scale;
+          cpu::round_bf16_matrix(qs);
         }
-        scores.col(o).segment(i0 * heads, rows * heads) =
-            Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum();
-        continue;
-      }
-      detail::as_scalar(kb, kv,
-                        [&](const auto& k) { prod.topRows(rows) = q.middleRows(q_base + i0, rows).cwiseProduct(k); });
-      scores.col(o).segment(i0 * heads, rows * heads) =
-          Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum() * scale;
-    }
-    for (Index r = 0; r < nb * heads; ++r) cpu::softmax_row(scores.row(r));
-    if (bf16) cpu::round_bf16_matrix(scores);
-    for (Index o = 0; o < noff; ++o) {
-      const Index delta = offsets[static_cast<std::size_t>(o)];
-      if (!queries_with_key(delta, a, nb, i0, i1)) continue;
-      const OffsetRows<KV>& s = sources[static_cast<std::size_t>(o)];
-      const Index rows = i1 - i0;
-      // out rows as [rows·heads, dh]: each (query, head) row gains weight · its value row.
-      Eigen::Map<RowMatrix<Scalar>> dst(out.row(q_base + i0).data(), rows * heads, dh);
-      const Rows vb(s.v + key_row(s, delta, i0) * s.v_stride, rows, dim, Eigen::OuterStride<>(s.v_stride));
-      if constexpr (std::is_same<KV, float>::value && std::is_same<Scalar, float>::value) {
-        if (bf16) {  // the value rows rounded in registers (contiguous: v_stride = dim, checked above)
-          const Eigen::Map<const RowMatrix<Scalar>> src(vb.data(), rows * heads, dh);
-          dst.noalias() +=
-              scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src.unaryExpr(cpu::RoundBf16Floats());
-          continue;
+        Index i0 = 0, i1 = 0;
+        for (Index o = 0; o < noff; ++o) {
+          const Index delta = offsets[static_cast<std::size_t>(o)];
+          if (!queries_with_key(delta, a, nb, i0, i1)) continue;
+          const OffsetRows<KV>& s = sources[static_cast<std::size_t>(o)];
+          const Index rows = i1 - i0;
+          const Rows kb(s.k + key_row(s, delta, i0) * s.k_stride, rows, dim, Eigen::OuterStride<>(s.k_stride));
+          if (bf16) {
+            if constexpr (std::is_same<KV, float>::value && std::is_same<Scalar, float>::value) {
+              prod.topRows(rows) = qs.middleRows(i0, rows).cwiseProduct(kb.unaryExpr(cpu::RoundBf16Floats()));
+            } else {
+              cpu::round_bf16_copy(kb, kv);
+              prod.topRows(rows) = qs.middleRows(i0, rows).cwiseProduct(kv);
+            }
+            scores.col(o).segment(i0 * heads, rows * heads) =
+                Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum();
+            continue;
+          }
+          detail::as_scalar(
+              kb, kv, [&](const auto& k) { prod.topRows(rows) = q.middleRows(q_base + i0, rows).cwiseProduct(k); });
+          scores.col(o).segment(i0 * heads, rows * heads) =
+              Eigen::Map<const RowMatrix<Scalar>>(prod.data(), rows * heads, dh).rowwise().sum() * scale;
         }
-      }
-      cpu::as_scalar_rounded(vb, kv, bf16, [&](const auto& v) {
-        const Eigen::Map<const RowMatrix<Scalar>> src(v.data(), rows * heads, dh);
-        dst.noalias() += scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src;
+        for (Index r = 0; r < nb * heads; ++r) cpu::softmax_row(scores.row(r));
+        if (bf16) cpu::round_bf16_matrix(scores);
+        for (Index o = 0; o < noff; ++o) {
+          const Index delta = offsets[static_cast<std::size_t>(o)];
+          if (!queries_with_key(delta, a, nb, i0, i1)) continue;
+          const OffsetRows<KV>& s = sources[static_cast<std::size_t>(o)];
+          const Index rows = i1 - i0;
+          // out rows as [rows·heads, dh]: each (query, head) row gains weight · its value row.
+          Eigen::Map<RowMatrix<Scalar>> dst(out.row(q_base + i0).data(), rows * heads, dh);
+          const Rows vb(s.v + key_row(s, delta, i0) * s.v_stride, rows, dim, Eigen::OuterStride<>(s.v_stride));
+          if constexpr (std::is_same<KV, float>::value && std::is_same<Scalar, float>::value) {
+            if (bf16) {  // the value rows rounded in registers (contiguous: v_stride = dim, checked above)
+              const Eigen::Map<const RowMatrix<Scalar>> src(vb.data(), rows * heads, dh);
+              dst.noalias() +=
+                  scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src.unaryExpr(cpu::RoundBf16Floats());
+              continue;
+            }
+          }
+          cpu::as_scalar_rounded(vb, kv, bf16, [&](const auto& v) {
+            const Eigen::Map<const RowMatrix<Scalar>> src(v.data(), rows * heads, dh);
+            dst.noalias() += scores.col(o).segment(i0 * heads, rows * heads).asDiagonal() * src;
+          });
+        }
       });
-    }
-  });
 }
 
 /// Level 3: the query at position p attends to S(p) = {p} ∪ {p − 2^i, p + 2^i : i ≥ 0} ∩ [0, T) (with
