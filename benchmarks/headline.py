@@ -9,6 +9,7 @@ table per part that ran — a part whose files are missing is named as not run:
     attention  bench_attention.json, torch_peer.json, bench_libtorch.json, ort_peer.json: c2f against
                PyTorch, libtorch and ONNX Runtime (MultiHeadAttention at every length run, C2FAttention
                chunk 32 at 4096 and 16384), and the OpenBLAS kernel each torch peer ran
+    loop       forward_loop.md: forward() in a loop against forward_into(), every layer (bench_forward_loop)
     train      train_default/torch_train_peer.json: a training step, c2f against torch.autograd
     python     python_bench.json: c2f from Python against torch, and the binding's cost per call
     dist       bench_dist.txt: bench_dist's C2FAttention on 1 and 2 MPI ranks
@@ -138,6 +139,24 @@ def python_part(out):
     return lines
 
 
+def loop_part(out):
+    path = out / "forward_loop.md"
+    if not path.exists():
+        return None
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and re.match(r"^[0-9.]+$", cells[5]):
+            rows.append([cells[0], cells[4], cells[3], cells[2], cells[5], cells[6]])
+    if not rows:
+        return None
+    worst = max(max(float(r[4]), float(r[5])) for r in rows)
+    return ["## forward() in a loop against forward_into() (forward_loop.md)", "",
+            table(["layer", "forward_into ms", "forward into a kept Output ms", "forward, new Output each call ms",
+                   "new ÷ into", "kept ÷ into"], rows), "",
+            f"The largest ratio: **{worst:.2f}×** (the target is 1.15× at most)."]
+
+
 def dist_part(out):
     path = out / "bench_dist.txt"
     if not path.exists():
@@ -170,8 +189,8 @@ def dist_part(out):
             "(C2FAttention, chunk 32, d = 512, 8 heads)."]
 
 
-PARTS = [("machine", machine_part), ("attention", attention_part), ("train", train_part), ("python", python_part),
-         ("dist", dist_part)]
+PARTS = [("machine", machine_part), ("attention", attention_part), ("loop", loop_part), ("train", train_part),
+         ("python", python_part), ("dist", dist_part)]
 
 
 def main(argv=None):
