@@ -11,6 +11,7 @@
 // float, C2F_BENCH_THREADS threads (default 2), the sizes of bench_attention's and bench_c2f2d's largest
 // entries: MultiHeadAttention, C2FAttention (chunk 32), HMHA (W = 64) and SparseC2FAttention (chunk 64,
 // top_k 8, per-chunk gating) at L = 16384; C2FAttention2D at 1024 × 1024 tokens with 64 × 64 blocks.
+#include "benchmarks/rooflines.hpp"
 #include "c2f/c2f.hpp"
 
 #include <algorithm>
@@ -18,7 +19,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -28,7 +28,7 @@ using c2f::Index;
 using Clock = std::chrono::steady_clock;
 constexpr Index kEmbed = 512, kHeads = 8;
 
-double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+double ms_since(Clock::time_point t) { return 1e3 * c2f_bench::seconds_since(t); }
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -38,11 +38,7 @@ double median(std::vector<double> v) {
 
 c2f::Tensor3<float> input(Index tokens) {
   c2f::Tensor3<float> x(1, tokens, kEmbed);
-  std::uint64_t s = 0x9e3779b97f4a7c15ull;
-  for (Index i = 0; i < x.size(); ++i) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    x.data()[i] = static_cast<float>(static_cast<double>(s >> 40) / double(1 << 24)) - 0.5f;
-  }
+  c2f_bench::fill(x.data(), x.size(), static_cast<std::uint64_t>(tokens));
   return x;
 }
 
@@ -101,8 +97,7 @@ int main(int argc, char** argv) {
   const auto wanted = [&](const std::string& name) {
     return ("," + layers + ",").find("," + name + ",") != std::string::npos;
   };
-  const char* env_threads = std::getenv("C2F_BENCH_THREADS");
-  const int threads = env_threads != nullptr ? std::max(1, std::atoi(env_threads)) : 2;
+  const int threads = c2f_bench::bench_threads();
 
   std::printf("forward() in a loop against forward_into(), %d threads, scratch cache limit %zu MiB\n\n", threads,
               c2f::scratch_cache_limit() >> 20);

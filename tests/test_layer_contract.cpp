@@ -233,7 +233,7 @@ TYPED_TEST_P(LayerContract, ForwardOverwritesAReusedBuffer) {
   }
   ASSERT_GE(c2f::scratch_cache_bytes(), sizeof(S) * static_cast<std::size_t>(want.size())) << TypeParam::name;
   const auto y = TypeParam::forward(layer, x, {});
-  EXPECT_TRUE(c2f_test::reused_output(y)) << TypeParam::name << ": forward's output is not from the output pool";
+  EXPECT_TRUE(c2f_test::reused_output(y)) << TypeParam::name << ": forward's output is not from the scratch cache";
   EXPECT_TRUE(c2f_test::same_bits(y.data(), want.data(), want.size()))
       << TypeParam::name << ": forward left elements of a reused buffer unwritten";
 }

@@ -39,12 +39,13 @@ class Output : public Eigen::TensorMap<Eigen::Tensor<Scalar, Rank, Eigen::RowMaj
 
   /// An empty output (every dimension 0, no buffer).
   Output() : Map(nullptr, std::array<Index, Rank>{}) {}
-  /// An output of `dims`, its values not yet written. Throws std::invalid_argument when a size is
-  /// negative or the buffer would exceed 1 TiB, std::bad_alloc when the memory cannot be had.
-  explicit Output(const std::array<Index, Rank>& dims) : Map(nullptr, std::array<Index, Rank>{}) {
+  /// An output of `dims`, its values not yet written. Throws std::invalid_argument naming `what` when a
+  /// size is negative or the buffer would exceed 1 TiB, std::bad_alloc when the memory cannot be had.
+  explicit Output(const std::array<Index, Rank>& dims, const char* what = "an output")
+      : Map(nullptr, std::array<Index, Rank>{}) {
     Index elements = 1;
-    for (Index d : dims) elements = detail::checked_mul(elements, d, "an output");
-    detail::check_buffer("an output", elements, sizeof(Scalar));
+    for (Index d : dims) elements = detail::checked_mul(elements, d, what);
+    detail::check_buffer(what, elements, sizeof(Scalar));
     if (elements > 0) buffer_.reserve(static_cast<std::size_t>(elements));
     rebind(buffer_.data(), dims);
   }

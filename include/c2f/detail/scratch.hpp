@@ -91,7 +91,7 @@ class ScratchCache {
       const std::lock_guard<std::mutex> lock(mutex_);
       if (capacity <= limit_) {
         try {
-          evicted.reserve(free_.size());
+          if (cached_ + capacity > limit_) evicted.reserve(free_.size());
           while (cached_ + capacity > limit_ && !free_.empty()) {
             cached_ -= free_.begin()->first;
             evicted.push_back(free_.begin()->second);

@@ -144,17 +144,15 @@ std::array<Index, 3> check_call(const char* layer, const Masks<Scalar>& masks, M
   return dims;
 }
 
-/// A [dims] output from the output pool (c2f/output.hpp) filled by fill(rows of it), or, with
+/// A [dims] output from the scratch cache (c2f/output.hpp) filled by fill(rows of it), or, with
 /// FreshPages::OnFirstWrite, by fill(rows of it, whether its pages were left to the first writes); a
-/// buffer new to the pool is readied first (prepare_fresh on `threads` threads, `pages` as asked), one the
-/// pool kept from an earlier output is warm already. Refused before it is allocated when it would exceed
+/// buffer new to the cache is readied first (prepare_fresh on `threads` threads, `pages` as asked), one the
+/// cache kept from an earlier output is warm already. Refused before it is allocated when it would exceed
 /// kMaxBufferBytes.
 template <class Scalar, class Fill>
 Output<Scalar> fresh_output(const char* layer, const std::array<Index, 3>& dims, int threads, Fill&& fill,
                             FreshPages pages = FreshPages::FaultIn) {
-  check_buffer_of<Scalar>((std::string(layer) + ": an output " + shape_string({dims[0], dims[1], dims[2]})).c_str(),
-                          {dims[0], dims[1], dims[2]});
-  Output<Scalar> y(dims);
+  Output<Scalar> y(dims, (std::string(layer) + ": an output " + shape_string({dims[0], dims[1], dims[2]})).c_str());
   const bool first_write = !y.reused_buffer() && prepare_fresh(y, threads, pages);
   RowMatrixRef<Scalar> out(Eigen::Map<RowMatrix<Scalar>>(y.data(), dims[0] * dims[1], dims[2]));
   if constexpr (std::is_invocable_v<Fill&, RowMatrixRef<Scalar>, bool>) {
