@@ -5,6 +5,7 @@
 #include "c2f/cpu/score_tile.hpp"
 #include "c2f/cpu/small_gemm.hpp"
 #include "c2f/cpu/softmax.hpp"
+#include "c2f/detail/top_picks.hpp"
 #include "c2f/kernels/block2d.hpp"
 #include "c2f/kernels/chunk.hpp"
 #include "c2f/kernels/conv1d.hpp"
@@ -1160,6 +1161,88 @@ TEST(Bf16Round, NearestEvenWithInfinityAndNaNKept) {
   EXPECT_TRUE(std::isnan(c2f::cpu::round_bf16(std::numeric_limits<float>::quiet_NaN())));
   EXPECT_EQ(c2f::cpu::round_bf16(0x1p-130f), 0x1p-130f);  // a subnormal that fits in 7 bits stays
 }
+
+// TopPicks::offer_row (on AVX-512 builds a vector max per pick) picks what offer() one candidate at a time
+// picks, on rows of awkward lengths with ties, NaN, ±inf, the skipped index anywhere (or outside the row)
+// and any number of picks. A tie broken to the higher index, a NaN ranked above −inf, a lane past the row
+// read, or the skipped candidate picked fails here.
+TEST(TopPicks, RowOfferPicksWhatSingleOffersPick) {
+  TestRng rng(0x7091);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const Index n : {1, 2, 15, 16, 17, 31, 63, 64, 65, 257}) {
+    for (int rep = 0; rep < 60; ++rep) {
+      std::vector<float> row(static_cast<std::size_t>(n) + 16, 1e30f);  // past n: values that would win
+      for (Index j = 0; j < n; ++j) {
+        const Index kind = rng.uniform_int(0, 7);
+        row[static_cast<std::size_t>(j)] = kind == 4   ? 0.5f
+                                           : kind == 5 ? std::numeric_limits<float>::quiet_NaN()
+                                           : kind == 6 ? -inf
+                                           : kind == 7 ? inf
+                                                       : static_cast<float>(rng.uniform(-1.0, 1.0));
+      }
+      const Index picks = rng.pick(std::vector<Index>{0, 1, 3, 7, n}),
+                  skip = rng.pick(std::vector<Index>{-1, 0, n / 2, n - 1, n});
+      c2f::detail::TopPicks<float> vector_picks(picks), single_picks(picks);
+      vector_picks.clear();
+      vector_picks.offer_row(row.data(), n, skip);
+      single_picks.clear();
+      for (Index j = 0; j < n; ++j) {
+        if (j != skip) single_picks.offer(row[static_cast<std::size_t>(j)], j);
+      }
+      std::vector<Index> got(static_cast<std::size_t>(picks) + 1, -2), want(got);
+      vector_picks.write(skip, got.data());
+      single_picks.write(skip, want.data());
+      EXPECT_EQ(got, want) << "n=" << n << " picks=" << picks << " skip=" << skip;
+    }
+  }
+}
+
+#if C2F_AMX_POSSIBLE
+// The vector rounding of the Dot and Tiles engines' operands (bf16_words: vcvtneps2bf16 in a build for a
+// CPU with AVX512_BF16, else the integer rounding) gives bf16_bits' bits on every float but a subnormal,
+// which the instruction makes a signed zero (the engines' products read subnormal bfloat16 as zero
+// anyway). A rounding that truncates, or loses a NaN or the sign, fails here.
+__attribute__((target("avx512f,avx512bw"))) void vector_words(const float* x, std::uint16_t* one, std::uint16_t* two) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(one), c2f::cpu::bf16_words(_mm512_loadu_ps(x)));
+  _mm512_storeu_si512(two, c2f::cpu::bf16_words(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)));
+}
+TEST(Bf16Round, VectorWordsAreTheScalarBits) {
+  if (!c2f::cpu::cpu_has_avx512_bf16()) GTEST_SKIP() << "no AVX512_BF16 (nor a CPU for the blocked engines)";
+  TestRng rng(0xbf17);
+  std::vector<float> values = {0.0f,
+                               -0.0f,
+                               1.0f,
+                               1.0f + 0x1p-8f,
+                               1.0f + 3 * 0x1p-8f,
+                               -(1.0f + 0x1p-8f + 0x1p-20f),
+                               std::numeric_limits<float>::max(),
+                               -std::numeric_limits<float>::infinity(),
+                               std::numeric_limits<float>::infinity(),
+                               std::numeric_limits<float>::quiet_NaN(),
+                               -std::numeric_limits<float>::quiet_NaN(),
+                               0x1p-126f,
+                               -0x1p-126f,
+                               0x1p-130f,
+                               -0x1p-149f};
+  for (int i = 0; i < 4096; ++i) values.push_back(std::ldexp(rng.matrix<float>(1, 1)(0, 0), int(i % 200) - 100));
+  values.resize((values.size() + 31) / 32 * 32, 2.0f);
+  for (std::size_t at = 0; at < values.size(); at += 32) {
+    alignas(64) std::uint16_t one[16], two[32];
+    vector_words(&values[at], one, two);
+    for (std::size_t j = 0; j < 32; ++j) {
+      const float x = values[at + j];
+      std::uint16_t want = c2f::cpu::bf16_bits(x);
+#if defined(__AVX512BF16__)
+      if (std::fpclassify(x) == FP_SUBNORMAL) want = std::signbit(x) ? 0x8000 : 0;
+#endif
+      if (j < 16) {
+        EXPECT_EQ(one[j], want) << "x = " << x;
+      }
+      EXPECT_EQ(two[j], want) << "x = " << x;
+    }
+  }
+}
+#endif
 
 // linear() in bfloat16 on awkward shapes, both engines, against a double product of the rounded operands:
 // the products of bfloat16 values are exact in fp32, so the only error is the fp32 summation, bounded by

@@ -249,6 +249,28 @@ __attribute__((target("avx512f"))) inline __m512i bf16_round_lanes(__m512i u) {
   const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(rounding, lsb));
   return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, quiet));
 }
+#if defined(__AVX512BF16__)
+/// The bfloat16 bits of 16 floats, ties to even. A build for a CPU with AVX512_BF16 (-march=native on
+/// Zen 4/5, Sapphire Rapids) takes vcvtneps2bf16, one instruction for bf16_round_lanes' six: the same bits
+/// but for a subnormal float, which it makes a signed zero — what the Dot and Tiles engines, the only
+/// readers of the words, read it as anyway (their products treat subnormal inputs as zero).
+inline __m256i bf16_words(__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
+/// The bfloat16 bits of 32 floats (lo's 16, then hi's), as bf16_words.
+inline __m512i bf16_words(__m512 lo, __m512 hi) { return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)); }
+#else
+/// The bfloat16 bits of 16 floats, ties to even (bf16_round_lanes).
+__attribute__((target("avx512f,avx512bw"))) inline __m256i bf16_words(__m512 x) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_lanes(_mm512_castps_si512(x)), 16));
+}
+/// The bfloat16 bits of 32 floats (lo's 16, then hi's): the high halves of their rounded lanes.
+__attribute__((target("avx512f,avx512bw"))) inline __m512i bf16_words(__m512 lo, __m512 hi) {
+  alignas(64) static constexpr std::uint16_t kHighHalves[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                                                23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                                                45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  return _mm512_permutex2var_epi16(bf16_round_lanes(_mm512_castps_si512(lo)), _mm512_load_si512(kHighHalves),
+                                   bf16_round_lanes(_mm512_castps_si512(hi)));
+}
+#endif
 /// The mask of the first min(max(n, 0), 16) of 16 lanes.
 inline __mmask16 first_lanes(Index n) {
   return n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << std::max<Index>(n, 0)) - 1u);
@@ -261,11 +283,8 @@ __attribute__((target("avx512f"))) inline __m512i load_lanes(const float* src, I
 /// dst[c] = bf16_bits(src[c]) for c < n, 16 at a time (every CPU with the tile unit has AVX-512BW/VL).
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void bf16_bits_avx512(const float* src, Index n,
                                                                                   std::uint16_t* dst) {
-  for (Index c = 0; c < n; c += 16) {
-    _mm256_mask_storeu_epi16(
-        dst + c, first_lanes(n - c),
-        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_lanes(load_lanes(src + c, n - c)), 16)));
-  }
+  for (Index c = 0; c < n; c += 16)
+    _mm256_mask_storeu_epi16(dst + c, first_lanes(n - c), bf16_words(_mm512_castsi512_ps(load_lanes(src + c, n - c))));
 }
 /// Transposes the 16 × 16 matrix of 32-bit words in r[0..15] (row i in r[i]) in place: four rounds of
 /// 16 shuffles (pairs of words, pairs of pairs, then 128-bit lanes twice).
@@ -300,18 +319,12 @@ __attribute__((target("avx512f"))) inline void transpose_16x16_epi32(__m512i r[1
 __attribute__((target("avx512f,avx512bw"))) inline void vnni_from_columns(const float* src, Index cs, Index row0,
                                                                           Index rows, Index col0, Index cols,
                                                                           std::uint16_t* tile) {
-  // The high halves of the 32 lanes of (lo, hi): bf16 values 0 … 31, two to a word.
-  alignas(64) static constexpr std::uint16_t kHighHalves[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
-                                                                23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
-                                                                45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
-  const __m512i high_halves = _mm512_load_si512(kHighHalves);
   __m512i r[16];
   for (Index j = 0; j < 16; ++j) {
     if (j < cols) {
       const float* column = src + (col0 + j) * cs + row0;
-      const __m512i lo = bf16_round_lanes(load_lanes(column, rows)),
-                    hi = bf16_round_lanes(load_lanes(column + 16, rows - 16));
-      r[j] = _mm512_permutex2var_epi16(lo, high_halves, hi);
+      r[j] = bf16_words(_mm512_castsi512_ps(load_lanes(column, rows)),
+                        _mm512_castsi512_ps(load_lanes(column + 16, rows - 16)));
     } else {
       r[j] = _mm512_setzero_si512();
     }
@@ -323,17 +336,21 @@ __attribute__((target("avx512f,avx512bw"))) inline void vnni_from_columns(const 
 /// The same half block from B's rows, each contiguous (`rs` apart): tile row r holds rows row0 + 2r and
 /// row0 + 2r + 1 interleaved value by value (zero past rows); only the cols words of each row are
 /// written (the caller zeroed a partial block).
-__attribute__((target("avx512f"))) inline void vnni_from_rows(const float* src, Index rs, Index row0, Index rows,
-                                                              Index col0, Index cols, std::uint16_t* tile) {
+__attribute__((target("avx512f,avx512bw"))) inline void vnni_from_rows(const float* src, Index rs, Index row0,
+                                                                       Index rows, Index col0, Index cols,
+                                                                       std::uint16_t* tile) {
   if (cols <= 0) return;
   const __mmask16 lanes = first_lanes(cols);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  // Word 2j from the even row's value j, word 2j + 1 from the odd row's (at 16 + j in bf16_words(even, odd)).
+  alignas(64) static constexpr std::uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                                21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                                11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
   for (Index kk = 0; kk < rows; kk += 2) {
-    const __m512i even = bf16_round_lanes(load_lanes(src + (row0 + kk) * rs + col0, cols));
-    const __m512i odd =
-        kk + 1 < rows ? bf16_round_lanes(load_lanes(src + (row0 + kk + 1) * rs + col0, cols)) : _mm512_setzero_si512();
-    _mm512_mask_storeu_epi32(tile + (kk / 2) * 32, lanes,
-                             _mm512_or_si512(_mm512_srli_epi32(even, 16), _mm512_and_si512(odd, high)));
+    const __m512 even = _mm512_castsi512_ps(load_lanes(src + (row0 + kk) * rs + col0, cols));
+    const __m512 odd =
+        kk + 1 < rows ? _mm512_castsi512_ps(load_lanes(src + (row0 + kk + 1) * rs + col0, cols)) : _mm512_setzero_ps();
+    _mm512_mask_storeu_epi32(tile + (kk / 2) * 32, lanes, _mm512_permutexvar_epi16(interleave, bf16_words(even, odd)));
   }
 }
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
@@ -706,12 +723,10 @@ struct ExpToBf16 {
   std::uint16_t* dst;
   Index ld;
   __attribute__((target("avx512f,avx512bw"))) void operator()(int r, Index j, __m512 e) const {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ld + j),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_lanes(_mm512_castps_si512(e)), 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ld + j), bf16_words(e));
   }
   __attribute__((target("avx512f,avx512bw,avx512vl"))) void operator()(int r, Index j, __m512 e, __mmask16 k) const {
-    _mm256_mask_storeu_epi16(dst + r * ld + j, k,
-                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_lanes(_mm512_castps_si512(e)), 16)));
+    _mm256_mask_storeu_epi16(dst + r * ld + j, k, bf16_words(e));
   }
 };
 #define C2F_BF16_FUSED_SOFTMAX 1

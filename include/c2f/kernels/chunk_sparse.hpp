@@ -114,9 +114,7 @@ ChunkSelection select_chunks_from_means(const ConstRowMatrixRef<Scalar>& qm, con
     detail::TopPicks<Scalar> picks(std::min<Index>(top_k - 1, m - 1));
     for (Index i = 0; i < m; ++i) {
       picks.clear();
-      for (Index j = 0; j < m; ++j) {
-        if (j != i) picks.offer(s(i, j), j);
-      }
+      picks.offer_row(s.data() + i * s.outerStride(), m, i);
       picks.write(i, sel.row(b, h, i));
     }
   });
@@ -166,9 +164,7 @@ ChunkSelection select_chunks_per_token(const ConstRowMatrixRef<Scalar>& q, const
           }
           for (Index r = 0; r < rows; ++r) {
             picks.clear();
-            for (Index j = 0; j < eligible; ++j) {
-              if (j != c) picks.offer(s(r, j), j);
-            }
+            picks.offer_row(s.data() + r * s.outerStride(), eligible, c);
             picks.write(c, sel.row(b, h, q_row - b * n + r));
           }
         }
@@ -555,7 +551,7 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const detail::No
   const bool packed = !bf16 && impl::token_sparse_packed<Scalar, KV>(options, n);
   struct Workspace {
     std::vector<Index> start, members, fill;  // queries per key chunk: members[start[j] .. start[j+1])
-    RowMatrix<Scalar> acc, qg, s, pv, kv;
+    RowMatrix<Scalar> acc, qg, s, pv, kv;  // kv: a chunk converted (KV ≠ Scalar) or, in bfloat16, its values rounded
     Vector<Scalar> run_max, run_sum, alpha;
     cpu::MaskedValues<Scalar> masked;
     cpu::PackedB<Scalar> keys, values;  // the packed path's chunk
@@ -603,6 +599,8 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const detail::No
           detail::as_scalar(k.block(key_row, h * dh, count, dh), ws.kv,
                             [&](const auto& kb) { ws.keys16.pack(kb.transpose()); });
           detail::as_scalar(v.block(key_row, h * dh, count, dh), ws.kv, [&](const auto& vb) { ws.values16.pack(vb); });
+          // The values rounded once per chunk, for its groups' guard against hidden non-finite values.
+          if (causal || !mask.empty()) cpu::round_bf16_copy(v.block(key_row, h * dh, count, dh), ws.kv);
         }
       }
       for (Index g0 = first; g0 < last; g0 += G) {
@@ -634,7 +632,7 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const detail::No
             mask.apply(b, h, qi, j0, one);
           }
         }
-        cpu::as_scalar_rounded(v.block(key_row, h * dh, count, dh), ws.kv, bf16, [&](const auto& vb) {
+        const auto weigh_values = [&](const auto& vb) {
           // Keys hidden from a row (future ones, masked ones) may hold non-finite values: leave them out.
           const bool guard = (causal || !mask.empty()) && ws.masked.find(vb);
           if (guard) ws.masked.remember_hidden(ws.s);
@@ -669,7 +667,12 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const detail::No
           } else {
             ws.pv.noalias() = ws.s * vb;
           }
-        });
+        };
+        if (bf16) {  // vb is read only by the guard (causal or masked), which took the rounded values
+          weigh_values(static_cast<const RowMatrix<Scalar>&>(ws.kv));
+        } else {
+          detail::as_scalar(v.block(key_row, h * dh, count, dh), ws.kv, weigh_values);
+        }
         for (Index r = 0; r < rows; ++r) {
           const Index qi = queries[r];
           ws.acc.row(qi) = ws.alpha[r] * ws.acc.row(qi) + ws.pv.row(r);
