@@ -1169,7 +1169,7 @@ TEST(Bf16Round, NearestEvenWithInfinityAndNaNKept) {
 TEST(TopPicks, RowOfferPicksWhatSingleOffersPick) {
   TestRng rng(0x7091);
   const float inf = std::numeric_limits<float>::infinity();
-  for (const Index n : {1, 2, 15, 16, 17, 31, 63, 64, 65, 257}) {
+  for (const Index n : {1, 2, 15, 16, 17, 31, 33, 63, 64, 65, 257, 300}) {
     for (int rep = 0; rep < 60; ++rep) {
       std::vector<float> row(static_cast<std::size_t>(n) + 16, 1e30f);  // past n: values that would win
       for (Index j = 0; j < n; ++j) {
@@ -1180,7 +1180,7 @@ TEST(TopPicks, RowOfferPicksWhatSingleOffersPick) {
                                            : kind == 7 ? inf
                                                        : static_cast<float>(rng.uniform(-1.0, 1.0));
       }
-      const Index picks = rng.pick(std::vector<Index>{0, 1, 3, 7, n}),
+      const Index picks = rng.pick(std::vector<Index>{0, 1, 3, 7, 15, 16, 17, n}),
                   skip = rng.pick(std::vector<Index>{-1, 0, n / 2, n - 1, n});
       c2f::detail::TopPicks<float> vector_picks(picks), single_picks(picks);
       vector_picks.clear();

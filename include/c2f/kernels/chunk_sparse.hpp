@@ -606,6 +606,18 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const detail::No
       for (Index g0 = first; g0 < last; g0 += G) {
         const Index rows = std::min(G, last - g0);
         const Index* queries = ws.members.data() + g0;
+        // The next group's query rows and accumulator rows (this chunk's or the next's) are scattered over
+        // [n, dh] arrays larger than L2 at long lengths: ask for them while this group computes.
+        const Index next_end = std::min<Index>(g0 + rows + G, static_cast<Index>(ws.members.size()));
+        for (Index u = g0 + rows; u < next_end; ++u) {
+          const Index qi = ws.members[static_cast<std::size_t>(u)];
+          const Scalar* q_row = q.data() + (q_base + qi) * q.outerStride() + h * dh;
+          const Scalar* acc_row = ws.acc.data() + qi * dh;
+          for (Index o = 0; o < dh; o += 64 / static_cast<Index>(sizeof(Scalar))) {
+            Eigen::internal::prefetch(q_row + o);
+            Eigen::internal::prefetch(acc_row + o);
+          }
+        }
         for (Index r = 0; r < rows; ++r) ws.qg.row(r) = q.block(q_base + queries[r], h * dh, 1, dh) * scale;
         if (rows < G) ws.qg.bottomRows(G - rows).setZero();  // fixed GEMM shape; these rows are discarded
         ws.s.resize(G, count);
