@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -111,25 +112,25 @@ struct In {
   Array<S> array;
 };
 
-/// An Eigen tensor as a numpy array over the same memory (moved to the heap; the array's base owns it).
-template <class S, int Rank>
-py::array to_numpy(Eigen::Tensor<S, Rank, Eigen::RowMajor>&& t) {
-  using T = Eigen::Tensor<S, Rank, Eigen::RowMajor>;
+/// `t` as a numpy array over the same memory: t moved to the heap, owned by the array's base.
+template <class S, class Owned>
+py::array owned_array(Owned&& t) {
+  using T = std::decay_t<Owned>;
   auto* owned = new T(std::move(t));
   py::capsule base(owned, [](void* p) { delete static_cast<T*>(p); });
   std::vector<py::ssize_t> shape(owned->dimensions().begin(), owned->dimensions().end());
   return py::array_t<S>(shape, owned->data(), base);
 }
-
-/// A layer's output as a numpy array over the same memory: the array's base owns the Output, whose
-/// buffer goes back to c2f's output pool when the array dies (c2f/output.hpp).
+/// An Eigen tensor as a numpy array over the same memory.
+template <class S, int Rank>
+py::array to_numpy(Eigen::Tensor<S, Rank, Eigen::RowMajor>&& t) {
+  return owned_array<S>(std::move(t));
+}
+/// A layer's output as a numpy array over the same memory: its buffer goes back to c2f's scratch cache
+/// when the array dies (c2f/output.hpp).
 template <class S, int Rank>
 py::array to_numpy(c2f::Output<S, Rank>&& t) {
-  using T = c2f::Output<S, Rank>;
-  auto* owned = new T(std::move(t));
-  py::capsule base(owned, [](void* p) { delete static_cast<T*>(p); });
-  std::vector<py::ssize_t> shape(owned->dimensions().begin(), owned->dimensions().end());
-  return py::array_t<S>(shape, owned->data(), base);
+  return owned_array<S>(std::move(t));
 }
 
 // ------------------------------------------------------------------------------------------------

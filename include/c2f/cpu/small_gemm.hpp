@@ -31,6 +31,14 @@
 namespace c2f {
 namespace cpu {
 
+/// Asks the cache for the 64-byte lines of p[0, count): rows the caller reads next that the hardware
+/// prefetcher cannot guess (not in order).
+template <class X>
+inline void prefetch_values(const X* p, Index count) {
+  constexpr Index kLine = 64 / static_cast<Index>(sizeof(X));
+  for (Index k = 0; k < count; k += kLine) Eigen::internal::prefetch(p + k);
+}
+
 /// A packet of Scalar from kP values of X at p: Scalar itself, or (Scalar float) bfloat16 widened — exact,
 /// the 16 bits are the float's top half — so a bfloat16 cache is read in place, at half the bytes.
 template <class Packet, class Scalar, class X>
@@ -202,13 +210,12 @@ struct SmallGemm {
   template <int MR>
   static void dot_rows_mr(const Scalar* q, Index d, const Scalar* x, Index ldx, Index n, Scalar* s, Index lds,
                           const Scalar* next, Index pf_begin, Index pf_end) {
-    constexpr Index kLine = 64 / static_cast<Index>(sizeof(Scalar));
     const Index tiles = (n + 1) / 2;
     for (Index t = 0, j = 0; j < n; ++t, j += 2) {
       const Index r0 = pf_begin + (pf_end - pf_begin) * t / tiles,
                   r1 = pf_begin + (pf_end - pf_begin) * (t + 1) / tiles;
       for (Index r = r0; r < r1; ++r) {
-        for (Index k = 0; k < d; k += kLine) Eigen::internal::prefetch(next + r * ldx + k);
+        prefetch_values(next + r * ldx, d);
       }
       if (j + 2 <= n) {
         dot_tile<MR, 2>(q, d, x + j * ldx, ldx, s + j, lds);
@@ -319,9 +326,7 @@ constexpr Index kRowsAhead = 8;
 template <class X>
 inline void prefetch_row_ahead(const X* x, Index ldx, Index width, Index j, Index rows) {
   if (j + kRowsAhead >= rows) return;
-  const X* ahead = x + (j + kRowsAhead) * ldx;
-  constexpr Index kLine = 64 / static_cast<Index>(sizeof(X));
-  for (Index k = 0; k < width; k += kLine) Eigen::internal::prefetch(ahead + k);
+  prefetch_values(x + (j + kRowsAhead) * ldx, width);
 }
 
 /// Every head's scores against `keys` rows of x, x [keys, heads·d] with row stride ldx (head h's d values

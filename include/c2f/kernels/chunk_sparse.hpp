@@ -19,6 +19,7 @@
 #include "c2f/cpu/bf16_gemm.hpp"
 #include "c2f/cpu/masked_values.hpp"
 #include "c2f/cpu/packed_gemm.hpp"
+#include "c2f/cpu/small_gemm.hpp"
 #include "c2f/cpu/softmax.hpp"
 #include "c2f/detail/checks.hpp"
 #include "c2f/detail/convert.hpp"
@@ -611,12 +612,8 @@ void token_sparse_attention(const ConstRowMatrixRef<Scalar>& q, const detail::No
         const Index next_end = std::min<Index>(g0 + rows + G, static_cast<Index>(ws.members.size()));
         for (Index u = g0 + rows; u < next_end; ++u) {
           const Index qi = ws.members[static_cast<std::size_t>(u)];
-          const Scalar* q_row = q.data() + (q_base + qi) * q.outerStride() + h * dh;
-          const Scalar* acc_row = ws.acc.data() + qi * dh;
-          for (Index o = 0; o < dh; o += 64 / static_cast<Index>(sizeof(Scalar))) {
-            Eigen::internal::prefetch(q_row + o);
-            Eigen::internal::prefetch(acc_row + o);
-          }
+          cpu::prefetch_values(q.data() + (q_base + qi) * q.outerStride() + h * dh, dh);
+          cpu::prefetch_values(ws.acc.data() + qi * dh, dh);
         }
         for (Index r = 0; r < rows; ++r) ws.qg.row(r) = q.block(q_base + queries[r], h * dh, 1, dh) * scale;
         if (rows < G) ws.qg.bottomRows(G - rows).setZero();  // fixed GEMM shape; these rows are discarded

@@ -263,8 +263,8 @@ void sparse_global_attention_rows_add(const ConstRowMatrixRef<Scalar>& q, Index 
         RowMatrix<Scalar>& qs = ws.qs;
         scores.setConstant(nb * heads, noff, kNegInf);
         prod.resize(nb, dim);
-        if (bf16) {  // Compute::BFloat16 (float only, checked above): q·scale, the keys, probabilities and values
-                     // rounded
+        // Compute::BFloat16 (float only, checked above): q·scale, the keys, probabilities and values rounded.
+        if (bf16) {
           qs = q.middleRows(q_base, nb) * scale;
           cpu::round_bf16_matrix(qs);
         }
